@@ -1,0 +1,110 @@
+"""Sizes, tier specs and ``STAGEFS_*`` environment variables: parsed in one place."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+from stagefs.errors import ConfigError
+
+__all__ = ["TierSpec", "env", "format_size", "parse_size", "parse_tier"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+    "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, *, of: str | None = None) -> int:
+    """Parse ``"64MiB"``, ``"2.5GB"``, ``"4096"`` or, with ``of`` (a directory), ``"80%"``.
+
+    A percentage is a share of the free space of the file system holding ``of``.
+    """
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"size must not be negative: {text}")
+        return text
+    stripped = text.strip()
+    if stripped.endswith("%"):
+        if of is None:
+            raise ConfigError(f"a size in percent ({text!r}) needs a directory to take it of")
+        try:
+            share = float(stripped[:-1])
+        except ValueError:
+            raise ConfigError(f"not a percentage: {text!r}") from None
+        if not 0 < share <= 100:
+            raise ConfigError(f"percentage out of range (0-100]: {text!r}")
+        return int(shutil.disk_usage(of).free * share / 100)
+    match = _SIZE_RE.match(stripped)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"not a size: {text!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: float) -> str:
+    """``1536`` → ``"1.5 KiB"``: the binary units people read in ``df -h``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One node-local tier: a directory and how many bytes of it stagefs may use."""
+
+    path: str
+    capacity: int | None  # None: as much as the file system has free
+
+    def __repr__(self) -> str:
+        cap = "free space" if self.capacity is None else format_size(self.capacity)
+        return f"TierSpec({self.path!r}, {cap})"
+
+
+def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
+    """Parse ``"/dev/shm/x:16GiB"`` (or ``"/nvme/x:80%"``, or just a path).
+
+    ``{rank}`` in the path is replaced by ``rank`` so one machine can host a test cluster.
+    The capacity is checked against the device: asking for more than it has is an error.
+    """
+    path, sep, size = spec.rpartition(":")
+    if not sep or not size or "/" in size:
+        path, size = spec, ""
+    if rank is not None:
+        path = path.replace("{rank}", str(rank))
+    elif "{rank}" in path:
+        raise ConfigError(f"tier {spec!r} names {{rank}} but no rank is known here")
+    path = os.path.abspath(os.path.expanduser(path))
+    probe = _existing_parent(path)
+    capacity = parse_size(size, of=probe) if size else None
+    if capacity is not None and not size.strip().endswith("%"):
+        usage = shutil.disk_usage(probe)
+        if capacity > usage.total:
+            raise ConfigError(
+                f"tier {path}: capacity {format_size(capacity)} is larger than its device "
+                f"({format_size(usage.total)} in all); give a smaller size or a percentage"
+            )
+    return TierSpec(path, capacity)
+
+
+def _existing_parent(path: str) -> str:
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def env(name: str, default: str | None = None) -> str | None:
+    """Read ``STAGEFS_<NAME>``; the one place environment variables are looked at."""
+    value = os.environ.get(f"STAGEFS_{name.upper()}")
+    return default if value in (None, "") else value

@@ -1,0 +1,141 @@
+"""The stagefs error tree.
+
+Every error stagefs raises is a ``StagefsError``; where a builtin fits, the error is also
+that builtin, so ``except FileNotFoundError`` works for users, and ``errno`` is set the way
+the real file system would set it.
+
+::
+
+    StagefsError
+    ├── PathError (OSError)                    the caller named a path that cannot be used
+    │   ├── NotFoundError (FileNotFoundError)          ENOENT
+    │   ├── IsADirectoryError_ (IsADirectoryError)     EISDIR
+    │   ├── NotADirectoryError_ (NotADirectoryError)   ENOTDIR
+    │   └── ReadOnlyError (OSError)                    EROFS: stagefs never writes
+    ├── FormatError (ValueError)               a pack on disk is not what the format says
+    │   ├── UnsupportedVersionError                  written by a newer (or unknown) stagefs
+    │   ├── CorruptManifestError                     truncated, bad magic, bad checksum
+    │   └── CorruptShardError                        truncated, wrong pack, bad header
+    ├── ChecksumError (OSError, EIO)           bytes read did not match the manifest
+    ├── PackError                              packing a source tree failed
+    │   ├── UnsafeSymlinkError                       a symlink points out of the tree
+    │   ├── UnreadableSourceError (PermissionError)  a file or directory cannot be read
+    │   ├── SourceChangedError                       a file changed while it was packed
+    │   └── DestinationExistsError (FileExistsError) a complete pack is already there
+    └── ConfigError (ValueError)               a size, a tier spec or a variable is malformed
+
+Errors are raised at the boundary where stagefs knows what went wrong, with the path (and
+the shard, where one is involved) in the message, and ``from`` the low-level cause.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+__all__ = [
+    "ChecksumError",
+    "ConfigError",
+    "CorruptManifestError",
+    "CorruptShardError",
+    "DestinationExistsError",
+    "FormatError",
+    "IsADirectoryError_",
+    "NotADirectoryError_",
+    "NotFoundError",
+    "PackError",
+    "PathError",
+    "ReadOnlyError",
+    "SourceChangedError",
+    "StagefsError",
+    "UnreadableSourceError",
+    "UnsafeSymlinkError",
+    "UnsupportedVersionError",
+]
+
+
+class StagefsError(Exception):
+    """Base of every error stagefs raises."""
+
+
+class PathError(StagefsError, OSError):
+    """A path given by the caller cannot be used; ``errno`` and ``filename`` are set."""
+
+    errno_value = errno.EINVAL
+
+    def __init__(self, path: str, message: str | None = None) -> None:
+        code = type(self).errno_value
+        OSError.__init__(self, code, message or os.strerror(code), path)
+
+
+class NotFoundError(PathError, FileNotFoundError):
+    errno_value = errno.ENOENT
+
+
+class IsADirectoryError_(PathError, IsADirectoryError):  # noqa: N801 - mirrors the builtin
+    errno_value = errno.EISDIR
+
+
+class NotADirectoryError_(PathError, NotADirectoryError):  # noqa: N801 - mirrors the builtin
+    errno_value = errno.ENOTDIR
+
+
+class ReadOnlyError(PathError):
+    """stagefs is read-only: any write, create, rename or delete fails with EROFS."""
+
+    errno_value = errno.EROFS
+
+    def __init__(self, path: str, message: str | None = None) -> None:
+        super().__init__(path, message or "Read-only file system (stagefs serves data read-only)")
+
+
+class FormatError(StagefsError, ValueError):
+    """A file of a pack is not what docs/FORMAT.md says it must be."""
+
+
+class UnsupportedVersionError(FormatError):
+    pass
+
+
+class CorruptManifestError(FormatError):
+    pass
+
+
+class CorruptShardError(FormatError):
+    pass
+
+
+class ChecksumError(StagefsError, OSError):
+    """Bytes read for a file did not match the checksum in the manifest."""
+
+    def __init__(self, path: str, where: str) -> None:
+        msg = f"checksum mismatch for {path!r} read from {where}: the copy is corrupt"
+        OSError.__init__(self, errno.EIO, msg, path)
+        self.where = where
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class PackError(StagefsError):
+    """Packing a source tree failed; nothing that looks like a complete pack was written."""
+
+
+class UnsafeSymlinkError(PackError):
+    pass
+
+
+class UnreadableSourceError(PackError, PermissionError):
+    pass
+
+
+class SourceChangedError(PackError):
+    pass
+
+
+class DestinationExistsError(PackError, FileExistsError):
+    pass
+
+
+class ConfigError(StagefsError, ValueError):
+    pass

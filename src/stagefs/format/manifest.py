@@ -1,0 +1,330 @@
+"""The manifest: the whole namespace of a pack as flat arrays plus one string blob.
+
+It is opened with mmap, so every process on a node shares one copy of its pages and opening
+a million-entry manifest parses nothing but a small JSON section. A path is found through an
+open-addressing hash table stored in the file (xxh3_64 of the path), never through a Python
+dict of all paths. docs/FORMAT.md specifies the layout byte by byte.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from xxhash import xxh3_64_intdigest
+
+from stagefs.errors import CorruptManifestError, UnsupportedVersionError
+from stagefs.format.spec import (
+    ALIGN,
+    ENTRY_ARRAYS,
+    KIND_DIR,
+    KIND_SYMLINK,
+    MANIFEST_HEADER,
+    MANIFEST_MAGIC,
+    NO_INDEX,
+    VERSION,
+)
+
+__all__ = ["Entry", "Manifest", "ManifestBuilder", "ShardInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    name: str
+    size: int  # whole file, header included
+
+
+@dataclass(slots=True)
+class Entry:
+    """One path as the packer hands it to the builder (pack-time only, never at read time)."""
+
+    path: bytes  # relative, "/"-separated, no leading slash; the root is b""
+    kind: int
+    mode: int
+    mtime_ns: int
+    size: int = 0
+    shard: int = NO_INDEX
+    offset: int = 0
+    stored: int = 0
+    codec: int = 0
+    checksum: int = 0
+    link_target: bytes = b""  # a symlink's target, verbatim
+    link_resolved: bytes | None = None  # the in-tree path it resolves to (None: dangling)
+
+
+def _split(path: bytes) -> tuple[bytes, bytes]:
+    head, _, tail = path.rpartition(b"/")
+    return head, tail
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _hash_table(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint32]:
+    """Linear-probing table of entry index + 1 (0 = empty), filled in vectorised rounds.
+
+    In round r every unplaced entry tries slot ``home + r``; the first claimant of a free slot
+    takes it. An entry placed in round r passed only occupied slots, so a lookup probing from
+    its home finds it before any empty slot.
+    """
+    n = len(hashes)
+    size = 1 << max(4, int(2 * n - 1).bit_length())
+    mask = np.uint64(size - 1)
+    table = np.zeros(size, dtype="<u4")
+    pending = np.arange(n, dtype=np.int64)
+    homes = (hashes & mask).astype(np.int64)
+    r = 0
+    while len(pending):
+        slots = (homes[pending] + r) & (size - 1)
+        free = table[slots] == 0
+        cand, cslots = pending[free], slots[free]
+        _, first = np.unique(cslots, return_index=True)
+        table[cslots[first]] = (cand[first] + 1).astype("<u4")
+        placed = np.zeros(n, dtype=bool)
+        placed[cand[first]] = True
+        pending = pending[~placed[pending]]
+        r += 1
+    return table
+
+
+class ManifestBuilder:
+    """Collect entries, then ``write()`` the manifest atomically (``.partial``, rename)."""
+
+    def __init__(self, pack_id: bytes | None = None) -> None:
+        self.pack_id = pack_id or uuid.uuid4().bytes
+        self.entries: list[Entry] = []
+        self.shards: list[ShardInfo] = []
+        self.meta: dict[str, Any] = {}
+
+    def add(self, entry: Entry) -> None:
+        self.entries.append(entry)
+
+    def write(self, path: str) -> None:
+        data = self.encode()
+        partial = path + ".partial"
+        with open(partial, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+
+    def encode(self) -> bytes:
+        entries = self._ordered()
+        n = len(entries)
+        index = {e.path: i for i, e in enumerate(entries)}
+        cols: dict[str, npt.NDArray[Any]] = {
+            name: np.zeros(n, dtype=dt) for name, dt in ENTRY_ARRAYS.items()
+        }
+        strings = bytearray()
+        path_off = np.zeros(n + 1, dtype="<u8")
+        for i, e in enumerate(entries):
+            path_off[i] = len(strings)
+            strings += e.path
+        path_off[n] = len(strings)
+        for i, e in enumerate(entries):
+            parent = _split(e.path)[0] if e.path else b""
+            if parent not in index or entries[index[parent]].kind != KIND_DIR:
+                raise ValueError(f"entry {e.path!r} has no parent directory entry")
+            cols["parent"][i] = index[parent]
+            cols["kind"][i] = e.kind
+            cols["mode"][i] = e.mode
+            cols["mtime_ns"][i] = e.mtime_ns
+            cols["codec"][i] = e.codec
+            cols["checksum"][i] = e.checksum
+            cols["shard"][i] = e.shard
+            cols["first"][i] = NO_INDEX
+            if e.kind == KIND_SYMLINK:
+                cols["offset"][i] = len(strings)
+                cols["stored"][i] = cols["size"][i] = len(e.link_target)
+                strings += e.link_target
+                if e.link_resolved is not None and e.link_resolved in index:
+                    cols["first"][i] = index[e.link_resolved]
+            else:
+                cols["size"][i], cols["offset"][i], cols["stored"][i] = e.size, e.offset, e.stored
+        for i in range(1, n):  # children of one directory are contiguous (see _ordered)
+            p = cols["parent"][i]
+            if cols["count"][p] == 0:
+                cols["first"][p] = i
+            cols["count"][p] += 1
+        cols["hash"][:] = [xxh3_64_intdigest(e.path) for e in entries]
+        arrays: list[tuple[str, npt.NDArray[Any]]] = [("path_off", path_off)]
+        arrays += list(cols.items())
+        arrays += [("slots", _hash_table(cols["hash"]))]
+        arrays += [("strings", np.frombuffer(bytes(strings), dtype="u1"))]
+        return self._layout(arrays, n)
+
+    def _ordered(self) -> list[Entry]:
+        roots = [e for e in self.entries if e.path == b""]
+        if len(roots) != 1 or roots[0].kind != KIND_DIR:
+            raise ValueError("a manifest needs exactly one root directory entry (path b'')")
+        rest = sorted((e for e in self.entries if e.path != b""), key=lambda e: _split(e.path))
+        for a, b in zip(rest, rest[1:], strict=False):
+            if a.path == b.path:
+                raise ValueError(f"duplicate path {a.path!r}")
+        return roots + rest
+
+    def _layout(self, arrays: Sequence[tuple[str, npt.NDArray[Any]]], n: int) -> bytes:
+        pos = MANIFEST_HEADER.size
+        table: dict[str, list[Any]] = {}
+        chunks: list[tuple[int, bytes]] = []
+        for name, arr in arrays:
+            pos = _align(pos)
+            table[name] = [arr.dtype.str, pos, len(arr)]
+            chunks.append((pos, arr.tobytes()))
+            pos += arr.nbytes
+        meta = dict(self.meta)
+        meta.update(
+            pack_id=self.pack_id.hex(),
+            entries=n,
+            arrays=table,
+            shards=[[s.name, s.size] for s in self.shards],
+        )
+        meta_bytes = json.dumps(meta, sort_keys=True).encode()
+        meta_off = _align(pos)
+        total = meta_off + len(meta_bytes)
+        buf = bytearray(total)
+        for off, raw in chunks:
+            buf[off : off + len(raw)] = raw
+        buf[meta_off:] = meta_bytes
+        body_sum = xxh3_64_intdigest(memoryview(buf)[MANIFEST_HEADER.size :])
+        header = MANIFEST_HEADER.pack(
+            MANIFEST_MAGIC, VERSION, 0, meta_off, len(meta_bytes), total, body_sum
+        )
+        buf[: MANIFEST_HEADER.size] = header
+        return bytes(buf)
+
+
+class Manifest:
+    """A read-only, memory-mapped manifest. Scalar access goes through memoryviews (fast for
+    one entry), vector access through numpy views (``.arrays``) of the same pages."""
+
+    def __init__(self, path: str, *, verify: bool = True) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptManifestError(
+                f"{path}: no manifest here; is this a pack made by 'stagefs pack'? "
+                "(an interrupted pack has no manifest: run 'stagefs pack' again)"
+            ) from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < MANIFEST_HEADER.size:
+                raise CorruptManifestError(f"{path}: truncated manifest ({size} bytes)")
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        self._buf = memoryview(self._mm)
+        self._views: dict[str, memoryview] = {}
+        self.arrays: dict[str, npt.NDArray[Any]] = {}
+        try:
+            self._parse(size, verify)
+        except BaseException:
+            self.close()
+            raise
+
+    def _parse(self, size: int, verify: bool) -> None:
+        magic, version, _flags, meta_off, meta_len, total, body_sum = MANIFEST_HEADER.unpack_from(
+            self._buf
+        )
+        where = self.path
+        if magic != MANIFEST_MAGIC:
+            raise CorruptManifestError(f"{where}: not a stagefs manifest (bad magic {magic!r})")
+        if version != VERSION:
+            raise UnsupportedVersionError(
+                f"{where}: manifest format version {version}; this stagefs reads version "
+                f"{VERSION}. Use a stagefs that matches, or re-pack the dataset."
+            )
+        if total != size:
+            raise CorruptManifestError(
+                f"{where}: manifest is {size} bytes but its header says {total}: "
+                "truncated or overwritten; re-pack the dataset"
+            )
+        if verify and xxh3_64_intdigest(self._buf[MANIFEST_HEADER.size :]) != body_sum:
+            raise CorruptManifestError(f"{where}: manifest checksum mismatch: corrupt; re-pack")
+        try:
+            self.meta = json.loads(bytes(self._buf[meta_off : meta_off + meta_len]))
+            self.n = int(self.meta["entries"])
+            self.pack_id = bytes.fromhex(self.meta["pack_id"])
+            self.shards = [ShardInfo(str(a), int(b)) for a, b in self.meta["shards"]]
+            for name, (dtype, off, count) in self.meta["arrays"].items():
+                arr = np.frombuffer(self._mm, dtype=np.dtype(dtype), count=count, offset=off)
+                self.arrays[name] = arr
+                code = {1: "B", 4: "I", 8: "Q"}[arr.dtype.itemsize]
+                if arr.dtype.kind == "i":
+                    code = code.lower()
+                self._views[name] = self._buf[off : off + arr.nbytes].cast(code)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CorruptManifestError(f"{where}: malformed manifest metadata ({exc})") from exc
+        a = self._views
+        self.path_off, self.strings, self.slots = a["path_off"], a["strings"], a["slots"]
+        self.hash, self.kind, self.mode = a["hash"], a["kind"], a["mode"]
+        self.mtime_ns, self.size, self.shard = a["mtime_ns"], a["size"], a["shard"]
+        self.offset, self.stored, self.codec = a["offset"], a["stored"], a["codec"]
+        self.checksum, self.first, self.count = a["checksum"], a["first"], a["count"]
+        self.parent = a["parent"]
+        self._mask = len(self.slots) - 1
+
+    def close(self) -> None:
+        for view in self._views.values():
+            view.release()
+        self._views.clear()
+        self.arrays.clear()
+        if hasattr(self, "_buf"):
+            self._buf.release()
+        # numpy views made elsewhere may still pin the map; it is unmapped when they go
+        try:
+            self._mm.close()
+        except BufferError:
+            pass
+
+    def __len__(self) -> int:
+        return self.n
+
+    def lookup(self, path: bytes) -> int:
+        """Index of the entry at ``path`` (normalised, no leading slash), or -1."""
+        h = xxh3_64_intdigest(path)
+        slots, hashes, off, strings = self.slots, self.hash, self.path_off, self.strings
+        i = h & self._mask
+        while True:
+            e = slots[i]
+            if e == 0:
+                return -1
+            e -= 1
+            if hashes[e] == h and strings[off[e] : off[e + 1]] == path:
+                return e
+            i = (i + 1) & self._mask
+
+    def path_of(self, e: int) -> bytes:
+        return bytes(self.strings[self.path_off[e] : self.path_off[e + 1]])
+
+    def name_of(self, e: int) -> bytes:
+        return self.path_of(e).rpartition(b"/")[2]
+
+    def link_target(self, e: int) -> bytes:
+        off = self.offset[e]
+        return bytes(self.strings[off : off + self.stored[e]])
+
+    def children(self, e: int) -> range:
+        if self.kind[e] != KIND_DIR or self.count[e] == 0:
+            return range(0)
+        first = self.first[e]
+        return range(first, first + self.count[e])
+
+    def shard_path(self, pack_dir: str, index: int) -> str:
+        return os.path.join(pack_dir, self.shards[index].name)
+
+    def files(self) -> Iterable[int]:
+        """Indices of every regular file, in (shard, offset) order: the order of the bytes."""
+        kinds = self.arrays["kind"]
+        idx = np.flatnonzero(kinds == 0)
+        order = np.lexsort((self.arrays["offset"][idx], self.arrays["shard"][idx]))
+        return (int(i) for i in idx[order])

@@ -1,0 +1,92 @@
+"""Shard files: a 64-byte header, then the stored bytes of files back to back.
+
+A shard is written to ``NAME.partial`` and renamed into place when complete, so a shard
+with its final name is always whole (docs/FORMAT.md, "Shards").
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from stagefs.errors import CorruptShardError, UnsupportedVersionError
+from stagefs.format.spec import SHARD_HEADER, SHARD_MAGIC, VERSION
+
+__all__ = ["ShardHeader", "ShardWriter", "shard_name"]
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:06d}.sfs"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardHeader:
+    index: int
+    pack_id: bytes
+    data_length: int
+
+    def encode(self) -> bytes:
+        return SHARD_HEADER.pack(SHARD_MAGIC, VERSION, self.index, self.pack_id, self.data_length)
+
+    @classmethod
+    def decode(cls, raw: bytes, where: str) -> ShardHeader:
+        if len(raw) < SHARD_HEADER.size:
+            raise CorruptShardError(f"{where}: truncated shard header ({len(raw)} bytes)")
+        magic, version, index, pack_id, length = SHARD_HEADER.unpack_from(raw)
+        if magic != SHARD_MAGIC:
+            raise CorruptShardError(f"{where}: not a stagefs shard (bad magic {magic!r})")
+        if version != VERSION:
+            raise UnsupportedVersionError(
+                f"{where}: shard format version {version}, this stagefs reads version "
+                f"{VERSION}; re-pack the dataset or use a matching stagefs"
+            )
+        return cls(index, pack_id, length)
+
+    def check(self, where: str, *, index: int, pack_id: bytes, file_size: int) -> None:
+        """Raise if this header does not belong at ``index`` of pack ``pack_id``."""
+        if self.pack_id != pack_id:
+            raise CorruptShardError(f"{where}: shard belongs to another pack (pack id differs)")
+        if self.index != index:
+            raise CorruptShardError(f"{where}: header says shard {self.index}, expected {index}")
+        if file_size != SHARD_HEADER.size + self.data_length:
+            raise CorruptShardError(
+                f"{where}: shard is {file_size} bytes, its header says "
+                f"{SHARD_HEADER.size + self.data_length}: truncated or overwritten; re-pack"
+            )
+
+
+class ShardWriter:
+    """Append stored files to a new shard; ``close()`` makes it appear under its final name."""
+
+    def __init__(self, path: str, index: int, pack_id: bytes) -> None:
+        self.path = path
+        self.index = index
+        self.pack_id = pack_id
+        self._partial = path + ".partial"
+        self._f: BinaryIO = open(self._partial, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._f.write(ShardHeader(index, pack_id, 0).encode())
+        self.position = SHARD_HEADER.size
+
+    def append(self, data: bytes) -> int:
+        """Write one file's stored bytes; return the offset they start at."""
+        offset = self.position
+        self._f.write(data)
+        self.position += len(data)
+        return offset
+
+    def close(self) -> None:
+        header = ShardHeader(self.index, self.pack_id, self.position - SHARD_HEADER.size)
+        self._f.seek(0)
+        self._f.write(header.encode())
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._partial, self.path)
+
+    def abort(self) -> None:
+        self._f.close()
+        try:
+            os.unlink(self._partial)
+        except FileNotFoundError:
+            pass

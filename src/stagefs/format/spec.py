@@ -1,0 +1,42 @@
+"""Constants of the pack format, version 1. docs/FORMAT.md is the prose of this file."""
+
+from __future__ import annotations
+
+import struct
+
+VERSION = 1
+"""The format version this stagefs writes; a reader refuses any other."""
+
+MANIFEST_NAME = "manifest.sfm"
+MANIFEST_MAGIC = b"STGFSMAN"
+SHARD_MAGIC = b"STGFSSHD"
+
+# Manifest header: magic, version, flags, meta offset, meta length, file length, body checksum.
+MANIFEST_HEADER = struct.Struct("<8sIIQQQQ16x")
+# Shard header: magic, version, shard index, pack id, data length (bytes after the header).
+SHARD_HEADER = struct.Struct("<8sII16sQ24x")
+ALIGN = 64
+
+KIND_FILE = 0
+KIND_DIR = 1
+KIND_SYMLINK = 2
+
+NO_INDEX = 0xFFFFFFFF
+"""Entry or shard index meaning "none" (a directory's shard, a dangling symlink's target)."""
+
+# The entry arrays of a manifest, in file order: name → numpy dtype (little-endian).
+ENTRY_ARRAYS: dict[str, str] = {
+    "hash": "<u8",  # xxh3_64 of the path bytes
+    "parent": "<u4",  # index of the parent directory entry (root: itself)
+    "kind": "u1",  # KIND_*
+    "mode": "<u4",  # st_mode, type bits included
+    "mtime_ns": "<i8",
+    "size": "<u8",  # raw (uncompressed) bytes; a symlink: length of its target
+    "shard": "<u4",  # shard index of a file's bytes; NO_INDEX otherwise
+    "offset": "<u8",  # file: offset in the shard; symlink: offset of the target in strings
+    "stored": "<u8",  # file: bytes stored in the shard; symlink: length of the target
+    "codec": "u1",  # CODEC_*
+    "checksum": "<u8",  # xxh3_64 of the raw content
+    "first": "<u4",  # directory: first child; symlink: the entry it resolves to, or NO_INDEX
+    "count": "<u4",  # directory: number of children
+}

@@ -1,0 +1,264 @@
+"""stat, listdir, scandir and walk over a manifest: pure lookups, no I/O beyond the mmap.
+
+Paths are relative to the dataset root, "/"-separated, as ``str`` (or ``bytes``, or a
+PathLike); a leading "/" is ignored, so "train/a.jpg" and "/train/a.jpg" are the same file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from stagefs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
+from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
+
+__all__ = ["DirEntry", "Namespace", "PathArg", "normalize"]
+
+PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+_MAX_LINKS = 40  # as Linux's MAXSYMLINKS
+
+
+def normalize(path: PathArg) -> bytes:
+    """The manifest key of ``path``: bytes, no leading or trailing "/", no "." or "..".
+
+    ".." never climbs above the root (as at "/" on a real file system).
+    """
+    p = os.fsencode(path)
+    if p[:1] not in (b"/", b".") and p[-1:] != b"/" and b"//" not in p and b"/." not in p:
+        return p
+    parts: list[bytes] = []
+    for comp in p.split(b"/"):
+        if comp in (b"", b"."):
+            continue
+        if comp == b"..":
+            if parts:
+                parts.pop()
+        else:
+            parts.append(comp)
+    return b"/".join(parts)
+
+
+class DirEntry:
+    """What ``Namespace.scandir`` yields; the same methods as ``os.DirEntry``."""
+
+    __slots__ = ("_e", "_ns", "name", "path")
+
+    def __init__(self, ns: Namespace, e: int, name: str, path: str) -> None:
+        self._ns, self._e, self.name, self.path = ns, e, name, path
+
+    def inode(self) -> int:
+        return self._e + 1
+
+    def is_dir(self, *, follow_symlinks: bool = True) -> bool:
+        return self._ns.kind_of(self._e, follow_symlinks) == KIND_DIR
+
+    def is_file(self, *, follow_symlinks: bool = True) -> bool:
+        return self._ns.kind_of(self._e, follow_symlinks) == KIND_FILE
+
+    def is_symlink(self) -> bool:
+        return bool(self._ns.manifest.kind[self._e] == KIND_SYMLINK)
+
+    def is_junction(self) -> bool:
+        return False
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        e = self._ns.follow(self._e, self.path) if follow_symlinks else self._e
+        return self._ns.stat_entry(e)
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"<stagefs.DirEntry {self.name!r}>"
+
+
+class Namespace:
+    """The read-only directory tree of one manifest."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._dev = int.from_bytes(manifest.pack_id[:4], "little") | 1
+        self._uid, self._gid = os.getuid(), os.getgid()
+
+    # -- resolution ------------------------------------------------------------------------
+
+    def entry(self, path: PathArg, *, follow: bool = True) -> int:
+        """The entry index of ``path``; symlinks (also inside the path) are followed."""
+        key = normalize(path)
+        e = self.manifest.lookup(key)
+        if e < 0:
+            e = self._walk_components(key, path)
+        if follow and self.manifest.kind[e] == KIND_SYMLINK:
+            e = self.follow(e, path)
+        return e
+
+    def follow(self, e: int, path: PathArg) -> int:
+        m = self.manifest
+        for _ in range(_MAX_LINKS):
+            if m.kind[e] != KIND_SYMLINK:
+                return e
+            target = m.first[e]
+            if target == NO_INDEX:
+                raise NotFoundError(_show(path), "No such file or directory (dangling symlink)")
+            e = target
+        raise NotFoundError(_show(path), "Too many levels of symbolic links")
+
+    def _walk_components(self, key: bytes, path: PathArg) -> int:
+        """Slow path for a key not in the table: a symlinked directory or a missing name."""
+        m = self.manifest
+        cur = 0
+        for comp in key.split(b"/"):
+            cur = self.follow(cur, path)
+            if m.kind[cur] != KIND_DIR:
+                raise NotADirectoryError_(_show(path))
+            prefix = m.path_of(cur)
+            child = m.lookup(prefix + b"/" + comp if prefix else comp)
+            if child < 0:
+                raise NotFoundError(_show(path))
+            cur = child
+        return cur
+
+    def kind_of(self, e: int, follow: bool = True) -> int:
+        m = self.manifest
+        if follow and m.kind[e] == KIND_SYMLINK:
+            t = m.first[e]
+            while t != NO_INDEX and m.kind[t] == KIND_SYMLINK:
+                t = m.first[t]
+            return -1 if t == NO_INDEX else int(m.kind[t])
+        return int(m.kind[e])
+
+    def file_entry(self, path: PathArg) -> int:
+        e = self.entry(path)
+        if self.manifest.kind[e] == KIND_DIR:
+            raise IsADirectoryError_(_show(path))
+        return e
+
+    def dir_entry(self, path: PathArg) -> int:
+        e = self.entry(path)
+        if self.manifest.kind[e] != KIND_DIR:
+            raise NotADirectoryError_(_show(path))
+        return e
+
+    # -- stat ------------------------------------------------------------------------------
+
+    def stat(self, path: PathArg) -> os.stat_result:
+        return self.stat_entry(self.entry(path))
+
+    def lstat(self, path: PathArg) -> os.stat_result:
+        return self.stat_entry(self.entry(path, follow=False))
+
+    def stat_entry(self, e: int) -> os.stat_result:
+        m = self.manifest
+        size = m.size[e]
+        ns = m.mtime_ns[e]
+        secs = ns // 1_000_000_000
+        fsecs = ns / 1e9
+        nlink = self._nlink(e) if m.kind[e] == KIND_DIR else 1
+        return os.stat_result(
+            (m.mode[e], e + 1, self._dev, nlink, self._uid, self._gid, size, secs, secs, secs,
+             fsecs, fsecs, fsecs, ns, ns, ns, 65536, (size + 511) >> 9, 0)
+        )
+
+    def _nlink(self, e: int) -> int:
+        r = self.manifest.children(e)
+        kinds = self.manifest.arrays["kind"][r.start : r.stop]
+        return 2 + int(np.count_nonzero(kinds == KIND_DIR))
+
+    def exists(self, path: PathArg) -> bool:
+        try:
+            self.entry(path)
+        except OSError:
+            return False
+        return True
+
+    def isdir(self, path: PathArg) -> bool:
+        try:
+            return bool(self.manifest.kind[self.entry(path)] == KIND_DIR)
+        except OSError:
+            return False
+
+    def isfile(self, path: PathArg) -> bool:
+        try:
+            return bool(self.manifest.kind[self.entry(path)] == KIND_FILE)
+        except OSError:
+            return False
+
+    def islink(self, path: PathArg) -> bool:
+        try:
+            return bool(self.manifest.kind[self.entry(path, follow=False)] == KIND_SYMLINK)
+        except OSError:
+            return False
+
+    def getsize(self, path: PathArg) -> int:
+        return int(self.manifest.size[self.entry(path)])
+
+    def readlink(self, path: PathArg) -> str:
+        e = self.entry(path, follow=False)
+        if self.manifest.kind[e] != KIND_SYMLINK:
+            raise OSError(22, "Invalid argument (not a symlink)", _show(path))
+        return os.fsdecode(self.manifest.link_target(e))
+
+    # -- directories -----------------------------------------------------------------------
+
+    def listdir(self, path: PathArg = "") -> list[str]:
+        m = self.manifest
+        return [os.fsdecode(m.name_of(c)) for c in m.children(self.dir_entry(path))]
+
+    def scandir(self, path: PathArg = "") -> Iterator[DirEntry]:
+        m = self.manifest
+        e = self.dir_entry(path)
+        base = os.fsdecode(path) if not isinstance(path, str) else path
+        for c in m.children(e):
+            name = os.fsdecode(m.name_of(c))
+            yield DirEntry(self, c, name, os.path.join(base, name) if base else name)
+
+    def walk(
+        self, top: PathArg = "", topdown: bool = True, followlinks: bool = False
+    ) -> Iterator[tuple[str, list[str], list[str]]]:
+        """Like ``os.walk``: symlinks to directories are listed as directories and descended
+        only with ``followlinks``."""
+        top_s = os.fsdecode(top) if not isinstance(top, str) else top
+        try:
+            entries = list(self.scandir(top_s))
+        except OSError:
+            return
+        dirs, files, links = [], [], set()
+        for d in entries:
+            if d.is_dir():
+                dirs.append(d.name)
+                if d.is_symlink():
+                    links.add(d.name)
+            else:
+                files.append(d.name)
+        if topdown:
+            yield top_s, dirs, files
+        for name in dirs:
+            if name in links and not followlinks:
+                continue
+            yield from self.walk(os.path.join(top_s, name) if top_s else name, topdown,
+                                 followlinks)
+        if not topdown:
+            yield top_s, dirs, files
+
+    def summary(self) -> dict[str, Any]:
+        a = self.manifest.arrays
+        kinds = a["kind"]
+        files = kinds == KIND_FILE
+        return {
+            "files": int(np.count_nonzero(files)),
+            "directories": int(np.count_nonzero(kinds == KIND_DIR)) - 1,
+            "symlinks": int(np.count_nonzero(kinds == KIND_SYMLINK)),
+            "raw_bytes": int(a["size"][files].sum()),
+            "stored_bytes": int(a["stored"][files].sum()),
+            "compressed_files": int(np.count_nonzero(a["codec"][files] != 0)),
+            "shards": len(self.manifest.shards),
+            "shard_bytes": sum(s.size for s in self.manifest.shards),
+        }
+
+
+def _show(path: PathArg) -> str:
+    return os.fsdecode(path) if not isinstance(path, str) else path
+

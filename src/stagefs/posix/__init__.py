@@ -1,0 +1,1 @@
+"""POSIX-like front ends: file objects, open()/os interception, FUSE."""

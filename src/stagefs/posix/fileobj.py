@@ -1,0 +1,121 @@
+"""Read-only file objects over stagefs entries.
+
+A small file (or any compressed one) is read whole and verified when opened, and served as
+an in-memory buffer. A large raw file is read by range on demand through a buffered reader;
+its checksum is verified when it is read from start to end in order (docs/decisions/
+0002-large-file-reads.md says why a range read alone cannot be verified).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from stagefs.errors import ChecksumError, ReadOnlyError
+
+if TYPE_CHECKING:
+    from stagefs.store import Store
+
+__all__ = ["WHOLE_READ_LIMIT", "open_entry"]
+
+WHOLE_READ_LIMIT = 4 * 2**20
+
+
+class _Base:
+    name: str
+    mode: str
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("stagefs files have no file descriptor")
+
+    def isatty(self) -> bool:
+        return False
+
+
+class SmallFile(_Base, io.BytesIO):
+    """A verified in-memory copy of one file, with the file's name and mode."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        io.BytesIO.__init__(self, data)
+        self.name, self.mode = name, "rb"
+
+    def writable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:
+        raise ReadOnlyError(self.name)
+
+    def writelines(self, lines: Any) -> None:
+        raise ReadOnlyError(self.name)
+
+    def truncate(self, size: int | None = None) -> int:
+        raise ReadOnlyError(self.name)
+
+    def __repr__(self) -> str:
+        return f"<stagefs file {self.name!r} mode='rb'>"
+
+
+class _RangeRaw(io.RawIOBase):
+    """Raw reads of one large uncompressed file by range, hashed while read in order."""
+
+    def __init__(self, store: Store, e: int, name: str) -> None:
+        m = store.manifest
+        self._store, self._e, self.name, self.mode = store, e, name, "rb"
+        self._shard, self._base, self._size = m.shard[e], m.offset[e], m.size[e]
+        self._expected = m.checksum[e]
+        self._pos = 0
+        self._hash: Any = xxhash.xxh3_64() if store.verify else None
+        self._hashed = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = (0, self._pos, self._size)[whence]
+        if base + pos < 0:
+            raise OSError(22, "Invalid argument (negative seek position)", self.name)
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self._size - self._pos))
+        if n == 0:
+            return 0
+        data = self._store._fetch(self._shard, self._base + self._pos, n)
+        if self._hash is not None and self._pos == self._hashed:
+            self._hash.update(data)
+            self._hashed += n
+            if self._hashed == self._size and self._hash.intdigest() != self._expected:
+                raise ChecksumError(self.name, self._store._where(self._e))
+        memoryview(buf)[:n] = data
+        self._pos += n
+        return n
+
+
+class LargeFile(_Base, io.BufferedReader):
+    """Buffered range reads; ``name`` and ``mode`` come from the raw reader."""
+
+    def __init__(self, raw: _RangeRaw, buffering: int) -> None:
+        io.BufferedReader.__init__(self, raw, buffering if buffering > 1 else 1 << 20)
+
+    def __repr__(self) -> str:
+        return f"<stagefs file {self.name!r} mode='rb'>"
+
+
+def open_entry(store: Store, e: int, name: str, mode: str, buffering: int) -> Any:
+    m = store.manifest
+    if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
+        f: Any = SmallFile(store.read_entry(e, name), name)
+    else:
+        f = LargeFile(_RangeRaw(store, e, name), buffering)
+    if "b" not in mode:
+        return io.TextIOWrapper(f, encoding="utf-8")
+    return f

@@ -1,0 +1,87 @@
+"""The origin of a pack: its shard files where they were written (usually the shared FS)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from stagefs.errors import CorruptShardError, NotFoundError
+from stagefs.format import Manifest, ShardHeader
+from stagefs.format.spec import SHARD_HEADER
+from stagefs.tiers.base import OriginStats, SourceUnavailable
+
+__all__ = ["PackOrigin"]
+
+
+class PackOrigin:
+    """Reads shard ranges with ``os.pread`` from the pack directory, one fd per shard.
+
+    Each shard is opened (and its header checked against the manifest) on first use, so a
+    whole job costs the origin one open and one stat per shard, counted in ``stats``.
+    """
+
+    name = "origin"
+
+    def __init__(self, pack_dir: str, manifest: Manifest) -> None:
+        self.pack_dir = pack_dir
+        self.manifest = manifest
+        self.stats = OriginStats()
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def path(self, shard: int) -> str:
+        return os.path.join(self.pack_dir, self.manifest.shards[shard].name)
+
+    def _fd(self, shard: int) -> int:
+        fd = self._fds.get(shard)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(shard)
+            if fd is None:
+                fd = self._open(shard)
+                self._fds[shard] = fd
+        return fd
+
+    def _open(self, shard: int) -> int:
+        path = self.path(shard)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotFoundError(path, "shard file missing from the pack; re-pack") from None
+        except OSError as exc:
+            raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
+        try:
+            self.stats.opens += 1
+            self.stats.stats += 1
+            size = os.fstat(fd).st_size
+            header = ShardHeader.decode(os.pread(fd, SHARD_HEADER.size, 0), path)
+            header.check(path, index=shard, pack_id=self.manifest.pack_id, file_size=size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        fd = self._fd(shard)
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
+        self.stats.reads += 1
+        self.stats.bytes_read += len(data)
+        if len(data) != length:
+            raise CorruptShardError(
+                f"{self.path(shard)}: short read at offset {offset} ({len(data)} of {length} "
+                "bytes): the shard is truncated; re-pack"
+            )
+        return data
+
+    def fileno(self, shard: int) -> int:
+        return self._fd(shard)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
