@@ -1,0 +1,1 @@
+"""Generated datasets, the demo, and the benchmark behind ``stagefs bench``."""

@@ -1,0 +1,217 @@
+"""The ``stagefs`` command: thin wrappers over the API, errors translated once, here."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import stat as st
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from stagefs import __version__
+from stagefs.config import format_size
+from stagefs.errors import StagefsError
+
+__all__ = ["main"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    import stagefs
+
+    return stagefs.open(args.pack)
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from stagefs.pack import describe, pack
+
+    t0 = time.perf_counter()
+    report = pack(args.src, args.dest, shard_size=args.shard_size, compress=args.compress,
+                  jobs=args.jobs, follow_symlinks=args.follow_symlinks, overwrite=args.force)
+    dt = time.perf_counter() - t0
+    rate = report.raw_bytes / dt / 2**20 if dt else 0.0
+    print(f"{describe(report)} in {dt:.1f} s ({rate:.0f} MiB/s) → {report.dest}")
+    if report.skipped:
+        print(f"warning: skipped {len(report.skipped)} special files: "
+              f"{', '.join(report.skipped[:10])}", file=sys.stderr)
+    return 0
+
+
+def cmd_unpack(args: argparse.Namespace) -> int:
+    from stagefs.pack import unpack
+
+    n = unpack(args.pack, args.dest)
+    print(f"unpacked {n} files → {os.path.abspath(args.dest)}")
+    return 0
+
+
+def _ls_line(s: os.stat_result, name: str, link: str | None) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.st_mtime))
+    tail = f"{name} -> {link}" if link is not None else name
+    return f"{st.filemode(s.st_mode)} {s.st_size:>12} {when} {tail}"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open(args) as fs:
+        path = args.path
+        if not fs.isdir(path) or (fs.islink(path) and args.long):
+            entries = [(os.path.basename(path) or path, path)]
+        else:
+            entries = [(d.name, d.path) for d in fs.scandir(path)]
+        for name, full in entries:
+            if args.long:
+                s = fs.lstat(full)
+                link = fs.readlink(full) if st.S_ISLNK(s.st_mode) else None
+                print(_ls_line(s, name, link))
+            else:
+                print(name)
+    return 0
+
+
+def cmd_stat(args: argparse.Namespace) -> int:
+    with _open(args) as fs:
+        s = fs.lstat(args.path)
+        kind = ("directory" if st.S_ISDIR(s.st_mode) else
+                "symbolic link" if st.S_ISLNK(s.st_mode) else "regular file")
+        print(f"  File: {args.path}" + (f" -> {fs.readlink(args.path)}"
+                                         if st.S_ISLNK(s.st_mode) else ""))
+        print(f"  Size: {s.st_size}\tBlocks: {s.st_blocks}\tIO Block: {s.st_blksize}\t{kind}")
+        print(f"Access: ({st.S_IMODE(s.st_mode):04o}/{st.filemode(s.st_mode)})  Inode: "
+              f"{s.st_ino}  Links: {s.st_nlink}")
+        print(f"Modify: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.st_mtime))}."
+              f"{s.st_mtime_ns % 1_000_000_000:09d}")
+        if st.S_ISREG(s.st_mode):
+            m = fs.manifest
+            e = fs.namespace.entry(args.path, follow=False)
+            codec = ("raw", "zstd")[m.codec[e]] if m.codec[e] < 2 else str(m.codec[e])
+            print(f" Shard: {m.shards[m.shard[e]].name}  offset {m.offset[e]}  stored "
+                  f"{m.stored[e]} ({codec})  xxh3 {m.checksum[e]:016x}")
+    return 0
+
+
+def cmd_cat(args: argparse.Namespace) -> int:
+    with _open(args) as fs:
+        out = sys.stdout.buffer
+        for path in args.paths:
+            with fs.open(path) as f:
+                while chunk := f.read(1 << 20):
+                    out.write(chunk)
+        out.flush()
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    with _open(args) as fs:
+        info = fs.info()
+    ratio = info["raw_bytes"] / info["stored_bytes"] if info["stored_bytes"] else 1.0
+    rows = [
+        ("pack", info["pack"]),
+        ("files", f"{info['files']:,}"),
+        ("directories", f"{info['directories']:,}"),
+        ("symlinks", f"{info['symlinks']:,}"),
+        ("bytes raw", f"{format_size(info['raw_bytes'])} ({info['raw_bytes']:,})"),
+        ("bytes stored", f"{format_size(info['stored_bytes'])} ({info['stored_bytes']:,})"),
+        ("compression", f"x{ratio:.2f} ({info['compressed_files']:,} files compressed)"),
+        ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from stagefs.verify import verify_pack
+
+    report = verify_pack(args.pack, jobs=args.jobs)
+    for c in report.corrupt:
+        print(f"CORRUPT {c.path} (in {c.shard}): {c.reason}")
+    state = "OK" if report.ok else f"{len(report.corrupt)} CORRUPT"
+    print(f"verified {report.files:,} files, {format_size(report.bytes)}: {state}")
+    return 0 if report.ok else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from stagefs.bench.demo import run_demo
+
+    return run_demo(files=args.files, workdir=args.workdir, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stagefs",
+        description="A transient, read-optimised file system for training data on clusters.",
+    )
+    p.add_argument("--version", action="version", version=f"stagefs {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what stagefs does")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(handler=handler)
+        return sp
+
+    sp = add("pack", cmd_pack, "pack a directory tree into shards and a manifest")
+    sp.add_argument("src", help="the directory to pack")
+    sp.add_argument("dest", help="the pack directory to write")
+    sp.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    sp.add_argument("--compress", choices=("auto", "zstd", "none"), default="auto",
+                    help="auto: keep zstd only where it saves space (default)")
+    sp.add_argument("-j", "--jobs", type=int, default=None, help="worker processes")
+    sp.add_argument("--follow-symlinks", action="store_true",
+                    help="pack what symlinks pointing out of the tree point to")
+    sp.add_argument("--force", action="store_true", help="replace what is at DEST")
+
+    sp = add("unpack", cmd_unpack, "restore the tree of a pack, byte for byte")
+    sp.add_argument("pack")
+    sp.add_argument("dest")
+
+    sp = add("ls", cmd_ls, "list a directory of a pack")
+    sp.add_argument("pack")
+    sp.add_argument("path", nargs="?", default="")
+    sp.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
+
+    sp = add("stat", cmd_stat, "show the stat fields of a path, and where its bytes are")
+    sp.add_argument("pack")
+    sp.add_argument("path")
+
+    sp = add("cat", cmd_cat, "write files of a pack to standard output")
+    sp.add_argument("pack")
+    sp.add_argument("paths", nargs="+", metavar="path")
+
+    sp = add("info", cmd_info, "files, directories, bytes raw and stored, shards")
+    sp.add_argument("pack")
+
+    sp = add("verify", cmd_verify, "check every file against its checksum")
+    sp.add_argument("pack")
+    sp.add_argument("-j", "--jobs", type=int, default=None)
+
+    sp = add("demo", cmd_demo, "generate an ImageNet-like dataset, pack it, read it, compare")
+    sp.add_argument("--files", type=int, default=3000, help="files to generate (default 3000)")
+    sp.add_argument("--workdir", default=None, help="where to put it (default: a temp dir)")
+    sp.add_argument("--keep", action="store_true", help="keep the generated data")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="stagefs: %(levelname)s: %(message)s")
+    try:
+        return int(args.handler(args))
+    except KeyboardInterrupt:
+        print("stagefs: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except (StagefsError, OSError) as exc:
+        print(f"stagefs: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
