@@ -1,0 +1,189 @@
+"""Shared fixtures: sample source trees, packs of them, and a tree walker to compare trees.
+
+Each helper has a clearly named function so other suites can import or extend them; the
+fixtures of the foundation suite are prefixed ``sample_``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import stat as st
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import stagefs
+
+# A JPEG-looking file: the magic bytes, then incompressible noise.
+JPEG_MAGIC = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00"
+
+
+def random_bytes(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def text_bytes(n: int, seed: int = 0) -> bytes:
+    """Compressible text of exactly ``n`` bytes."""
+    rng = random.Random(seed)
+    words = [b"stagefs", b"shard", b"manifest", b"epoch", b"sample", b"tier", b"node"]
+    out = bytearray()
+    while len(out) < n:
+        out += rng.choice(words) + (b"\n" if rng.random() < 0.1 else b" ")
+    return bytes(out[:n])
+
+
+def npy_bytes(n_items: int) -> bytes:
+    """A .npy file of a smooth float32 array (compresses well)."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.save(buf, (np.arange(n_items, dtype=np.float32) % 97))
+    return buf.getvalue()
+
+
+def jpeg_bytes(n: int, seed: int = 0) -> bytes:
+    return (JPEG_MAGIC + random_bytes(n, seed))[:n]
+
+
+def set_mtime(path: Path | str, ns: int) -> None:
+    os.utime(path, ns=(ns, ns), follow_symlinks=False)
+
+
+BASE_NS = 1_600_000_000_123_456_789
+
+
+def build_sample_tree(root: Path) -> Path:
+    """A tree with every kind of entry the packer accepts by default.
+
+    Layout (``root`` is created)::
+
+        a.txt                text, compressible
+        empty.bin            0 bytes
+        img/cat.jpg          JPEG magic + noise
+        img/dog.jpg
+        data/arr.npy         numpy array
+        data/rand.bin        200 KB random
+        data/nested/deep/x   small file, mode 0600
+        emptydir/            empty directory, mode 0700
+        "we ird name.txt"    a name with a space
+        -dash                a leading dash
+        link_file -> a.txt
+        link_dir -> img
+        link_chain -> link_file
+        link_dangling -> nowhere
+        img/up -> ../data/arr.npy
+        exec.sh              mode 0755
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    files: dict[str, bytes] = {
+        "a.txt": text_bytes(5000, 1),
+        "empty.bin": b"",
+        "img/cat.jpg": jpeg_bytes(30_000, 2),
+        "img/dog.jpg": jpeg_bytes(12_345, 3),
+        "data/arr.npy": npy_bytes(10_000),
+        "data/rand.bin": random_bytes(200_000, 4),
+        "data/nested/deep/x": b"deep\n",
+        "we ird name.txt": b"spaces\n",
+        "-dash": b"dash\n",
+        "exec.sh": b"#!/bin/sh\necho hi\n",
+    }
+    (root / "emptydir").mkdir()
+    for i, (rel, data) in enumerate(sorted(files.items())):
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        set_mtime(p, BASE_NS + i * 1_000_000_007)
+    os.chmod(root / "data/nested/deep/x", 0o600)
+    os.chmod(root / "exec.sh", 0o755)
+    os.chmod(root / "emptydir", 0o700)
+    links = {
+        "link_file": "a.txt",
+        "link_dir": "img",
+        "link_chain": "link_file",
+        "link_dangling": "nowhere",
+        "img/up": "../data/arr.npy",
+    }
+    for i, (rel, target) in enumerate(sorted(links.items())):
+        os.symlink(target, root / rel)
+        set_mtime(root / rel, BASE_NS - i * 999)
+    # directories last, deepest first: creating entries changes a directory's mtime
+    dirs = sorted((p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()),
+                  key=lambda p: -len(p.parts))
+    for i, d in enumerate([*dirs, root]):
+        set_mtime(d, BASE_NS + 10**12 + i * 13)
+    return root
+
+
+@dataclass(frozen=True)
+class Node:
+    """What a tree walker sees at one path (compared with ``==``)."""
+
+    kind: str  # "file", "dir", "link"
+    mode: int
+    mtime_ns: int
+    content: bytes  # file bytes, or a symlink's target
+
+
+def snapshot_tree(root: Path | str | bytes, *, mtimes: bool = True) -> dict[bytes, Node]:
+    """Every path under ``root`` (bytes, relative), with kind, mode, mtime and content.
+
+    Directory mtimes are included too; pass ``mtimes=False`` to leave all mtimes out.
+    """
+    top = os.fsencode(root)
+    out: dict[bytes, Node] = {}
+    stack = [b""]
+    while stack:
+        rel = stack.pop()
+        full = os.path.join(top, rel) if rel else top
+        s = os.lstat(full)
+        ns = s.st_mtime_ns if mtimes else 0
+        if st.S_ISLNK(s.st_mode):
+            out[rel] = Node("link", s.st_mode, ns, os.readlink(full))
+        elif st.S_ISDIR(s.st_mode):
+            out[rel] = Node("dir", s.st_mode, ns, b"")
+            stack += [os.path.join(rel, n) if rel else n for n in os.listdir(full)]
+        else:
+            with open(full, "rb") as f:
+                out[rel] = Node("file", s.st_mode, ns, f.read())
+    return out
+
+
+def iter_files(root: Path) -> Iterator[str]:
+    """Relative paths (str) of the regular files under ``root``, symlinks not followed."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                yield os.path.relpath(full, root)
+
+
+def crc_of(data: bytes) -> int:
+    return zlib.crc32(data)
+
+
+@pytest.fixture
+def sample_tree(tmp_path: Path) -> Path:
+    """A fresh copy of ``build_sample_tree`` for one test."""
+    return build_sample_tree(tmp_path / "src")
+
+
+@pytest.fixture(scope="session")
+def sample_pack_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(source tree, pack) built once per session; tests must not modify either."""
+    base = tmp_path_factory.mktemp("sample")
+    src = build_sample_tree(base / "src")
+    dest = base / "pack"
+    stagefs.pack(src, dest, shard_size="64KiB", jobs=1, progress=False, echo=lambda _m: None)
+    return src, dest
+
+
+@pytest.fixture
+def sample_store(sample_pack_session: tuple[Path, Path]) -> Iterator[stagefs.Store]:
+    with stagefs.open(sample_pack_session[1]) as fs:
+        yield fs
