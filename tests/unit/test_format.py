@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from conftest import jpeg_bytes, npy_bytes, random_bytes, text_bytes
 
 import stagefs
+from conftest import jpeg_bytes, npy_bytes, random_bytes, text_bytes
 from stagefs.errors import (
     ChecksumError,
     CorruptManifestError,
