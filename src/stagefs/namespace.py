@@ -7,6 +7,7 @@ PathLike); a leading "/" is ignored, so "train/a.jpg" and "/train/a.jpg" are the
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +18,13 @@ from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
 
 __all__ = ["DirEntry", "Namespace", "PathArg", "normalize"]
 
+_stat_result = os.stat_result
+
 PathArg = str | bytes | os.PathLike[str] | os.PathLike[bytes]
 _MAX_LINKS = 40  # as Linux's MAXSYMLINKS
+_UTF8 = sys.getfilesystemencoding() == "utf-8" and sys.getfilesystemencodeerrors() == (
+    "surrogateescape"
+)
 
 
 def normalize(path: PathArg) -> bytes:
@@ -26,9 +32,14 @@ def normalize(path: PathArg) -> bytes:
 
     ".." never climbs above the root (as at "/" on a real file system).
     """
-    p = os.fsencode(path)
-    if p[:1] not in (b"/", b".") and p[-1:] != b"/" and b"//" not in p and b"/." not in p:
-        return p
+    if type(path) is str and _UTF8:  # the common case, without os.fsencode's dispatch
+        if path[:1] not in "/." and path[-1:] != "/" and "//" not in path and "/." not in path:
+            return path.encode("utf-8", "surrogateescape")
+        p = path.encode("utf-8", "surrogateescape")
+    else:
+        p = os.fsencode(path)
+        if p[:1] not in (b"/", b".") and p[-1:] != b"/" and b"//" not in p and b"/." not in p:
+            return p
     parts: list[bytes] = []
     for comp in p.split(b"/"):
         if comp in (b"", b"."):
@@ -82,16 +93,18 @@ class Namespace:
         self.manifest = manifest
         self._dev = int.from_bytes(manifest.pack_id[:4], "little") | 1
         self._uid, self._gid = os.getuid(), os.getgid()
+        self._lookup, self._kind = manifest.lookup, manifest.kind
+        self._mode, self._size, self._mtime = manifest.mode, manifest.size, manifest.mtime_ns
 
     # -- resolution ------------------------------------------------------------------------
 
     def entry(self, path: PathArg, *, follow: bool = True) -> int:
         """The entry index of ``path``; symlinks (also inside the path) are followed."""
         key = normalize(path)
-        e = self.manifest.lookup(key)
+        e = self._lookup(key)
         if e < 0:
             e = self._walk_components(key, path)
-        if follow and self.manifest.kind[e] == KIND_SYMLINK:
+        if follow and self._kind[e] == KIND_SYMLINK:
             e = self.follow(e, path)
         return e
 
@@ -145,21 +158,23 @@ class Namespace:
     # -- stat ------------------------------------------------------------------------------
 
     def stat(self, path: PathArg) -> os.stat_result:
-        return self.stat_entry(self.entry(path))
+        e = self._lookup(normalize(path))  # entry(), inlined for the common case
+        if e < 0 or self._kind[e] == KIND_SYMLINK:
+            e = self.entry(path)
+        return self.stat_entry(e)
 
     def lstat(self, path: PathArg) -> os.stat_result:
         return self.stat_entry(self.entry(path, follow=False))
 
     def stat_entry(self, e: int) -> os.stat_result:
-        m = self.manifest
-        size = m.size[e]
-        ns = m.mtime_ns[e]
+        size = self._size[e]
+        ns = self._mtime[e]
         secs = ns // 1_000_000_000
         fsecs = ns / 1e9
-        nlink = self._nlink(e) if m.kind[e] == KIND_DIR else 1
-        return os.stat_result(
-            (m.mode[e], e + 1, self._dev, nlink, self._uid, self._gid, size, secs, secs, secs,
-             fsecs, fsecs, fsecs, ns, ns, ns, 65536, (size + 511) >> 9, 0)
+        nlink = self._nlink(e) if self._kind[e] == KIND_DIR else 1
+        return _stat_result(
+            (self._mode[e], e + 1, self._dev, nlink, self._uid, self._gid, size, secs, secs,
+             secs, fsecs, fsecs, fsecs, ns, ns, ns, 65536, (size + 511) >> 9, 0)
         )
 
     def _nlink(self, e: int) -> int:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stagefs._malloc import tune_malloc
 from stagefs.errors import (
     ChecksumError,
     ConfigError,
@@ -23,7 +24,7 @@ from stagefs.errors import (
 )
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
-from stagefs.namespace import DirEntry, Namespace, PathArg
+from stagefs.namespace import DirEntry, Namespace, PathArg, normalize
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.origin import PackOrigin
 
@@ -62,7 +63,12 @@ class Store:
         self.manifest = manifest or Manifest(os.path.join(pack_dir, MANIFEST_NAME))
         self.namespace = ns = Namespace(self.manifest)
         self.origin = PackOrigin(pack_dir, self.manifest)
-        self._holders = sources or (lambda shard: (self.origin,))
+        self._holders = sources or (lambda shard, _o=(self.origin,): _o)
+        m = self.manifest
+        self._lookup, self._kind, self._size = m.lookup, m.kind, m.size
+        self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
+        self._checksum = m.checksum
+        tune_malloc()
         self.stats = ReadStats()
         self._closed = False
         self._lock = threading.Lock()
@@ -98,47 +104,53 @@ class Store:
 
     def read(self, path: PathArg) -> bytes:
         """The whole content of the file at ``path``, verified."""
-        return self.read_entry(self.namespace.file_entry(path), path)
+        e = self._lookup(normalize(path))  # the namespace's resolution, inlined for speed
+        if e < 0 or self._kind[e] != KIND_FILE:
+            e = self.namespace.file_entry(path)
+        return self.read_entry(e, path)
 
     def read_many(self, paths: Iterable[PathArg]) -> list[bytes]:
         """The contents of many files, in the order asked: the batched fast path.
 
-        Ranges are read in shard order, and ranges that sit next to each other in a shard
-        are read with one call.
+        Ranges are read in the order of their bytes, and ranges that sit next to each other
+        in a shard are read with one call.
         """
-        entry = self.namespace.file_entry
-        m = self.manifest
-        plist = list(paths)
-        ents = [entry(p) for p in plist]
-        order = sorted(range(len(ents)), key=lambda i: (m.shard[ents[i]], m.offset[ents[i]]))
+        lookup, kind, file_entry = self._lookup, self._kind, self.namespace.file_entry
+        plist = paths if isinstance(paths, list) else list(paths)
+        ents = []
+        for p in plist:
+            e = lookup(normalize(p))
+            if e < 0 or kind[e] != KIND_FILE:
+                e = file_entry(p)
+            ents.append(e)
+        shard, offset, stored = self._shard, self._offset, self._stored
+        pos = [(shard[e], offset[e], stored[e]) for e in ents]
+        order = sorted(range(len(ents)), key=pos.__getitem__)
         out: list[bytes] = [b""] * len(ents)
-        run: list[int] = []
-        for i in order:
-            e = ents[i]
-            if run:
-                last = ents[run[-1]]
-                start = m.offset[ents[run[0]]]
-                if (m.shard[e] != m.shard[last] or m.offset[e] != m.offset[last] + m.stored[last]
-                        or m.offset[e] + m.stored[e] - start > _COALESCE_LIMIT):
-                    self._read_run(run, ents, plist, out)
-                    run = []
-            run.append(i)
-        if run:
-            self._read_run(run, ents, plist, out)
+        n, i = len(order), 0
+        while i < n:
+            s0, start, length = pos[order[i]]
+            end, j = start + length, i + 1
+            while j < n:  # extend the run while the next range starts where this one ends
+                s1, o1, l1 = pos[order[j]]
+                if s1 != s0 or o1 != end or end + l1 - start > _COALESCE_LIMIT:
+                    break
+                end += l1
+                j += 1
+            if j == i + 1:
+                k = order[i]
+                out[k] = self.read_entry(ents[k], plist[k])
+            else:
+                self._read_run(order[i:j], ents, plist, out, s0, start, end - start)
+            i = j
         return out
 
-    def _read_run(self, run: list[int], ents: list[int], paths: list[PathArg],
-                  out: list[bytes]) -> None:
+    def _read_run(self, run: list[int], ents: list[int], paths: Sequence[PathArg],
+                  out: list[bytes], shard: int, start: int, span: int) -> None:
+        """Read adjacent ranges with one call, then verify each file on its own."""
         m = self.manifest
-        if len(run) == 1:
-            i = run[0]
-            out[i] = self.read_entry(ents[i], paths[i])
-            return
-        first, last = ents[run[0]], ents[run[-1]]
-        start = m.offset[first]
-        span = m.offset[last] + m.stored[last] - start
         try:
-            blob = memoryview(self._fetch(m.shard[first], start, span))
+            blob = memoryview(self._fetch(shard, start, span))
         except (SourceUnavailable, ChecksumError, CorruptShardError):
             blob = None
         for i in run:
@@ -150,19 +162,20 @@ class Store:
                              self._where(e))
                 if not self.verify or checksum(raw) == m.checksum[e]:
                     data = raw
+                    self.stats.reads += 1
+                    self.stats.bytes += len(raw)
             # a bad or missing span falls back to the per-entry path, which tries every holder
             out[i] = data if data is not None else self.read_entry(e, paths[i])
-        self.stats.reads += len(run)
 
     def read_entry(self, e: int, path: PathArg | None = None) -> bytes:
         """The verified content of entry ``e``: each holder in turn until one is right."""
         m = self.manifest
-        if m.kind[e] != KIND_FILE:
+        if self._kind[e] != KIND_FILE:
             raise IsADirectoryError_(self._show(e, path))
-        size = m.size[e]
+        size = self._size[e]
         if size == 0:
             return b""
-        shard, offset, stored, codec = m.shard[e], m.offset[e], m.stored[e], m.codec[e]
+        shard, offset, stored, codec = self._shard[e], self._offset[e], self._stored[e], m.codec[e]
         tried: list[str] = []
         for src in self._holders(shard):
             try:
@@ -176,9 +189,10 @@ class Store:
                     data = decode(codec, data, size, self._where(e))
                 except CorruptShardError:
                     data = b""
-            if not self.verify or checksum(data) == m.checksum[e]:
-                self.stats.reads += 1
-                self.stats.bytes += size
+            if not self.verify or checksum(data) == self._checksum[e]:
+                stats = self.stats
+                stats.reads += 1
+                stats.bytes += size
                 return data
             self.stats.checksum_failures += 1
             tried.append(src.name)
@@ -247,7 +261,7 @@ class Store:
         return f"<stagefs.Store {self.pack_dir!r} ({len(self.manifest)} entries)>"
 
 
-def open(path: str | os.PathLike[str], *, verify: bool = True) -> Store:  # noqa: A001
+def open(path: str | os.PathLike[str], *, verify: bool = True) -> Store:
     """Open the dataset at ``path`` (a pack directory) and return a Store."""
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
