@@ -170,7 +170,7 @@ class Namespace:
         size = self._size[e]
         ns = self._mtime[e]
         secs = ns // 1_000_000_000
-        fsecs = ns / 1e9
+        fsecs = secs + (ns - secs * 1_000_000_000) * 1e-9  # as os.stat computes it
         nlink = self._nlink(e) if self._kind[e] == KIND_DIR else 1
         return _stat_result(
             (self._mode[e], e + 1, self._dev, nlink, self._uid, self._gid, size, secs, secs,
