@@ -138,9 +138,11 @@ class Namespace:
         m = self.manifest
         if follow and m.kind[e] == KIND_SYMLINK:
             t = m.first[e]
-            while t != NO_INDEX and m.kind[t] == KIND_SYMLINK:
+            for _ in range(_MAX_LINKS):  # bounded: a symlink loop is neither dir nor file
+                if t == NO_INDEX or m.kind[t] != KIND_SYMLINK:
+                    break
                 t = m.first[t]
-            return -1 if t == NO_INDEX else int(m.kind[t])
+            return -1 if t == NO_INDEX or m.kind[t] == KIND_SYMLINK else int(m.kind[t])
         return int(m.kind[e])
 
     def file_entry(self, path: PathArg) -> int:
