@@ -22,7 +22,10 @@ the real file system would set it.
     │   ├── UnreadableSourceError (PermissionError)  a file or directory cannot be read
     │   ├── SourceChangedError                       a file changed while it was packed
     │   └── DestinationExistsError (FileExistsError) a complete pack is already there
-    └── ConfigError (ValueError)               a size, a tier spec or a variable is malformed
+    ├── ConfigError (ValueError)               a size, a tier spec or a variable is malformed
+    ├── ProtocolError (ValueError)             a peer sent bytes that are not the stagefs protocol
+    ├── AuthenticationError (PermissionError)  a peer did not prove the job token
+    └── ClusterError                           no cluster runtime here, or it cannot be used
 
 Errors are raised at the boundary where stagefs knows what went wrong, with the path (and
 the shard, where one is involved) in the message, and ``from`` the low-level cause.
@@ -34,7 +37,9 @@ import errno
 import os
 
 __all__ = [
+    "AuthenticationError",
     "ChecksumError",
+    "ClusterError",
     "ConfigError",
     "CorruptManifestError",
     "CorruptShardError",
@@ -45,6 +50,7 @@ __all__ = [
     "NotFoundError",
     "PackError",
     "PathError",
+    "ProtocolError",
     "ReadOnlyError",
     "SourceChangedError",
     "StagefsError",
@@ -139,3 +145,15 @@ class DestinationExistsError(PackError, FileExistsError):
 
 class ConfigError(StagefsError, ValueError):
     pass
+
+
+class ProtocolError(StagefsError, ValueError):
+    """A peer sent a frame that docs/PROTOCOL.md does not allow (bad magic, version, size)."""
+
+
+class AuthenticationError(StagefsError, PermissionError):
+    """A peer did not prove that it holds the job token (or we could not prove it to it)."""
+
+
+class ClusterError(StagefsError):
+    """The cluster runtime (map, token) cannot be found or used; the message says what to do."""

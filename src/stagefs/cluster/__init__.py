@@ -1,0 +1,1 @@
+"""Cluster mode: placement, world discovery, the per-node daemon, connect()."""

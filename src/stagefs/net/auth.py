@@ -1,0 +1,89 @@
+"""Job-token authentication: an HMAC challenge-response; the token never goes on the wire.
+
+On connect the server sends a fresh nonce Ns. The client answers with its own nonce Nc and
+``HMAC-SHA256(token, "stagefs-v1 client" || Ns || Nc)``; the server checks it and answers
+with ``HMAC-SHA256(token, "stagefs-v1 server" || Ns || Nc)``, which the client checks, so
+each side proves it holds the token and neither proof can be replayed on another
+connection (both nonces are fresh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+
+from stagefs.errors import ClusterError
+from stagefs.net.protocol import NONCE_SIZE
+
+__all__ = [
+    "client_proof",
+    "new_nonce",
+    "new_token",
+    "read_token",
+    "server_proof",
+    "verify",
+    "write_token",
+]
+
+TOKEN_SIZE = 32
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(TOKEN_SIZE)
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_SIZE)
+
+
+def _mac(token: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(token, label + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return _mac(token, b"stagefs-v1 client", server_nonce, client_nonce)
+
+
+def server_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return _mac(token, b"stagefs-v1 server", server_nonce, client_nonce)
+
+
+def verify(expected: bytes, got: bytes) -> bool:
+    return hmac.compare_digest(expected, got)
+
+
+def write_token(path: str, token: bytes) -> None:
+    """Write the token (hex) readable by its owner only (0600), atomically."""
+    partial = path + ".partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.hex().encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+
+
+def read_token(path: str) -> bytes:
+    """Read a token file; refuse one that others can read."""
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        raise ClusterError(f"{path}: no job token here; is the stagefs daemon running?") from None
+    except PermissionError:
+        raise ClusterError(f"{path}: the job token belongs to another user") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ClusterError(f"{path}: job token readable by others (mode "
+                           f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
+    try:
+        token = bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise ClusterError(f"{path}: not a stagefs job token (expected hex)") from None
+    if len(token) < 16:
+        raise ClusterError(f"{path}: job token too short ({len(token)} bytes, need 16+)")
+    return token
