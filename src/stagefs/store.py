@@ -63,7 +63,8 @@ class Store:
         self.manifest = manifest or Manifest(os.path.join(pack_dir, MANIFEST_NAME))
         self.namespace = ns = Namespace(self.manifest)
         self.origin = PackOrigin(pack_dir, self.manifest)
-        self._holders = sources or (lambda shard, _o=(self.origin,): _o)
+        self._origin_only = (self.origin,)
+        self._holders = sources or self._origin_holders
         m = self.manifest
         self._lookup, self._kind, self._size = m.lookup, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
@@ -200,6 +201,9 @@ class Store:
         if not tried:
             raise ConfigError(f"no source can serve shard {shard}")
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
+
+    def _origin_holders(self, shard: int) -> Sequence[ShardSource]:
+        return self._origin_only
 
     def _fetch(self, shard: int, offset: int, length: int) -> bytes:
         for src in self._holders(shard):

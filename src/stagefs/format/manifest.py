@@ -261,7 +261,13 @@ class Manifest:
                 code = {1: "B", 4: "I", 8: "Q"}[arr.dtype.itemsize]
                 if arr.dtype.kind == "i":
                     code = code.lower()
-                self._views[name] = self._buf[off : off + arr.nbytes].cast(code)
+                view = self._buf[off : off + arr.nbytes]
+                self._views[name] = view.cast(code)  # type: ignore[call-overload]
+            counts = {name: len(self.arrays[name]) for name in ENTRY_ARRAYS}
+            if any(c != self.n for c in counts.values()) or len(self.arrays["path_off"]) != (
+                self.n + 1
+            ):
+                raise ValueError(f"array lengths {counts} do not match {self.n} entries")
         except (KeyError, ValueError, TypeError) as exc:
             raise CorruptManifestError(f"{where}: malformed manifest metadata ({exc})") from exc
         a = self._views
