@@ -159,9 +159,12 @@ class Store:
             data = None
             if blob is not None:
                 rel = m.offset[e] - start
-                raw = decode(m.codec[e], bytes(blob[rel : rel + m.stored[e]]), m.size[e],
-                             self._where(e))
-                if not self.verify or checksum(raw) == m.checksum[e]:
+                try:
+                    raw = decode(m.codec[e], bytes(blob[rel : rel + m.stored[e]]), m.size[e],
+                                 self._where(e))
+                except CorruptShardError:  # undecodable: as a checksum mismatch, below
+                    raw = None
+                if raw is not None and (not self.verify or checksum(raw) == m.checksum[e]):
                     data = raw
                     self.stats.reads += 1
                     self.stats.bytes += len(raw)

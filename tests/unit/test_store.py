@@ -1,0 +1,254 @@
+"""The Store: read, read_many, open, read-only errors, corruption, pickling, public API."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import pickle
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from conftest import random_bytes, text_bytes
+from stagefs.errors import ChecksumError, ReadOnlyError, StagefsError
+from stagefs.format import shard_name
+
+# --------------------------------------------------------------------------- a busy pack
+
+
+def _busy_tree(root: Path) -> dict[str, bytes]:
+    """~300 small files over a few dirs: empty, compressible, random; many per shard."""
+    rng = random.Random(11)
+    files: dict[str, bytes] = {}
+    for i in range(300):
+        d = f"d{i % 7}"
+        kind = rng.choice(["empty", "text", "random", "random"])
+        n = rng.randint(1, 6000)
+        data = {"empty": b"", "text": text_bytes(n, i), "random": random_bytes(n, i)}[kind]
+        files[f"{d}/f{i:03d}"] = data
+    for rel, data in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return files
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    base = tmp_path_factory.mktemp("busy")
+    files = _busy_tree(base / "src")
+    report = stagefs.pack(base / "src", base / "pack", shard_size="40KiB", jobs=1,
+                          progress=False, echo=lambda _m: None)
+    assert report.shards > 5
+    return base / "pack", files
+
+
+@pytest.fixture
+def busy_store(busy: tuple[Path, dict[str, bytes]]) -> Iterator[stagefs.Store]:
+    with stagefs.open(busy[0]) as fs:
+        yield fs
+
+
+def test_read_equals_source(busy: tuple[Path, dict[str, bytes]],
+                            busy_store: stagefs.Store) -> None:
+    files = busy[1]
+    for rel, data in files.items():
+        assert busy_store.read(rel) == data, rel
+    m = busy_store.manifest
+    compressed = sum(1 for rel in files if m.codec[m.lookup(rel.encode())])
+    assert 0 < compressed < len(files)
+
+
+def test_read_many_equals_read(busy: tuple[Path, dict[str, bytes]],
+                               busy_store: stagefs.Store) -> None:
+    files = busy[1]
+    names = sorted(files)
+    m = busy_store.manifest
+    by_offset = sorted(names, key=lambda p: (m.shard[m.lookup(p.encode())],
+                                             m.offset[m.lookup(p.encode())]))
+    rng = random.Random(3)
+    batches: list[list[str]] = [[], names, by_offset, by_offset[::-1], [names[0]] * 5]
+    for _ in range(150):
+        k = rng.randint(1, 60)
+        if rng.random() < 0.3:  # runs of neighbours in the shard (coalesced reads)
+            start = rng.randrange(len(by_offset))
+            batch = by_offset[start : start + k]
+        else:
+            batch = [rng.choice(names) for _ in range(k)]  # duplicates are likely
+        if rng.random() < 0.3:
+            batch = batch + batch[: rng.randint(0, len(batch))]
+        batches.append(batch)
+    for batch in batches:
+        got = busy_store.read_many(batch)
+        assert got == [files[p] for p in batch]
+        assert got == [busy_store.read(p) for p in batch]
+    # any iterable, any path form
+    assert busy_store.read_many(iter(names[:3])) == [files[p] for p in names[:3]]
+    assert busy_store.read_many([b"/" + names[0].encode(), Path(names[1])]) == [
+        files[names[0]], files[names[1]]]
+
+
+def test_read_many_empty_and_adjacent(busy: tuple[Path, dict[str, bytes]],
+                                      busy_store: stagefs.Store) -> None:
+    files = busy[1]
+    empties = [p for p, d in files.items() if not d]
+    assert len(empties) > 10
+    assert busy_store.read_many(empties) == [b""] * len(empties)
+    assert busy_store.read_many(empties + empties[:3]) == [b""] * (len(empties) + 3)
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.fixture
+def corruptible(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    files = _busy_tree(tmp_path / "src")
+    stagefs.pack(tmp_path / "src", tmp_path / "pack", shard_size="40KiB", jobs=1,
+                 progress=False, echo=lambda _m: None)
+    return tmp_path / "pack", files
+
+
+@pytest.mark.parametrize("where", [0, 1, 2])
+@pytest.mark.parametrize("codec", [0, 1], ids=["raw", "zstd"])
+def test_corrupt_byte_gives_checksum_error(corruptible: tuple[Path, dict[str, bytes]],
+                                           codec: int, where: int) -> None:
+    pack, files = corruptible
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        victims = [p for p, d in files.items()
+                   if len(d) > 100 and m.codec[m.lookup(p.encode())] == codec]
+        victim = victims[len(victims) // 2]
+        e = m.lookup(victim.encode())
+        shard = m.shards[m.shard[e]].name
+        # the first byte (a zstd frame's magic: it cannot be decoded), the middle, the last
+        off = int(m.offset[e]) + (int(m.stored[e]) - 1) * where // 2
+        order = sorted(files, key=lambda p: (m.shard[m.lookup(p.encode())],
+                                             m.offset[m.lookup(p.encode())]))
+        k = order.index(victim)
+        neighbours = order[max(0, k - 3) : k + 4]
+    _flip(pack / shard, off)
+    with stagefs.open(pack) as fs:
+        for read in (fs.read, lambda p: fs.read_many([p])[0],
+                     lambda p: fs.read_many(neighbours)[neighbours.index(p)],
+                     lambda p: fs.open(p).read()):
+            with pytest.raises(ChecksumError) as info:
+                read(victim)
+            msg = str(info.value)
+            assert victim in msg and shard in msg
+            assert info.value.errno == errno.EIO and isinstance(info.value, StagefsError)
+        # the neighbours are still served, and right
+        for p in neighbours:
+            if p != victim:
+                assert fs.read(p) == files[p]
+        assert fs.stats.checksum_failures >= 4
+
+
+def test_corrupt_large_file_through_range_reads(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import stagefs.posix.fileobj as fileobj
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random_bytes(300_000, 8)
+    (src / "big").write_bytes(data)
+    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    _flip(tmp_path / "pack" / shard_name(0), 64 + 250_000)
+    monkeypatch.setattr(fileobj, "WHOLE_READ_LIMIT", 1000)
+    with stagefs.open(tmp_path / "pack") as fs:
+        with fs.open("big", buffering=4096) as f:
+            assert isinstance(f, fileobj.LargeFile)
+            with pytest.raises(ChecksumError, match="big"):
+                f.read()
+        with fs.open("big") as f, pytest.raises(ChecksumError, match=shard_name(0)):
+            while f.read(10_000):
+                pass
+
+
+@pytest.mark.parametrize("mode", ["w", "wb", "a", "ab", "x", "xb", "r+", "rb+", "w+b", "r+b"])
+def test_open_for_writing_is_erofs(sample_store: stagefs.Store, mode: str) -> None:
+    for path in ("a.txt", "new-file"):
+        with pytest.raises(OSError) as info:
+            sample_store.open(path, mode)
+        assert info.value.errno == errno.EROFS
+        assert isinstance(info.value, ReadOnlyError) and isinstance(info.value, StagefsError)
+        assert path in str(info.value)
+
+
+def test_file_object_is_read_only(sample_store: stagefs.Store) -> None:
+    with sample_store.open("a.txt") as f:
+        assert f.readable() and f.seekable() and not f.writable()
+        assert f.name == "a.txt" and f.mode == "rb"
+        with pytest.raises(OSError) as info:
+            f.write(b"x")
+        assert info.value.errno == errno.EROFS
+        with pytest.raises(io.UnsupportedOperation):
+            f.fileno()
+    assert f.closed
+
+
+def test_open_text_mode(sample_pack_session: tuple[Path, Path],
+                        sample_store: stagefs.Store) -> None:
+    real = (sample_pack_session[0] / "a.txt").read_text()
+    with sample_store.open("a.txt", "r") as f:
+        assert f.read() == real
+    with sample_store.open("a.txt", "rt") as f:
+        assert f.readlines() == real.splitlines(keepends=True)
+    with pytest.raises(ValueError, match="mode"):
+        sample_store.open("a.txt", "rz")
+
+
+def test_pickled_store_works(sample_pack_session: tuple[Path, Path]) -> None:
+    src = sample_pack_session[0]
+    with stagefs.open(sample_pack_session[1]) as fs:
+        blob = pickle.dumps(fs)
+        fs.read("a.txt")
+    copy = pickle.loads(blob)  # the original is closed by now
+    with copy:
+        assert isinstance(copy, stagefs.Store)
+        assert copy.read("a.txt") == (src / "a.txt").read_bytes()
+        assert copy.read_many(["img/cat.jpg", "empty.bin"]) == [
+            (src / "img/cat.jpg").read_bytes(), b""]
+        assert sorted(copy.listdir("")) == sorted(os.listdir(src))
+        assert copy.verify
+    unverified = pickle.loads(pickle.dumps(stagefs.open(sample_pack_session[1], verify=False)))
+    with unverified:
+        assert unverified.verify is False
+
+
+def test_context_manager_and_repr(sample_pack_session: tuple[Path, Path]) -> None:
+    with stagefs.open(sample_pack_session[1]) as fs:
+        assert str(sample_pack_session[1]) in repr(fs)
+        info = fs.info()
+    assert info["files"] == 10 and info["directories"] == 5 and info["symlinks"] == 5
+    fs.close()  # closing twice is fine
+
+
+def test_open_refuses_what_is_not_a_pack(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        stagefs.open(tmp_path / "nowhere")
+    (tmp_path / "f").write_bytes(b"")
+    with pytest.raises(StagefsError, match="f"):
+        stagefs.open(tmp_path / "f")
+
+
+def test_public_api() -> None:
+    assert stagefs.__all__ == sorted(stagefs.__all__)
+    assert len(set(stagefs.__all__)) == len(stagefs.__all__)
+    for name in stagefs.__all__:
+        assert hasattr(stagefs, name), name
+    for name in ("open", "pack", "unpack", "Store", "StagefsError", "__version__"):
+        assert name in stagefs.__all__
+    assert isinstance(stagefs.__version__, str) and stagefs.__version__
+    for name in stagefs.__all__:
+        obj = getattr(stagefs, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert issubclass(obj, stagefs.StagefsError), name
