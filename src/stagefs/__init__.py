@@ -10,6 +10,7 @@ from stagefs.errors import (
     StagefsError,
 )
 from stagefs.pack import PackReport, pack, unpack
+from stagefs.posix.intercept import intercept
 from stagefs.store import Store, open
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "StagefsError",
     "Store",
     "__version__",
+    "intercept",
     "open",
     "pack",
     "unpack",

@@ -140,6 +140,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(files=args.files, workdir=args.workdir, keep=args.keep)
 
 
+def _open_dataset(origin: str, tiers: list[str] | None):  # type: ignore[no-untyped-def]
+    """stagefs.open(origin), with ``tiers=`` when given and when stagefs.open takes it."""
+    import inspect
+
+    import stagefs
+
+    if tiers and "tiers" in inspect.signature(stagefs.open).parameters:
+        return stagefs.open(origin, tiers=tiers)  # type: ignore[call-arg]
+    if tiers:
+        print("stagefs: warning: this stagefs has no tiers yet; reading from the origin",
+              file=sys.stderr)
+    return stagefs.open(origin)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from stagefs.posix.intercept import Interceptor, _env_for
+
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
+    store = _open_dataset(args.dataset, args.tier)
+    env = dict(os.environ, **_env_for(store, Interceptor(store, args.at).root))
+    store.close()
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except FileNotFoundError:
+        raise SystemExit(f"stagefs run: command not found: {cmd[0]}") from None
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from stagefs.posix import fuse
+
+    if args.foreground:
+        with _open_dataset(args.dataset, args.tier) as store:
+            fuse.mount(store, args.mountpoint, allow_other=args.allow_other)
+        return 0
+    return fuse.mount_background(sys.argv[0], args.dataset, args.mountpoint, args.tier,
+                                 allow_other=args.allow_other)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from stagefs.posix.fuse import unmount
+
+    unmount(args.mountpoint)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stagefs",
@@ -193,6 +240,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--files", type=int, default=3000, help="files to generate (default 3000)")
     sp.add_argument("--workdir", default=None, help="where to put it (default: a temp dir)")
     sp.add_argument("--keep", action="store_true", help="keep the generated data")
+
+    sp = add("run", cmd_run, "run a command with Python file access under --at served by stagefs")
+    sp.add_argument("--dataset", required=True, help="the pack (or origin) to serve")
+    sp.add_argument("--at", required=True, help="the path the program reads the data from")
+    sp.add_argument("--tier", action="append", default=None, help="a node-local tier (repeat)")
+    sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+
+    sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")
+    sp.add_argument("dataset", help="the pack (or origin) to serve")
+    sp.add_argument("mountpoint", help="an existing, empty directory")
+    sp.add_argument("--tier", action="append", default=None, help="a node-local tier (repeat)")
+    sp.add_argument("-f", "--foreground", action="store_true",
+                    help="stay in the foreground until unmounted or interrupted")
+    sp.add_argument("--allow-other", action="store_true", help="let other users read it")
+
+    sp = add("umount", cmd_umount, "unmount a 'stagefs mount'")
+    sp.add_argument("mountpoint")
     return p
 
 

@@ -1,0 +1,493 @@
+"""Python-level interception: paths under one directory are served by a Store.
+
+``with stagefs.intercept(store, at="/lustre/imagenet"): ...`` replaces, for its duration,
+the functions Python code reads files with (``builtins.open``/``io.open``, ``os.stat``,
+``os.lstat``, ``os.listdir``, ``os.scandir``, ``os.readlink``, ``os.access``, ``os.open``,
+``os.path.exists``/``lexists``/``isfile``/``isdir``/``islink``/``getsize``/``getmtime``) by
+wrappers that serve every path under ``at`` from the store and pass every other path to the
+function they replaced, untouched. ``os.walk``, ``glob``, ``pathlib.Path`` (open, stat,
+iterdir, glob, rglob, read_bytes, read_text, exists, is_file, is_dir), ``PIL.Image.open``
+and ``numpy.load`` call these functions through their modules, so they follow.
+
+Writes under ``at`` (opening for writing, mkdir, unlink, rename, chmod, ...) fail with EROFS.
+
+What is not covered, and why (docs/frontends.md has the user's version):
+- C code that calls libc directly (a C++ reader inside a framework, a subprocess that is not
+  Python): use ``stagefs mount``.
+- File descriptors: a file under ``at`` has no fd of its own. ``fileno()`` on a stagefs file
+  object and ``os.open`` of a file under ``at`` return an anonymous in-memory copy of the
+  file (``memfd``), made on first use, so ``mmap``, ``numpy.load(..., mmap_mode="r")``,
+  ``os.read`` and ``os.fstat`` work; ``os.fstat`` of it reports the memfd, not the manifest.
+  ``os.open`` of a directory under ``at`` (the ``dir_fd=`` family, ``os.fwalk``) is refused
+  with ENOTSUP.
+- ``os.chdir`` into ``at`` and paths relative to a ``dir_fd``.
+- ``from os import stat`` done before interception starts keeps the original function.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import errno
+import io
+import os
+import posixpath
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from stagefs.errors import ConfigError, ReadOnlyError
+from stagefs.format import KIND_FILE
+from stagefs.namespace import DirEntry
+from stagefs.posix.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
+
+__all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept"]
+
+ENV_DATASET = "STAGEFS_INTERCEPT_DATASET"
+ENV_AT = "STAGEFS_INTERCEPT_AT"
+ENV_STORE = "STAGEFS_INTERCEPT_STORE"  # the Store, pickled and base64-encoded
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_stack: list[Interceptor] = []
+_stack_lock = threading.Lock()
+
+
+def _memfd(data: bytes, name: str) -> int:
+    """An anonymous file holding ``data``: the fd a caller asked for."""
+    fd = os.memfd_create("stagefs:" + os.path.basename(name)[:200], os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _FdMixin:
+    """``fileno()`` gives an in-memory copy of the file (made once, closed with the file)."""
+
+    _fd: int | None = None
+    _content: Callable[[], bytes]
+    name: Any
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            self._fd = _memfd(self._content(), str(self.name))
+        return self._fd
+
+    def _close_fd(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+class _SmallFile(_FdMixin, SmallFile):
+    def _content(self) -> bytes:
+        return self.getvalue()
+
+    def close(self) -> None:
+        self._close_fd()
+        SmallFile.close(self)
+
+
+class _LargeFile(_FdMixin, LargeFile):
+    _store: Any
+    _entry: int
+
+    def _content(self) -> bytes:
+        return bytes(self._store.read_entry(self._entry, str(self.name)))
+
+    def close(self) -> None:
+        self._close_fd()
+        LargeFile.close(self)
+
+
+class _ScandirIterator:
+    """What ``os.scandir`` returns: an iterator that is also a context manager."""
+
+    __slots__ = ("_it",)
+
+    def __init__(self, it: Iterator[DirEntry]) -> None:
+        self._it = it
+
+    def __iter__(self) -> _ScandirIterator:
+        return self
+
+    def __next__(self) -> DirEntry:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it = iter(())
+
+    def __enter__(self) -> _ScandirIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rofs(path: Any) -> ReadOnlyError:
+    return ReadOnlyError(os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path))
+
+
+class Interceptor:
+    """Serves paths under ``at`` from ``store``; ``start()`` patches, ``stop()`` restores."""
+
+    def __init__(self, store: Any, at: str | os.PathLike[str]) -> None:
+        root = os.path.normpath(os.path.abspath(os.fspath(at)))
+        if root == "/":
+            raise ConfigError("cannot intercept '/': name the directory the data is read from")
+        pack_dir = os.path.normpath(os.path.abspath(getattr(store, "pack_dir", "")))
+        if pack_dir == root or pack_dir.startswith(root + "/"):
+            raise ConfigError(
+                f"the dataset {pack_dir} lies under the intercepted path {root}: stagefs reads "
+                "it with the functions it intercepts; intercept another path"
+            )
+        self.store = store
+        self.root = root
+        self._cut = len(root) + 1
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._active = False
+
+    # -- which paths are ours ---------------------------------------------------------------
+
+    def rel(self, path: Any) -> str | None:
+        """The path inside the store for ``path``, or None when ``path`` is not ours."""
+        if type(path) is str:
+            s = path
+        elif isinstance(path, int) or path is None:
+            return None
+        else:
+            try:
+                p = os.fspath(path)
+            except TypeError:
+                return None
+            s = os.fsdecode(p) if isinstance(p, bytes) else p
+        if s[:1] != "/":
+            s = posixpath.join(os.getcwd(), s)
+        if "/." in s or "//" in s:
+            s = posixpath.normpath(s)
+        if not s.startswith(self.root):
+            return None
+        if len(s) == len(self.root):
+            return ""
+        if s[len(self.root)] != "/":
+            return None
+        return s[self._cut :]
+
+    # -- the replacements -------------------------------------------------------------------
+
+    def _build(self, o: dict[str, Any]) -> dict[str, Any]:
+        store, rel = self.store, self.rel
+        ns = store.namespace
+
+        def _fix(exc: OSError, path: Any) -> OSError:
+            with contextlib.suppress(Exception):
+                exc.filename = path if isinstance(path, (str, bytes)) else os.fspath(path)
+            return exc
+
+        def open_(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
+                  errors: str | None = None, newline: str | None = None, closefd: bool = True,
+                  opener: Any = None) -> Any:
+            r = rel(file)
+            if r is None:
+                return o["open"](file, mode, buffering, encoding, errors, newline, closefd,
+                                 opener)
+            if any(c in mode for c in "wax+"):
+                raise _rofs(file)
+            name: Any = file if isinstance(file, (str, bytes)) else os.fspath(file)
+            try:
+                e = ns.file_entry(r)
+            except OSError as exc:
+                raise _fix(exc, file) from None
+            m = store.manifest
+            if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
+                f: Any = _SmallFile(store.read_entry(e, r), name)
+            else:
+                f = _LargeFile(_RangeRaw(store, e, name), buffering)
+                f._store, f._entry = store, e
+            if "b" in mode:
+                return f
+            t = io.TextIOWrapper(f, io.text_encoding(encoding), errors, newline,
+                                 line_buffering=buffering == 1)
+            t.mode = mode  # type: ignore[misc]
+            return t
+
+        def stat(path: Any, *, dir_fd: int | None = None, follow_symlinks: bool = True) -> Any:
+            r = None if dir_fd is not None else rel(path)
+            if r is None:
+                return o["stat"](path, dir_fd=dir_fd, follow_symlinks=follow_symlinks)
+            try:
+                return ns.stat(r) if follow_symlinks else ns.lstat(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+
+        def lstat(path: Any, *, dir_fd: int | None = None) -> Any:
+            r = None if dir_fd is not None else rel(path)
+            if r is None:
+                return o["lstat"](path, dir_fd=dir_fd)
+            try:
+                return ns.lstat(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+
+        def listdir(path: Any = None) -> Any:
+            r = rel("." if path is None else path)
+            if r is None:
+                return o["listdir"]() if path is None else o["listdir"](path)
+            try:
+                names = ns.listdir(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+            if isinstance(path, bytes):
+                return [os.fsencode(n) for n in names]
+            return names
+
+        def scandir(path: Any = None) -> Any:
+            r = rel("." if path is None else path)
+            if r is None:
+                return o["scandir"]() if path is None else o["scandir"](path)
+            try:
+                e = ns.dir_entry(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+            return _ScandirIterator(_entries(e, "." if path is None else path))
+
+        def _entries(e: int, path: Any) -> Iterator[DirEntry]:
+            m = store.manifest
+            base = path if isinstance(path, (str, bytes)) else os.fspath(path)
+            asbytes = isinstance(base, bytes)
+            for c in m.children(e):
+                raw = m.name_of(c)
+                name: Any = raw if asbytes else os.fsdecode(raw)
+                yield DirEntry(ns, c, name, posixpath.join(base, name))  # type: ignore[arg-type]
+
+        def readlink(path: Any, *, dir_fd: int | None = None) -> Any:
+            r = None if dir_fd is not None else rel(path)
+            if r is None:
+                return o["readlink"](path, dir_fd=dir_fd)
+            try:
+                target = ns.readlink(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+            return os.fsencode(target) if isinstance(path, bytes) else target
+
+        def access(path: Any, mode: int, *, dir_fd: int | None = None,
+                   effective_ids: bool = False, follow_symlinks: bool = True) -> bool:
+            r = None if dir_fd is not None else rel(path)
+            if r is None:
+                return bool(o["access"](path, mode, dir_fd=dir_fd, effective_ids=effective_ids,
+                                        follow_symlinks=follow_symlinks))
+            try:
+                s = ns.stat(r) if follow_symlinks else ns.lstat(r)
+            except OSError:
+                return False
+            if mode & os.W_OK:
+                return False
+            return not (mode & os.X_OK and not s.st_mode & 0o111)
+
+        def open_fd(path: Any, flags: int, mode: int = 0o777, *,
+                    dir_fd: int | None = None) -> int:
+            r = None if dir_fd is not None else rel(path)
+            if r is None:
+                return int(o["os_open"](path, flags, mode, dir_fd=dir_fd))
+            if flags & _WRITE_FLAGS:
+                raise _rofs(path)
+            try:
+                e = ns.entry(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+            if ns.kind_of(e) != KIND_FILE or flags & os.O_DIRECTORY:
+                raise OSError(errno.ENOTSUP, "stagefs: os.open of a directory under an "
+                              "intercepted path is not supported (use os.scandir)", path)
+            return _memfd(store.read_entry(e, r), r)
+
+        def exists(path: Any) -> bool:
+            r = rel(path)
+            return bool(o["exists"](path)) if r is None else bool(ns.exists(r))
+
+        def lexists(path: Any) -> bool:
+            r = rel(path)
+            if r is None:
+                return bool(o["lexists"](path))
+            try:
+                ns.entry(r, follow=False)
+            except OSError:
+                return False
+            return True
+
+        def isfile(path: Any) -> bool:
+            r = rel(path)
+            return bool(o["isfile"](path)) if r is None else bool(ns.isfile(r))
+
+        def isdir(path: Any) -> bool:
+            r = rel(path)
+            return bool(o["isdir"](path)) if r is None else bool(ns.isdir(r))
+
+        def islink(path: Any) -> bool:
+            r = rel(path)
+            return bool(o["islink"](path)) if r is None else bool(ns.islink(r))
+
+        def getsize(path: Any) -> int:
+            r = rel(path)
+            if r is None:
+                return int(o["getsize"](path))
+            try:
+                return int(ns.getsize(r))
+            except OSError as exc:
+                raise _fix(exc, path) from None
+
+        def getmtime(path: Any) -> float:
+            r = rel(path)
+            if r is None:
+                return float(o["getmtime"](path))
+            return float(stat(path).st_mtime)
+
+        def refuse(key: str, nargs: int = 1) -> Callable[..., Any]:
+            orig = o[key]
+
+            def wrapper(*args: Any, **kw: Any) -> Any:
+                for a in args[:nargs]:
+                    if rel(a) is not None:
+                        raise _rofs(a)
+                return orig(*args, **kw)
+
+            wrapper.__name__ = getattr(orig, "__name__", key)
+            wrapper.__doc__ = getattr(orig, "__doc__", None)
+            return wrapper
+
+        new: dict[str, Any] = {
+            "open": open_, "stat": stat, "lstat": lstat, "listdir": listdir,
+            "scandir": scandir, "readlink": readlink, "access": access, "os_open": open_fd,
+            "exists": exists, "lexists": lexists, "isfile": isfile, "isdir": isdir,
+            "islink": islink, "getsize": getsize, "getmtime": getmtime,
+        }
+        for key in ("mkdir", "rmdir", "unlink", "remove", "chmod", "chown", "utime",
+                    "truncate", "mkfifo", "mknod"):
+            new[key] = refuse(key)
+        for key in ("rename", "replace", "link", "symlink"):
+            new[key] = refuse(key, 2)
+        for key, fn in new.items():
+            with contextlib.suppress(AttributeError, TypeError):
+                fn.__name__ = getattr(o[key], "__name__", key)
+                fn.__doc__ = getattr(o[key], "__doc__", None)
+        return new
+
+    # -- patching ---------------------------------------------------------------------------
+
+    def _targets(self) -> list[tuple[Any, str, str]]:
+        """(module, attribute, key): every place a replaced function is looked up."""
+        t: list[tuple[Any, str, str]] = [(builtins, "open", "open"), (io, "open", "open")]
+        t += [(os, a, a) for a in ("stat", "lstat", "listdir", "scandir", "readlink", "access",
+                                   "mkdir", "rmdir", "unlink", "remove", "chmod", "chown",
+                                   "utime", "truncate", "mkfifo", "mknod", "rename", "replace",
+                                   "link", "symlink")]
+        t.append((os, "open", "os_open"))
+        t += [(posixpath, a, a) for a in ("exists", "lexists", "isfile", "isdir", "islink",
+                                          "getsize", "getmtime")]
+        return t
+
+    def start(self) -> None:
+        with _stack_lock:
+            if self._active:
+                raise RuntimeError("this interception is already active")
+            targets = self._targets()
+            originals = {key: getattr(mod, attr) for mod, attr, key in targets}
+            new = self._build(originals)
+            self._saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in targets]
+            for mod, attr, key in targets:
+                setattr(mod, attr, new[key])
+            self._active = True
+            _stack.append(self)
+
+    def stop(self) -> None:
+        with _stack_lock:
+            if not self._active:
+                return
+            if _stack[-1] is not self:
+                raise RuntimeError("interceptions must be stopped in the reverse order of "
+                                   "their start")
+            for mod, attr, fn in reversed(self._saved):
+                setattr(mod, attr, fn)
+            self._saved = []
+            self._active = False
+            _stack.pop()
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def __repr__(self) -> str:
+        state = "active" if self._active else "inactive"
+        return f"<stagefs.Interceptor {self.root!r} → {self.store!r} ({state})>"
+
+
+def _env_for(store: Any, root: str) -> dict[str, str]:
+    """The variables that carry an interception into spawned and child Python processes."""
+    import base64
+    import pickle
+
+    path = os.environ.get("PYTHONPATH", "")
+    parts = [p for p in path.split(os.pathsep) if p and p != BOOTSTRAP_DIR]
+    return {
+        ENV_DATASET: str(getattr(store, "pack_dir", "")),
+        ENV_AT: root,
+        ENV_STORE: base64.b64encode(pickle.dumps(store)).decode("ascii"),
+        "PYTHONPATH": os.pathsep.join([BOOTSTRAP_DIR, *parts]),
+    }
+
+
+@contextlib.contextmanager
+def intercept(store: Any, at: str | os.PathLike[str], *,
+              children: bool = True) -> Iterator[Interceptor]:
+    """Serve every Python-level access under ``at`` from ``store`` inside the block.
+
+    With ``children`` (the default), Python processes started inside the block (spawned
+    DataLoader workers, ``subprocess`` running Python) are intercepted too, through
+    environment variables that a start-up hook reads. Forked processes inherit the patch.
+    Everything is restored on exit.
+    """
+    icpt = Interceptor(store, at)
+    saved_env: dict[str, str | None] = {}
+    if children:
+        env = _env_for(store, icpt.root)
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+    icpt.start()
+    try:
+        yield icpt
+    finally:
+        icpt.stop()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def from_environment() -> Interceptor | None:
+    """Start the interception the environment asks for (the start-up hook calls this)."""
+    at = os.environ.get(ENV_AT)
+    if not at:
+        return None
+    blob = os.environ.get(ENV_STORE)
+    if blob:
+        import base64
+        import pickle
+
+        store = pickle.loads(base64.b64decode(blob))
+    else:
+        import stagefs
+
+        dataset = os.environ.get(ENV_DATASET)
+        if not dataset:
+            raise ConfigError(f"{ENV_AT} is set but neither {ENV_STORE} nor {ENV_DATASET} is")
+        store = stagefs.open(dataset)
+    icpt = Interceptor(store, at)
+    icpt.start()
+    return icpt
+
