@@ -100,7 +100,7 @@ def _within(path: bytes, root: bytes) -> bool:
 def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None) -> _Scan:
     real_root = os.path.realpath(src)
     out = _Scan()
-    top = os.lstat(src)
+    top = os.stat(src)  # the root itself may be reached through a symlink
     out.entries.append(Entry(b"", KIND_DIR, top.st_mode, top.st_mtime_ns))
     seen_dirs = {(top.st_dev, top.st_ino)}
     stack: list[tuple[bytes, bytes]] = [(src, b"")]
