@@ -1,0 +1,262 @@
+"""The shard server: byte ranges of this node's shards, to peers that prove the job token.
+
+What reaches the file system from the network is a shard *index* checked against the
+manifest and a range checked against that shard's size: never a path. One thread per
+connection (bounded), blocking sockets with kernel timeouts, and ``os.sendfile`` from the
+tier file to the socket, so the bytes are not copied through Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from stagefs.errors import ConfigError, ProtocolError
+from stagefs.format import Manifest
+from stagefs.net import auth
+from stagefs.net import protocol as P
+from stagefs.net.sockio import recv_message, send_message, sendfile_all, set_timeouts
+
+__all__ = ["ServerLimits", "ServerStats", "ShardServer"]
+
+log = logging.getLogger("stagefs.server")
+
+Locate = Callable[[int], str | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_connections: int = 256
+    max_request: int = 2 * 2**20  # bytes of one request frame (a READ of 131k ranges)
+    max_reply: int = 64 * 2**20  # bytes of data in one DATA reply
+    handshake_timeout: float = 5.0
+    idle_timeout: float = 900.0  # an idle pooled connection is closed after this
+    io_timeout: float = 30.0
+
+
+@dataclass
+class ServerStats:
+    connections: int = 0
+    active: int = 0
+    refused_busy: int = 0
+    auth_failures: int = 0
+    protocol_errors: int = 0
+    requests: int = 0
+    ranges: int = 0
+    ranges_not_held: int = 0
+    bytes_served: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class ShardServer:
+    """Serve ranges of the shards ``locate(shard)`` finds on this node (None: not held)."""
+
+    def __init__(self, manifest: Manifest, token: bytes, locate: Locate, host: str,
+                 port: int = 0, *, limits: ServerLimits | None = None,
+                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+        if host in ("", "0.0.0.0", "::"):
+            raise ConfigError(
+                "the stagefs server does not listen on all interfaces; give the address of "
+                "the cluster interface (--bind ADDR or --interface NAME)"
+            )
+        self.manifest = manifest
+        self.token = token
+        self.locate = locate
+        self.limits = limits or ServerLimits()
+        self.status_fn = status or dict
+        self.stats = ServerStats()
+        self._sizes = [s.size for s in manifest.shards]
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._stop = threading.Event()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+        self._sock.listen(128)
+        self._sock.settimeout(0.25)
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(target=self._accept_loop, name="stagefs-accept",
+                                        daemon=True)
+
+    def start(self) -> ShardServer:
+        self._thread.start()
+        return self
+
+    # -- accepting ---------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            with self._lock:
+                busy = len(self._conns) >= self.limits.max_connections
+                if not busy:
+                    self._conns.add(conn)
+                    self.stats.connections += 1
+                    self.stats.active += 1
+            if busy:
+                self.stats.refused_busy += 1
+                self._refuse(conn, P.E_BUSY, "too many connections; try another holder")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                             name=f"stagefs-conn-{peer[0]}:{peer[1]}").start()
+
+    def _refuse(self, conn: socket.socket, code: int, message: str) -> None:
+        with contextlib.suppress(OSError):
+            set_timeouts(conn, 1.0)
+            send_message(conn, P.Error(code, message))
+        conn.close()
+
+    # -- one connection ------------------------------------------------------------------------
+
+    def _serve(self, conn: socket.socket, peer: tuple[str, int]) -> None:
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_timeouts(conn, self.limits.handshake_timeout)
+            if not self._handshake(conn, peer):
+                return
+            set_timeouts(conn, self.limits.idle_timeout)
+            while not self._stop.is_set():
+                msg = recv_message(conn, self.limits.max_request)
+                set_timeouts(conn, self.limits.io_timeout)
+                if isinstance(msg, P.Read):
+                    self._read(conn, msg)
+                elif isinstance(msg, P.StatusRequest):
+                    send_message(conn, P.Status(self._status()))
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
+                set_timeouts(conn, self.limits.idle_timeout)
+        except ProtocolError as exc:
+            self.stats.protocol_errors += 1
+            log.info("peer %s:%s: %s", peer[0], peer[1], exc)
+            with contextlib.suppress(OSError):
+                send_message(conn, P.Error(P.E_PROTOCOL, str(exc)))
+        except OSError:
+            pass  # closed, reset or timed out: the peer goes away, nothing to tell it
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+                self.stats.active -= 1
+            conn.close()
+
+    def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> bool:
+        ns = auth.new_nonce()
+        send_message(conn, P.Challenge(ns, self.manifest.pack_id))
+        msg = recv_message(conn, 4096)
+        if not isinstance(msg, P.Auth):
+            raise ProtocolError(f"expected AUTH, got {type(msg).__name__}")
+        if not auth.verify(auth.client_proof(self.token, ns, msg.nonce), msg.mac):
+            self.stats.auth_failures += 1
+            log.warning("peer %s:%s did not prove the job token; refused", peer[0], peer[1])
+            send_message(conn, P.Error(P.E_AUTH, "job token not proven: refused"))
+            return False
+        send_message(conn, P.AuthOk(auth.server_proof(self.token, ns, msg.nonce)))
+        return True
+
+    def _read(self, conn: socket.socket, req: P.Read) -> None:
+        self.stats.requests += 1
+        statuses: list[int] = []
+        plan: list[tuple[int, int, int]] = []  # fd, offset, length of each OK slot
+        table = bytearray(struct.pack("!II", req.request_id, len(req.ranges)))
+        budget = self.limits.max_reply
+        for r in req.ranges:
+            st, fd = self._check(r, budget)
+            statuses.append(st)
+            if st == P.OK:
+                budget -= r.length
+                plan.append((fd, r.offset, r.length))
+                table += struct.pack("!BI", P.OK, r.length)
+            else:
+                table += struct.pack("!BI", st, 0)
+        total = len(table) + sum(n for _, _, n in plan)
+        self.stats.ranges += len(req.ranges)
+        self.stats.ranges_not_held += statuses.count(P.NOT_HELD)
+        conn.sendall(P.HEADER.pack(P.MAGIC, P.VERSION, P.T_DATA, 0, total) + bytes(table))
+        for fd, off, n in plan:
+            sendfile_all(conn, fd, off, n)
+            self.stats.bytes_served += n
+
+    def _check(self, r: P.Range, budget: int) -> tuple[int, int]:
+        if r.shard >= len(self._sizes) or r.offset + r.length > self._sizes[r.shard]:
+            return P.INVALID, -1
+        if r.length > budget:
+            return P.INVALID, -1
+        fd = self._fd(r.shard)
+        return (P.OK, fd) if fd >= 0 else (P.NOT_HELD, -1)
+
+    def _fd(self, shard: int) -> int:
+        fd = self._fds.get(shard)
+        if fd is not None:
+            return fd
+        path = self.locate(shard)
+        if path is None:
+            return -1
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+        if os.fstat(fd).st_size != self._sizes[shard]:
+            os.close(fd)
+            return -1
+        with self._lock:
+            old = self._fds.setdefault(shard, fd)
+        if old != fd:
+            os.close(fd)
+        return old
+
+    def forget(self, shard: int) -> None:
+        """A shard file was dropped or replaced: reopen it on next use."""
+        with self._lock:
+            fd = self._fds.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _status(self) -> dict[str, Any]:
+        info = dict(self.status_fn())
+        info["server"] = self.stats.as_dict()
+        return info
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> ShardServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

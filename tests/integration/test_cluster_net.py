@@ -1,0 +1,185 @@
+"""The shard server and the peer client over real TCP on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+from cluster_helpers import make_pack
+
+from stagefs.errors import AuthenticationError, ConfigError
+from stagefs.format import Manifest
+from stagefs.net import auth
+from stagefs.net import protocol as P
+from stagefs.net.client import PeerClient, PeerSource, PeerUnavailable
+from stagefs.net.server import ServerLimits, ShardServer
+from stagefs.tiers.base import SourceUnavailable
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, bytes]]:
+    return make_pack(str(tmp_path_factory.mktemp("net")))
+
+
+@pytest.fixture()
+def server(packed: tuple[str, dict[str, bytes]]) -> Iterator[tuple[ShardServer, bytes, Manifest]]:
+    pack, _ = packed
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    held = set(range(0, len(m.shards), 2))  # this "node" holds the even shards
+
+    def locate(s: int) -> str | None:
+        return os.path.join(pack, m.shards[s].name) if s in held else None
+
+    srv = ShardServer(m, token, locate, "127.0.0.1", 0,
+                      limits=ServerLimits(max_connections=4, handshake_timeout=1.0),
+                      status=lambda: {"rank": 0}).start()
+    yield srv, token, m
+    srv.close()
+    m.close()
+
+
+def _shard_bytes(pack: str, m: Manifest, s: int) -> bytes:
+    with open(os.path.join(pack, m.shards[s].name), "rb") as f:
+        return f.read()
+
+
+def test_batched_ranges_one_request(server: tuple[ShardServer, bytes, Manifest],
+                                    packed: tuple[str, dict[str, bytes]]) -> None:
+    srv, token, m = server
+    c = PeerClient(*srv.address, token, pack_id=m.pack_id)
+    ranges = [(s, o, n) for s in range(len(m.shards)) for o, n in ((0, 64), (100, 1000))]
+    ranges.append((0, 0, 0))
+    out = c.read(ranges)
+    assert c.stats.requests == 1 and srv.stats.requests == 1  # one request, one reply
+    for (s, o, n), got in zip(ranges, out, strict=True):
+        if s % 2 or o + n > m.shards[s].size:
+            assert got is None  # not held here, or past the end of the shard
+        else:
+            assert got == _shard_bytes(packed[0], m, s)[o : o + n]
+    # out of bounds or unknown shard: not served, nothing else breaks
+    assert c.read([(0, m.shards[0].size - 1, 2), (10**6, 0, 1)]) == [None, None]
+    assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]
+    assert c.stats.connects == 1  # the pooled connection was reused
+    assert c.status()["rank"] == 0
+    c.close()
+
+
+def test_pool_concurrent_and_peersource(server: tuple[ShardServer, bytes, Manifest],
+                                        packed: tuple[str, dict[str, bytes]]) -> None:
+    import threading
+
+    srv, token, m = server
+    c = PeerClient(*srv.address, token)
+    src = PeerSource(c, "node 0")
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(20):
+                assert src.pread(0, 64, 512) == _shard_bytes(packed[0], m, 0)[64:576]
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker) for _ in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not errors
+    assert 1 <= c.stats.connects <= 4
+    with pytest.raises(SourceUnavailable):
+        src.pread(1, 0, 10)  # odd shard: not held
+
+
+def test_wrong_token_refused(server: tuple[ShardServer, bytes, Manifest]) -> None:
+    srv, _, _ = server
+    c = PeerClient(*srv.address, auth.new_token())
+    with pytest.raises(AuthenticationError, match="wrong job token"):
+        c.read([(0, 0, 10)])
+    assert srv.stats.auth_failures == 1 and srv.stats.bytes_served == 0
+    with pytest.raises(SourceUnavailable):  # as a source: just unavailable
+        PeerSource(PeerClient(*srv.address, auth.new_token())).pread(0, 0, 10)
+
+
+def test_dead_peer_and_timeout(server: tuple[ShardServer, bytes, Manifest]) -> None:
+    _, token, _ = server
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    c = PeerClient("127.0.0.1", port, token, connect_timeout=1.0)
+    with pytest.raises(PeerUnavailable, match="cannot connect"):
+        c.read([(0, 0, 1)])
+    with pytest.raises(PeerUnavailable, match="marked down"):
+        c.read([(0, 0, 1)])  # fails fast without another connect
+    # a listener that never answers: the client times out
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(1)
+    try:
+        c = PeerClient(*mute.getsockname(), token, timeout=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(PeerUnavailable):
+            c.read([(0, 0, 1)])
+        assert time.monotonic() - t0 < 5
+    finally:
+        mute.close()
+
+
+def test_garbage_never_crashes_or_hangs_the_server(
+        server: tuple[ShardServer, bytes, Manifest], packed: tuple[str, dict[str, bytes]]) -> None:
+    import random
+
+    srv, token, _m = server
+    rnd = random.Random(1)
+    payloads = [rnd.randbytes(rnd.randint(1, 3000)) for _ in range(30)]
+    payloads += [b"GET / HTTP/1.1\r\n\r\n", P.HEADER.pack(P.MAGIC, 1, 4, 0, 2**31)]
+    payloads += [P.encode(P.Auth(b"x" * 32, b"y" * 32))[:20]]
+    for data in payloads:
+        with socket.create_connection(srv.address, timeout=5) as s:
+            try:
+                s.sendall(data)
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(65536):
+                    pass  # the server answers (challenge, error) and closes: never hangs
+            except TimeoutError:
+                pytest.fail(f"server hung on {data[:20]!r}")
+            except OSError:
+                pass  # or it closed on us first (reset, broken pipe)
+    # a client that connects and says nothing is dropped after the handshake timeout
+    idle = socket.create_connection(srv.address, timeout=5)
+    idle.settimeout(5)
+    t0 = time.monotonic()
+    while idle.recv(65536):
+        pass
+    assert time.monotonic() - t0 < 4
+    idle.close()
+    assert srv.stats.protocol_errors > 0
+    c = PeerClient(*srv.address, token)
+    assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]  # still serving
+
+
+def test_connection_limit(server: tuple[ShardServer, bytes, Manifest]) -> None:
+    srv, token, _ = server
+    clients = [PeerClient(*srv.address, token) for _ in range(4)]
+    for c in clients:
+        c.read([(0, 0, 1)])  # each holds one pooled connection open
+    extra = PeerClient(*srv.address, token)
+    with pytest.raises(PeerUnavailable, match="too many connections"):
+        extra.read([(0, 0, 1)])
+    assert srv.stats.refused_busy == 1
+    for c in clients:
+        c.close()
+
+
+def test_never_binds_all_interfaces(packed: tuple[str, dict[str, bytes]]) -> None:
+    m = Manifest(os.path.join(packed[0], "manifest.sfm"))
+    with pytest.raises(ConfigError, match="all interfaces"):
+        ShardServer(m, b"t" * 32, lambda s: None, "0.0.0.0")
+    m.close()
