@@ -17,6 +17,7 @@ the real file system would set it.
     │   ├── CorruptManifestError                     truncated, bad magic, bad checksum
     │   └── CorruptShardError                        truncated, wrong pack, bad header
     ├── ChecksumError (OSError, EIO)           bytes read did not match the manifest
+    ├── OriginUnavailableError (OSError, EIO)  the origin cannot be read (gone, unmounted)
     ├── PackError                              packing a source tree failed
     │   ├── UnsafeSymlinkError                       a symlink points out of the tree
     │   ├── UnreadableSourceError (PermissionError)  a file or directory cannot be read
@@ -48,6 +49,7 @@ __all__ = [
     "IsADirectoryError_",
     "NotADirectoryError_",
     "NotFoundError",
+    "OriginUnavailableError",
     "PackError",
     "PathError",
     "ProtocolError",
@@ -78,11 +80,11 @@ class NotFoundError(PathError, FileNotFoundError):
     errno_value = errno.ENOENT
 
 
-class IsADirectoryError_(PathError, IsADirectoryError):  # noqa: N801 - mirrors the builtin
+class IsADirectoryError_(PathError, IsADirectoryError):
     errno_value = errno.EISDIR
 
 
-class NotADirectoryError_(PathError, NotADirectoryError):  # noqa: N801 - mirrors the builtin
+class NotADirectoryError_(PathError, NotADirectoryError):
     errno_value = errno.ENOTDIR
 
 
@@ -118,6 +120,18 @@ class ChecksumError(StagefsError, OSError):
         msg = f"checksum mismatch for {path!r} read from {where}: the copy is corrupt"
         OSError.__init__(self, errno.EIO, msg, path)
         self.where = where
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class OriginUnavailableError(StagefsError, OSError):
+    """A shard not held locally cannot be read from the origin (moved, deleted, unmounted)."""
+
+    def __init__(self, origin: str, where: str, why: str) -> None:
+        msg = (f"the origin {origin} cannot be read ({where}: {why}); shards held in the "
+               "tiers still read. Is the shared file system mounted and the dataset there?")
+        OSError.__init__(self, errno.EIO, msg, origin)
 
     def __str__(self) -> str:
         return str(self.strerror)

@@ -11,21 +11,25 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from stagefs._malloc import tune_malloc
+from stagefs.config import TierSpec
 from stagefs.errors import (
     ChecksumError,
     ConfigError,
     CorruptShardError,
     IsADirectoryError_,
+    OriginUnavailableError,
     ReadOnlyError,
 )
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg, normalize
 from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.chain import TierChain
+from stagefs.tiers.inplace import SumTable
 from stagefs.tiers.origin import PackOrigin
 
 __all__ = ["ReadStats", "Store", "open"]
@@ -57,18 +61,25 @@ class Store:
         verify: bool = True,
         manifest: Manifest | None = None,
         sources: Callable[[int], Sequence[ShardSource]] | None = None,
+        origin: ShardSource | None = None,
+        chain: TierChain | None = None,
+        sums: SumTable | None = None,
+        reopen: dict[str, Any] | None = None,
     ) -> None:
         self.pack_dir = pack_dir
         self.verify = verify
         self.manifest = manifest or Manifest(os.path.join(pack_dir, MANIFEST_NAME))
         self.namespace = ns = Namespace(self.manifest)
-        self.origin = PackOrigin(pack_dir, self.manifest)
+        self.origin: Any = origin if origin is not None else PackOrigin(pack_dir, self.manifest)
         self._origin_only = (self.origin,)
-        self._holders = sources or self._origin_holders
+        self.chain = chain  # node-local tiers (tiers/chain.py), or None: origin only
+        self._holders = sources or (chain.holders if chain is not None else self._origin_holders)
+        self._sums = sums  # in place: checksums learnt as shards are placed
+        self._reopen = reopen  # how a pickled copy reopens this store
         m = self.manifest
         self._lookup, self._kind, self._size = m.lookup, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
-        self._checksum = m.checksum
+        self._checksum = m.checksum if sums is None else sums.sums
         tune_malloc()
         self.stats = ReadStats()
         self._closed = False
@@ -164,7 +175,7 @@ class Store:
                                  self._where(e))
                 except CorruptShardError:  # undecodable: as a checksum mismatch, below
                     raw = None
-                if raw is not None and (not self.verify or checksum(raw) == m.checksum[e]):
+                if raw is not None and (not self.verify or checksum(raw) == self._checksum[e]):
                     data = raw
                     self.stats.reads += 1
                     self.stats.bytes += len(raw)
@@ -193,7 +204,7 @@ class Store:
                     data = decode(codec, data, size, self._where(e))
                 except CorruptShardError:
                     data = b""
-            if not self.verify or checksum(data) == self._checksum[e]:
+            if not self.verify or checksum(data) == self._checksum[e] or self._trust(src, e):
                 stats = self.stats
                 stats.reads += 1
                 stats.bytes += size
@@ -203,10 +214,20 @@ class Store:
             self._corrupt(src, shard)
         if not tried:
             raise ConfigError(f"no source can serve shard {shard}")
+        if all(t.endswith("(unavailable)") for t in tried):
+            raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
 
     def _origin_holders(self, shard: int) -> Sequence[ShardSource]:
         return self._origin_only
+
+    def _trust(self, src: ShardSource, e: int) -> bool:
+        """In place, before a file's shard is placed its checksum is unknown: only the
+        origin (which checked the file's size and mtime against the scan) is believed."""
+        return self._sums is not None and src is self.origin and not self._sums.known(e)
+
+    def _origin_name(self) -> str:
+        return str(getattr(self.origin, "root", None) or self.pack_dir)
 
     def _fetch(self, shard: int, offset: int, length: int) -> bytes:
         for src in self._holders(shard):
@@ -242,6 +263,30 @@ class Store:
         return open_entry(self, e, os.fsdecode(path) if not isinstance(path, str) else path,
                           mode, buffering)
 
+    # -- tiers -------------------------------------------------------------------------------
+
+    def prefetch(self, shards: Iterable[int]) -> None:
+        """Place these shards into the tiers in this order, soonest first (background)."""
+        if self.chain is not None:
+            self.chain.prefetch(shards)
+
+    def held_shards(self) -> set[int]:
+        """The shards this node holds in its tiers."""
+        return self.chain.held_shards() if self.chain is not None else set()
+
+    def status(self) -> dict[str, Any]:
+        """Counters of this process: per tier (bytes used, shards held, hits, placed,
+        dropped), misses, hit rate, and every origin operation (``origin_stats``)."""
+        if self.chain is not None:
+            out = self.chain.status()
+        else:
+            out = {"pid": os.getpid(), "tiers": [], "misses": self.stats.reads, "hits": 0,
+                   "hit_rate": 0.0, "origin": self._origin_name(),
+                   "shards": len(self.manifest.shards)}
+        out["origin_stats"] = self.origin.stats.as_dict()
+        out["reads"] = asdict(self.stats)
+        return out
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -249,7 +294,12 @@ class Store:
             if self._closed:
                 return
             self._closed = True
+        if self.chain is not None:
+            self.chain.close()
+            self.chain.runtime.unregister()
         self.origin.close()
+        if self._sums is not None:
+            self._sums.close()
         self.manifest.close()
 
     def __enter__(self) -> Store:
@@ -259,28 +309,57 @@ class Store:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._reopen is not None:
+            return {"reopen": self._reopen}
         return {"pack_dir": self.pack_dir, "verify": self.verify}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "reopen" in state:  # tiers or in place: reopen the same way (tiers/open.py)
+            from stagefs.tiers.open import build_store
+
+            self.__dict__.update(build_store(**state["reopen"]).__dict__)
+            return
         self.__init__(state["pack_dir"], verify=state["verify"])  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return f"<stagefs.Store {self.pack_dir!r} ({len(self.manifest)} entries)>"
 
 
-def open(path: str | os.PathLike[str], *, verify: bool = True) -> Store:
-    """Open the dataset at ``path`` (a pack directory) and return a Store."""
+def open(
+    path: str | os.PathLike[str],
+    *,
+    tiers: Sequence[str | TierSpec] | str | None = None,
+    runtime: str | os.PathLike[str] | None = None,
+    verify: bool = True,
+) -> Store:
+    """Open the dataset at ``path`` and return a Store.
+
+    ``path`` is a pack directory, or a raw directory used in place (its manifest is built by
+    one parallel scan and cached in the runtime directory). ``tiers`` are node-local
+    directories with a capacity (``"/dev/shm/x:16GiB"``, ``"/nvme/x:80%"``), fastest first;
+    without them ``$STAGEFS_TIERS`` (comma-separated) is used, and without that the origin
+    is read directly. ``runtime`` (or ``$STAGEFS_RUNTIME``) is the job's runtime directory.
+    """
+    from stagefs.tiers.open import build_store
+
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
         raise FileNotFoundError(2, "No such file or directory (no dataset here)", p)
     if not os.path.isdir(p):
-        raise ConfigError(f"{p}: a pack is a directory with {MANIFEST_NAME} in it")
-    if not os.path.exists(os.path.join(p, MANIFEST_NAME)):
+        raise ConfigError(f"{p}: a dataset is a directory (a pack, or raw files to use in place)")
+    if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and os.path.isdir(
+            os.path.join(p, ".stagefs-pack")):
         from stagefs.errors import CorruptManifestError
 
         raise CorruptManifestError(
-            f"{p}: not a pack (no {MANIFEST_NAME}). Pack it with 'stagefs pack {p} DEST', or "
-            "finish an interrupted pack by running the same 'stagefs pack' command again."
+            f"{p}: not a pack yet (no {MANIFEST_NAME}): finish the interrupted pack by running "
+            "the same 'stagefs pack' command again."
         )
-    return Store(p, verify=verify)
+    if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and not any(os.scandir(p)):
+        from stagefs.errors import CorruptManifestError
 
+        raise CorruptManifestError(
+            f"{p}: not a pack (no {MANIFEST_NAME}) and no files to use in place: an empty "
+            f"directory. Pack a tree with 'stagefs pack SRC {p}', or open a directory of files."
+        )
+    return build_store(p, tiers=tiers, runtime=runtime, verify=verify)

@@ -77,6 +77,11 @@ class PackOrigin:
             )
         return data
 
+    def reset_after_fork(self) -> None:
+        """In a forked child: count afresh (the fds stay valid)."""
+        self._lock = threading.Lock()
+        self.stats = OriginStats()
+
     def fileno(self, shard: int) -> int:
         return self._fd(shard)
 

@@ -1,0 +1,165 @@
+"""The origin of an in-place dataset: a raw directory read through virtual shards.
+
+An in-place manifest (stagefs/inplace.py) cuts the files, in path order, into shards that
+exist only as numbers: a "shard" is a header followed by its files' bytes back to back, at
+the offsets the manifest gives. ``InPlaceOrigin.pread(shard, offset, length)`` turns that
+range into reads of the underlying files, and synthesises the header. Placing such a shard
+therefore writes a real shard file in the tier layout.
+
+Verification: the checksums of raw files are not known before they are read. Each file the
+origin opens is checked against the scan (``fstat``: same size and mtime, else a
+``SourceChangedError`` names it); its xxh3 is computed and recorded in the ``SumTable`` when
+its shard is placed, and every read of a tier copy is verified against that record.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from stagefs.errors import SourceChangedError
+from stagefs.format import Manifest, ShardHeader
+from stagefs.format.spec import SHARD_HEADER
+from stagefs.tiers.base import OriginStats, SourceUnavailable
+from stagefs.tiers.placer import Layout
+
+__all__ = ["InPlaceOrigin", "SumTable"]
+
+_PARALLEL_FILES = 8  # a range covering more files than this is read by a thread pool
+
+
+class SumTable:
+    """xxh3 of each file, learnt when its shard is placed; shared by the node's processes
+    through a small mmap'd file: ``n`` u64 sums, then ``n`` bytes "known"."""
+
+    def __init__(self, path: str, n: int) -> None:
+        self.path = path
+        self.n = n
+        want = 9 * n
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size != want:
+                os.ftruncate(fd, want)
+            self._mm = mmap.mmap(fd, max(want, 1), mmap.MAP_SHARED) if want else None
+        finally:
+            os.close(fd)
+        self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
+        self.sums = self._view[: 8 * n].cast("Q")  # indexable like Manifest.checksum
+        self._known = self._view[8 * n : 9 * n]
+
+    def known(self, e: int) -> bool:
+        return bool(self._known[e])
+
+    def get(self, e: int) -> int | None:
+        return self.sums[e] if self._known[e] else None
+
+    def record(self, e: int, digest: int) -> None:
+        self.sums[e] = digest
+        self._known[e] = 1  # written after the sum: a reader never sees a half-set pair
+
+    def close(self) -> None:
+        self.sums.release()
+        self._known.release()
+        self._view.release()
+        if self._mm is not None:
+            self._mm.close()
+
+
+class InPlaceOrigin:
+    """Serves byte ranges of virtual shards from the raw files under ``root``."""
+
+    name = "origin"
+
+    def __init__(self, root: str, manifest: Manifest) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.stats = OriginStats()
+        self._layout = Layout(manifest)
+        self._cache: dict[int, tuple[list[int], list[int]]] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._pool = None
+        self.stats = OriginStats()
+
+    def _files(self, shard: int) -> tuple[list[int], list[int]]:
+        got = self._cache.get(shard)
+        if got is None:
+            ents = self._layout.entries(shard)
+            got = (ents, [self.manifest.offset[e] for e in ents])
+            self._cache[shard] = got
+        return got
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        m = self.manifest
+        if shard >= len(m.shards) or offset + length > m.shards[shard].size:
+            raise SourceUnavailable(f"range beyond shard {shard}")
+        ents, offs = self._files(shard)
+        end = offset + length
+        parts: list[tuple[int, int, int, int]] = []  # (entry, start in file, length, out pos)
+        i = max(0, bisect.bisect_right(offs, offset) - 1)
+        while i < len(ents) and offs[i] < end:
+            e = ents[i]
+            lo, hi = max(offset, offs[i]), min(end, offs[i] + m.stored[e])
+            if lo < hi:
+                parts.append((e, lo - offs[i], hi - lo, lo - offset))
+            i += 1
+        out = bytearray(length)
+        if offset < SHARD_HEADER.size:
+            data_len = m.shards[shard].size - SHARD_HEADER.size
+            head = ShardHeader(shard, m.pack_id, data_len).encode()
+            n = min(length, SHARD_HEADER.size - offset)
+            out[:n] = head[offset : offset + n]
+        if len(parts) > _PARALLEL_FILES:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(8, thread_name_prefix="stagefs-inplace")
+            pieces = list(self._pool.map(lambda p: self._read_file(p[0], p[1], p[2]), parts))
+        else:
+            pieces = [self._read_file(e, start, n) for e, start, n, _ in parts]
+        for (_, _, n, pos), data in zip(parts, pieces, strict=True):
+            out[pos : pos + n] = data
+        self.stats.reads += 1
+        self.stats.bytes_read += sum(p[2] for p in parts)
+        return bytes(out)
+
+    def _read_file(self, e: int, start: int, n: int) -> bytes:
+        m = self.manifest
+        rel = os.fsdecode(m.path_of(e))
+        path = os.path.join(self.root, rel)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            if not os.path.isdir(self.root):
+                raise SourceUnavailable(f"{self.root}: {exc.strerror}") from exc
+            raise SourceChangedError(
+                f"{path}: {exc.strerror} (it was there when {self.root} was scanned); reopen "
+                "the dataset to scan it again"
+            ) from exc
+        try:
+            self.stats.opens += 1
+            self.stats.stats += 1
+            s = os.fstat(fd)
+            if s.st_size != m.size[e] or s.st_mtime_ns != m.mtime_ns[e]:
+                raise SourceChangedError(
+                    f"{path} changed since {self.root} was scanned (size {m.size[e]} → "
+                    f"{s.st_size}, or its mtime); reopen the dataset to scan it again"
+                )
+            data = os.pread(fd, n, start)
+        except OSError as exc:
+            raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+        if len(data) != n:
+            raise SourceChangedError(f"{path}: shorter than scanned; reopen to scan it again")
+        return data
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,81 @@
+"""Putting a Store together: the origin (a pack or a raw directory), the tier chain, the
+runtime directory. ``stagefs.open`` and a Store's unpickling both come here."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from stagefs.config import TierSpec, env, parse_tier
+from stagefs.errors import ConfigError
+from stagefs.format import MANIFEST_NAME, Manifest
+from stagefs.runtime import Runtime
+from stagefs.tiers.base import OriginStats
+from stagefs.tiers.chain import TierChain
+from stagefs.tiers.inplace import InPlaceOrigin, SumTable
+from stagefs.tiers.origin import PackOrigin
+
+if TYPE_CHECKING:
+    from stagefs.store import Store
+
+__all__ = ["build_store", "resolve_tiers"]
+
+TiersArg = Sequence[str | TierSpec] | str | None
+
+
+def resolve_tiers(tiers: TiersArg) -> list[TierSpec]:
+    """Tier specs from the argument, else ``$STAGEFS_TIERS`` (comma-separated), else none."""
+    if tiers is None:
+        tiers = env("TIERS") or ""
+    items = tiers.split(",") if isinstance(tiers, str) else list(tiers)
+    specs: list[TierSpec] = []
+    for t in items:
+        if isinstance(t, TierSpec):
+            specs.append(t)
+        elif isinstance(t, str) and t.strip():
+            specs.append(parse_tier(t.strip()))
+        elif not isinstance(t, str):
+            raise ConfigError(f"a tier is a string like '/dev/shm/x:16GiB', not {t!r}")
+    paths = [s.path for s in specs]
+    if len(set(paths)) != len(paths):
+        raise ConfigError(f"the same tier directory is named twice: {paths}")
+    return specs
+
+
+def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike[str] | None
+                = None, verify: bool = True, progress: bool | None = None) -> Store:
+    from stagefs.store import Store
+
+    specs = resolve_tiers(tiers)
+    is_pack = os.path.exists(os.path.join(path, MANIFEST_NAME))
+    rt = Runtime(runtime).open() if specs or not is_pack else None
+    sums: SumTable | None = None
+    try:
+        if is_pack:
+            manifest = Manifest(os.path.join(path, MANIFEST_NAME))
+            origin: PackOrigin | InPlaceOrigin = PackOrigin(path, manifest)
+        else:
+            from stagefs.inplace import open_manifest
+
+            assert rt is not None
+            scan_stats = OriginStats()
+            manifest, cache, _ = open_manifest(path, rt, progress=progress, stats=scan_stats)
+            origin = InPlaceOrigin(path, manifest)
+            origin.stats = scan_stats  # the scan's operations on the origin count too
+            sums = SumTable(cache.sums_path, len(manifest))
+        chain = None
+        if specs:
+            assert rt is not None
+            chain = TierChain(manifest, origin, specs, rt, origin_path=path,
+                              record=sums.record if sums is not None else None)
+    except BaseException:
+        if rt is not None:
+            rt.unregister()
+        raise
+    reopen = None
+    if specs or not is_pack:
+        reopen = {"path": path, "tiers": specs, "verify": verify,
+                  "runtime": os.fspath(runtime) if runtime is not None else None}
+    return Store(path, verify=verify, manifest=manifest, origin=origin, chain=chain, sums=sums,
+                 reopen=reopen)

@@ -1,0 +1,211 @@
+"""A node-local tier: a directory (on /dev/shm or a local disk) holding whole shard files.
+
+Layout (shared with every other writer): ``<tier dir>/<pack id hex>/<shard file name>``,
+byte-identical to the pack's shard file. A shard is held iff that file exists under its final
+name; writers put it there as ``NAME.partial`` and rename it (tiers/placer.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from stagefs.config import TierSpec, format_size
+from stagefs.errors import ConfigError
+from stagefs.format import Manifest
+from stagefs.tiers.base import SourceUnavailable
+
+__all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir"]
+
+
+@dataclass
+class TierStats:
+    """What one tier did in this process."""
+
+    hits: int = 0  # reads it served
+    bytes: int = 0  # bytes it served
+    placed: int = 0  # shards this process put into it
+    placed_bytes: int = 0
+    dropped: int = 0  # copies deleted because a read found them corrupt
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (``tmpfs``, ``ext4``, ...)."""
+    best, kind = "", "unknown"
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def prepare_tier_dir(path: str) -> None:
+    """Create a tier directory if its parent allows, else raise a ConfigError naming it."""
+    if not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"tier {path} does not exist and cannot be created ({exc.strerror}; nearest "
+                f"existing parent: {parent or '/'}); create it or name a writable directory"
+            ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"tier {path} is not writable by this user; name a writable directory")
+
+
+class DirTier:
+    """One tier for one dataset: ``pread`` serves held shards through one cached fd each."""
+
+    def __init__(self, spec: TierSpec, manifest: Manifest) -> None:
+        self.spec = spec
+        self.root = spec.path
+        self.capacity = spec.capacity
+        prepare_tier_dir(self.root)
+        self.pack_id = manifest.pack_id.hex()
+        self.dir = os.path.join(self.root, self.pack_id)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.kind = "memory" if fs_type(self.root) in ("tmpfs", "ramfs") else "disk"
+        self.name = f"{self.kind} tier {self.root}"
+        self._names = [s.name for s in manifest.shards]
+        self._sizes = [s.size for s in manifest.shards]
+        self._index = {n: i for i, n in enumerate(self._names)}
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.stats = TierStats()
+        self.stopped: str | None = None  # why placement into this tier stopped, if it did
+        self.on_drop: Callable[[int], None] | None = None  # the chain forgets the copy
+
+    def __repr__(self) -> str:
+        cap = "free space" if self.capacity is None else format_size(self.capacity)
+        return f"<DirTier {self.kind} {self.root} ({cap})>"
+
+    def path(self, shard: int) -> str:
+        return os.path.join(self.dir, self._names[shard])
+
+    # -- holding ---------------------------------------------------------------------------
+
+    def holds(self, shard: int) -> bool:
+        """Is the shard here? Opens (and keeps) its fd: one local syscall on a miss."""
+        if shard in self._fds:
+            return True
+        try:
+            fd = os.open(self.path(shard), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        if os.fstat(fd).st_size != self._sizes[shard]:
+            os.close(fd)  # not ours to judge further: the reader's checksum decides
+            return False
+        with self._lock:
+            if shard in self._fds:
+                os.close(fd)
+            else:
+                self._fds[shard] = fd
+        return True
+
+    def held(self) -> set[int]:
+        """Every shard of this dataset the tier holds now (one directory listing)."""
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return set()
+        return {self._index[n] for n in names if n in self._index}
+
+    def used_bytes(self) -> int:
+        """Bytes in the whole tier directory (every dataset, partial copies included)."""
+        return dir_bytes(self.root)
+
+    # -- ShardSource ----------------------------------------------------------------------
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        fd = self._fds.get(shard)
+        if fd is None and not (self.holds(shard) and (fd := self._fds.get(shard)) is not None):
+            raise SourceUnavailable(f"{self.name}: shard {shard} not held")
+        try:
+            data = os.pread(fd, length, offset)
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
+        if len(data) != length:
+            raise SourceUnavailable(f"{self.path(shard)}: short read")
+        self.stats.hits += 1
+        self.stats.bytes += length
+        return data
+
+    def drop(self, shard: int) -> None:
+        """A read found this copy corrupt: delete it (all processes stop using it)."""
+        with self._lock:
+            fd = self._fds.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(shard))
+        self.stats.dropped += 1
+        if self.on_drop is not None:
+            self.on_drop(shard)
+
+    def adopt(self, shard: int, fd: int) -> bool:
+        """Keep ``fd`` (opened on the file just renamed into place) as the shard's fd,
+        unless a reader opened one already (then the caller keeps ``fd``)."""
+        with self._lock:
+            if shard in self._fds:
+                return False
+            self._fds[shard] = fd
+        return True
+
+    def reset_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self.stats = TierStats()
+
+    def forget(self, shard: int) -> None:
+        with self._lock:
+            fd = self._fds.pop(shard, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def dir_bytes(root: str) -> int:
+    """Apparent bytes of the files one and two levels below ``root``."""
+    total = 0
+    try:
+        top = list(os.scandir(root))
+    except FileNotFoundError:
+        return 0
+    for d in top:
+        try:
+            if d.is_dir(follow_symlinks=False):
+                with os.scandir(d.path) as it:
+                    for f in it:
+                        with contextlib.suppress(FileNotFoundError):
+                            if f.is_file(follow_symlinks=False):
+                                total += f.stat(follow_symlinks=False).st_size
+            elif d.is_file(follow_symlinks=False):
+                total += d.stat(follow_symlinks=False).st_size
+        except FileNotFoundError:
+            continue
+    return total
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
