@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
+from stagefs.config import env
 from stagefs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
 
@@ -95,6 +96,15 @@ class Namespace:
         self._uid, self._gid = os.getuid(), os.getgid()
         self._lookup, self._kind = manifest.lookup, manifest.kind
         self._mode, self._size, self._mtime = manifest.mode, manifest.size, manifest.mtime_ns
+        # the hot path: in C when the accelerator is built, else the Python reference below
+        self.stat: Callable[[PathArg], os.stat_result] = self._stat_py
+        self.find: Callable[[PathArg], int] = self._find_py
+        index = _accelerated(manifest, self._stat_py, self._dev, self._uid, self._gid)
+        if index is not None:
+            self.stat, self.find = index.stat, index.find
+            self.accelerated = True
+        else:
+            self.accelerated = False
 
     # -- resolution ------------------------------------------------------------------------
 
@@ -159,11 +169,16 @@ class Namespace:
 
     # -- stat ------------------------------------------------------------------------------
 
-    def stat(self, path: PathArg) -> os.stat_result:
+    def _stat_py(self, path: PathArg) -> os.stat_result:
         e = self._lookup(normalize(path))  # entry(), inlined for the common case
         if e < 0 or self._kind[e] == KIND_SYMLINK:
             e = self.entry(path)
         return self.stat_entry(e)
+
+    def _find_py(self, path: PathArg) -> int:
+        """The entry of a regular file at ``path`` (no symlink in the way), or -1."""
+        e = self._lookup(normalize(path))
+        return e if e >= 0 and self._kind[e] == KIND_FILE else -1
 
     def lstat(self, path: PathArg) -> os.stat_result:
         return self.stat_entry(self.entry(path, follow=False))
@@ -274,6 +289,24 @@ class Namespace:
             "shards": len(self.manifest.shards),
             "shard_bytes": sum(s.size for s in self.manifest.shards),
         }
+
+
+def _accelerated(
+    manifest: Manifest, fallback: Callable[[PathArg], os.stat_result], dev: int, uid: int,
+    gid: int,
+) -> Any:
+    """The C index over this manifest, or None (not built, or STAGEFS_SPEEDUPS=0)."""
+    if env("SPEEDUPS", "1") == "0" or os.stat_result.n_fields != 19:
+        return None
+    try:
+        from stagefs._speedups import Index  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    a = manifest.arrays
+    index = Index(a["slots"], a["hash"], a["path_off"], a["strings"], a["kind"], a["mode"],
+                  a["size"], a["mtime_ns"], os.stat_result, fallback, dev, uid, gid)
+    manifest.on_close(index.release)
+    return index
 
 
 def _show(path: PathArg) -> str:

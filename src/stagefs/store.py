@@ -26,7 +26,7 @@ from stagefs.errors import (
 )
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
-from stagefs.namespace import DirEntry, Namespace, PathArg, normalize
+from stagefs.namespace import DirEntry, Namespace, PathArg
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.inplace import SumTable
@@ -77,7 +77,7 @@ class Store:
         self._sums = sums  # in place: checksums learnt as shards are placed
         self._reopen = reopen  # how a pickled copy reopens this store
         m = self.manifest
-        self._lookup, self._kind, self._size = m.lookup, m.kind, m.size
+        self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
         self._checksum = m.checksum if sums is None else sums.sums
         tune_malloc()
@@ -116,8 +116,8 @@ class Store:
 
     def read(self, path: PathArg) -> bytes:
         """The whole content of the file at ``path``, verified."""
-        e = self._lookup(normalize(path))  # the namespace's resolution, inlined for speed
-        if e < 0 or self._kind[e] != KIND_FILE:
+        e = self._find(path)  # a plain path to a regular file; else the full resolution
+        if e < 0:
             e = self.namespace.file_entry(path)
         return self.read_entry(e, path)
 
@@ -127,12 +127,12 @@ class Store:
         Ranges are read in the order of their bytes, and ranges that sit next to each other
         in a shard are read with one call.
         """
-        lookup, kind, file_entry = self._lookup, self._kind, self.namespace.file_entry
+        find, file_entry = self._find, self.namespace.file_entry
         plist = paths if isinstance(paths, list) else list(paths)
         ents = []
         for p in plist:
-            e = lookup(normalize(p))
-            if e < 0 or kind[e] != KIND_FILE:
+            e = find(p)
+            if e < 0:
                 e = file_entry(p)
             ents.append(e)
         shard, offset, stored = self._shard, self._offset, self._stored

@@ -8,11 +8,13 @@ dict of all paths. docs/FORMAT.md specifies the layout byte by byte.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import mmap
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,7 +168,7 @@ class ManifestBuilder:
         if len(roots) != 1 or roots[0].kind != KIND_DIR:
             raise ValueError("a manifest needs exactly one root directory entry (path b'')")
         rest = sorted((e for e in self.entries if e.path != b""), key=lambda e: _split(e.path))
-        for a, b in zip(rest, rest[1:], strict=False):
+        for a, b in itertools.pairwise(rest):
             if a.path == b.path:
                 raise ValueError(f"duplicate path {a.path!r}")
         return roots + rest
@@ -224,6 +226,7 @@ class Manifest:
             os.close(fd)
         self._buf = memoryview(self._mm)
         self._views: dict[str, memoryview] = {}
+        self._on_close: list[Callable[[], object]] = []
         self.arrays: dict[str, npt.NDArray[Any]] = {}
         try:
             self._parse(size, verify)
@@ -279,7 +282,13 @@ class Manifest:
         self.parent = a["parent"]
         self._mask = len(self.slots) - 1
 
+    def on_close(self, release: Callable[[], object]) -> None:
+        """Call ``release`` before unmapping (for holders of buffers into the map)."""
+        self._on_close.append(release)
+
     def close(self) -> None:
+        for release in getattr(self, "_on_close", ()):
+            release()
         for view in self._views.values():
             view.release()
         self._views.clear()
@@ -287,10 +296,8 @@ class Manifest:
         if hasattr(self, "_buf"):
             self._buf.release()
         # numpy views made elsewhere may still pin the map; it is unmapped when they go
-        try:
+        with contextlib.suppress(BufferError):
             self._mm.close()
-        except BufferError:
-            pass
 
     def __len__(self) -> int:
         return self.n

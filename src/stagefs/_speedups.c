@@ -1,0 +1,200 @@
+/* stagefs._speedups: the manifest's hot path (path -> entry -> os.stat_result) in C.
+ *
+ * Optional: stagefs works without it (namespace.py holds the same logic in Python and is
+ * the reference). The C path handles only the common case — an already normalised path to
+ * a regular file — and hands everything else (missing paths, directories, symlinks, paths
+ * with "." or "//") to a Python fallback, so error handling lives in one place.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+enum { KIND_FILE = 0 };
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer slots, hashes, path_off, strings, kind, mode, size, mtime;
+    int held;
+    uint64_t mask;
+    PyTypeObject *stat_type;
+    PyObject *fallback_stat;
+    long long dev, uid, gid;
+} Index;
+
+static void release(Index *self) {
+    if (!self->held) return;
+    PyBuffer_Release(&self->slots); PyBuffer_Release(&self->hashes);
+    PyBuffer_Release(&self->path_off); PyBuffer_Release(&self->strings);
+    PyBuffer_Release(&self->kind); PyBuffer_Release(&self->mode);
+    PyBuffer_Release(&self->size); PyBuffer_Release(&self->mtime);
+    self->held = 0;
+}
+
+static void Index_dealloc(Index *self) {
+    release(self);
+    Py_XDECREF(self->stat_type);
+    Py_XDECREF(self->fallback_stat);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int get(PyObject *arr, Py_buffer *view) {
+    return PyObject_GetBuffer(arr, view, PyBUF_C_CONTIGUOUS);
+}
+
+static int Index_init(Index *self, PyObject *args, PyObject *kw) {
+    PyObject *slots, *hashes, *path_off, *strings, *kind, *mode, *size, *mtime, *stat_type,
+        *fallback;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOLLL", &slots, &hashes, &path_off, &strings, &kind,
+                          &mode, &size, &mtime, &stat_type, &fallback, &self->dev, &self->uid,
+                          &self->gid))
+        return -1;
+    if (get(slots, &self->slots) || get(hashes, &self->hashes) ||
+        get(path_off, &self->path_off) || get(strings, &self->strings) ||
+        get(kind, &self->kind) || get(mode, &self->mode) || get(size, &self->size) ||
+        get(mtime, &self->mtime))
+        return -1;
+    self->held = 1;
+    Py_ssize_t nslots = self->slots.len / 4;
+    if (nslots == 0 || (nslots & (nslots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "slot table size is not a power of two");
+        return -1;
+    }
+    self->mask = (uint64_t)nslots - 1;
+    Py_INCREF(stat_type); self->stat_type = (PyTypeObject *)stat_type;
+    Py_INCREF(fallback); self->fallback_stat = fallback;
+    return 0;
+}
+
+/* The entry of an exact key, or -1. */
+static Py_ssize_t find_key(Index *self, const char *key, Py_ssize_t len) {
+    const uint32_t *slots = self->slots.buf;
+    const uint64_t *hashes = self->hashes.buf, *off = self->path_off.buf;
+    const char *strings = self->strings.buf;
+    uint64_t h = XXH3_64bits(key, (size_t)len);
+    uint64_t i = h & self->mask;
+    for (;;) {
+        uint32_t e = slots[i];
+        if (e == 0) return -1;
+        e -= 1;
+        if (hashes[e] == h && (Py_ssize_t)(off[e + 1] - off[e]) == len &&
+            memcmp(strings + off[e], key, (size_t)len) == 0)
+            return (Py_ssize_t)e;
+        i = (i + 1) & self->mask;
+    }
+}
+
+/* The key of a path that needs no normalisation, or NULL (not an error) if it does. */
+static const char *plain_key(PyObject *path, Py_ssize_t *len) {
+    const char *p;
+    if (PyUnicode_CheckExact(path)) {
+        p = PyUnicode_AsUTF8AndSize(path, len);
+        if (p == NULL) { PyErr_Clear(); return NULL; }  /* surrogates: the Python path */
+    } else if (PyBytes_CheckExact(path)) {
+        p = PyBytes_AS_STRING(path); *len = PyBytes_GET_SIZE(path);
+    } else {
+        return NULL;
+    }
+    Py_ssize_t n = *len;
+    if (n == 0 || p[0] == '/' || p[0] == '.' || p[n - 1] == '/') return NULL;
+    for (Py_ssize_t k = 0; k + 1 < n; k++)
+        if (p[k] == '/' && (p[k + 1] == '/' || p[k + 1] == '.')) return NULL;
+    return p;
+}
+
+/* find(path) -> the entry of a regular file at a plain path, or -1 (use the Python path). */
+static PyObject *Index_find(Index *self, PyObject *path) {
+    Py_ssize_t len;
+    const char *key = plain_key(path, &len);
+    if (key == NULL || !self->held) return PyLong_FromLong(-1);
+    Py_ssize_t e = find_key(self, key, len);
+    if (e < 0 || ((const uint8_t *)self->kind.buf)[e] != KIND_FILE) return PyLong_FromLong(-1);
+    return PyLong_FromSsize_t(e);
+}
+
+static PyObject *Index_lookup(Index *self, PyObject *key) {
+    if (!PyBytes_Check(key)) { PyErr_SetString(PyExc_TypeError, "key must be bytes"); return NULL; }
+    if (!self->held) { PyErr_SetString(PyExc_ValueError, "index released"); return NULL; }
+    return PyLong_FromSsize_t(find_key(self, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)));
+}
+
+#define SET(i, v) do { PyObject *o_ = (v); if (!o_) { Py_DECREF(r); return NULL; } \
+                       PyStructSequence_SetItem(r, (i), o_); } while (0)
+
+/* stat(path) -> os.stat_result of a regular file; anything else goes to the fallback. */
+static PyObject *Index_stat(Index *self, PyObject *path) {
+    Py_ssize_t len;
+    const char *key = plain_key(path, &len);
+    Py_ssize_t e = (key != NULL && self->held) ? find_key(self, key, len) : -1;
+    if (e < 0 || ((const uint8_t *)self->kind.buf)[e] != KIND_FILE)
+        return PyObject_CallOneArg(self->fallback_stat, path);
+    uint64_t size = ((const uint64_t *)self->size.buf)[e];
+    int64_t ns = ((const int64_t *)self->mtime.buf)[e];
+    uint32_t mode = ((const uint32_t *)self->mode.buf)[e];
+    int64_t sec = ns >= 0 ? ns / 1000000000 : -((-ns + 999999999) / 1000000000);
+    int64_t nsec = ns - sec * 1000000000;
+    double fsec = (double)sec + (double)nsec * 1e-9;
+    PyObject *r = PyStructSequence_New(self->stat_type);
+    if (r == NULL) return NULL;
+    SET(0, PyLong_FromUnsignedLong(mode));
+    SET(1, PyLong_FromSsize_t(e + 1));
+    SET(2, PyLong_FromLongLong(self->dev));
+    SET(3, PyLong_FromLong(1));
+    SET(4, PyLong_FromLongLong(self->uid));
+    SET(5, PyLong_FromLongLong(self->gid));
+    SET(6, PyLong_FromUnsignedLongLong(size));
+    SET(7, PyLong_FromLongLong(sec));
+    SET(8, PyLong_FromLongLong(sec));
+    SET(9, PyLong_FromLongLong(sec));
+    SET(10, PyFloat_FromDouble(fsec));
+    SET(11, PyFloat_FromDouble(fsec));
+    SET(12, PyFloat_FromDouble(fsec));
+    SET(13, PyLong_FromLongLong(ns));
+    SET(14, PyLong_FromLongLong(ns));
+    SET(15, PyLong_FromLongLong(ns));
+    SET(16, PyLong_FromLong(65536));
+    SET(17, PyLong_FromUnsignedLongLong((size + 511) >> 9));
+    SET(18, PyLong_FromLong(0));
+    return r;
+}
+
+static PyObject *Index_release(Index *self, PyObject *unused) {
+    release(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Index_methods[] = {
+    {"find", (PyCFunction)Index_find, METH_O, "entry of a regular file at a plain path, or -1"},
+    {"lookup", (PyCFunction)Index_lookup, METH_O, "entry of an exact key (bytes), or -1"},
+    {"stat", (PyCFunction)Index_stat, METH_O, "os.stat_result of a path"},
+    {"release", (PyCFunction)Index_release, METH_NOARGS, "let go of the manifest's buffers"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject IndexType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stagefs._speedups.Index",
+    .tp_basicsize = sizeof(Index),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Index_init,
+    .tp_dealloc = (destructor)Index_dealloc,
+    .tp_methods = Index_methods,
+    .tp_doc = "Index(slots, hashes, path_off, strings, kind, mode, size, mtime_ns, "
+              "stat_result, fallback_stat, dev, uid, gid)",
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_speedups", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+    if (PyType_Ready(&IndexType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&IndexType);
+    if (PyModule_AddObject(m, "Index", (PyObject *)&IndexType) < 0) {
+        Py_DECREF(&IndexType); Py_DECREF(m); return NULL;
+    }
+    return m;
+}
