@@ -176,7 +176,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         with _open_dataset(args.dataset, args.tier) as store:
             fuse.mount(store, args.mountpoint, allow_other=args.allow_other)
         return 0
-    return fuse.mount_background(sys.argv[0], args.dataset, args.mountpoint, args.tier,
+    _open_dataset(args.dataset, args.tier).close()  # a bad dataset is reported here
+    return fuse.mount_background(args.dataset, args.mountpoint, args.tier,
                                  allow_other=args.allow_other)
 
 
@@ -184,6 +185,58 @@ def cmd_umount(args: argparse.Namespace) -> int:
     from stagefs.posix.fuse import unmount
 
     unmount(args.mountpoint)
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    import stagefs
+    from stagefs.tiers.stage import stage_with_progress
+
+    with stagefs.open(args.origin, tiers=args.tier, runtime=args.runtime) as fs:
+        counts, dt, nbytes = stage_with_progress(fs, progress=None if args.progress else False)
+        held = len(fs.held_shards())
+        shards = len(fs.manifest.shards)
+    done = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    print(f"staged {args.origin}: {done}; {held} of {shards} shards held "
+          f"({format_size(nbytes)} copied in {dt:.1f} s)")
+    return 0 if counts.get("failed", 0) == 0 else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from stagefs.cluster.status import has_cluster, print_cluster_status
+
+    if has_cluster(args.runtime):  # a cluster daemon runs on this node: show the cluster
+        return print_cluster_status(args.runtime, as_json=args.json,
+                                    wait_staged=args.wait_staged)
+    from stagefs.tiers.stage import print_status
+
+    return print_status(args.runtime, as_json=args.json)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from stagefs.cluster.bootstrap import new_token_file
+    from stagefs.cluster.daemon import ServeOptions, serve
+
+    if args.new_token:
+        new_token_file(args.new_token)
+        print(f"wrote a new job token to {args.new_token} (mode 0600)")
+        return 0
+    if not args.origin:
+        raise SystemExit("stagefs serve: error: ORIGIN is required")
+    return serve(ServeOptions(
+        origin=args.origin, tiers=args.tier or [], replicas=args.replicas,
+        replicate_all=args.replicate_all or [], runtime=args.runtime, wait=args.wait,
+        hosts=args.hosts, rank=args.rank, token_file=args.token_file, bind=args.bind,
+        interface=args.interface, port=args.port, seed=args.seed, progress=args.progress,
+        mpi=args.mpi))
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from stagefs.runtime import Runtime
+
+    rt = Runtime(args.runtime)
+    removed = rt.remove() if rt.exists() else []
+    print("\n".join(f"removed {p}" for p in removed) or f"nothing to clean ({rt.path})")
     return 0
 
 
@@ -257,6 +310,50 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("umount", cmd_umount, "unmount a 'stagefs mount'")
     sp.add_argument("mountpoint")
+    sp = add("stage", cmd_stage, "copy a dataset into the node-local tiers now (resumable)")
+    sp.add_argument("origin", help="a pack, or a raw directory to use in place")
+    sp.add_argument("--tier", action="append", default=None,
+                    help="a tier DIR[:SIZE] (repeat; default: $STAGEFS_TIERS)")
+    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--no-progress", dest="progress", action="store_false",
+                    help="no progress bar")
+
+    sp = add("status", cmd_status, "per tier: bytes, shards held, hits; origin operations")
+    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--json", action="store_true", help="print JSON")
+    sp.add_argument("--wait-staged", type=float, default=None, metavar="SECONDS",
+                    help="cluster: wait up to SECONDS until every node has staged")
+
+    sp = add("serve", cmd_serve, "the per-node cluster daemon: stage this node's shards, "
+             "serve them to the other nodes (launch one per node with mpirun/srun)")
+    sp.add_argument("origin", nargs="?", help="the pack to serve (on the shared file system)")
+    sp.add_argument("--tier", action="append", metavar="DIR[:SIZE]",
+                    help="a node-local tier, fastest first (repeat); {rank} is expanded")
+    sp.add_argument("--replicas", type=int, default=1, help="copies of each shard (default 1)")
+    sp.add_argument("--replicate-all", action="extend", nargs="+", metavar="GLOB",
+                    help="subtrees to place on every node (e.g. val)")
+    sp.add_argument("--runtime", default=None,
+                    help="this node's runtime dir ({rank} expanded; default: per user and job)")
+    sp.add_argument("--wait", action="store_true",
+                    help="publish the runtime dir only once every node has staged")
+    sp.add_argument("--hosts", default=None, metavar="FILE",
+                    help="static bootstrap: one ADDR[:PORT] per line, rank 0 first (no MPI)")
+    sp.add_argument("--rank", type=int, default=None, help="this node's line in --hosts")
+    sp.add_argument("--token-file", default=None, help="static bootstrap: the job token file")
+    sp.add_argument("--new-token", default=None, metavar="FILE",
+                    help="write a new job token to FILE (for --token-file) and exit")
+    sp.add_argument("--bind", default=None, metavar="ADDR", help="address to listen on")
+    sp.add_argument("--interface", default=None, metavar="NAME",
+                    help="listen on this interface's address ($STAGEFS_INTERFACE)")
+    sp.add_argument("--port", type=int, default=None, help="port (default: any free one)")
+    sp.add_argument("--seed", type=int, default=0, help="placement seed (default 0)")
+    sp.add_argument("--progress", type=float, default=5.0, metavar="SECONDS",
+                    help="rank 0 reports staging progress this often (0: never)")
+    sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,
+                    help="use MPI to bootstrap (default: if an MPI launcher started us)")
+
+    sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory")
+    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
     return p
 
 

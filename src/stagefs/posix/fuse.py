@@ -29,6 +29,12 @@ __all__ = ["CACHE_TIMEOUT", "fuse_available", "is_mounted", "mount", "unmount"]
 log = logging.getLogger("stagefs.fuse")
 
 CACHE_TIMEOUT = 86400.0  # seconds: the dataset is immutable for the life of the mount
+# fuse_main's return codes (libfuse 3, lib/helper.c)
+_FUSE_MAIN_ERRORS = {
+    1: "invalid options", 2: "no mount point given", 3: "fuse_new failed",
+    4: "the kernel refused the mount (is /dev/fuse usable? are you allowed to mount?)",
+    5: "could not daemonise", 6: "could not set signal handlers", 7: "bad loop configuration",
+}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
@@ -169,8 +175,17 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
     if allow_other:
         opts["allow_other"] = True
     logging.getLogger("fuse").setLevel(logging.ERROR)  # ENOENT lookups are normal traffic
-    fusepy.FUSE(_operations(store), mp, foreground=True, nothreads=False, debug=debug,
-                **opts)
+    try:
+        fusepy.FUSE(_operations(store), mp, foreground=True, nothreads=False, debug=debug,
+                    **opts)
+    except RuntimeError as exc:
+        code = exc.args[0] if exc.args else None
+        if code == 8:  # libfuse: the loop ended on a signal (SIGINT/SIGTERM/SIGHUP); unmounted
+            log.info("stopped by a signal; %s unmounted", mp)
+            return
+        why = _FUSE_MAIN_ERRORS.get(code, f"libfuse error {code}") if isinstance(code, int) \
+            else str(exc)
+        raise ConfigError(f"could not mount at {mp}: {why}") from None
 
 
 def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
@@ -197,7 +212,7 @@ def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
                           "close the programs using it, or: umount -l)")
 
 
-def mount_background(prog: str, dataset: str, mountpoint: str, tiers: list[str] | None, *,
+def mount_background(dataset: str, mountpoint: str, tiers: list[str] | None, *,
                      allow_other: bool = False, timeout: float = 60.0) -> int:
     """Start ``stagefs mount --foreground`` as a detached process; return once mounted.
 
