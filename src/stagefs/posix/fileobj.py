@@ -79,10 +79,12 @@ class _RangeRaw(io.RawIOBase):
         return self._pos
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        base = (0, self._pos, self._size)[whence]
-        if base + pos < 0:
-            raise OSError(22, "Invalid argument (negative seek position)", self.name)
-        self._pos = base + pos
+        # as io.BytesIO (the small files' class), so both kinds of file behave the same
+        if whence not in (0, 1, 2):
+            raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
+        if whence == 0 and pos < 0:
+            raise ValueError(f"negative seek value {pos}")
+        self._pos = max(0, (0, self._pos, self._size)[whence] + pos)
         return self._pos
 
     def readinto(self, buf: Any) -> int:
@@ -105,6 +107,10 @@ class LargeFile(_Base, io.BufferedReader):
 
     def __init__(self, raw: _RangeRaw, buffering: int) -> None:
         io.BufferedReader.__init__(self, raw, buffering if buffering > 1 else 1 << 20)
+
+    def read(self, size: int | None = -1) -> bytes:
+        # as io.BytesIO (unlike io.BufferedReader): any negative size reads to the end
+        return io.BufferedReader.read(self, -1 if size is None or size < 0 else size)
 
     def __repr__(self) -> str:
         return f"<stagefs file {self.name!r} mode='rb'>"
