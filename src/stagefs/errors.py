@@ -11,6 +11,7 @@ the real file system would set it.
     │   ├── NotFoundError (FileNotFoundError)          ENOENT
     │   ├── IsADirectoryError_ (IsADirectoryError)     EISDIR
     │   ├── NotADirectoryError_ (NotADirectoryError)   ENOTDIR
+    │   ├── SymlinkLoopError (OSError)                 ELOOP: too many levels of symlinks
     │   └── ReadOnlyError (OSError)                    EROFS: stagefs never writes
     ├── FormatError (ValueError)               a pack on disk is not what the format says
     │   ├── UnsupportedVersionError                  written by a newer (or unknown) stagefs
@@ -56,6 +57,7 @@ __all__ = [
     "ReadOnlyError",
     "SourceChangedError",
     "StagefsError",
+    "SymlinkLoopError",
     "UnreadableSourceError",
     "UnsafeSymlinkError",
     "UnsupportedVersionError",
@@ -86,6 +88,10 @@ class IsADirectoryError_(PathError, IsADirectoryError):
 
 class NotADirectoryError_(PathError, NotADirectoryError):
     errno_value = errno.ENOTDIR
+
+
+class SymlinkLoopError(PathError):
+    errno_value = errno.ELOOP
 
 
 class ReadOnlyError(PathError):

@@ -14,7 +14,12 @@ from typing import Any
 import numpy as np
 
 from stagefs.config import env
-from stagefs.errors import IsADirectoryError_, NotADirectoryError_, NotFoundError
+from stagefs.errors import (
+    IsADirectoryError_,
+    NotADirectoryError_,
+    NotFoundError,
+    SymlinkLoopError,
+)
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
 
 __all__ = ["DirEntry", "Namespace", "PathArg", "normalize"]
@@ -127,7 +132,7 @@ class Namespace:
             if target == NO_INDEX:
                 raise NotFoundError(_show(path), "No such file or directory (dangling symlink)")
             e = target
-        raise NotFoundError(_show(path), "Too many levels of symbolic links")
+        raise SymlinkLoopError(_show(path))
 
     def _walk_components(self, key: bytes, path: PathArg) -> int:
         """Slow path for a key not in the table: a symlinked directory or a missing name."""
