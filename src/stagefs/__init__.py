@@ -1,5 +1,6 @@
 """stagefs: a transient, read-optimised, distributed file system for training data."""
 
+from stagefs.cluster.connect import connect
 from stagefs.errors import (
     ChecksumError,
     ConfigError,
@@ -24,6 +25,7 @@ __all__ = [
     "StagefsError",
     "Store",
     "__version__",
+    "connect",
     "intercept",
     "open",
     "pack",

@@ -115,6 +115,11 @@ class PeerClient:
         if not auth.verify(auth.server_proof(self._token, msg.nonce, nc), reply.mac):
             raise AuthenticationError(f"{self.name}: the server could not prove the job token")
 
+    def is_down(self) -> bool:
+        """Marked down after a recent failure (for a growing while): skip it for now."""
+        self._check_pid()
+        return time.monotonic() < self._down_until
+
     def _take(self) -> socket.socket:
         self._check_pid()
         if time.monotonic() < self._down_until:

@@ -1,0 +1,158 @@
+"""How the daemons of one job find each other: MPI, a static hosts file, or a node alone.
+
+Each bootstrap gives the daemon its rank and size, exchanges the server addresses (an
+allgather), hands out the job token (rank 0 makes it), and waits until every node has staged
+(a barrier). MPI (mpi4py) is imported only by ``MpiBootstrap``: this module is used by the
+daemon alone, never by training processes or their DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Protocol
+
+from stagefs.errors import ClusterError
+from stagefs.net import auth
+from stagefs.net.client import PeerClient
+from stagefs.tiers.base import SourceUnavailable
+
+__all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "StaticBootstrap"]
+
+
+class Bootstrap(Protocol):
+    rank: int
+    size: int
+    source: str
+
+    def token(self) -> bytes: ...
+
+    def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]: ...
+
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+        """Wait until every node has staged; False if stopped first."""
+        ...
+
+    def finished(self) -> bool:
+        """True if the process may exit normally (no collective left pending)."""
+        ...
+
+
+class SingleBootstrap:
+    source = "single"
+
+    def __init__(self, token_file: str | None = None) -> None:
+        self.rank, self.size = 0, 1
+        self._token = auth.read_token(token_file) if token_file else auth.new_token()
+
+    def token(self) -> bytes:
+        return self._token
+
+    def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
+        return [address]
+
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+        return not stop.is_set()
+
+    def finished(self) -> bool:
+        return True
+
+
+class MpiBootstrap:
+    """Ranks, allgather of addresses, broadcast of the token, a non-spinning barrier."""
+
+    source = "mpi"
+
+    def __init__(self) -> None:
+        try:
+            import mpi4py
+
+            mpi4py.rc.thread_level = "funneled"  # only the main thread calls MPI
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ClusterError(
+                "launched by an MPI launcher but mpi4py cannot be imported "
+                f"({exc}); install it with: pip install 'stagefs[mpi]'"
+            ) from None
+        self._mpi: Any = MPI
+        self.comm: Any = MPI.COMM_WORLD
+        self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
+        self._pending = False
+
+    def token(self) -> bytes:
+        tok = auth.new_token() if self.rank == 0 else None
+        got = self.comm.bcast(tok, root=0)
+        if not isinstance(got, bytes):
+            raise ClusterError("the job token broadcast from rank 0 failed")
+        return got
+
+    def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
+        return [(str(h), int(p)) for h, p in self.comm.allgather(address)]
+
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+        # Ibarrier + test with sleeps: a blocking MPI barrier would spin a core for as
+        # long as the slowest node stages
+        req = self.comm.Ibarrier()
+        self._pending = True
+        while not stop.is_set():
+            if req.Test():
+                self._pending = False
+                return True
+            time.sleep(0.05)
+        return False
+
+    def finished(self) -> bool:
+        return not self._pending
+
+
+class StaticBootstrap:
+    """A hosts file (rank i on line i) and a shared token file; no MPI.
+
+    The barrier asks every peer over the protocol until each says it has staged.
+    """
+
+    source = "static"
+
+    def __init__(self, hosts: list[tuple[str, int | None]], rank: int, token_file: str | None,
+                 default_port: int) -> None:
+        if not 0 <= rank < len(hosts):
+            raise ClusterError(f"--rank {rank} is not a line of the hosts file "
+                               f"({len(hosts)} hosts: ranks 0..{len(hosts) - 1})")
+        self.rank, self.size = rank, len(hosts)
+        self.hosts = [(h, p if p is not None else default_port) for h, p in hosts]
+        if not token_file:
+            raise ClusterError(
+                "the static bootstrap needs the job token in a file every node can read: "
+                "--token-file FILE (make one with 'stagefs serve --new-token FILE')"
+            )
+        self._token = auth.read_token(token_file)
+
+    def token(self) -> bytes:
+        return self._token
+
+    def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
+        return list(self.hosts)
+
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+        waiting = set(status)
+        while waiting and not stop.is_set():
+            for n in list(waiting):
+                try:
+                    if status[n].status().get("staging_done"):
+                        waiting.discard(n)
+                except SourceUnavailable:
+                    pass
+            if waiting:
+                stop.wait(0.2)
+        return not stop.is_set()
+
+    def finished(self) -> bool:
+        return True
+
+
+def new_token_file(path: str) -> None:
+    """Write a fresh job token for the static bootstrap (mode 0600)."""
+    if os.path.exists(path):
+        raise ClusterError(f"{path} exists; remove it or name another file")
+    auth.write_token(path, auth.new_token())

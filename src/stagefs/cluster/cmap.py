@@ -1,0 +1,103 @@
+"""The cluster map: what a daemon writes into its node's runtime directory for readers.
+
+``<runtime>/cluster.json`` (the map) and ``<runtime>/token`` (the job token, mode 0600),
+in a directory of mode 0700. Everything a training process needs to reach the whole
+dataset: the pack, every node's address, the placement parameters, this node's tiers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import stat
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stagefs.errors import ClusterError
+from stagefs.net.auth import read_token, write_token
+
+__all__ = ["MAP_NAME", "TOKEN_NAME", "ClusterMap", "load_runtime", "prepare_runtime",
+           "remove_runtime", "write_map"]
+
+MAP_NAME = "cluster.json"
+TOKEN_NAME = "token"
+MAP_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ClusterMap:
+    pack: str  # the pack directory (the origin), as every node sees it
+    pack_id: str  # hex
+    rank: int  # the node this runtime belongs to
+    nodes: list[tuple[str, int]]  # rank -> (address, port)
+    replicas: int
+    seed: int
+    everywhere: list[int]  # shards placed on every node (--replicate-all)
+    replicate_all: list[str]
+    tiers: list[tuple[str, int | None]]  # this node's tiers: directory, capacity
+    staged: bool = False
+    pid: int = 0
+    version: int = MAP_VERSION
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> ClusterMap:
+        try:
+            d = json.loads(text)
+            if d.get("version") != MAP_VERSION:
+                raise ClusterError(f"{where}: cluster map version {d.get('version')}; this "
+                                   f"stagefs reads {MAP_VERSION}: use the daemon's stagefs")
+            d["nodes"] = [(str(h), int(p)) for h, p in d["nodes"]]
+            d["tiers"] = [(str(p), None if c is None else int(c)) for p, c in d["tiers"]]
+            return cls(**d)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ClusterError(f"{where}: malformed cluster map ({exc})") from None
+
+
+def prepare_runtime(path: str) -> None:
+    """Create the runtime directory (0700, ours) or refuse one another user could enter."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise ClusterError(f"runtime directory {path} belongs to another user; name another "
+                           "with --runtime or STAGEFS_RUNTIME")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+def write_map(path: str, cmap: ClusterMap, token: bytes | None = None) -> None:
+    prepare_runtime(path)
+    if token is not None:
+        write_token(os.path.join(path, TOKEN_NAME), token)
+    target = os.path.join(path, MAP_NAME)
+    with open(target + ".partial", "w") as f:
+        f.write(cmap.to_json())
+    os.replace(target + ".partial", target)
+
+
+def load_runtime(path: str) -> tuple[ClusterMap, bytes]:
+    target = os.path.join(path, MAP_NAME)
+    try:
+        with open(target) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ClusterError(
+            f"no stagefs cluster at {path} (no {MAP_NAME}): start the daemons with "
+            "'stagefs serve' (docs/cluster.md), or point STAGEFS_RUNTIME at the runtime "
+            "directory given to --runtime"
+        ) from None
+    return ClusterMap.from_json(text, target), read_token(os.path.join(path, TOKEN_NAME))
+
+
+def remove_runtime(path: str) -> None:
+    for name in (MAP_NAME, TOKEN_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))

@@ -1,0 +1,298 @@
+"""The per-node daemon (``stagefs serve``): bootstrap, stage this node's shards, serve peers.
+
+One per node, launched by ``mpiexec -ppn 1`` / ``srun --ntasks-per-node=1`` (or with a
+static hosts file). Order of events: bootstrap (rank, size, token, addresses), placement
+(pure, the same on every node), the server starts (it serves while staging goes on),
+staging starts in a thread, the runtime directory is written for training processes (at
+once, or with ``--wait`` only when the whole cluster has staged), rank 0 reports progress,
+the "staged" barrier, then serve until SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from stagefs.cluster.bootstrap import (
+    Bootstrap,
+    MpiBootstrap,
+    SingleBootstrap,
+    StaticBootstrap,
+)
+from stagefs.cluster.cmap import ClusterMap, remove_runtime, write_map
+from stagefs.cluster.placement import place, shards_matching
+from stagefs.cluster.staging import NodeTiers, Stager
+from stagefs.cluster.world import detect, read_hosts, runtime_default, under_mpi
+from stagefs.config import format_size, parse_tier
+from stagefs.errors import ConfigError
+from stagefs.format import MANIFEST_NAME, Manifest
+from stagefs.net.client import PeerClient
+from stagefs.net.server import ShardServer
+from stagefs.tiers.base import SourceUnavailable
+
+__all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
+
+log = logging.getLogger("stagefs.daemon")
+DEFAULT_PORT = 7070
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    origin: str
+    tiers: Sequence[str]
+    replicas: int = 1
+    replicate_all: Sequence[str] = ()
+    runtime: str | None = None
+    wait: bool = False
+    hosts: str | None = None
+    rank: int | None = None
+    token_file: str | None = None
+    bind: str | None = None
+    interface: str | None = None
+    port: int | None = None
+    seed: int = 0
+    progress: float = 5.0
+    mpi: bool | None = None  # None: use MPI if an MPI launcher started us
+    forward_timeout: float = 600.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _bootstrap(o: ServeOptions) -> Bootstrap:
+    if o.hosts:
+        rank = o.rank if o.rank is not None else detect().rank
+        return StaticBootstrap(read_hosts(o.hosts), rank, o.token_file,
+                               o.port if o.port is not None else DEFAULT_PORT)
+    if o.mpi or (o.mpi is None and under_mpi()):
+        return MpiBootstrap()
+    return SingleBootstrap(o.token_file)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name``."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+    except OSError as exc:
+        raise ConfigError(f"interface {name!r}: no IPv4 address ({exc.strerror}); see "
+                          "'ip -4 addr' for the cluster interface's name") from None
+    finally:
+        s.close()
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _bind_address(o: ServeOptions, boot: Bootstrap) -> tuple[str, int]:
+    if isinstance(boot, StaticBootstrap):
+        host, port = boot.hosts[boot.rank]
+        return (o.bind or host), port
+    port = o.port if o.port is not None else 0
+    if o.bind:
+        return o.bind, port
+    iface = o.interface or os.environ.get("STAGEFS_INTERFACE")
+    if iface:
+        return interface_address(iface), port
+    if boot.size == 1:
+        return "127.0.0.1", port
+    try:
+        return socket.gethostbyname(socket.gethostname()), port
+    except OSError as exc:
+        raise ConfigError("cannot tell this node's cluster address from its host name; give "
+                          "--bind ADDR or --interface NAME") from exc
+
+
+class Daemon:
+    def __init__(self, o: ServeOptions) -> None:
+        self.o = o
+        self.stop = threading.Event()
+        self.state = "starting"
+        self.boot = _bootstrap(o)
+        self.rank, self.size = self.boot.rank, self.boot.size
+        self.pack = os.path.abspath(o.origin)
+        if not os.path.exists(os.path.join(self.pack, MANIFEST_NAME)):
+            raise ConfigError(f"{self.pack}: not a pack (no {MANIFEST_NAME}); cluster mode "
+                              f"serves packs: run 'stagefs pack SRC {self.pack}' first")
+        if not o.tiers:
+            raise ConfigError("give at least one --tier DIR[:SIZE] (node-local memory or disk)")
+        self.tier_specs = [parse_tier(t, rank=self.rank) for t in o.tiers]
+        raw_rt = o.runtime or runtime_default()
+        self.runtime = os.path.abspath(raw_rt.replace("{rank}", str(self.rank)))
+        self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
+        self.token = self.boot.token()
+        self.tiers = NodeTiers(self.tier_specs, self.manifest)
+        host, port = _bind_address(o, self.boot)
+        self.server = ShardServer(self.manifest, self.token, self.tiers.locate, host, port,
+                                  status=self.status)
+        self.nodes = self.boot.exchange(self.server.address)
+        self.everywhere = sorted(shards_matching(
+            ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
+              int(self.manifest.shard[e])) for e in self.manifest.files()),
+            list(o.replicate_all)))
+        self.placement = place(len(self.manifest.shards), self.size, o.replicas,
+                               everywhere=self.everywhere, seed=o.seed)
+        self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
+                                    name=f"node {n}", timeout=30.0)
+                      for n, (h, p) in enumerate(self.nodes) if n != self.rank}
+        self.stager = Stager(self.manifest, self.pack, self.placement.holders, self.rank,
+                             self.tiers, self.peers, self.stop, o.forward_timeout)
+        self.progress_unreachable = 0
+        self.staged_at = 0.0
+
+    # -- what STATUS answers ---------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        st = self.stager.stats.as_dict()
+        return {
+            "rank": self.rank, "size": self.size, "host": self.server.address[0],
+            "port": self.server.address[1], "pid": os.getpid(), "state": self.state,
+            "staging": st, "staging_done": self.stager.done.is_set(),
+            "staging_error": None if self.stager.error is None else str(self.stager.error),
+            "tiers": self.tiers.usage(), "pack": self.pack,
+            "peers_unreachable": st["peers_unreachable"] + self.progress_unreachable + sum(
+                c.stats.failures for c in self.peers.values()),
+            "checksum_failures": st["checksum_failures"],
+            "bootstrap": self.boot.source,
+        }
+
+    def cmap(self, staged: bool) -> ClusterMap:
+        return ClusterMap(
+            pack=self.pack, pack_id=self.manifest.pack_id.hex(), rank=self.rank,
+            nodes=list(self.nodes), replicas=self.placement.replicas, seed=self.o.seed,
+            everywhere=self.everywhere, replicate_all=list(self.o.replicate_all),
+            tiers=[(t.path, t.capacity) for t in self.tier_specs], staged=staged,
+            pid=os.getpid())
+
+    # -- running -------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self.server.start()
+        self.state = "staging"
+        stager = threading.Thread(target=self.stager.run, name="stagefs-stager", daemon=True)
+        stager.start()
+        if not self.o.wait:
+            write_map(self.runtime, self.cmap(False), self.token)
+        reporter = None
+        if self.rank == 0 and self.o.progress > 0:
+            reporter = threading.Thread(target=self._report, name="stagefs-progress",
+                                        daemon=True)
+            reporter.start()
+        _say(self.rank, f"node {self.rank}/{self.size} serving {self.pack} on "
+             f"{self.server.address[0]}:{self.server.address[1]}, "
+             f"{self.stager.stats.shards_assigned} shards "
+             f"({format_size(self.stager.stats.bytes_assigned)}) to stage")
+        while not self.stager.done.wait(0.2):
+            if self.stop.is_set():
+                break
+        if self.stager.error is not None:
+            _say(self.rank, f"staging failed: {self.stager.error}; reads of the shards "
+                 "not staged go to other nodes or the origin")
+        staged = self.boot.barrier(self.stop, self.peers)
+        if staged:
+            self.staged_at = time.time()
+            self.state = "staged"
+            write_map(self.runtime, self.cmap(True), self.token)
+            if reporter is not None:
+                reporter.join(timeout=10)
+            if self.rank == 0:
+                self._final_report()
+        while not self.stop.wait(0.5):
+            pass
+        self.state = "stopping"
+        self.close()
+        return 0
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+        for c in self.peers.values():
+            c.close()
+        remove_runtime(self.runtime)
+
+    def _gather(self) -> list[dict[str, Any] | None]:
+        out: list[dict[str, Any] | None] = []
+        for n in range(self.size):
+            if n == self.rank:
+                out.append(self.status())
+                continue
+            try:
+                out.append(self.peers[n].status())
+            except SourceUnavailable:
+                self.progress_unreachable += 1
+                out.append(None)
+        return out
+
+    def _report(self) -> None:
+        t0 = time.monotonic()
+        last_bytes, last_t = 0, t0
+        while not self.stop.wait(self.o.progress):
+            nodes = self._gather()
+            done = sum(s["staging"]["bytes_held"] for s in nodes if s)
+            total = sum(s["staging"]["bytes_assigned"] for s in nodes if s)
+            now = time.monotonic()
+            rate = (done - last_bytes) / (now - last_t) if now > last_t else 0.0
+            last_bytes, last_t = done, now
+            eta = (total - done) / rate if rate > 0 else float("inf")
+            fracs = {i: s["staging"]["bytes_held"] / max(1, s["staging"]["bytes_assigned"])
+                     for i, s in enumerate(nodes) if s}
+            mean = statistics.fmean(fracs.values()) if fracs else 0.0
+            lag = [f"node {i} ({f:.0%})" for i, f in sorted(fracs.items(), key=lambda x: x[1])
+                   if f < 0.75 * mean][:5]
+            lag += [f"node {i} (unreachable)" for i, s in enumerate(nodes) if s is None][:5]
+            eta_s = f"{eta:.0f} s" if eta != float("inf") else "?"
+            _say(0, f"staging: {format_size(done)} of {format_size(total)} "
+                 f"({done / max(total, 1):.0%}), {format_size(rate)}/s, ETA {eta_s}"
+                 + (f"; laggards: {', '.join(lag)}" if lag else ""))
+            if all(s and s["staging_done"] for s in nodes):
+                return
+
+    def _final_report(self) -> None:
+        nodes = self._gather()
+        ok = [s for s in nodes if s]
+        origin = sum(s["staging"]["origin_bytes"] for s in ok)
+        fwd = sum(s["staging"]["forwarded_bytes"] for s in ok)
+        held = sum(s["staging"]["bytes_held"] for s in ok)
+        dataset = sum(sh.size for sh in self.manifest.shards)
+        took = max((s["staging"]["finished"] - s["staging"]["started"] for s in ok),
+                   default=0.0)
+        _say(0, f"staged: {format_size(held)} on {len(ok)} nodes in {took:.1f} s; origin "
+             f"read {format_size(origin)} ({origin / max(dataset, 1):.2f}x the dataset), "
+             f"{format_size(fwd)} forwarded between nodes")
+
+
+def _say(rank: int, msg: str) -> None:
+    print(f"stagefs[{rank}]: {msg}", file=sys.stderr, flush=True)
+
+
+def serve(o: ServeOptions) -> int:
+    """Run the daemon until SIGTERM/SIGINT; return the exit code."""
+    if o.replicas < 1:
+        raise ConfigError(f"--replicas must be at least 1 (got {o.replicas})")
+    d = Daemon(o)
+
+    def _stop(signum: int, frame: object) -> None:
+        d.stop.set()
+
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = d.run()
+    finally:
+        d.stop.set()
+        for s, h in old.items():
+            signal.signal(s, h)
+    if not d.boot.finished():
+        # a collective is still pending (stopped before every node staged): finalizing MPI
+        # would wait for it forever, so leave without it
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+

@@ -1,0 +1,94 @@
+"""``stagefs status`` for a cluster: ask every daemon (STATUS over the protocol), one table."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from stagefs.cluster.cmap import MAP_NAME, ClusterMap, load_runtime
+from stagefs.cluster.world import runtime_default
+from stagefs.config import format_size
+from stagefs.net.client import PeerClient
+from stagefs.tiers.base import SourceUnavailable
+
+__all__ = ["cluster_status", "has_cluster", "print_cluster_status"]
+
+
+def has_cluster(runtime: str | None) -> bool:
+    path = os.path.abspath(runtime) if runtime else runtime_default()
+    return os.path.exists(os.path.join(path, MAP_NAME))
+
+
+def cluster_status(runtime: str | None, timeout: float = 3.0
+                   ) -> tuple[ClusterMap, list[dict[str, Any] | None]]:
+    """The cluster map of this node's runtime and every node's STATUS (None: unreachable)."""
+    path = os.path.abspath(runtime) if runtime else runtime_default()
+    cmap, token = load_runtime(path)
+    pack_id = bytes.fromhex(cmap.pack_id)
+
+    def ask(node: tuple[int, tuple[str, int]]) -> dict[str, Any] | None:
+        n, (host, port) = node
+        c = PeerClient(host, port, token, pack_id=pack_id, timeout=timeout,
+                       connect_timeout=timeout, name=f"node {n}")
+        try:
+            return c.status()
+        except SourceUnavailable:
+            return None
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(max_workers=min(32, max(1, cmap.size))) as ex:
+        nodes = list(ex.map(ask, enumerate(cmap.nodes)))
+    return cmap, nodes
+
+
+def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
+    addr = f"{cmap.nodes[n][0]}:{cmap.nodes[n][1]}"
+    if s is None:
+        return [str(n), addr, "unreachable", "-", "-", "-", "-", "-"]
+    st = s["staging"]
+    share = (f"{st['shards_held']}/{st['shards_assigned']} shards, "
+             f"{format_size(st['bytes_held'])} "
+             f"({st['bytes_held'] / max(1, st['bytes_assigned']):.0%})")
+    tiers = ", ".join(f"{format_size(t['used'])}/"
+                      f"{format_size(t['capacity']) if t['capacity'] else 'free'}"
+                      for t in s["tiers"])
+    return [str(n), addr, s["state"], share, tiers,
+            format_size(s["server"]["bytes_served"]), str(s["peers_unreachable"]),
+            str(s["checksum_failures"])]
+
+
+def print_cluster_status(runtime: str | None, *, as_json: bool = False,
+                         wait_staged: float | None = None) -> int:
+    """Print the cluster's state; with ``wait_staged``, first wait (up to that many seconds)
+    until every node has staged. Exit code 0 if every node answered (and staged, if asked)."""
+    deadline = time.monotonic() + (wait_staged or 0)
+    while True:
+        cmap, nodes = cluster_status(runtime)
+        staged = all(s is not None and s.get("state") == "staged" for s in nodes)
+        if wait_staged is None or staged or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if as_json:
+        print(json.dumps({"pack": cmap.pack, "nodes": nodes}, indent=1, sort_keys=True))
+    else:
+        head = ["node", "address", "state", "staged share", "tier use", "served",
+                "peers unreachable", "checksum failures"]
+        rows = [head] + [_row(n, cmap, s) for n, s in enumerate(nodes)]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        print(f"cluster of {cmap.size} nodes serving {cmap.pack} "
+              f"(replicas {cmap.replicas}{', replicate-all ' + ' '.join(cmap.replicate_all) if cmap.replicate_all else ''})")
+        for r in rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    down = sum(s is None for s in nodes)
+    if down:
+        print(f"{down} node(s) unreachable: reads of their shards go to replicas or the "
+              "origin", file=sys.stderr)
+    if wait_staged is not None and not staged:
+        print("not every node has staged yet", file=sys.stderr)
+        return 1
+    return 0 if not down else 1
