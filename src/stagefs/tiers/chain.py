@@ -114,6 +114,7 @@ class TierChain:
     def _init_threading(self) -> None:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._busy = False
         self._stats_path = os.path.join(self.runtime.stats, f"{os.getpid()}.{self.pack_id}.json")
         self._stats_at = 0.0
 
@@ -147,6 +148,7 @@ class TierChain:
         self._next_check.pop(shard, None)
         with self._cond:
             self._queued.discard(shard)
+        self._enqueue([shard], urgent=True)
 
     # -- placement --------------------------------------------------------------------------
 
@@ -182,11 +184,14 @@ class TierChain:
                 if self._closing:
                     return
                 shard = self._queue.popleft()
+                self._busy = True
             try:
                 self.place(shard)
             except Exception:  # never let the placer die silently: log and go on
                 log.exception("placing shard %d failed", shard)
                 self._failed.add(shard)
+            finally:
+                self._busy = False
             self._maybe_flush()
 
     def place(self, shard: int, progress: Callable[[int], None] | None = None) -> str:
@@ -337,7 +342,7 @@ class TierChain:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._cond:
-                idle = not self._queue and not self._partial.inflight
+                idle = not self._queue and not self._busy
             if idle:
                 return True
             time.sleep(0.01)

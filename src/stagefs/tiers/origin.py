@@ -48,6 +48,8 @@ class PackOrigin:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
+            if not os.path.isdir(self.pack_dir):  # the whole origin went away
+                raise SourceUnavailable(f"{self.pack_dir} is gone") from None
             raise NotFoundError(path, "shard file missing from the pack; re-pack") from None
         except OSError as exc:
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc

@@ -1,0 +1,52 @@
+"""What a job's tiers hold and what its processes did: the counters every process writes to
+the runtime directory, summed (``stagefs status``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from stagefs.runtime import Runtime
+from stagefs.tiers.tier import dir_bytes
+
+__all__ = ["job_status"]
+
+_TIER_COUNTERS = ("hits", "bytes", "placed", "placed_bytes", "dropped")
+_ORIGIN_COUNTERS = ("opens", "stats", "reads", "bytes_read")
+
+
+def _held(tier: str, pack_id: str) -> int:
+    try:
+        names = os.listdir(os.path.join(tier, pack_id))
+    except FileNotFoundError:
+        return 0
+    return sum(1 for n in names if n.endswith(".sfs"))
+
+
+def job_status(rt: Runtime) -> dict[str, Any]:
+    """Per tier: bytes used, shards held, hits, bytes served, shards placed and dropped;
+    per origin: misses, opens, stats, reads and bytes read; summed over the job's processes."""
+    tiers: dict[str, dict[str, Any]] = {}
+    for rec in rt.tier_records():
+        for t in rec.get("tiers", []):
+            row = tiers.setdefault(t, {"path": t, "shards_held": 0,
+                                       **dict.fromkeys(_TIER_COUNTERS, 0)})
+            row["shards_held"] += _held(t, rec["pack_id"])
+    for row in tiers.values():
+        row["bytes_used"] = dir_bytes(row["path"])
+    origins: dict[str, dict[str, Any]] = {}
+    for rec in rt.stat_records():
+        for path, counters in rec.get("tiers", {}).items():
+            held = tiers.get(path)
+            if held is not None:
+                for k in _TIER_COUNTERS:
+                    held[k] += int(counters.get(k, 0))
+        o = origins.setdefault(rec.get("origin", "?"), {"origin": rec.get("origin", "?"),
+                                                       "misses": 0, "processes": 0,
+                                                       **dict.fromkeys(_ORIGIN_COUNTERS, 0)})
+        o["misses"] += int(rec.get("misses", 0))
+        o["processes"] += 1
+        for k in _ORIGIN_COUNTERS:
+            o[k] += int(rec.get("origin_stats", {}).get(k, 0))
+    return {"runtime": rt.path, "job": rt.job, "live_processes": len(rt.live_processes()),
+            "tiers": list(tiers.values()), "origins": list(origins.values())}
