@@ -122,7 +122,7 @@ def split_local(
     pref = np.full(n, -1, dtype=np.int64)
     by_shard = np.argsort(pshard, kind="stable")
     sorted_shards = pshard[by_shard]
-    starts = np.flatnonzero(np.r_[True, sorted_shards[1:] != sorted_shards[:-1]]) if n else []
+    starts = np.flatnonzero(np.r_[True, sorted_shards[1:] != sorted_shards[:-1]]) if n else pool[:0]
     bounds = [*(int(s) for s in starts), n]
     hmap = _holders_of(holders)
     for a, b in itertools.pairwise(bounds):

@@ -1,0 +1,204 @@
+"""FileDataset: a map-style dataset of the files under one directory of a Store, laid out as
+torchvision's ImageFolder expects (one folder per class)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch.utils.data
+
+from stagefs.errors import ConfigError, NotFoundError
+from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
+from stagefs.store import Store
+from stagefs.store import open as open_store
+from stagefs.torch._prefetch import Prefetcher
+
+__all__ = ["FileDataset"]
+
+Target = Literal["folder", "path"] | None
+
+
+class FileDataset(torch.utils.data.Dataset[Any]):
+    """The files under ``root`` of a dataset, one class per sub-folder (sorted by name).
+
+    ``store_or_path``: a ``Store`` (from ``stagefs.open``) or the path to open. An item is
+    ``(sample, target)``: ``sample`` is ``transform(bytes)`` (the raw bytes without a
+    transform); ``target`` is the class index (``target="folder"``), the file's path in the
+    dataset (``"path"``), or nothing (``None``: the item is the sample alone).
+    ``classes``, ``class_to_idx`` and ``targets`` are ImageFolder's (``targets`` as a numpy
+    array). ``extensions``: keep only files ending so (case-insensitive), as ImageFolder.
+
+    Each process holds only numpy arrays of entry numbers into the memory-mapped manifest;
+    pickling (to spawned workers) sends the store's path and these arguments, not the arrays.
+    """
+
+    def __init__(
+        self,
+        store_or_path: Store | str | os.PathLike[str],
+        root: str = "train",
+        transform: Callable[[bytes], Any] | None = None,
+        target: Target = "folder",
+        *,
+        target_transform: Callable[[Any], Any] | None = None,
+        extensions: Sequence[str] | None = None,
+    ) -> None:
+        if target not in ("folder", "path", None):
+            raise ConfigError(f"target={target!r}: use 'folder', 'path' or None")
+        self.store = (store_or_path if isinstance(store_or_path, Store)
+                      else open_store(store_or_path))
+        self.root = root.strip("/")
+        self.transform, self.target_transform = transform, target_transform
+        self.target: Target = target
+        self.extensions = tuple(e.lower() for e in extensions) if extensions else None
+        self._prefetcher: Prefetcher | None = None
+        self._scan()
+
+    # -- the listing -----------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        ns, m = self.store.namespace, self.store.manifest
+        try:
+            top = ns.dir_entry(self.root)
+        except FileNotFoundError:
+            raise NotFoundError(self.root, f"No such directory in {self.store.pack_dir} "
+                                "(FileDataset's root)") from None
+        kinds = m.arrays["kind"]
+        class_dirs = [c for c in m.children(top) if ns.kind_of(c) == KIND_DIR]
+        self.classes: list[str] = [os.fsdecode(m.name_of(c)) for c in class_dirs]
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        parts: list[npt.NDArray[np.int64]] = []
+        labels: list[npt.NDArray[np.int64]] = []
+        for label, c in enumerate(class_dirs):
+            files = self._files_under(ns.follow(c, self.classes[label]), kinds)
+            parts.append(files)
+            labels.append(np.full(len(files), label, dtype=np.int64))
+        self.entries: npt.NDArray[np.int64] = (np.concatenate(parts) if parts
+                                               else np.zeros(0, np.int64))
+        self.targets: npt.NDArray[np.int64] = (np.concatenate(labels) if labels
+                                               else np.zeros(0, np.int64))
+        if not self.classes:
+            raise NotFoundError(self.root, f"No class folders under it in "
+                                f"{self.store.pack_dir} (FileDataset wants ROOT/CLASS/FILE)")
+        if not len(self.entries):
+            raise NotFoundError(self.root, "No files in its class folders"
+                                + (f" ending with {self.extensions}" if self.extensions else ""))
+
+    def _files_under(self, d: int, kinds: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
+        """Files below directory entry ``d``, in ImageFolder's order (sorted walk)."""
+        ns, m = self.store.namespace, self.store.manifest
+        found: list[tuple[bytes, npt.NDArray[np.int64]]] = []
+        stack = [d]
+        while stack:
+            cur = stack.pop()
+            r = m.children(cur)
+            k = kinds[r.start : r.stop]
+            files = r.start + np.flatnonzero(k == KIND_FILE).astype(np.int64)
+            for e in r.start + np.flatnonzero(k == KIND_SYMLINK):  # follow, as ImageFolder
+                kind = ns.kind_of(int(e))
+                if kind == KIND_FILE:
+                    files = np.append(files, ns.follow(int(e), m.path_of(int(e))))
+                elif kind == KIND_DIR:
+                    stack.append(ns.follow(int(e), m.path_of(int(e))))
+            stack.extend(int(e) for e in r.start + np.flatnonzero(k == KIND_DIR))
+            if self.extensions:
+                keep = [os.fsdecode(m.name_of(int(e))).lower().endswith(self.extensions)
+                        for e in files]
+                files = files[np.asarray(keep, dtype=bool)] if len(files) else files
+            found.append((m.path_of(cur), files))
+        found.sort(key=lambda t: t[0])
+        return np.concatenate([f for _, f in found]).astype(np.int64)
+
+    def path_of(self, i: int) -> str:
+        """Sample ``i``'s path in the dataset."""
+        return os.fsdecode(self.store.manifest.path_of(int(self.entries[i])))
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """ImageFolder's ``samples``: (path, class index) for every sample (built on demand)."""
+        return [(self.path_of(i), int(t)) for i, t in enumerate(self.targets)]
+
+    def shard_of(self) -> npt.NDArray[np.int64]:
+        """The shard holding each sample."""
+        return np.asarray(self.store.manifest.arrays["shard"][self.entries], dtype=np.int64)
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        """Each sample's size in bytes."""
+        return np.asarray(self.store.manifest.arrays["size"][self.entries], dtype=np.int64)
+
+    # -- items -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def read_samples(self, indices: Sequence[int]) -> list[bytes]:
+        """The bytes of samples ``indices``, in one batched read (Store.read_many)."""
+        path_of = self.store.manifest.path_of
+        return self.store.read_many([path_of(int(self.entries[i])) for i in indices])
+
+    def _item(self, i: int, data: bytes) -> Any:
+        sample = self.transform(data) if self.transform is not None else data
+        if self.target is None:
+            return sample
+        t: Any = int(self.targets[i]) if self.target == "folder" else self.path_of(i)
+        if self.target_transform is not None:
+            t = self.target_transform(t)
+        return sample, t
+
+    def _ahead(self) -> Prefetcher | None:
+        p = self._prefetcher
+        if p is None or p.pid != os.getpid():  # a forked copy: its threads are not here
+            return None
+        return p.start()
+
+    def __getitem__(self, i: int) -> Any:
+        i = _index(i, len(self.entries))
+        p = self._ahead()
+        data = p.take(i) if p is not None else None
+        if data is None:
+            data = self.store.read_entry(int(self.entries[i]))
+        return self._item(i, data)
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """A batch in one call (the DataLoader's batched fetch): one Store.read_many."""
+        idx = [_index(i, len(self.entries)) for i in indices]
+        p = self._ahead()
+        got: list[bytes | None] = [p.take(i) for i in idx] if p is not None else [None] * len(idx)
+        missing = [k for k, d in enumerate(got) if d is None]
+        if missing:
+            for k, d in zip(missing, self.read_samples([idx[k] for k in missing]), strict=True):
+                got[k] = d
+        return [self._item(i, d) for i, d in zip(idx, got, strict=True)]  # type: ignore[arg-type]
+
+    def _set_prefetcher(self, p: Prefetcher | None) -> None:
+        old, self._prefetcher = self._prefetcher, p
+        if old is not None and old is not p and old.pid == os.getpid():
+            old.close()
+
+    # -- pickling: the store reopens by path; the listing is rebuilt from the shared mmap ---
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"store": self.store, "root": self.root, "transform": self.transform,
+                "target": self.target, "target_transform": self.target_transform,
+                "extensions": self.extensions}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._prefetcher = None
+        self._scan()
+
+    def __repr__(self) -> str:
+        return (f"<stagefs.torch.FileDataset {self.store.pack_dir!r} root={self.root!r}: "
+                f"{len(self.entries)} files, {len(self.classes)} classes>")
+
+
+def _index(i: Any, n: int) -> int:
+    k = int(i)
+    if k < 0:
+        k += n
+    if not 0 <= k < n:
+        raise IndexError(f"sample index {i} out of range (the dataset has {n})")
+    return k

@@ -1,0 +1,157 @@
+"""Clairvoyant read-ahead: the bytes of the samples a rank will ask for next, read into
+memory ahead of use by a few threads, never holding more than a byte budget.
+
+The sampler knows the order; the reader is passed in as a function (sample indices → their
+bytes), so this module knows nothing of stores or torch. Bytes are held until taken once;
+a sample asked for before its read-ahead started is simply read by the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["PrefetchStats", "Prefetcher"]
+
+Reader = Callable[[Sequence[int]], list[bytes]]
+
+
+@dataclass
+class PrefetchStats:
+    hits: int = 0  # samples served from read-ahead
+    misses: int = 0  # samples the caller had to read itself
+    waits: int = 0  # takes that waited for a read already in flight
+    read: int = 0  # samples read ahead
+    bytes_read: int = 0
+    errors: int = 0  # read-ahead reads that failed (the caller then reads, and sees the error)
+    peak_bytes: int = 0  # the most bytes held or reserved at once
+
+
+class Prefetcher:
+    """Read ``order``'s samples ahead of ``take``, within ``budget`` bytes.
+
+    ``sizes[i]`` is sample i's size in memory. Reads are claimed in order, ``chunk`` samples
+    at a time, by ``threads`` threads; a claim reserves its bytes first, so the bytes held
+    plus the bytes being read never exceed ``budget`` (a sample larger than the whole budget
+    is never read ahead). ``take(i)`` must be called in ``order``'s order.
+    """
+
+    def __init__(self, read: Reader, sizes: npt.NDArray[np.int64], order: npt.NDArray[np.int64],
+                 budget: int, *, chunk: int = 16, threads: int = 4) -> None:
+        if budget <= 0:
+            raise ValueError(f"prefetch budget must be positive, not {budget}")
+        self.budget, self.chunk, self.nthreads = budget, max(1, chunk), max(1, threads)
+        self.order = np.asarray(order, dtype=np.int64)
+        self.pid = os.getpid()
+        self.stats = PrefetchStats()
+        self._read, self._sizes = read, sizes
+        self._cv = threading.Condition()
+        self._ready: dict[int, bytes] = {}
+        self._pending: set[int] = set()
+        self._used = 0
+        self._pos = 0  # takes so far: the consumer's position in order
+        self._next = 0  # the producers' position in order
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def used(self) -> int:
+        """Bytes held or reserved now."""
+        return self._used
+
+    def start(self) -> Prefetcher:
+        if not self._threads and not self._closed:
+            for k in range(self.nthreads):
+                t = threading.Thread(target=self._run, name=f"stagefs-prefetch-{k}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def take(self, i: int) -> bytes | None:
+        """Sample ``i``'s bytes if read ahead (waiting for a read in flight), else None."""
+        with self._cv:
+            self._pos += 1
+            if i in self._pending:
+                self.stats.waits += 1
+                while i in self._pending and not self._closed:
+                    self._cv.wait(0.1)
+            data = self._ready.pop(i, None)
+            if data is None:
+                self.stats.misses += 1
+                self._cv.notify_all()  # the producers may now skip ahead
+                return None
+            self._used -= len(data)
+            self.stats.hits += 1
+            self._cv.notify_all()
+            return data
+
+    def _claim(self) -> list[int] | None:
+        """Under the lock: reserve the next chunk, or None when there is nothing left."""
+        n = len(self.order)
+        while not self._closed:
+            self._next = max(self._next, self._pos)
+            claim: list[int] = []
+            need = 0
+            while self._next < n and len(claim) < self.chunk:
+                i = int(self.order[self._next])
+                size = int(self._sizes[i])
+                if i in self._ready or i in self._pending or i in claim or size > self.budget:
+                    self._next += 1
+                    continue
+                if self._used + need + size > self.budget:
+                    break
+                claim.append(i)
+                need += size
+                self._next += 1
+            if claim:
+                self._used += need
+                self.stats.peak_bytes = max(self.stats.peak_bytes, self._used)
+                self._pending.update(claim)
+                return claim
+            if self._next >= n:
+                return None
+            self._cv.wait(0.1)  # the budget is full: wait for takes
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                claim = self._claim()
+            if claim is None:
+                return
+            try:
+                datas = self._read(claim)
+            except Exception:  # the caller reads it again and sees the error itself
+                datas = None
+            with self._cv:
+                for k, i in enumerate(claim):
+                    self._pending.discard(i)
+                    reserved = int(self._sizes[i])
+                    data = datas[k] if datas is not None else None
+                    if data is None or self._closed or len(data) != reserved:
+                        self.stats.errors += data is None
+                        self._used -= reserved
+                        continue
+                    self._ready[i] = data
+                    self.stats.read += 1
+                    self.stats.bytes_read += reserved
+                self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._ready.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
+        self._used = 0
+
+    def __repr__(self) -> str:
+        return (f"<Prefetcher {self._pos}/{len(self.order)} taken, {self._used} of "
+                f"{self.budget} bytes, {self.stats}>")

@@ -1,0 +1,256 @@
+"""Sampler: a distributed sampler that knows this epoch's order and the next one's.
+
+The order itself is computed by stagefs._sampling (pure, property-tested); this module finds
+the rank and world size, learns which shards each rank's node holds, drives the prefetching
+and keeps the resumable state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch.distributed as dist
+import torch.utils.data
+
+from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
+from stagefs.config import parse_size
+from stagefs.errors import ConfigError
+from stagefs.torch._prefetch import Prefetcher
+
+__all__ = ["Sampler"]
+
+_STATE_VERSION = 1
+DEFAULT_BUDGET = 256 * 2**20
+Holders = tuple[tuple[int, ...], ...]
+
+
+def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
+    if rank is not None or world is not None:
+        if rank is None or world is None or not 0 <= rank < world:
+            raise ConfigError(f"rank={rank}, world_size={world}: give both, with "
+                              "0 <= rank < world_size")
+        return rank, world
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    try:
+        found = rank_world()
+    except ValueError as exc:
+        raise ConfigError(f"cannot tell this process's rank: {exc}") from None
+    return found or (0, 1)
+
+
+class Sampler(torch.utils.data.Sampler[int]):
+    """Yields this rank's sample indices of ``dataset`` for the current epoch.
+
+    Every sample is yielded exactly once per epoch across all ranks; with
+    ``drop_last=False`` each rank yields ceil(n / W) indices (the up to W - 1 extra ones
+    repeat samples, as torch's DistributedSampler), with ``drop_last=True`` floor(n / W).
+    Rank and world size: ``rank``/``world_size`` if given, else torch.distributed when it
+    is initialised, else RANK/WORLD_SIZE, SLURM_PROCID/SLURM_NTASKS,
+    OMPI_COMM_WORLD_RANK/SIZE or PMI_RANK/SIZE, else a single rank.
+
+    ``locality=True``: each rank gets the samples of the shards its node holds first
+    (``Store.held_shards()``, gathered from every rank through torch.distributed, or given
+    as ``held_by[rank]``), shuffled in windows of ``window`` shards (docs/torch.md states
+    the bound on the randomness lost). ``local_fraction`` tells the share it got.
+
+    ``prefetch``: a byte budget ("512MiB", an int, or True for 256 MiB). Each epoch the
+    store is asked to stage the shards in the order this epoch and the next will first use
+    them (``Store.prefetch``), and the next samples' bytes are read ahead into memory for
+    a dataset read in this process (num_workers=0), never more than the budget.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        locality: bool = False,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        window: int = 8,
+        prefetch: bool | int | str | None = None,
+        prefetch_threads: int = 4,
+        held_by: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.n = len(dataset)
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.locality, self.window = bool(locality), int(window)
+        self.rank, self.world_size = _rank_world(rank, world_size)
+        if held_by is not None and len(held_by) != self.world_size:
+            raise ConfigError(f"held_by has {len(held_by)} entries for {self.world_size} ranks")
+        self._held_by = held_by
+        self.budget = self._budget(prefetch)
+        self.prefetch_threads = prefetch_threads
+        if (self.locality or self.budget) and not hasattr(dataset, "shard_of"):
+            raise ConfigError("locality and prefetch need a stagefs dataset (FileDataset)")
+        self._shard_of: npt.NDArray[np.int64] | None = (
+            dataset.shard_of() if hasattr(dataset, "shard_of") else None)
+        self.epoch = 0
+        self._segments: list[Segment] | None = None  # None: from the epoch's start
+        self._plan: Plan | None = None
+        self._yielded = 0  # indices yielded since this epoch's start or the resume point
+        self.prefetcher: Prefetcher | None = None
+
+    @staticmethod
+    def _budget(prefetch: bool | int | str | None) -> int:
+        if prefetch is None or prefetch is False:
+            return 0
+        if prefetch is True:
+            return DEFAULT_BUDGET
+        return parse_size(prefetch)
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (call it on every rank, every epoch)."""
+        self.epoch = int(epoch)
+        self._segments = None
+        self._plan = None
+        self._yielded = 0
+
+    def _holders(self) -> Holders | None:
+        if not self.locality:
+            return None
+        if self._held_by is not None:
+            return tuple(tuple(sorted(int(s) for s in h)) for h in self._held_by)
+        held = getattr(self.dataset.store, "held_shards", None)
+        mine = tuple(sorted(int(s) for s in held())) if held is not None else ()
+        if self.world_size == 1:
+            return (mine,)
+        if dist.is_available() and dist.is_initialized():
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, mine)
+            return tuple(tuple(h) for h in out)
+        raise ConfigError(
+            f"locality=True with {self.world_size} ranks needs to know what every rank's node "
+            "holds: initialise torch.distributed first, or pass held_by=[shards of rank 0, ...]"
+        )
+
+    def plan(self) -> Plan:
+        """This epoch's plan for every rank (computed once per epoch)."""
+        if self._plan is None:
+            holders = self._holders()
+            segs = list(self._segments or [])
+            if not segs or segs[-1].world != self.world_size or segs[-1].holders != holders:
+                segs.append(Segment(self.world_size, 0, holders))
+            self._segments = segs
+            self._plan = Plan(self.n, self.seed, self.epoch, self.shuffle, self.drop_last, segs,
+                              self._shard_of, self.window)
+        return self._plan
+
+    def order(self) -> npt.NDArray[np.int64]:
+        """The indices this rank will yield in this epoch (from the resume point)."""
+        return self.plan().remaining(self.rank)
+
+    def next_order(self) -> npt.NDArray[np.int64]:
+        """The indices this rank will yield in the next epoch (with today's holders)."""
+        segs = [Segment(self.world_size, 0, self.plan().segments[-1].holders)]
+        return Plan(self.n, self.seed, self.epoch + 1, self.shuffle, self.drop_last, segs,
+                    self._shard_of, self.window).remaining(self.rank)
+
+    @property
+    def local_fractions(self) -> list[float]:
+        """For every rank, the share of its samples (this epoch) that its node holds."""
+        plan = self.plan()
+        holders = plan.segments[-1].holders
+        if holders is None or self._shard_of is None:
+            raise ConfigError("local_fraction is measured only with locality=True")
+        return local_fraction(plan.orders(), self._shard_of, holders)
+
+    @property
+    def local_fraction(self) -> float:
+        """The share of this rank's samples (this epoch) that its node holds."""
+        return self.local_fractions[self.rank]
+
+    def __len__(self) -> int:
+        return len(self.order())
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.order()
+        self._yielded = 0
+        self._start_prefetch(order)
+        for i in order.tolist():
+            self._yielded += 1
+            yield i
+        # the epoch is done: iterating again without set_epoch repeats it from its start
+        self._segments, self._plan, self._yielded = None, None, 0
+
+    # -- prefetching -----------------------------------------------------------------------
+
+    def _start_prefetch(self, order: npt.NDArray[np.int64]) -> None:
+        if not self.budget or self._shard_of is None:
+            return
+        stage = getattr(self.dataset.store, "prefetch", None)
+        if stage is not None:  # shards in order of first use: this epoch, then the next
+            both = np.concatenate([order, self.next_order()])
+            stage([int(s) for s in first_use(both, self._shard_of)])
+        p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
+                       threads=self.prefetch_threads)
+        self.prefetcher = p
+        self.dataset._set_prefetcher(p)  # started on first use in this process
+
+    # -- resumable state -------------------------------------------------------------------
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, Any]:
+        """Where this epoch stands, to resume from with ``load_state_dict``.
+
+        ``consumed``: samples consumed by the training loop on all ranks together since
+        this iteration started (batches_seen * batch_size * world_size). Without it, what
+        this sampler has yielded times world_size is used: exact with num_workers=0, ahead
+        of the training loop with workers (they fetch a few batches in advance).
+        """
+        plan = self.plan()
+        k = self._yielded if consumed is None else int(consumed) // self.world_size
+        segs = list(plan.segments)
+        last = segs[-1]
+        segs[-1] = Segment(last.world, last.consumed + k, last.holders)
+        return {
+            "version": _STATE_VERSION, "n": self.n, "seed": self.seed, "epoch": self.epoch,
+            "shuffle": self.shuffle, "drop_last": self.drop_last, "locality": self.locality,
+            "window": self.window,
+            "segments": [[s.world, s.consumed, None if s.holders is None
+                          else [list(h) for h in s.holders]] for s in segs],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume mid-epoch: the next iteration yields only what no rank consumed yet.
+
+        The world size (and, with locality, the holdings) may differ from the run that
+        saved the state; the remaining samples are then dealt out afresh among the ranks.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"sampler state version {state.get('version')!r}; this stagefs "
+                              f"reads version {_STATE_VERSION}")
+        for key in ("n", "seed", "shuffle", "drop_last", "locality", "window"):
+            if state[key] != getattr(self, key):
+                raise ConfigError(f"sampler state has {key}={state[key]!r} but this sampler "
+                                  f"has {getattr(self, key)!r}: it is another run's state")
+        self.epoch = int(state["epoch"])
+        self._segments = [
+            Segment(int(w), int(c), None if h is None else tuple(tuple(x) for x in h))
+            for w, c, h in state["segments"]]
+        self._plan = None
+        self._yielded = 0
+
+    def __repr__(self) -> str:
+        return (f"<stagefs.torch.Sampler rank {self.rank}/{self.world_size} epoch {self.epoch}"
+                f" seed {self.seed}{' locality' if self.locality else ''}>")
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.dataset._set_prefetcher(None)
+            self.prefetcher = None
+
+    def __del__(self) -> None:
+        p = getattr(self, "prefetcher", None)
+        if p is not None and p.pid == os.getpid():
+            p.close()

@@ -1,0 +1,131 @@
+"""Data-stall accounting: how long each training step waited for its batch.
+
+Wrap the loader; iterating the wrapper times each ``next()`` (the wait for data) and the
+time between batches (the step itself). An epoch's stall share is wait / (wait + step), the
+measure of DS-Analyzer. Each finished epoch is also written to
+``$STAGEFS_RUNTIME/stall-<pid>.json`` (when the variable is set) for ``stagefs status``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any, Generic, TypeVar
+
+from stagefs.config import env
+
+__all__ = ["EpochStall", "StallMeter"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class EpochStall:
+    """One epoch (one pass over the loader) of a training loop."""
+
+    epoch: int
+    steps: int
+    wait_s: float  # time spent waiting for batches, the first one included
+    step_s: float  # time spent in the loop body, between batches
+    first_wait_s: float  # the wait for the first batch (worker start-up, first reads)
+
+    @property
+    def total_s(self) -> float:
+        return self.wait_s + self.step_s
+
+    @property
+    def stall(self) -> float:
+        """Share of the epoch spent waiting for data."""
+        return self.wait_s / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def steady_stall(self) -> float:
+        """The stall share without the first batch's wait."""
+        rest = self.total_s - self.first_wait_s
+        return (self.wait_s - self.first_wait_s) / rest if rest > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "stall": self.stall, "steady_stall": self.steady_stall}
+
+    def __str__(self) -> str:
+        return (f"epoch {self.epoch}: {self.steps} steps, data stall {self.stall:.1%} "
+                f"({self.wait_s:.2f} s waiting, {self.step_s:.2f} s in steps; "
+                f"{self.steady_stall:.1%} after the first batch)")
+
+
+class StallMeter(Generic[T]):
+    """Iterate ``loader`` through this to measure the data stall of every epoch.
+
+    ``meter.epochs`` lists the finished epochs, ``meter.last`` the latest one. ``runtime``:
+    the directory to write ``stall-<pid>.json`` into (default ``$STAGEFS_RUNTIME``; none
+    is written when neither is set).
+    """
+
+    def __init__(self, loader: Iterable[T], *, runtime: str | None = None,
+                 rank: int | None = None) -> None:
+        self.loader = loader
+        self.runtime = runtime or env("RUNTIME")
+        self.rank = rank
+        self.epochs: list[EpochStall] = []
+
+    @property
+    def last(self) -> EpochStall | None:
+        return self.epochs[-1] if self.epochs else None
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[T]:
+        clock = time.perf_counter
+        wait = step = first = 0.0
+        steps = 0
+        it = iter(self.loader)
+        prev: float | None = None
+        try:
+            while True:
+                t0 = clock()
+                if prev is not None:
+                    step += t0 - prev
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    wait += clock() - t0
+                    prev = None
+                    break
+                t1 = clock()
+                wait += t1 - t0
+                if steps == 0:
+                    first = t1 - t0
+                steps += 1
+                prev = t1
+                yield batch
+        finally:  # also when the loop is left early
+            if prev is not None:
+                step += clock() - prev
+            self._record(EpochStall(len(self.epochs), steps, wait, step, first))
+
+    def _record(self, e: EpochStall) -> None:
+        self.epochs.append(e)
+        if self.runtime:
+            self.write(os.path.join(self.runtime, f"stall-{os.getpid()}.json"))
+
+    def write(self, path: str) -> None:
+        """Write every finished epoch to ``path`` as JSON (atomically)."""
+        doc = {"pid": os.getpid(), "rank": self.rank, "updated": time.time(),
+               "epochs": [e.as_dict() for e in self.epochs]}
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        partial = path + ".partial"
+        with open(partial, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(partial, path)
+
+    def report(self) -> str:
+        """A table of every finished epoch."""
+        from stagefs.bench.table import table
+
+        return table(["epoch", "steps", "wait s", "step s", "stall", "after 1st batch"],
+                     [[e.epoch, e.steps, f"{e.wait_s:.2f}", f"{e.step_s:.2f}",
+                       f"{e.stall:.1%}", f"{e.steady_stall:.1%}"] for e in self.epochs])
