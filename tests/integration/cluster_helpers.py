@@ -41,3 +41,100 @@ def mpiexec() -> str | None:
         return None
     ok = subprocess.run([sys.executable, "-c", "import mpi4py"], capture_output=True, timeout=60)
     return exe if ok.returncode == 0 else None
+
+
+def write_expected(workdir: str, content: dict[str, bytes]) -> None:
+    """What the readers must see: the xxh3 of every file's origin bytes."""
+    import json
+
+    from xxhash import xxh3_64_hexdigest
+
+    with open(os.path.join(workdir, "expected.json"), "w") as f:
+        json.dump({p: xxh3_64_hexdigest(d) for p, d in content.items()}, f)
+
+
+def serve_args(workdir: str, pack: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "stagefs.cli", "serve", pack,
+            "--tier", os.path.join(workdir, "node{rank}", "mem") + ":256MiB",
+            "--runtime", os.path.join(workdir, "rt{rank}"), "--progress", "1", *extra]
+
+
+def start(cmd: list[str], log: str, **kw: object) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - handed to the child, closed by the OS at its exit
+    try:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, **kw)  # type: ignore[call-overload]
+    finally:
+        out.close()
+
+
+def cluster_maps(workdir: str, n: int) -> list[dict[str, object] | None]:
+    import json
+
+    out: list[dict[str, object] | None] = []
+    for r in range(n):
+        try:
+            with open(os.path.join(workdir, f"rt{r}", "cluster.json")) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            out.append(None)
+    return out
+
+
+def wait_staged(workdir: str, n: int, proc: subprocess.Popen[bytes], timeout: float = 90,
+                log: str | None = None) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        maps = cluster_maps(workdir, n)
+        if all(m is not None and m.get("staged") for m in maps):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    text = tail(log) if log else ""
+    raise AssertionError(f"cluster did not stage (exit {proc.poll()}):\n{text}")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int | None = None, timeout: float = 20) -> int:
+    """SIGTERM (or ``sig``) to the launched process group; SIGKILL if it does not end."""
+    import signal
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig or signal.SIGTERM)
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return proc.wait(timeout)
+
+
+def results(workdir: str, n: int) -> list[dict[str, int]]:
+    import json
+
+    out = []
+    for r in range(n):
+        with open(os.path.join(workdir, f"result{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def status_json(workdir: str, rank: int = 0) -> dict[str, object]:
+    import json
+
+    p = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                        os.path.join(workdir, f"rt{rank}"), "--json"], capture_output=True,
+                       timeout=60, text=True)
+    assert p.returncode in (0, 1), p.stderr
+    return dict(json.loads(p.stdout))
+
+
+def tail(path: str, n: int = 3000) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""

@@ -1,0 +1,137 @@
+"""Real MPI jobs on this machine: ``mpiexec -n 3`` and ``-n 4`` daemons, each rank its own
+node directory and port on 127.0.0.1, readers on every rank, a daemon killed mid-read."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from cluster_helpers import (
+    make_pack,
+    mpiexec,
+    results,
+    serve_args,
+    start,
+    status_json,
+    stop,
+    tail,
+    wait_staged,
+    write_expected,
+)
+
+MPIEXEC = mpiexec()
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.integration,
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec or mpi4py not installed "
+                       "(pip install 'stagefs[mpi]')"),
+]
+READER = str(Path(__file__).with_name("cluster_reader.py"))
+
+
+def _readers(workdir: str, n: int, rounds: int) -> subprocess.Popen[bytes]:
+    assert MPIEXEC is not None
+    return start([MPIEXEC, "-n", str(n), sys.executable, READER, workdir, str(rounds)],
+                 os.path.join(workdir, "readers.log"))
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_every_rank_reads_every_file(tmp_path: Path, n: int) -> None:
+    work = str(tmp_path)
+    pack, content = make_pack(work, files=120)
+    write_expected(work, content)
+    dataset = sum(os.path.getsize(os.path.join(pack, f)) for f in os.listdir(pack)
+                  if f.endswith(".sfs"))
+    log = os.path.join(work, "daemons.log")
+    assert MPIEXEC is not None
+    daemons = start([MPIEXEC, "-n", str(n), *serve_args(work, pack, "--bind", "127.0.0.1",
+                                                          "--replicas", "2",
+                                                          "--replicate-all", "val")], log)
+    try:
+        wait_staged(work, n, daemons, log=log)
+        st = status_json(work, 1)
+        nodes = st["nodes"]
+        assert isinstance(nodes, list) and len(nodes) == n and all(nodes)
+        assert len({(s["host"], s["port"]) for s in nodes}) == n  # its own port each
+        assert all(s["state"] == "staged" for s in nodes)
+        origin = sum(s["staging"]["origin_bytes"] for s in nodes)
+        forwarded = sum(s["staging"]["forwarded_bytes"] for s in nodes)
+        # each origin byte read once although every shard is on 2 nodes (val/ on all)
+        assert origin == dataset, (origin, dataset)
+        assert forwarded >= dataset
+        counts = [s["staging"]["shards_assigned"] for s in nodes]
+        assert max(counts) - min(counts) <= 1
+        # each rank's node directory holds its own shards in the agreed layout
+        for r in range(n):
+            d = os.path.join(work, f"node{r}", "mem")
+            held = [f for sub in os.listdir(d) for f in os.listdir(os.path.join(d, sub))]
+            assert len(held) == nodes[r]["staging"]["shards_held"]
+            assert not [f for f in held if f.endswith(".partial")]
+            assert os.stat(os.path.join(work, f"rt{r}")).st_mode & 0o777 == 0o700
+            assert os.stat(os.path.join(work, f"rt{r}", "token")).st_mode & 0o777 == 0o600
+
+        readers = _readers(work, n, 2)
+        assert readers.wait(240) == 0, tail(os.path.join(work, "readers.log"))
+        for res in results(work, n):
+            assert res["bad"] == 0
+            assert res["workers_ok"] == 2  # forked and spawned workers read correctly
+            assert res["origin_bytes"] == 0  # everything from this node or a peer
+            assert res["local_hits"] > 0 and res["peer_bytes"] > 0
+        st = status_json(work, 0)
+        assert sum(s["server"]["bytes_served"] for s in st["nodes"]) > 0
+
+        # a wrong token is refused by every daemon
+        from stagefs.errors import AuthenticationError
+        from stagefs.net.auth import new_token
+        from stagefs.net.client import PeerClient
+
+        for s in st["nodes"]:
+            c = PeerClient(s["host"], s["port"], new_token())
+            with pytest.raises(AuthenticationError):
+                c.read([(0, 0, 8)])
+            c.close()
+        st = status_json(work, 0)
+        assert all(s["server"]["auth_failures"] >= 1 for s in st["nodes"])
+    finally:
+        code = stop(daemons)
+    assert code == 0, tail(log)  # SIGTERM: a clean stop of every rank
+    assert not os.path.exists(os.path.join(work, "rt0", "cluster.json"))
+
+
+def test_daemon_killed_during_reads(tmp_path: Path) -> None:
+    n = 3
+    work = str(tmp_path)
+    pack, content = make_pack(work, files=120)
+    write_expected(work, content)
+    log = os.path.join(work, "daemons.log")
+    assert MPIEXEC is not None
+    daemons = start([MPIEXEC, "-disable-auto-cleanup", "-n", str(n),
+                     *serve_args(work, pack, "--bind", "127.0.0.1", "--replicas", "2")], log)
+    readers = None
+    try:
+        wait_staged(work, n, daemons, log=log)
+        import json
+
+        with open(os.path.join(work, "rt1", "cluster.json")) as f:
+            victim = json.load(f)["pid"]
+        readers = _readers(work, n, 6)
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(os.path.join(work, f"reading{r}")) for r in range(n)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(victim, signal.SIGKILL)
+        assert readers.wait(300) == 0, tail(os.path.join(work, "readers.log"))
+        for res in results(work, n):
+            assert res["bad"] == 0, res  # exactly the origin's bytes, whatever died
+            assert res["checksum_failures"] == 0
+    finally:
+        if readers is not None:
+            stop(readers)
+        stop(daemons)
