@@ -1,0 +1,186 @@
+"""Front-end benchmark: random-order reads and stats of an ImageNet-like dataset through
+interception (``stagefs.intercept``), FUSE (``stagefs mount``), the native API
+(``Store.read``), and as plain files on the local disk and on the test PFS.
+
+Every system reads the same files in the same random order, in one run, systems
+alternating; each figure is the median of --runs passes. "warm": after a first pass, page
+caches full (for stagefs this is the state after staging). "cold": the page cache is
+dropped before each pass (root only; on a VM the host may still cache).
+
+    python benchmarks/bench_frontends.py --files 10000 --pfs /tmp/pfs/frontends \
+        --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import stagefs
+from stagefs.bench.datasets import imagenet_like
+from stagefs.bench.table import table
+from stagefs.posix.fuse import fuse_available, is_mounted
+
+
+def drop_caches() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def read_all(paths: list[str]) -> int:
+    n = 0
+    for p in paths:
+        with open(p, "rb") as f:
+            n += len(f.read())
+    return n
+
+
+def stat_all(paths: list[str]) -> int:
+    n = 0
+    for p in paths:
+        n += os.stat(p).st_size
+    return n
+
+
+def median_rate(fn: Callable[[], int], count: int, runs: int,
+                before: Callable[[], object] | None = None) -> tuple[float, int]:
+    rates, total = [], 0
+    for _ in range(runs):
+        if before:
+            before()
+        t0 = time.perf_counter()
+        total = fn()
+        rates.append(count / (time.perf_counter() - t0))
+    return statistics.median(rates), total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--files", type=int, default=10000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--work", default="/tmp/stagefs-bench-frontends")
+    ap.add_argument("--pfs", default="/tmp/pfs/frontends", help="a directory on the test PFS")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold passes")
+    ap.add_argument("--keep", action="store_true", help="keep the generated data")
+    a = ap.parse_args()
+
+    raw, pack, mnt = (os.path.join(a.work, d) for d in ("raw", "pack", "mnt"))
+    at = os.path.join(a.work, "intercepted")  # a path that does not exist on disk
+    if not os.path.exists(os.path.join(raw, ".complete")):
+        shutil.rmtree(raw, ignore_errors=True)
+        imagenet_like(raw, files=a.files, classes=max(1, a.files // 500))
+        open(os.path.join(raw, ".complete"), "w").close()
+    if not os.path.exists(os.path.join(pack, "manifest.sfm")):
+        stagefs.pack(raw, pack, jobs=2, overwrite=True)
+    pfs = None
+    if os.path.isdir(os.path.dirname(a.pfs.rstrip("/"))) and subprocess.run(
+            ["mountpoint", "-q", os.path.dirname(a.pfs.rstrip("/"))], check=False).returncode == 0:
+        pfs = a.pfs
+        if not os.path.exists(os.path.join(pfs, ".complete")):
+            shutil.rmtree(pfs, ignore_errors=True)
+            shutil.copytree(raw, pfs)
+    rels = sorted(os.path.relpath(os.path.join(d, f), raw) for d, _, fs in os.walk(raw)
+                  for f in fs if not f.startswith("."))
+    random.Random(0).shuffle(rels)
+    n = len(rels)
+
+    store = stagefs.open(pack)
+    fuse_reason = fuse_available()
+    os.makedirs(mnt, exist_ok=True)
+    if fuse_reason is None and not is_mounted(mnt):
+        subprocess.run([sys.executable, "-m", "stagefs.cli", "mount", pack, mnt], check=True)
+
+    def native() -> int:
+        return sum(len(store.read(p)) for p in rels)
+
+    def native_stat() -> int:
+        return sum(store.stat(p).st_size for p in rels)
+
+    def intercepted(fn: Callable[[list[str]], int]) -> Callable[[], int]:
+        paths = [os.path.join(at, p) for p in rels]
+
+        def run() -> int:
+            with stagefs.intercept(store, at=at, children=False):
+                return fn(paths)
+        return run
+
+    def plain(root: str, fn: Callable[[list[str]], int]) -> Callable[[], int]:
+        paths = [os.path.join(root, p) for p in rels]
+        return lambda: fn(paths)
+
+    systems: dict[str, tuple[Callable[[], int], Callable[[], int]]] = {
+        "native API (Store.read)": (native, native_stat),
+        "interception (open/os.stat)": (intercepted(read_all), intercepted(stat_all)),
+    }
+    if fuse_reason is None:
+        systems["FUSE mount (open/os.stat)"] = (plain(mnt, read_all), plain(mnt, stat_all))
+    systems["plain files, local disk"] = (plain(raw, read_all), plain(raw, stat_all))
+    if pfs:
+        systems["plain files, test PFS"] = (plain(pfs, read_all), plain(pfs, stat_all))
+
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for name, (reader, _st) in systems.items():  # warm-up pass: fills every cache
+            reader()
+        for name, (reader, statter) in systems.items():
+            warm, nbytes = median_rate(reader, n, a.runs)
+            stat_rate, _ = median_rate(statter, n, a.runs)
+            results[name] = {"warm_samples_per_s": warm, "stat_per_s": stat_rate,
+                             "bytes": nbytes}
+        if not a.no_cold and drop_caches():
+            for name, (reader, _st) in systems.items():
+                cold, _ = median_rate(reader, n, a.runs, before=drop_caches)
+                results[name]["cold_samples_per_s"] = cold
+    finally:
+        if is_mounted(mnt):
+            subprocess.run([sys.executable, "-m", "stagefs.cli", "umount", mnt], check=False)
+        store.close()
+
+    base = results["native API (Store.read)"]
+    pfs_r = results.get("plain files, test PFS")
+    rows = []
+    for name, r in results.items():
+        rows.append([
+            name, f"{r['warm_samples_per_s']:,.0f}",
+            f"{r['warm_samples_per_s'] / base['warm_samples_per_s']:.2f}x",
+            f"{r['warm_samples_per_s'] / pfs_r['warm_samples_per_s']:.1f}x" if pfs_r else "-",
+            f"{r.get('cold_samples_per_s', float('nan')):,.0f}",
+            f"{r['stat_per_s']:,.0f}",
+            f"{r['stat_per_s'] / pfs_r['stat_per_s']:.1f}x" if pfs_r else "-",
+        ])
+    mb = base["bytes"] / n / 1e3
+    print(f"\n{n} ImageNet-like files ({mb:.0f} KB mean), random order, median of {a.runs}\n")
+    print(table(["system", "warm samples/s", "vs native", "vs PFS files", "cold samples/s",
+                 "stat/s", "stat vs PFS"], rows))
+    os.makedirs(a.out, exist_ok=True)
+    out = os.path.join(a.out, "frontends.json")
+    with open(out, "w") as f:
+        json.dump({"benchmark": "frontends", "files": n, "mean_bytes": base["bytes"] / n,
+                   "runs": a.runs, "machine": platform.node(), "cpus": os.cpu_count(),
+                   "command": " ".join(sys.argv), "results": results}, f, indent=2)
+    print(f"\nsaved {out}")
+    if not a.keep:
+        shutil.rmtree(a.work, ignore_errors=True)
+        if pfs:
+            shutil.rmtree(pfs, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
