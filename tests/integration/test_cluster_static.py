@@ -1,0 +1,128 @@
+"""The static bootstrap (a hosts file and a token file, no MPI): three daemons on loopback,
+failover to a replica when a daemon is killed, a restarted daemon reusing its tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import (
+    make_pack,
+    results,
+    serve_args,
+    start,
+    status_json,
+    stop,
+    tail,
+    wait_staged,
+    write_expected,
+)
+
+pytestmark = pytest.mark.integration
+READER = str(Path(__file__).resolve().parents[1] / "mpi" / "cluster_reader.py")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _daemon(work: str, pack: str, r: int) -> subprocess.Popen[bytes]:
+    return start(serve_args(work, pack, "--hosts", os.path.join(work, "hosts"), "--rank", str(r),
+                            "--token-file", os.path.join(work, "token"), "--replicas", "2"),
+                 os.path.join(work, f"daemon{r}.log"))
+
+
+def test_static_cluster_failover_and_restart(tmp_path: Path) -> None:
+    n = 3
+    work = str(tmp_path)
+    pack, content = make_pack(work, files=120)
+    write_expected(work, content)
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("# rank 0 first\n" + "".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                    os.path.join(work, "token")], check=True, timeout=60)
+    daemons = [_daemon(work, pack, r) for r in range(n)]
+    readers: list[subprocess.Popen[bytes]] = []
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, log=os.path.join(work, f"daemon{r}.log"))
+        st = status_json(work, 2)
+        assert all(s["bootstrap"] == "static" for s in st["nodes"])
+        readers = [start([sys.executable, READER, work, "6", str(r)],
+                         os.path.join(work, f"reader{r}.log")) for r in range(n)]
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(os.path.join(work, f"reading{r}")) for r in range(n)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with open(os.path.join(work, "rt1", "cluster.json")) as f:
+            assert json.load(f)["pid"] == daemons[1].pid
+        daemons[1].send_signal(signal.SIGKILL)  # mid-read
+        for r, p in enumerate(readers):
+            assert p.wait(300) == 0, tail(os.path.join(work, f"reader{r}.log"))
+        for res in results(work, n):
+            assert res["bad"] == 0, res
+            # every shard has two holders: with one node down the other one serves
+            assert res["origin_bytes"] == 0, res
+        assert daemons[0].poll() is None and daemons[2].poll() is None
+        # the status shows the dead node, and exits 1 for it
+        st = status_json(work, 0)
+        assert st["nodes"][1] is None
+
+        # restart node 1: it finds its shards in its tiers and reads nothing again
+        assert daemons[1].wait(30) == -signal.SIGKILL
+        daemons[1] = _daemon(work, pack, 1)
+        deadline = time.monotonic() + 60
+        while True:
+            st = status_json(work, 0)
+            s1 = st["nodes"][1]
+            if s1 is not None and s1["state"] == "staged":
+                break
+            assert time.monotonic() < deadline, tail(os.path.join(work, "daemon1.log"))
+            time.sleep(0.3)
+        assert s1["staging"]["shards_reused"] == s1["staging"]["shards_assigned"] > 0
+        assert s1["staging"]["origin_bytes"] == 0
+        assert s1["staging"]["forwarded_bytes"] == 0
+    finally:
+        for p in readers:
+            stop(p)
+        codes = [stop(d) for d in daemons]
+    assert codes == [0, 0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
+def test_serve_errors_are_clear(tmp_path: Path) -> None:
+    work = str(tmp_path)
+    cli = [sys.executable, "-m", "stagefs.cli", "serve"]
+    p = subprocess.run([*cli, work, "--tier", work + "/t"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "not a pack" in p.stderr
+    pack, _ = make_pack(work, files=5)
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("127.0.0.1:1\n")
+    p = subprocess.run([*cli, pack, "--tier", work + "/t", "--hosts", work + "/hosts",
+                        "--rank", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "--token-file" in p.stderr
+    p = subprocess.run([*cli, pack, "--tier", work + "/t", "--hosts", work + "/hosts",
+                        "--rank", "3", "--token-file", "x"], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 1 and "not a line of the hosts file" in p.stderr
+    p = subprocess.run([*cli, pack, "--tier", work + "/t", "--bind", "0.0.0.0"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "all interfaces" in p.stderr
+    import stagefs
+    from stagefs.errors import ClusterError
+
+    with pytest.raises(ClusterError, match="stagefs serve"):
+        stagefs.connect(os.path.join(work, "nothing"))
