@@ -333,15 +333,36 @@ def test_locality_on_a_real_store(tree: tuple[Path, Path]) -> None:
         _ = plain[0].local_fraction
 
 
-def test_locality_with_held_shards_of_the_store(tree: tuple[Path, Path]) -> None:
-    """One rank: locality follows what the store's tiers hold."""
-    store = stagefs.open(tree[1])
-    if not hasattr(store, "held_shards"):
-        pytest.skip("this Store has no held_shards() yet")
+def test_locality_and_prefetch_with_real_tiers(tree: tuple[Path, Path], tmp_path: Path) -> None:
+    """A store with a real tier: locality follows held_shards(); prefetching stages the
+    shards through Store.prefetch and the reads still return the file bytes."""
+    raw, pack = tree
+    store = stagefs.open(pack, tiers=[f"{tmp_path}/tier:64MiB"], runtime=tmp_path / "rt")
+    if store.chain is None:
+        pytest.skip("this Store has no tiers")
+    shards = len(store.manifest.shards)
+    store.chain.stage(range(0, shards, 2))
+    held = store.held_shards()
+    assert held == set(range(0, shards, 2))
     ds = FileDataset(store)
     s = Sampler(ds, seed=1, locality=True)
-    held = store.held_shards()
     assert s.local_fraction == pytest.approx(np.isin(ds.shard_of(), list(held)).mean())
+    # prefetching: the sampler hands the tiers every shard in order of first use
+    p = Sampler(ds, seed=1, prefetch="1MiB", rank=0, world_size=1)
+    asked: list[list[int]] = []
+    real_prefetch = store.prefetch
+    store.prefetch = lambda shards: (asked.append(list(shards)), real_prefetch(asked[-1]))[1]
+    _, samples = raw_listing(raw)
+    got = loader_bytes(ds, p, num_workers=0)
+    assert got == [(raw / samples[i][0]).read_bytes() for i in p.order()]
+    assert store.chain.wait_idle(60)
+    assert store.held_shards() == set(range(shards))
+    shard_of = ds.shard_of()
+    want = list(dict.fromkeys(shard_of[np.r_[p.order(), p.next_order()]].tolist()))
+    assert asked == [want]  # once per epoch, in order of first use
+    assert p.prefetcher is not None and p.prefetcher.stats.peak_bytes <= 2**20
+    p.close()
+    store.close()
 
 
 # -- data stall ------------------------------------------------------------------------------

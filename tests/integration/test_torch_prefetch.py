@@ -1,0 +1,111 @@
+"""The read-ahead of stagefs.torch (Prefetcher): in order, within its byte budget, always."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+
+from stagefs.torch import FileDataset, Prefetcher, Sampler
+
+pytestmark = pytest.mark.integration
+
+
+class SlowReader:
+    """Returns sample i as bytes of length sizes[i], after a delay; counts what it read."""
+
+    def __init__(self, sizes: np.ndarray, delay: float = 0.001, fail: int | None = None) -> None:
+        self.sizes, self.delay, self.fail = sizes, delay, fail
+        self.calls: list[list[int]] = []
+
+    def __call__(self, idx: Sequence[int]) -> list[bytes]:
+        self.calls.append(list(idx))
+        time.sleep(self.delay)
+        if self.fail is not None and self.fail in idx:
+            raise OSError("disk on fire")
+        return [bytes([i % 251]) * int(self.sizes[i]) for i in idx]
+
+
+@pytest.mark.parametrize(("budget", "threads"), [(1000, 1), (5000, 4), (300, 3)])
+def test_never_exceeds_budget(budget: int, threads: int) -> None:
+    rng = np.random.default_rng(budget)
+    sizes = rng.integers(1, 400, 500).astype(np.int64)
+    order = rng.permutation(500).astype(np.int64)
+    reader = SlowReader(sizes)
+    p = Prefetcher(reader, sizes, order, budget, chunk=8, threads=threads).start()
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], p.used)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        for i in order.tolist():
+            if i % 7 == 0:
+                time.sleep(0.0005)  # a slow step lets the read-ahead fill the budget
+            data = p.take(i)
+            if data is not None:
+                assert data == bytes([i % 251]) * int(sizes[i])
+    finally:
+        stop.set()
+        w.join()
+        p.close()
+    assert peak[0] <= budget and p.stats.peak_bytes <= budget
+    assert p.stats.peak_bytes > budget // 3  # it did read ahead, up to near its budget
+    assert p.stats.hits > 100
+    assert p.stats.hits + p.stats.misses == 500
+    # a sample bigger than the budget is never read ahead
+    assert not any(sizes[i] > budget for call in reader.calls for i in call)
+
+
+def test_read_errors_fall_back_to_the_caller() -> None:
+    sizes = np.full(50, 10, dtype=np.int64)
+    order = np.arange(50, dtype=np.int64)
+    p = Prefetcher(SlowReader(sizes, fail=20), sizes, order, 100, chunk=4, threads=2).start()
+    got = []
+    for i in range(50):
+        time.sleep(0.003)  # slower than the reads: every chunk is read ahead of its take
+        got.append(p.take(i))
+    p.close()
+    assert got[20] is None  # the caller reads it and sees the error itself
+    assert p.stats.errors >= 1 and p.used == 0
+
+
+def test_prefetcher_refuses_a_zero_budget() -> None:
+    with pytest.raises(ValueError, match="budget"):
+        Prefetcher(SlowReader(np.ones(1, np.int64)), np.ones(1, np.int64), np.arange(1), 0)
+
+
+def test_sampler_prefetch_in_process(tmp_path: Path) -> None:
+    """num_workers=0: the dataset takes its bytes from the sampler's read-ahead."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=150, classes=3, mean_size=3000, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="32KiB", progress=False)
+    ds = FileDataset(tmp_path / "pack", target=None)
+    budget = 20_000
+    s = Sampler(ds, seed=2, prefetch=budget, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=s,
+                                         collate_fn=lambda b: b)
+    plain = [ds.store.read(ds.path_of(i)) for i in s.order()]
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        got = [x for batch in loader for x in batch]
+        assert got == [ds.store.read(ds.path_of(i)) for i in s.order()]
+        p = s.prefetcher
+        assert p is not None and p.stats.hits > 0
+        assert p.stats.peak_bytes <= budget
+    assert plain != got  # the epochs differ
+    s.close()
