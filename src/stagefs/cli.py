@@ -58,6 +58,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with _open(args) as fs:
         path = args.path
         if not fs.isdir(path) or (fs.islink(path) and args.long):
+            fs.lstat(path)  # a missing path is an error (as in ls), not a listing of its name
             entries = [(os.path.basename(path) or path, path)]
         else:
             entries = [(d.name, d.path) for d in fs.scandir(path)]

@@ -1,0 +1,242 @@
+"""The ``stagefs`` command, run as users run it: the installed console script, in a
+subprocess."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from conftest import build_sample_tree, snapshot_tree
+from stagefs.format import shard_name
+
+pytestmark = pytest.mark.integration
+
+EXE = shutil.which("stagefs")
+
+
+def run(*args: str | Path, ok: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[
+        bytes]:
+    if EXE is None:
+        pytest.skip("the stagefs console script is not on PATH (pip install -e .)")
+    env = {**os.environ, "COLUMNS": "120"}
+    proc = subprocess.run([EXE, *map(str, args)], capture_output=True, timeout=timeout,
+                          env=env, check=False)
+    if ok:
+        assert proc.returncode == 0, proc.stderr.decode()
+        assert b"Traceback" not in proc.stderr
+    return proc
+
+
+def one_line_error(proc: subprocess.CompletedProcess[bytes], *needles: str) -> str:
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    err = proc.stderr.decode()
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("stagefs: error: "), err
+    for n in needles:
+        assert n in lines[0], (n, err)
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def cli_pack(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    base = tmp_path_factory.mktemp("cli")
+    src = build_sample_tree(base / "src")
+    proc = run("pack", src, base / "pack", "--shard-size", "64KiB", "--jobs", "2")
+    out = proc.stdout.decode()
+    assert "packed 10 files, 5 directories, 5 symlinks" in out and str(base / "pack") in out
+    return src, base / "pack"
+
+
+def test_version() -> None:
+    proc = run("--version")
+    assert proc.stdout.decode().strip() == f"stagefs {stagefs.__version__}"
+
+
+def test_help_lists_the_commands() -> None:
+    out = run("--help").stdout.decode()
+    for cmd in ("pack", "unpack", "ls", "stat", "cat", "info", "verify", "demo"):
+        assert cmd in out
+
+
+def test_info(cli_pack: tuple[Path, Path]) -> None:
+    out = run("info", cli_pack[1]).stdout.decode()
+    fields = dict(line.split(None, 1) if " " in line else (line, "")
+                  for line in out.replace("bytes raw", "bytes_raw")
+                  .replace("bytes stored", "bytes_stored").splitlines())
+    assert fields["files"].strip() == "10"
+    assert fields["directories"].strip() == "5"
+    assert fields["symlinks"].strip() == "5"
+    raw = sum(len(n.content) for n in snapshot_tree(cli_pack[0]).values() if n.kind == "file")
+    assert f"({raw:,})" in fields["bytes_raw"]
+    assert fields["compression"].startswith("x") and "shards" in fields
+
+
+def test_ls(cli_pack: tuple[Path, Path]) -> None:
+    src, pack = cli_pack
+    out = run("ls", pack).stdout.decode()
+    # a name holding a newline would break lines; the sample tree has none
+    assert sorted(out.splitlines()) == sorted(os.listdir(src))
+    assert sorted(run("ls", pack, "img").stdout.decode().splitlines()) == sorted(
+        os.listdir(src / "img"))
+    assert run("ls", pack, "/data/").stdout.decode().splitlines() == ["arr.npy", "nested",
+                                                                      "rand.bin"]
+    assert run("ls", pack, "a.txt").stdout.decode().strip() == "a.txt"
+
+
+def test_ls_long(cli_pack: tuple[Path, Path]) -> None:
+    pack = cli_pack[1]
+    lines = run("ls", "-l", pack).stdout.decode().splitlines()
+    by_name = {line.split()[-1] if " -> " not in line else line.split(" -> ")[0].split()[-1]:
+               line for line in lines}
+    assert by_name["a.txt"].startswith("-rw-r--r--") and " 5000 " in by_name["a.txt"]
+    assert by_name["exec.sh"].startswith("-rwxr-xr-x")
+    assert by_name["emptydir"].startswith("drwx------")
+    assert by_name["link_file"].startswith("l") and by_name["link_file"].endswith(
+        "link_file -> a.txt")
+    assert by_name["link_dangling"].endswith("-> nowhere")
+    link = run("ls", "-l", pack, "link_dir").stdout.decode().strip()
+    assert link.startswith("l") and link.endswith("link_dir -> img")
+
+
+def test_stat(cli_pack: tuple[Path, Path]) -> None:
+    src, pack = cli_pack
+    out = run("stat", pack, "img/cat.jpg").stdout.decode()
+    real = os.stat(src / "img/cat.jpg")
+    assert "File: img/cat.jpg" in out and f"Size: {real.st_size}" in out
+    assert "regular file" in out and "(0644/-rw-r--r--)" in out
+    assert f"{real.st_mtime_ns % 10**9:09d}" in out and "Shard: shard-" in out
+    assert "(raw)" in out  # a JPEG is stored raw
+    out = run("stat", pack, "link_chain").stdout.decode()
+    assert "symbolic link" in out and "-> link_file" in out
+    out = run("stat", pack, "data").stdout.decode()
+    assert "directory" in out and "Links: 3" in out
+
+
+def test_cat(cli_pack: tuple[Path, Path]) -> None:
+    src, pack = cli_pack
+    for rel in ("a.txt", "data/rand.bin", "data/arr.npy", "empty.bin", "link_chain",
+                "we ird name.txt", "-dash"):
+        assert run("cat", pack, "--", rel).stdout == (src / rel).read_bytes(), rel
+    both = run("cat", pack, "img/cat.jpg", "img/dog.jpg").stdout
+    assert both == (src / "img/cat.jpg").read_bytes() + (src / "img/dog.jpg").read_bytes()
+
+
+def test_unpack(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    src, pack = cli_pack
+    out = tmp_path / "out"
+    proc = run("unpack", pack, out)
+    assert "unpacked 10 files" in proc.stdout.decode()
+    assert snapshot_tree(out) == snapshot_tree(src)
+    one_line_error(run("unpack", pack, out, ok=False), str(out), "not empty")
+
+
+def test_verify_ok_and_corrupt(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(cli_pack[1], pack)
+    proc = run("verify", pack)
+    assert "verified 10 files" in proc.stdout.decode() and "OK" in proc.stdout.decode()
+    proc = run("verify", "--jobs", "1", pack)
+    assert "OK" in proc.stdout.decode()
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        e = m.lookup(b"data/rand.bin")
+        shard, off = m.shards[m.shard[e]].name, int(m.offset[e]) + 1234
+    with open(pack / shard, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    proc = run("verify", pack, ok=False)
+    assert proc.returncode != 0 and b"Traceback" not in proc.stderr
+    out = proc.stdout.decode()
+    assert f"CORRUPT data/rand.bin (in {shard})" in out
+    assert [line for line in out.splitlines() if line.startswith("CORRUPT")] == [
+        f"CORRUPT data/rand.bin (in {shard}): checksum mismatch"]
+    assert "1 CORRUPT" in out
+    # reading it fails too, naming the path and the shard; other files still read
+    line = one_line_error(run("cat", pack, "data/rand.bin", ok=False), "data/rand.bin", shard)
+    assert "checksum" in line
+    assert run("cat", pack, "a.txt").stdout == (cli_pack[0] / "a.txt").read_bytes()
+
+
+def test_verify_truncated_shard(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(cli_pack[1], pack)
+    shard = pack / shard_name(0)
+    os.truncate(shard, shard.stat().st_size - 10)
+    proc = run("verify", pack, ok=False)
+    assert proc.returncode != 0 and b"Traceback" not in proc.stderr
+    assert shard_name(0) in proc.stdout.decode() + proc.stderr.decode()
+
+
+def test_errors_are_one_line(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    src, pack = cli_pack
+    missing = tmp_path / "no-such-pack"
+    for cmd in ("info", "ls", "verify"):
+        one_line_error(run(cmd, missing, ok=False), str(missing))
+    one_line_error(run("cat", missing, "x", ok=False), str(missing))
+    one_line_error(run("cat", pack, "nope.txt", ok=False), "nope.txt")
+    one_line_error(run("stat", pack, "img/nope", ok=False), "img/nope")
+    one_line_error(run("ls", pack, "nope", ok=False), "nope")
+    one_line_error(run("cat", pack, "img", ok=False), "img")
+    one_line_error(run("ls", pack, "a.txt/x", ok=False), "a.txt/x")
+    # a directory of plain files is a dataset used in place, but verify needs a pack
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "file").write_bytes(b"x")
+    one_line_error(run("verify", plain, ok=False), str(plain), "manifest")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for cmd in ("info", "ls", "verify"):
+        one_line_error(run(cmd, empty, ok=False), str(empty))
+    one_line_error(run("info", src / "a.txt", ok=False), str(src / "a.txt"))
+    interrupted = tmp_path / "interrupted"
+    (interrupted / ".stagefs-pack").mkdir(parents=True)
+    (interrupted / shard_name(0)).write_bytes(b"x" * 100)
+    one_line_error(run("ls", interrupted, ok=False), str(interrupted), "stagefs pack")
+    one_line_error(run("pack", src, tmp_path / "p", "--shard-size", "lots", ok=False), "lots")
+    one_line_error(run("pack", src, tmp_path / "p", "--shard-size", "0", ok=False), "size")
+    one_line_error(run("pack", tmp_path / "nowhere", tmp_path / "p", ok=False), "nowhere")
+    one_line_error(run("pack", src, pack, ok=False), str(pack), "--force")
+    assert not (tmp_path / "p").exists()
+
+
+def test_pack_refuses_outside_symlink_then_follows(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (tmp_path / "outside.txt").write_bytes(b"out\n")
+    os.symlink(tmp_path / "outside.txt", src / "escape")
+    one_line_error(run("pack", src, tmp_path / "p", ok=False), "escape", "--follow-symlinks")
+    run("pack", src, tmp_path / "p", "--follow-symlinks")
+    assert run("cat", tmp_path / "p", "escape").stdout == b"out\n"
+
+
+def test_pack_reports_skipped_special_files(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"f")
+    os.mkfifo(src / "pipe")
+    proc = run("pack", src, tmp_path / "p", "--compress", "none")
+    assert "pipe" in proc.stderr.decode() and "skipped" in proc.stderr.decode()
+
+
+def test_usage_errors_exit_2() -> None:
+    proc = run("pack", ok=False)
+    assert proc.returncode == 2 and b"usage:" in proc.stderr and b"Traceback" not in proc.stderr
+    proc = run("pack", "a", "b", "--compress", "lz4", ok=False)
+    assert proc.returncode == 2 and b"lz4" in proc.stderr
+
+
+def test_demo() -> None:
+    proc = run("demo", "--files", "200", timeout=300)
+    out = proc.stdout.decode()
+    assert "| how" in out and "samples/s" in out
+    assert "stagefs: fs.read " in out and "plain files: open + read" in out
+    assert "200 files" in out
