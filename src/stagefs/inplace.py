@@ -136,7 +136,8 @@ def scan_tree(root: str, *, jobs: int = 16, progress: bool | None = None,
 def _walk_one_level(root: bytes) -> _Found:
     out = _Found()
     try:
-        items = list(os.scandir(root))
+        with os.scandir(root) as it:
+            items = list(it)
     except OSError as exc:
         raise UnreadableSourceError(f"{os.fsdecode(root)}: {exc.strerror}") from exc
     for d in items:

@@ -10,7 +10,7 @@ Layout::
 
     <runtime>/procs/<pid>                  one file per live process using the job
     <runtime>/claims/<pack id>.<shard>     a shard being placed, and by whom (pid, start time)
-    <runtime>/stats/<pid>.<pack id>.json   the counters of one process for one dataset
+    <runtime>/stats/<pid>.<pack id>.<n>.json   the counters of one open store of a process
     <runtime>/tiers/<pack id>.json         the tier directories a dataset was placed into
     <runtime>/inplace/<key>/               cached manifests of in-place datasets
 
@@ -194,16 +194,19 @@ class Runtime:
 
 
 def _is_stale(path: str) -> bool:
+    """A job dir is stale when it records its processes and none is alive. A dir without a
+    process record (a cluster daemon's map alone, anything else) is not ours to judge."""
     procs = os.path.join(path, "procs")
+    if not os.path.isdir(procs) or os.path.exists(os.path.join(path, "cluster.json")):
+        return False
     try:
-        age = time.time() - os.stat(path).st_mtime
+        age = time.time() - os.stat(procs).st_mtime
+        registered = bool(os.listdir(procs))
     except FileNotFoundError:
         return False
-    if not os.path.isdir(procs):
-        return age > _STALE_GRACE_S
     if _live(procs):
         return False
-    return age > _STALE_GRACE_S or bool(os.listdir(procs))
+    return registered or age > _STALE_GRACE_S
 
 
 def _live(procs: str) -> list[int]:

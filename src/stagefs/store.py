@@ -355,7 +355,7 @@ def open(
             f"{p}: not a pack yet (no {MANIFEST_NAME}): finish the interrupted pack by running "
             "the same 'stagefs pack' command again."
         )
-    if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and not any(os.scandir(p)):
+    if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and not os.listdir(p):
         from stagefs.errors import CorruptManifestError
 
         raise CorruptManifestError(

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes, text_bytes
 from stagefs.config import parse_tier
 from stagefs.errors import ConfigError, OriginUnavailableError
 from stagefs.format import MANIFEST_NAME, Manifest
@@ -24,24 +23,9 @@ from stagefs.tiers.base import ShardSource
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.inplace import InPlaceOrigin
 from stagefs.tiers.origin import PackOrigin
+from tiers_helpers import make_tree
 
 # ------------------------------------------------------------------------------ data
-
-
-def make_tree(root: Path, n: int = 120, seed: int = 3) -> dict[str, bytes]:
-    """Random (stored raw) and text (stored zstd) files, a few empty, over a few dirs."""
-    rng = random.Random(seed)
-    files: dict[str, bytes] = {}
-    for i in range(n):
-        kind = rng.choice(["random", "random", "text", "empty"])
-        size = rng.randint(1, 9000)
-        data = {"random": random_bytes(size, i), "text": text_bytes(size, i), "empty": b""}[kind]
-        files[f"c{i % 5}/f{i:04d}.bin"] = data
-    for rel, data in files.items():
-        p = root / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    return files
 
 
 @pytest.fixture(scope="module")

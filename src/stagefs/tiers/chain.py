@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -115,7 +116,9 @@ class TierChain:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
-        self._stats_path = os.path.join(self.runtime.stats, f"{os.getpid()}.{self.pack_id}.json")
+        # one file per open store: several stores of one process each keep their counters
+        name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
+        self._stats_path = os.path.join(self.runtime.stats, name)
         self._stats_at = 0.0
 
     # -- the read path ----------------------------------------------------------------------
@@ -431,6 +434,7 @@ class TierChain:
 
 
 _CHAINS: weakref.WeakSet[TierChain] = weakref.WeakSet()
+_OPENED = itertools.count()
 
 
 def _after_fork_in_child() -> None:

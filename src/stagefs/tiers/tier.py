@@ -190,7 +190,8 @@ def dir_bytes(root: str) -> int:
     """Apparent bytes of the files one and two levels below ``root``."""
     total = 0
     try:
-        top = list(os.scandir(root))
+        with os.scandir(root) as it:
+            top = list(it)
     except FileNotFoundError:
         return 0
     for d in top:

@@ -1,0 +1,235 @@
+"""The runtime directory (per user and job, 0700, stale dirs of dead jobs), in-place datasets
+(scan, cache, staleness, verification), and the stage/status/clean commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat as st
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_tiers import read_all
+
+import stagefs
+from stagefs.cli import main
+from stagefs.errors import SourceChangedError
+from stagefs.runtime import Runtime
+from stagefs.tiers.claims import Claims
+from tiers_helpers import make_tree
+
+
+def _dead_pid() -> int:
+    out = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                         capture_output=True, text=True, timeout=60).stdout
+    return int(out)
+
+
+@pytest.fixture
+def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A fresh job id and the default runtime location (under /dev/shm)."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    monkeypatch.delenv("STAGEFS_RUNTIME", raising=False)
+    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
+    monkeypatch.setenv("STAGEFS_JOB", name)
+    yield name
+    shutil.rmtree(Runtime().path, ignore_errors=True)
+
+
+def test_default_runtime_is_per_user_and_job(job: str) -> None:
+    rt = Runtime().open()
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp"
+    assert rt.path == os.path.join(base, f"stagefs-{os.getuid()}", job)
+    for p in (rt.path, os.path.dirname(rt.path)):
+        s = os.stat(p)
+        assert st.S_IMODE(s.st_mode) == 0o700 and s.st_uid == os.getuid()
+    assert os.getpid() in rt.live_processes()
+
+
+def test_runtime_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
+    rt = Runtime().open()
+    assert rt.path == str(tmp_path / "rt")
+    assert st.S_IMODE(os.stat(rt.path).st_mode) == 0o700
+
+
+def test_two_jobs_do_not_collide(job: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = Runtime().open()
+    monkeypatch.setenv("STAGEFS_JOB", job + "-other")
+    b = Runtime().open()
+    try:
+        assert a.path != b.path
+        assert Claims(a.claims, "p").acquire(0)
+        assert Claims(b.claims, "p").acquire(0)  # the other job's claim is not seen
+    finally:
+        shutil.rmtree(b.path, ignore_errors=True)
+
+
+def test_stale_job_dirs_are_removed(job: str, monkeypatch: pytest.MonkeyPatch,
+                                    tmp_path: Path) -> None:
+    base = os.path.dirname(Runtime().path)
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    dead, live, foreign = (os.path.join(base, f"{job}-{k}") for k in ("dead", "live", "cl"))
+    for d in (dead, live, foreign):
+        os.makedirs(os.path.join(d, "procs"))
+    Path(dead, "procs", str(_dead_pid())).write_text("0")
+    Path(live, "procs", str(os.getpid())).write_text("0")
+    Path(foreign, "cluster.json").write_text("{}")  # a cluster daemon's dir: not ours
+    # the dead job placed a dataset into a tier; the live one shares another tier
+    tier = tmp_path / "tier"
+    (tier / "deadpack").mkdir(parents=True)
+    (tier / "livepack").mkdir(parents=True)
+    os.makedirs(os.path.join(dead, "tiers"))
+    os.makedirs(os.path.join(live, "tiers"))
+    Path(dead, "tiers", "x.json").write_text(json.dumps({"pack_id": "deadpack",
+                                                          "tiers": [str(tier)]}))
+    Path(live, "tiers", "y.json").write_text(json.dumps({"pack_id": "livepack",
+                                                          "tiers": [str(tier)]}))
+    try:
+        Runtime().open()
+        assert not os.path.exists(dead) and not (tier / "deadpack").exists()
+        assert os.path.exists(live) and (tier / "livepack").exists()
+        assert os.path.exists(foreign)
+    finally:
+        for d in (dead, live, foreign):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_runtime_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a directory owned by another user")
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    os.chown(rt, 65534, 65534)
+    with pytest.raises(stagefs.ConfigError, match="not a directory owned by you"):
+        Runtime(rt).open()
+
+
+# ------------------------------------------------------------------------------ in place
+
+
+@pytest.fixture
+def raw(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    files = make_tree(tmp_path / "raw", n=80, seed=9)
+    return tmp_path / "raw", files
+
+
+def test_in_place_reads_stages_and_reuses_its_cache(raw: tuple[Path, dict[str, bytes]],
+                                                    tmp_path: Path) -> None:
+    root, files = raw
+    rt = tmp_path / "rt"
+    tiers = [str(tmp_path / "t")]
+    with stagefs.open(root, tiers=tiers, runtime=rt) as fs:
+        assert fs.chain is not None
+        scan_stats = fs.origin.stats.stats
+        assert scan_stats >= len(files)  # one lstat per entry
+        read_all(fs, files, seed=1)
+        fs.chain.wait_idle(30)
+        pid = fs.manifest.pack_id
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        before = fs.origin.stats.as_dict()
+        read_all(fs, files, seed=2)
+        assert fs.origin.stats.as_dict() == before  # epoch 2: nothing from the origin
+        # the staged shard is a real shard: header, then the files' bytes at their offsets
+        m = fs.manifest
+        e = fs.namespace.file_entry(next(p for p in sorted(files) if files[p]))
+        with open(fs.chain.tiers[0].path(m.shard[e]), "rb") as f:
+            f.seek(m.offset[e])
+            assert f.read(m.size[e]) == files[os.fsdecode(m.path_of(e))]
+    with stagefs.open(root, tiers=tiers, runtime=rt) as fs:
+        assert fs.manifest.pack_id == pid  # the cache was reused: same manifest
+        assert fs.origin.stats.opens == 0  # no scan: only the directories were stat'ed
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        read_all(fs, files, seed=3)
+        assert fs.origin.stats.bytes_read == 0
+    assert not any((root / ".stagefs").exists() for _ in [0])
+    assert sorted(p.name for p in root.iterdir()) == sorted({p.split("/")[0] for p in files})
+
+
+def test_in_place_detects_changes(raw: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+    root, files = raw
+    rt = tmp_path / "rt"
+    with stagefs.open(root, runtime=rt) as fs:
+        pid = fs.manifest.pack_id
+        victim = next(p for p in sorted(files) if len(files[p]) > 10)
+        # changed in place (same directory): caught when the origin opens it
+        (root / victim).write_bytes(files[victim] + b"more")
+        with pytest.raises(SourceChangedError, match=victim):
+            fs.read(victim)
+    # a file added: the directory's mtime changed, so the next open rescans
+    (root / "c0" / "new.bin").write_bytes(b"fresh")
+    with stagefs.open(root, runtime=rt) as fs:
+        assert fs.manifest.pack_id != pid
+        assert fs.read("c0/new.bin") == b"fresh"
+        assert fs.read(victim) == files[victim] + b"more"
+
+
+def test_in_place_tier_copy_is_verified(raw: tuple[Path, dict[str, bytes]],
+                                        tmp_path: Path) -> None:
+    root, files = raw
+    with stagefs.open(root, tiers=[str(tmp_path / "t")], runtime=tmp_path / "rt") as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        path = next(p for p in sorted(files) if len(files[p]) > 100)
+        e = fs.namespace.file_entry(path)
+        copy = fs.chain.tiers[0].path(fs.manifest.shard[e])
+        with open(copy, "r+b") as f:
+            f.seek(fs.manifest.offset[e])
+            f.write(b"\x00" * 8 if files[path][:8] != b"\x00" * 8 else b"\x01" * 8)
+        assert fs.read(path) == files[path]
+        assert fs.chain.tiers[0].stats.dropped == 1
+
+
+# ------------------------------------------------------------------------ the commands
+
+
+def test_stage_status_clean(raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    root, files = raw
+    rt, tier = str(tmp_path / "rt"), str(tmp_path / "tier")
+    assert main(["stage", str(root), "--tier", tier, "--runtime", rt, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "placed" in out and "shards held" in out
+    # resumable: a second stage copies nothing
+    assert main(["stage", str(root), "--tier", tier, "--runtime", rt, "--no-progress"]) == 0
+    assert "0 B copied" in capsys.readouterr().out
+    with stagefs.open(root, tiers=[tier], runtime=rt) as fs:
+        read_all(fs, files)
+        n_shards = len(fs.manifest.shards)
+    assert main(["status", "--runtime", rt, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    (t,) = status["tiers"]
+    assert (t["path"], t["shards_held"], t["placed"]) == (tier, n_shards, n_shards), status
+    assert t["hits"] >= sum(1 for d in files.values() if d)
+    assert status["origins"][0]["origin"] == str(root)
+    assert main(["status", "--runtime", rt]) == 0
+    assert "shards held" in capsys.readouterr().out
+    assert main(["clean", "--runtime", rt]) == 0
+    assert not os.path.exists(rt) and not os.listdir(tier)
+
+
+def test_stage_without_tiers_is_a_clear_error(raw: tuple[Path, dict[str, bytes]],
+                                              tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
+    assert main(["stage", str(raw[0]), "--runtime", str(tmp_path / "rt")]) == 1
+    assert "--tier" in capsys.readouterr().err
+
+
+def test_stats_are_flushed_while_open(raw: tuple[Path, dict[str, bytes]], tmp_path: Path
+                                      ) -> None:
+    root, files = raw
+    with stagefs.open(root, tiers=[str(tmp_path / "t")], runtime=tmp_path / "rt") as fs:
+        read_all(fs, files)
+        fs.chain.wait_idle(30)  # type: ignore[union-attr]
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not list((tmp_path / "rt" / "stats").iterdir()):
+            time.sleep(0.05)
+        assert list((tmp_path / "rt" / "stats").glob(f"{os.getpid()}.*.json"))
