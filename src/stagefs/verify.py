@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import os
 from dataclasses import dataclass, field
 
+import xxhash
 from tqdm import tqdm
 
 from stagefs.errors import FormatError, StagefsError
@@ -34,31 +35,71 @@ class VerifyReport:
         return not self.corrupt
 
 
+_WINDOW = 64 * 2**20
+"""Bytes read with one call: bounded memory, and well below Linux's 2 GiB cap on one read
+(a shard larger than that, from ``--shard-size 4GiB`` or one huge file, is read in parts)."""
+
+
+def _check(raw: bytes, e: int, m: Manifest, name: str) -> Corrupt | None:
+    path = os.fsdecode(m.path_of(e))
+    try:
+        data = decode(m.codec[e], raw, m.size[e], name)
+    except FormatError as exc:
+        return Corrupt(path, name, str(exc))
+    if len(data) != m.size[e] or checksum(data) != m.checksum[e]:
+        return Corrupt(path, name, "checksum mismatch")
+    return None
+
+
+def _check_streamed(origin: PackOrigin, shard: int, e: int, m: Manifest,
+                    name: str) -> Corrupt | None:
+    """A raw entry larger than the window, hashed part by part."""
+    h = xxhash.xxh3_64()
+    off, left = int(m.offset[e]), int(m.stored[e])
+    while left:
+        n = min(left, _WINDOW)
+        h.update(origin.pread(shard, off, n))
+        off, left = off + n, left - n
+    if m.stored[e] != m.size[e] or h.intdigest() != m.checksum[e]:
+        return Corrupt(os.fsdecode(m.path_of(e)), name, "checksum mismatch")
+    return None
+
+
 def _verify_shard(pack_dir: str, shard: int) -> tuple[int, int, list[Corrupt]]:
     m = Manifest(os.path.join(pack_dir, MANIFEST_NAME), verify=False)
     origin = PackOrigin(pack_dir, m)
     a = m.arrays
     ents = [int(e) for e in (a["shard"] == shard).nonzero()[0] if a["kind"][e] == KIND_FILE]
+    ents.sort(key=lambda e: int(m.offset[e]))
     name = m.shards[shard].name
     bad: list[Corrupt] = []
     nbytes = 0
     try:
         try:
-            blob = origin.pread(shard, 0, m.shards[shard].size)
+            origin.fileno(shard)  # opens the shard and checks its header
         except (StagefsError, OSError) as exc:
             reason = str(exc)
             return len(ents), 0, [Corrupt(os.fsdecode(m.path_of(e)), name, reason) for e in ents]
-        for e in ents:
-            off, n, size = m.offset[e], m.stored[e], m.size[e]
-            path = os.fsdecode(m.path_of(e))
+        i = 0
+        while i < len(ents):
+            e = ents[i]
+            start, j = int(m.offset[e]), i + 1
+            while j < len(ents) and m.offset[ents[j]] + m.stored[ents[j]] - start <= _WINDOW:
+                j += 1  # a window of whole entries, read with one call
             try:
-                raw = decode(m.codec[e], blob[off : off + n], size, name)
-            except FormatError as exc:
-                bad.append(Corrupt(path, name, str(exc)))
-                continue
-            if len(raw) != size or checksum(raw) != m.checksum[e]:
-                bad.append(Corrupt(path, name, "checksum mismatch"))
-            nbytes += size
+                if m.stored[e] > _WINDOW and m.codec[e] == 0:
+                    found = [_check_streamed(origin, shard, e, m, name)]
+                else:
+                    last = ents[j - 1]
+                    end = int(m.offset[last] + m.stored[last])
+                    blob = origin.pread(shard, start, end - start)
+                    found = [_check(blob[m.offset[x] - start : m.offset[x] - start + m.stored[x]],
+                                    x, m, name) for x in ents[i:j]]
+            except (StagefsError, OSError) as exc:
+                found = [Corrupt(os.fsdecode(m.path_of(x)), name, str(exc)) for x in ents[i:j]]
+            bad += [c for c in found if c is not None]
+            nbytes += sum(int(m.size[x]) for x in ents[i:j])
+            i = j
         return len(ents), nbytes, bad
     finally:
         origin.close()

@@ -1,0 +1,102 @@
+"""verify_pack: every checksum, read in bounded windows; each corrupt file is named."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+import stagefs
+import stagefs.verify as verify_mod
+from conftest import random_bytes, text_bytes
+from stagefs.format import shard_name
+from stagefs.verify import verify_pack
+
+
+@pytest.fixture(scope="module")
+def verify_pack_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("verify")
+    src = base / "src"
+    src.mkdir()
+    for i in range(40):
+        blob = random_bytes(i * 97, i) if i % 3 else text_bytes(i * 131, i)
+        (src / f"f{i:02d}").write_bytes(blob)
+    (src / "big").write_bytes(random_bytes(50_000, 99))
+    stagefs.pack(src, base / "pack", shard_size="16KiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return base / "pack"
+
+
+def _copy(pack: Path, tmp_path: Path) -> Path:
+    shutil.copytree(pack, tmp_path / "pack")
+    return tmp_path / "pack"
+
+
+def _flip(pack: Path, rel: str, where: int) -> str:
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        e = m.lookup(rel.encode())
+        shard, off = m.shards[m.shard[e]].name, int(m.offset[e]) + where
+    with open(pack / shard, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x80]))
+    return shard
+
+
+@pytest.mark.parametrize("window", [verify_mod._WINDOW, 1000, 1])
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_verify_ok(verify_pack_dir: Path, monkeypatch: pytest.MonkeyPatch, window: int,
+                   jobs: int) -> None:
+    monkeypatch.setattr(verify_mod, "_WINDOW", window)
+    lengths: list[int] = []
+    real = verify_mod.PackOrigin.pread
+
+    def pread(self: verify_mod.PackOrigin, shard: int, offset: int, length: int) -> bytes:
+        lengths.append(length)
+        return real(self, shard, offset, length)
+
+    if jobs == 1:  # no read is larger than the window (Linux caps one read at 2 GiB)
+        monkeypatch.setattr(verify_mod.PackOrigin, "pread", pread)
+    report = verify_pack(str(verify_pack_dir), jobs=jobs, progress=False)
+    assert report.ok and report.files == 41 and report.corrupt == []
+    if jobs == 1:
+        with stagefs.open(verify_pack_dir) as fs:
+            a = fs.manifest.arrays
+            zstd_max = int(a["stored"][a["codec"] == 1].max())  # read whole, at most 64 MiB
+        assert lengths and max(lengths) <= max(window, zstd_max)
+    assert report.bytes == sum(i * 97 if i % 3 else i * 131 for i in range(40)) + 50_000
+
+
+@pytest.mark.parametrize("window", [64 * 2**20, 1000])
+@pytest.mark.parametrize("victim", ["f05", "f27", "big", "f39"])
+def test_verify_names_the_corrupt_file(verify_pack_dir: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch, window: int,
+                                       victim: str) -> None:
+    monkeypatch.setattr(verify_mod, "_WINDOW", window)
+    pack = _copy(verify_pack_dir, tmp_path)
+    shard = _flip(pack, victim, 3)
+    report = verify_pack(str(pack), jobs=1, progress=False)
+    assert not report.ok
+    assert [(c.path, c.shard) for c in report.corrupt] == [(victim, shard)]
+    assert report.files == 41
+
+
+def test_verify_truncated_and_missing_shards(verify_pack_dir: Path, tmp_path: Path) -> None:
+    pack = _copy(verify_pack_dir, tmp_path)
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        in0 = sorted(os.fsdecode(m.path_of(e)) for e in range(len(m))
+                     if m.kind[e] == 0 and m.shard[e] == 0)
+        in1 = sorted(os.fsdecode(m.path_of(e)) for e in range(len(m))
+                     if m.kind[e] == 0 and m.shard[e] == 1)
+    os.truncate(pack / shard_name(0), 100)
+    os.unlink(pack / shard_name(1))
+    report = verify_pack(str(pack), jobs=2, progress=False)
+    assert sorted(c.path for c in report.corrupt) == sorted(in0 + in1)
+    reasons = {c.shard: c.reason for c in report.corrupt}
+    assert "truncated" in reasons[shard_name(0)] and shard_name(0) in reasons[shard_name(0)]
+    assert shard_name(1) in reasons[shard_name(1)]
