@@ -115,7 +115,7 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None) -> _Scan:
         for d in items:
             rel = rel_dir + b"/" + d.name if rel_dir else d.name
             apath = os.path.join(dirpath, d.name)
-            if exclude is not None and apath == exclude:
+            if exclude is not None and rel == exclude:  # DEST inside SRC
                 continue
             info = d.stat(follow_symlinks=False)
             if st.S_ISLNK(info.st_mode):
@@ -362,10 +362,13 @@ def pack(
         raise PackError(f"unknown --compress {compress!r}: use one of {', '.join(COMPRESS_MODES)}")
     if not os.path.isdir(src_s):
         raise PackError(f"{src_s}: no such directory to pack")
-    if _within(os.path.realpath(dest_s).encode(), os.path.realpath(src_s).encode()):
-        dest_in_src = os.fsencode(dest_s)
-    else:
-        dest_in_src = None
+    real_dest, real_src = os.path.realpath(dest_s).encode(), os.path.realpath(src_s).encode()
+    if _within(real_src, real_dest):  # --force would delete the source with the old DEST
+        raise PackError(f"{dest_s}: the pack cannot be written to the source directory or to "
+                        f"a directory that contains it ({src_s}); choose another DEST")
+    # DEST inside SRC is left out of the scan, found by its path inside SRC (not by the path
+    # given, which may go through a symlink)
+    dest_in_src = os.path.relpath(real_dest, real_src) if _within(real_dest, real_src) else None
     size = parse_size(shard_size)
     if size <= 0:
         raise PackError("the shard size must be positive")

@@ -471,3 +471,28 @@ def test_sample_tree_round_trip(tmp_path: Path, sample_pack_session: tuple[Path,
     s = snapshot_tree(tmp_path / "out")
     assert st.S_IMODE(s[b"exec.sh"].mode) == 0o755
     assert st.S_IMODE(s[b"emptydir"].mode) == 0o700
+
+
+def test_destination_inside_source_through_a_symlink(tmp_path: Path, sample_tree: Path) -> None:
+    """DEST inside SRC is left out even when one of them is named through a symlink, also
+    when DEST already holds files (a re-run with --force, a resumed pack)."""
+    os.symlink(sample_tree, tmp_path / "via")
+    for src, dest in [(tmp_path / "via", sample_tree / "p"), (sample_tree, tmp_path / "via/p")]:
+        for _ in range(2):  # the second run finds the first pack's files in SRC
+            report = _pack(src, dest, overwrite=True)
+            assert report.files == 10
+            with stagefs.open(sample_tree / "p") as fs:
+                assert "p" not in fs.listdir("")
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "same-via-link", "dot"])
+def test_destination_containing_the_source_is_refused(tmp_path: Path, sample_tree: Path,
+                                                      where: str) -> None:
+    os.symlink(sample_tree, tmp_path / "via")
+    dest = {"same": sample_tree, "parent": tmp_path, "same-via-link": tmp_path / "via",
+            "dot": sample_tree / "."}[where]
+    before = snapshot_tree(sample_tree)
+    with pytest.raises(PackError, match="source") as info:
+        _pack(sample_tree, dest, overwrite=True)  # --force must never delete the source
+    assert str(os.path.abspath(dest)) in str(info.value)
+    assert snapshot_tree(sample_tree) == before
