@@ -16,7 +16,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -29,6 +29,9 @@ from stagefs.tiers.base import SourceUnavailable
 __all__ = ["ClientStats", "PeerClient", "PeerSource", "PeerUnavailable"]
 
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
+_SCRATCH = 16 * 2**20  # replies up to this size are received into a reused buffer
+_BATCH_BYTES = 1 * 2**20  # data asked for in one READ; larger reads are pipelined requests
+_WINDOW = 32  # requests in flight on one connection
 _BACKOFF = (0.5, 30.0)
 
 
@@ -69,6 +72,7 @@ class PeerClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
+        self._local = threading.local()
         self._down_until = 0.0
         self._backoff = _BACKOFF[0]
 
@@ -147,12 +151,38 @@ class PeerClient:
         for s in idle:
             s.close()
 
+    def _scratch(self) -> bytearray:
+        """This thread's receive buffer, reused across replies (no allocation, no page
+        faults per request); replies are copied out of it before the next one."""
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = bytearray(_SCRATCH)
+        return buf
+
     def _exchange(self, msg: P.Message) -> P.Message:
+        replies: list[P.Message] = []
+        self._pipeline([msg], lambda _i, reply: replies.append(reply))
+        return replies[0]
+
+    def _pipeline(self, msgs: Sequence[P.Message],
+                  handle: Callable[[int, P.Message], None]) -> None:
+        """Send every request at once on one pooled connection, then take the replies in
+        order, handing each to ``handle`` before the next is received (its DATA chunks are
+        views of the reused receive buffer). The server works on request k+1 while we copy
+        reply k out."""
         sock: socket.socket | None = None
         try:
             sock = self._take()
-            send_message(sock, msg)
-            reply = recv_message(sock)
+            if len(msgs) == 1:
+                send_message(sock, msgs[0])
+            else:
+                sock.sendall(b"".join(P.encode(m) for m in msgs))
+            scratch = self._scratch()
+            for i in range(len(msgs)):
+                reply = recv_message(sock, scratch=scratch)
+                if isinstance(reply, P.Error):
+                    raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
+                handle(i, reply)
         except AuthenticationError:
             self._failed(sock)
             raise
@@ -163,56 +193,59 @@ class PeerClient:
         except (OSError, ProtocolError) as exc:
             self._failed(sock)
             raise PeerUnavailable(f"{self.name}: {exc}") from exc
-        if isinstance(reply, P.Error):
-            self._failed(sock)
-            raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
         self._backoff = _BACKOFF[0]
         self._give(sock)
-        return reply
 
     # -- requests --------------------------------------------------------------------------
 
     def read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """The bytes of each (shard, offset, length), or None where the peer does not hold
-        it. Raises PeerUnavailable (or AuthenticationError) if the peer cannot answer."""
+        it. Raises PeerUnavailable (or AuthenticationError) if the peer cannot answer.
+
+        The ranges go in requests of about ``_BATCH_BYTES`` each, pipelined on one
+        connection (a range over the reply limit is split and joined again)."""
         out: list[bytes | None] = [None] * len(ranges)
         pieces: list[tuple[int, int, int, int]] = []  # index, shard, offset, length
         for i, (s, o, n) in enumerate(ranges):
-            for start in range(0, max(n, 1), _REPLY_LIMIT):  # a range over the limit is split
+            for start in range(0, max(n, 1), _REPLY_LIMIT):
                 pieces.append((i, s, o + start, min(_REPLY_LIMIT, n - start)))
-        parts: dict[int, list[bytes | None]] = {}
-        batch: list[tuple[int, int, int, int]] = []
+        batches: list[list[tuple[int, int, int, int]]] = [[]]
         size = 0
         for p in pieces:
-            if batch and (size + p[3] > _REPLY_LIMIT or len(batch) >= P.MAX_RANGES):
-                self._read_batch(batch, parts)
-                batch, size = [], 0
-            batch.append(p)
+            if batches[-1] and (size + p[3] > _BATCH_BYTES or len(batches[-1]) >= P.MAX_RANGES):
+                batches.append([])
+                size = 0
+            batches[-1].append(p)
             size += p[3]
-        if batch:
-            self._read_batch(batch, parts)
+        parts: dict[int, list[bytes | None]] = {}
+        for w in range(0, len(batches), _WINDOW):
+            self._read_batches(batches[w : w + _WINDOW], parts)
         for i, chunks in parts.items():
             if all(c is not None for c in chunks):
                 out[i] = chunks[0] if len(chunks) == 1 else b"".join(
                     c for c in chunks if c is not None)
         return out
 
-    def _read_batch(self, batch: list[tuple[int, int, int, int]],
-                    parts: dict[int, list[bytes | None]]) -> None:
-        rid = next(self._ids) & 0xFFFFFFFF
-        req = P.Read(rid, tuple(P.Range(s, o, n) for _, s, o, n in batch))
-        reply = self._exchange(req)
-        if not isinstance(reply, P.Data) or reply.request_id != rid or len(
-                reply.chunks) != len(batch):
-            self._failed(None)
-            raise PeerUnavailable(f"{self.name}: reply does not match the request")
-        self.stats.requests += 1
-        self.stats.ranges += len(batch)
-        for (i, _, _, n), c in zip(batch, reply.chunks, strict=True):
-            data = None if c is None or len(c) != n else bytes(c)
-            if data is not None:
-                self.stats.bytes += n
-            parts.setdefault(i, []).append(data)
+    def _read_batches(self, batches: list[list[tuple[int, int, int, int]]],
+                      parts: dict[int, list[bytes | None]]) -> None:
+        rids = [next(self._ids) & 0xFFFFFFFF for _ in batches]
+        reqs = [P.Read(rid, tuple(P.Range(s, o, n) for _, s, o, n in b))
+                for rid, b in zip(rids, batches, strict=True)]
+
+        def handle(k: int, reply: P.Message) -> None:
+            batch = batches[k]
+            if not isinstance(reply, P.Data) or reply.request_id != rids[k] or len(
+                    reply.chunks) != len(batch):
+                raise ProtocolError(f"{self.name}: reply does not match the request")
+            self.stats.requests += 1
+            self.stats.ranges += len(batch)
+            for (i, _, _, n), c in zip(batch, reply.chunks, strict=True):
+                data = None if c is None or len(c) != n else bytes(c)
+                if data is not None:
+                    self.stats.bytes += n
+                parts.setdefault(i, []).append(data)
+
+        self._pipeline(reqs, handle)
 
     def status(self) -> dict[str, Any]:
         reply = self._exchange(P.StatusRequest())

@@ -14,7 +14,8 @@ import struct
 
 from stagefs.net import protocol as P
 
-__all__ = ["recv_exact", "recv_message", "send_message", "sendfile_all", "set_timeouts"]
+__all__ = ["recv_exact", "recv_message", "send_message", "send_parts", "sendfile_all",
+           "set_timeouts"]
 
 
 def set_timeouts(sock: socket.socket, seconds: float) -> None:
@@ -31,9 +32,11 @@ def _timeout(exc: OSError) -> OSError:
     return exc
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    """Exactly ``n`` bytes, or ConnectionError (closed), TimeoutError or OSError."""
-    buf = bytearray(n)
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None
+               ) -> bytearray | memoryview:
+    """Exactly ``n`` bytes, or ConnectionError (closed), TimeoutError or OSError. With
+    ``into`` (at least ``n`` bytes), they are received there and a view of them returned."""
+    buf: bytearray | memoryview = bytearray(n) if into is None else into[:n]
     view = memoryview(buf)
     got = 0
     try:
@@ -47,10 +50,16 @@ def recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def recv_message(sock: socket.socket, max_frame: int = P.MAX_FRAME) -> P.Message:
+def recv_message(sock: socket.socket, max_frame: int = P.MAX_FRAME,
+                 scratch: bytearray | None = None) -> P.Message:
+    """The next message. With ``scratch``, a payload that fits is received into it (no
+    allocation per message): the message's DATA chunks are then views of ``scratch``,
+    valid until the next call that uses it."""
     mtype, length = P.parse_header(recv_exact(sock, P.HEADER.size), max_frame)
-    payload = recv_exact(sock, length) if length else bytearray()
-    return P.decode_payload(mtype, payload)
+    if not length:
+        return P.decode_payload(mtype, b"")
+    into = memoryview(scratch) if scratch is not None and length <= len(scratch) else None
+    return P.decode_payload(mtype, recv_exact(sock, length, into))
 
 
 def send_message(sock: socket.socket, msg: P.Message) -> None:
@@ -59,6 +68,13 @@ def send_message(sock: socket.socket, msg: P.Message) -> None:
         if len(parts) == 1:
             sock.sendall(parts[0])
             return
+        _sendmsg_all(sock, [memoryview(p).cast("B") for p in parts if len(p)])
+    except BlockingIOError as exc:
+        raise _timeout(exc) from None
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    try:
         _sendmsg_all(sock, [memoryview(p).cast("B") for p in parts if len(p)])
     except BlockingIOError as exc:
         raise _timeout(exc) from None
