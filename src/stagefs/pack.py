@@ -117,7 +117,13 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None) -> _Scan:
             apath = os.path.join(dirpath, d.name)
             if exclude is not None and rel == exclude:  # DEST inside SRC
                 continue
-            info = d.stat(follow_symlinks=False)
+            try:
+                info = d.stat(follow_symlinks=False)
+            except PermissionError:  # listable but not searchable (r without x)
+                out.unreadable.append(os.fsdecode(dirpath))
+                break
+            except FileNotFoundError:  # removed since it was listed: not in the tree
+                continue
             if st.S_ISLNK(info.st_mode):
                 _scan_link(out, rel, apath, real_root, follow_symlinks, stack, seen_dirs)
             elif st.S_ISDIR(info.st_mode):

@@ -174,10 +174,10 @@ def _unreadable_case(tmp: Path, what: str) -> tuple[Path, Path, str]:
     if what == "file":
         secret.write_bytes(b"secret")
         os.chmod(secret, 0o000)
-    else:
+    else:  # "dir": cannot be listed; "noexec-dir": can be listed, its entries not reached
         secret.mkdir()
         (secret / "x").write_bytes(b"x")
-        os.chmod(secret, 0o000)
+        os.chmod(secret, 0o000 if what == "dir" else 0o744)
     out = tmp / "out"
     out.mkdir()
     if os.geteuid() == 0:
@@ -194,7 +194,7 @@ def _check_unreadable(dest: Path, msg: str, name: str, what: str) -> None:
         assert not any(p.name.endswith(".partial") for p in dest.iterdir())
 
 
-@pytest.mark.parametrize("what", ["file", "dir"])
+@pytest.mark.parametrize("what", ["file", "dir", "noexec-dir"])
 def test_unreadable_source_fails_naming_it(tmp_path: Path, what: str) -> None:
     if os.geteuid() == 0:  # root reads anything: pack as an unprivileged user, for real
         with _world_dir() as tmp:
