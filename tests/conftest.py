@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import random
 import stat as st
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,19 +151,6 @@ def snapshot_tree(root: Path | str | bytes, *, mtimes: bool = True) -> dict[byte
             with open(full, "rb") as f:
                 out[rel] = Node("file", s.st_mode, ns, f.read())
     return out
-
-
-def iter_files(root: Path) -> Iterator[str]:
-    """Relative paths (str) of the regular files under ``root``, symlinks not followed."""
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            full = os.path.join(dirpath, name)
-            if os.path.isfile(full) and not os.path.islink(full):
-                yield os.path.relpath(full, root)
-
-
-def crc_of(data: bytes) -> int:
-    return zlib.crc32(data)
 
 
 @pytest.fixture
