@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 from stagefs.torch import FileDataset, Prefetcher, Sampler
+from stagefs.torch._prefetch import shard_gate
 
 pytestmark = pytest.mark.integration
 
@@ -109,3 +110,33 @@ def test_sampler_prefetch_in_process(tmp_path: Path) -> None:
         assert p.stats.peak_bytes <= budget
     assert plain != got  # the epochs differ
     s.close()
+
+
+def test_gate_holds_the_read_ahead_back() -> None:
+    """A closed gate (shard not in a tier yet) stops the read-ahead until it opens, or until
+    gate_wait has passed."""
+    sizes = np.full(40, 10, dtype=np.int64)
+    order = np.arange(40, dtype=np.int64)
+    opened = threading.Event()
+    reader = SlowReader(sizes, delay=0)
+    p = Prefetcher(reader, sizes, order, 10_000, chunk=4, threads=2,
+                   gate=lambda i: i < 10 or opened.is_set()).start()
+    time.sleep(0.3)
+    assert sorted(i for c in reader.calls for i in c) == list(range(10))
+    assert p.stats.gated > 0
+    opened.set()
+    got = [p.take(i) for i in range(40)]
+    p.close()
+    assert all(g is not None for g in got[:10])
+    assert sorted(i for c in reader.calls for i in c) == sorted(set(range(40)) - {
+        i for i, g in enumerate(got) if g is None})
+    # the gate of a store with tiers: a shard is let through once held, or after `wait`
+    shard_of = np.arange(40, dtype=np.int64) // 10
+    held: set[int] = {0}
+    gate = shard_gate(shard_of, lambda: held, wait=0.3, recheck=0)
+    assert gate(5) and not gate(15)
+    held.add(1)
+    assert gate(15) and not gate(25)
+    time.sleep(0.35)
+    assert (gate(25) and not gate(35)) or gate(35)  # shard 2 waited out; 3 first asked now
+    assert not shard_gate(shard_of, lambda: set(), wait=10)(0)

@@ -8,7 +8,7 @@ and keeps the resumable state.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ import torch.utils.data
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
 from stagefs.config import parse_size
 from stagefs.errors import ConfigError
-from stagefs.torch._prefetch import Prefetcher
+from stagefs.torch._prefetch import Prefetcher, shard_gate
 
 __all__ = ["Sampler"]
 
@@ -193,9 +193,20 @@ class Sampler(torch.utils.data.Sampler[int]):
             both = np.concatenate([order, self.next_order()])
             stage([int(s) for s in first_use(both, self._shard_of)])
         p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
-                       threads=self.prefetch_threads)
+                       threads=self.prefetch_threads, gate=self._tier_gate())
         self.prefetcher = p
         self.dataset._set_prefetcher(p)  # started on first use in this process
+
+    def _tier_gate(self) -> Callable[[int], bool] | None:
+        """With tiers: "sample i's shard is in a tier" (the tiers stage in our order, so the
+        read-ahead waits for them rather than read the same bytes from the origin)."""
+        store = self.dataset.store
+        held_shards = getattr(store, "held_shards", None)
+        status = getattr(store, "status", None)
+        if held_shards is None or status is None or not status().get("tiers"):
+            return None
+        assert self._shard_of is not None
+        return shard_gate(self._shard_of, held_shards)
 
     # -- resumable state -------------------------------------------------------------------
 
