@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stagefs._malloc import tune_malloc
 from stagefs.cluster.bootstrap import (
     Bootstrap,
     MpiBootstrap,
@@ -276,6 +277,7 @@ def serve(o: ServeOptions) -> int:
     """Run the daemon until SIGTERM/SIGINT; return the exit code."""
     if o.replicas < 1:
         raise ConfigError(f"--replicas must be at least 1 (got {o.replicas})")
+    tune_malloc()  # the server and the stager move sample- and shard-sized buffers
     d = Daemon(o)
 
     def _stop(signum: int, frame: object) -> None:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from stagefs._malloc import tune_malloc
 from stagefs.errors import AuthenticationError, ProtocolError
 from stagefs.net import auth
 from stagefs.net import protocol as P
@@ -30,7 +31,7 @@ __all__ = ["ClientStats", "PeerClient", "PeerSource", "PeerUnavailable"]
 
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
 _SCRATCH = 16 * 2**20  # replies up to this size are received into a reused buffer
-_BATCH_BYTES = 1 * 2**20  # data asked for in one READ; larger reads are pipelined requests
+_BATCH_BYTES = 4 * 2**20  # data asked for in one READ; larger reads are pipelined requests
 _WINDOW = 32  # requests in flight on one connection
 _BACKOFF = (0.5, 30.0)
 
@@ -66,6 +67,7 @@ class PeerClient:
         self.pool_size = pool_size
         self.stats = ClientStats()
         self._ids = itertools.count(1)
+        tune_malloc()  # replies become sample-sized bytes: keep their memory for reuse
         self._reset()
 
     def _reset(self) -> None:
