@@ -252,3 +252,13 @@ def test_public_api() -> None:
         obj = getattr(stagefs, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):
             assert issubclass(obj, stagefs.StagefsError), name
+
+
+def test_read_many_through_symlinks(sample_pack_session: tuple[Path, Path],
+                                    sample_store: stagefs.Store) -> None:
+    src = sample_pack_session[0]
+    paths = ["link_file", "link_dir/cat.jpg", "img/up", "link_chain", "a.txt", "link_dir/up",
+             "/img/../a.txt", "empty.bin"]
+    assert sample_store.read_many(paths) == [(src / p.lstrip("/")).read_bytes() for p in paths]
+    with pytest.raises(FileNotFoundError, match="link_dangling"):
+        sample_store.read_many(["a.txt", "link_dangling"])
