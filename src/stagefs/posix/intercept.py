@@ -168,7 +168,10 @@ class Interceptor:
                 return None
             s = os.fsdecode(p) if isinstance(p, bytes) else p
         if s[:1] != "/":
-            s = posixpath.join(os.getcwd(), s)
+            try:
+                s = posixpath.join(os.getcwd(), s)
+            except OSError:  # the current directory is gone: not a path of ours
+                return None
         if "/." in s or "//" in s:
             s = posixpath.normpath(s)
         if not s.startswith(self.root):
