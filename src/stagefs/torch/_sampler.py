@@ -193,7 +193,8 @@ class Sampler(torch.utils.data.Sampler[int]):
             both = np.concatenate([order, self.next_order()])
             stage([int(s) for s in first_use(both, self._shard_of)])
         p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
-                       threads=self.prefetch_threads, gate=self._tier_gate())
+                       threads=self.prefetch_threads,
+                       gate=self._tier_gate() if self.locality else None)
         self.prefetcher = p
         self.dataset._set_prefetcher(p)  # started on first use in this process
 
