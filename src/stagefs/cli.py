@@ -241,6 +241,26 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from stagefs.bench.runner import BenchConfig, run_bench
+
+    cfg = BenchConfig(dataset=args.dataset, files=args.files, origin=args.origin,
+                      epochs=args.epochs, runs=args.runs, systems=args.systems, out=args.out,
+                      work=args.work, local=args.local, peer_python=args.peer_python,
+                      keep=args.keep, command="stagefs " + " ".join(sys.argv[1:]))
+    results = run_bench(cfg)
+    from stagefs.bench.report import summary_table
+
+    print(summary_table(results))
+    print(f"written to {os.path.abspath(args.out)}")
+    bad = [n for n, s in results["systems"].items()
+           if not (s.get("all_samples_once") and s.get("same_bytes"))]
+    if bad:
+        print(f"stagefs bench: these systems did not read every sample once with the same "
+              f"bytes: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stagefs",
@@ -355,6 +375,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory")
     sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+
+    sp = add("bench", cmd_bench, "compare shuffled epochs: plain files, stagefs, and the peers")
+    sp.add_argument("--dataset", choices=("imagenet-like", "npz"), default="imagenet-like")
+    sp.add_argument("--files", type=int, default=2000, help="files to generate (default 2000)")
+    sp.add_argument("--origin", default=None,
+                    help="the dataset directory (on the shared FS); generated there if empty")
+    sp.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
+    sp.add_argument("--runs", type=int, default=3, help="runs; medians are reported (default 3)")
+    sp.add_argument("--systems", nargs="+", default=None, metavar="SYSTEM",
+                    help="only these (default: every one installed)")
+    sp.add_argument("--out", default="bench-results", help="where the report goes")
+    sp.add_argument("--work", default=None,
+                    help="where conversions go (default: ORIGIN.bench, next to the origin)")
+    sp.add_argument("--local", default=None,
+                    help="node-local scratch for copies, caches, tiers (default: /dev/shm)")
+    sp.add_argument("--peer-python", default=None,
+                    help="the Python that has the peers installed (default: "
+                         "$STAGEFS_BENCH_PEER_PYTHON, else this one)")
+    sp.add_argument("--keep", action="store_true", help="keep conversions and local copies")
     return p
 
 

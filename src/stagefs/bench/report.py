@@ -1,0 +1,169 @@
+"""The outputs of ``stagefs bench``: results.json (every figure), table.md, and PNG plots
+(with the optional ``plot`` extra: matplotlib)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from stagefs.bench.table import table
+
+__all__ = ["summarize", "summary_table", "write_report"]
+
+HEADERS = ["system", "conversion s", "size on disk MB", "cold samples/s", "warm samples/s",
+           "warm MB/s", "origin opens (cold)", "origin stats (cold)", "origin MB (cold)",
+           "origin opens (warm)", "peak RSS MiB", "CPU s / 1k samples", "all once, same bytes"]
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per system: medians over runs (cold = the first epoch of each run; warm = the others)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, s in results["systems"].items():
+        eps = s["epochs"]
+        if not eps:
+            out[name] = {"title": s["title"], "error": (s["errors"] or ["no epochs"])[0]}
+            continue
+        first = [e for e in eps if e["epoch"] == 0]
+        rest = [e for e in eps if e["epoch"] > 0] or first
+        per_epoch = [
+            _median([e["samples_per_s"] for e in eps if e["epoch"] == k])
+            for k in range(max(e["epoch"] for e in eps) + 1)]
+        out[name] = {
+            "title": s["title"],
+            "conversion_s": s["conversion"]["seconds"],
+            "size_on_disk": s["conversion"]["bytes_on_disk"],
+            "cold_samples_per_s": _median([e["samples_per_s"] for e in first]),
+            "warm_samples_per_s": _median([e["samples_per_s"] for e in rest]),
+            "warm_mb_per_s": _median([e["mb_per_s"] for e in rest]),
+            "cold_origin_opens": _median([e["origin_opens"] for e in first]),
+            "cold_origin_stats": _median([e["origin_stats"] for e in first]),
+            "cold_origin_bytes": _median([e["origin_bytes"] for e in first]),
+            "warm_origin_opens": _median([e["origin_opens"] for e in rest]),
+            "warm_origin_bytes": _median([e["origin_bytes"] for e in rest]),
+            "peak_rss": max(e["peak_rss"] for e in eps),
+            "cpu_s_per_1k": _median([e["cpu_s_per_1k"] for e in eps]),
+            "per_epoch_samples_per_s": per_epoch,
+            "ok": bool(s.get("all_samples_once")) and bool(s.get("same_bytes")),
+        }
+    return out
+
+
+def _fmt(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def summary_table(results: dict[str, Any]) -> str:
+    rows: list[list[object]] = []
+    for name, m in summarize(results).items():
+        if "error" in m:
+            rows.append([name, "error: " + m["error"].splitlines()[0][:60]] + ["-"] * 11)
+            continue
+        rows.append([
+            name, _fmt(m["conversion_s"], 2), _fmt(m["size_on_disk"] / 1e6, 1),
+            _fmt(m["cold_samples_per_s"]), _fmt(m["warm_samples_per_s"]),
+            _fmt(m["warm_mb_per_s"]), _fmt(m["cold_origin_opens"]),
+            _fmt(m["cold_origin_stats"]), _fmt(m["cold_origin_bytes"] / 1e6, 1),
+            _fmt(m["warm_origin_opens"]), _fmt(m["peak_rss"] / 2**20),
+            _fmt(m["cpu_s_per_1k"], 3), "yes" if m["ok"] else "NO"])
+    return table(HEADERS, rows)
+
+
+def _settings(results: dict[str, Any]) -> str:
+    lines = [f"- **{n}** ({s['title']}): {s['settings']}" for n, s in results["systems"].items()]
+    lines += [f"- {n}: left out: {why.splitlines()[0]}" for n, why in results["skipped"].items()]
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    d = results["dataset"]
+    head = (f"{d['files']:,} {d['kind']} files, {d['bytes'] / 1e6:,.1f} MB at {d['root']}; "
+            f"{results['epochs']} epochs per run, {results['runs']} runs, medians; "
+            f"first epoch of each run cold ({results['cold']}).")
+    cmd = f"\n\nCommand: `{results['command']}`" if results.get("command") else ""
+    return (f"{head}{cmd}\n\n{summary_table(results)}\n\nSettings:\n\n{_settings(results)}\n")
+
+
+def write_report(results: dict[str, Any], out: str) -> list[str]:
+    """Write results.json, table.md and the plots; return the paths written."""
+    os.makedirs(out, exist_ok=True)
+    results["summary"] = summarize(results)
+    paths = [os.path.join(out, "results.json"), os.path.join(out, "table.md")]
+    with open(paths[0], "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+    with open(paths[1], "w") as f:
+        f.write(markdown(results))
+    try:
+        paths += _plots(results, out)
+    except ImportError:
+        print("stagefs bench: matplotlib is not installed, so no plots "
+              "(pip install 'stagefs[plot]'); results.json and table.md are written")
+    return paths
+
+
+def _plots(results: dict[str, Any], out: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = {n: m for n, m in results["summary"].items() if "error" not in m}
+    names = list(summary)
+    if not names:
+        return []
+    paths = []
+    ys = range(len(names))
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    ax.barh([y + 0.2 for y in ys], [summary[n]["warm_samples_per_s"] for n in names],
+            height=0.4, label="warm (median)")
+    ax.barh([y - 0.2 for y in ys], [summary[n]["cold_samples_per_s"] for n in names],
+            height=0.4, label="cold first epoch (median)")
+    ax.set_yticks(list(ys), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("samples/s (shuffled epoch)")
+    ax.legend(loc="lower right")
+    ax.set_title("Epoch throughput per system")
+    paths.append(_save(fig, out, "throughput.png"))
+
+    epochs = max(len(summary[n]["per_epoch_samples_per_s"]) for n in names)
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.9), 4.5))
+    width = 0.8 / epochs
+    for k in range(epochs):
+        vals = [(summary[n]["per_epoch_samples_per_s"] + [0] * epochs)[k] for n in names]
+        ax.bar([x + k * width for x in range(len(names))], vals, width=width,
+               label=f"epoch {k + 1}" + (" (cold)" if k == 0 else ""))
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=30,
+                  ha="right")
+    ax.set_ylabel("samples/s (median over runs)")
+    ax.legend()
+    ax.set_title("Per-epoch throughput")
+    paths.append(_save(fig, out, "epochs.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    ops = [max(1.0, summary[n]["cold_origin_opens"] + summary[n]["cold_origin_stats"])
+           for n in names]
+    ax.barh(list(ys), ops)
+    ax.set_xscale("log")
+    ax.set_yticks(list(ys), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("origin metadata operations in the cold epoch (opens + stats, log)")
+    ax.set_title("Metadata load on the origin")
+    paths.append(_save(fig, out, "origin_ops.png"))
+    return paths
+
+
+def _save(fig: Any, out: str, name: str) -> str:
+    path = os.path.join(out, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,289 @@
+"""``stagefs bench``: the same dataset, converted for each system, read in shuffled epochs by
+each, alternating systems within each round, medians over rounds.
+
+Each (system, round) runs in its own worker process (worker.py): the first epoch after the
+page cache was dropped (when root) and every node-local cache emptied, then warm epochs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stagefs.bench.systems import Context, System, all_systems, mount_fuse, unmount_fuse
+from stagefs.errors import ConfigError
+
+__all__ = ["BenchConfig", "run_bench"]
+
+PEER_PYTHON_ENV = "STAGEFS_BENCH_PEER_PYTHON"
+
+
+@dataclass
+class BenchConfig:
+    dataset: str = "imagenet-like"
+    files: int = 2000
+    origin: str | None = None
+    epochs: int = 3
+    runs: int = 3
+    systems: Sequence[str] | None = None
+    out: str = "bench-results"
+    work: str | None = None  # conversions (default: next to the origin)
+    local: str | None = None  # node-local scratch (default: /dev/shm or the temp dir)
+    peer_python: str | None = None
+    keep: bool = False
+    timeout: float = 3600.0
+    command: str = ""
+    log: Any = field(default=None, repr=False)
+
+    def say(self, msg: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        print(f"[{stamp}] {msg}", file=self.log or sys.stdout, flush=True)
+
+
+def drop_caches() -> bool:
+    """Drop the kernel's page cache (needs root); True if done."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+    except OSError:
+        return False
+    return True
+
+
+def _dataset(cfg: BenchConfig) -> tuple[str, bool]:
+    """The raw dataset's directory, and whether this run generated it."""
+    from stagefs.bench.datasets import imagenet_like, npz_like
+
+    if cfg.origin and os.path.isdir(cfg.origin) and os.listdir(cfg.origin):
+        return os.path.abspath(cfg.origin), False
+    root = os.path.abspath(cfg.origin) if cfg.origin else tempfile.mkdtemp(
+        prefix="stagefs-bench-data-")
+    cfg.say(f"generating {cfg.files:,} {cfg.dataset} files in {root}")
+    if cfg.dataset == "imagenet-like":
+        imagenet_like(root, files=cfg.files, classes=max(1, min(1000, cfg.files // 100)),
+                      progress=False)
+    elif cfg.dataset == "npz":
+        npz_like(root, files=cfg.files, progress=False)
+    else:
+        raise ConfigError(f"--dataset {cfg.dataset!r}: use imagenet-like or npz")
+    return root, True
+
+
+def _index(raw: str, path: str) -> tuple[int, int]:
+    rows: list[tuple[str, int]] = []
+    for d, dirs, files in os.walk(raw):
+        dirs.sort()
+        for name in files:
+            full = os.path.join(d, name)
+            rows.append((os.path.relpath(full, raw), os.path.getsize(full)))
+    rows.sort()
+    if not rows:
+        raise ConfigError(f"{raw}: no files to read (give --origin a directory with files)")
+    with open(path, "w") as f:
+        f.writelines(f"{rel}\t{size}\n" for rel, size in rows)
+    return len(rows), sum(s for _, s in rows)
+
+
+def _du(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, fs in os.walk(path) for n in fs)
+
+
+def _local_default() -> str:
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return tempfile.mkdtemp(prefix="stagefs-bench-", dir=shm)
+    return tempfile.mkdtemp(prefix="stagefs-bench-local-")
+
+
+class _Worker:
+    """Runs worker.py for one system in the interpreter it needs."""
+
+    def __init__(self, cfg: BenchConfig, ctx: Context, scratch: str) -> None:
+        self.cfg, self.ctx, self.scratch = cfg, ctx, scratch
+        self.peer_python = cfg.peer_python or os.environ.get(PEER_PYTHON_ENV) or sys.executable
+
+    def python(self, system: System) -> str:
+        return self.peer_python if system.interpreter == "peers" else sys.executable
+
+    def call(self, system: System, op: str, **extra: Any) -> dict[str, Any]:
+        spec = {"op": op, "system": system.name, "ctx": asdict(self.ctx), **extra}
+        fd, spec_path = tempfile.mkstemp(suffix=".json", dir=self.scratch)
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec, f)
+        out_path = spec_path[:-5] + ".out.json"
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        try:
+            r = subprocess.run([self.python(system), "-m", "stagefs.bench.worker", spec_path,
+                                out_path], env=env, capture_output=True, text=True,
+                               timeout=self.cfg.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {self.cfg.timeout:.0f} s"}
+        finally:
+            os.unlink(spec_path)
+        try:
+            with open(out_path) as f:
+                result: dict[str, Any] = json.load(f)
+            os.unlink(out_path)
+        except OSError:
+            tail = (r.stderr or r.stdout).strip()[-1500:]
+            return {"error": f"worker exited {r.returncode}: {tail}"}
+        return result
+
+
+def _select(names: Sequence[str] | None) -> list[System]:
+    systems = list(all_systems())
+    if not names:
+        return systems
+    known = {s.name: s for s in systems}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ConfigError(f"unknown system(s) {', '.join(unknown)}: choose from "
+                          f"{', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    """Run the whole benchmark; write JSON, table and plots to cfg.out; return the results."""
+    from stagefs.bench.report import write_report
+
+    if cfg.epochs < 1 or cfg.runs < 1 or cfg.files < 1:
+        raise ConfigError("--epochs, --runs and --files must be at least 1")
+    systems = _select(cfg.systems)
+    raw, generated = _dataset(cfg)
+    conv = os.path.abspath(cfg.work or raw.rstrip("/") + ".bench")
+    local = os.path.abspath(cfg.local) if cfg.local else _local_default()
+    os.makedirs(conv, exist_ok=True)
+    os.makedirs(local, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="worker-", dir=local)
+    ctx = Context(raw=raw, conv=conv, local=local, index=os.path.join(scratch, "index.tsv"),
+                  fuse_mount=os.path.join(local, "fuse-mount"))
+    try:
+        return _run(cfg, systems, ctx, scratch, raw, write_report)
+    finally:
+        if not cfg.keep:
+            shutil.rmtree(conv, ignore_errors=True)
+            shutil.rmtree(local, ignore_errors=True)
+            if generated and not cfg.origin:
+                shutil.rmtree(raw, ignore_errors=True)
+
+
+def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, raw: str,
+         write_report: Any) -> dict[str, Any]:
+    files, total = _index(raw, ctx.index)
+    cfg.say(f"dataset: {files:,} files, {total / 1e6:,.1f} MB in {raw}")
+    worker = _Worker(cfg, ctx, scratch)
+    results: dict[str, Any] = {
+        "command": cfg.command, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "dataset": {"kind": cfg.dataset, "root": raw, "files": files, "bytes": total},
+        "where": {"origin": raw, "conversions": ctx.conv, "local": ctx.local},
+        "epochs": cfg.epochs, "runs": cfg.runs, "machine": _machine(),
+        "systems": {}, "skipped": {},
+    }
+    active: list[System] = []
+    conversions: dict[str, dict[str, Any]] = {}
+    for s in systems:
+        probe = worker.call(s, "probe")
+        reason = probe.get("missing") or probe.get("error")
+        if reason:
+            cfg.say(f"  {s.name}: left out ({reason.splitlines()[0]})")
+            results["skipped"][s.name] = reason
+            continue
+        key = getattr(s, "pack_name", s.name)
+        if key not in conversions:
+            cfg.say(f"converting for {s.name} ...")
+            conversions[key] = c = worker.call(s, "convert")
+            if "error" not in c:
+                c["bytes_on_disk"] = _du(c["dir"])
+                cfg.say(f"  {c['seconds']:.1f} s, {c['bytes_on_disk'] / 1e6:,.1f} MB")
+        c = conversions[key]
+        if "error" in c:
+            cfg.say(f"  {s.name}: conversion failed: {c['error']}")
+            results["skipped"][s.name] = f"conversion failed: {c['error']}"
+            continue
+        results["systems"][s.name] = {
+            "title": s.title, "settings": s.settings, "on_origin": s.on_origin,
+            "interpreter": worker.python(s), "conversion": {**c, "shared_with": key},
+            "epochs": [], "errors": []}
+        active.append(s)
+    sizes_path = os.path.join(scratch, "sizes.json")
+    _write_sizes(ctx, raw, sizes_path)
+    roots = [raw, ctx.conv]
+    results["cold"] = "page cache dropped" if drop_caches() else "page cache NOT dropped (not root)"
+    for run in range(cfg.runs):
+        order = active[run % len(active):] + active[:run % len(active)] if active else []
+        for s in order:
+            cfg.say(f"run {run + 1}/{cfg.runs}: {s.name}")
+            res = _one_run(cfg, worker, s, ctx, run, roots, sizes_path)
+            entry = results["systems"][s.name]
+            if "error" in res:
+                cfg.say(f"  error: {res['error'].splitlines()[0][:300]}")
+                entry["errors"].append(res["error"])
+                continue
+            entry["epochs"].extend(res["epochs"])
+            cfg.say("  " + ", ".join(f"{e['samples_per_s']:,.0f}/s" for e in res["epochs"]))
+    _check(results, files)
+    write_report(results, cfg.out)
+    return results
+
+
+def _one_run(cfg: BenchConfig, worker: _Worker, s: System, ctx: Context, run: int,
+             roots: list[str], sizes_path: str) -> dict[str, Any]:
+    server = None
+    try:
+        if s.name == "stagefs-fuse":
+            server = mount_fuse(ctx)
+        cold = drop_caches()
+        return worker.call(s, "run", run=run, epochs=cfg.epochs, cold=cold,
+                           origin_roots=roots, sizes=sizes_path,
+                           server_pid=server.pid if server else None)
+    except (RuntimeError, OSError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if server is not None:
+            unmount_fuse(ctx, server)
+
+
+def _write_sizes(ctx: Context, raw: str, path: str) -> None:
+    sizes: dict[str, int] = {}
+    for top in (raw, ctx.conv):
+        for d, _, names in os.walk(top):
+            for n in names:
+                p = os.path.join(d, n)
+                try:
+                    sizes[os.path.normpath(p)] = os.path.getsize(p)
+                except OSError:
+                    continue
+    with open(path, "w") as f:
+        json.dump(sizes, f)
+
+
+def _check(results: dict[str, Any], files: int) -> None:
+    """Every epoch of every system: each sample exactly once, and the same bytes."""
+    sums = {e["checksum"] for s in results["systems"].values() for e in s["epochs"]}
+    reference = max(sums, key=lambda c: sum(e["checksum"] == c for s in results["systems"]
+                                           .values() for e in s["epochs"])) if sums else ""
+    results["reference_checksum"] = reference
+    for s in results["systems"].values():
+        s["all_samples_once"] = bool(s["epochs"]) and all(
+            e["samples"] == files and e["distinct"] == files for e in s["epochs"])
+        s["same_bytes"] = bool(s["epochs"]) and all(
+            e["checksum"] == reference for e in s["epochs"])
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "kernel": platform.release(),
+            "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)}
