@@ -315,6 +315,8 @@ class TierChain:
         held: set[int] = set()
         for t in self.tiers:
             held |= t.held()
+        for s in held - self._route.keys():
+            self._next_check.pop(s, None)  # seen landed: the next read looks at once
         return held
 
     def stage(self, shards: Iterable[int] | None = None,

@@ -29,6 +29,7 @@ from stagefs.tiers.placer import Layout
 __all__ = ["InPlaceOrigin", "SumTable"]
 
 _PARALLEL_FILES = 8  # a range covering more files than this is read by a thread pool
+_THREADS = 24  # files opened at once: each costs metadata round trips, so overlap them
 
 
 class SumTable:
@@ -118,7 +119,7 @@ class InPlaceOrigin:
         if len(parts) > _PARALLEL_FILES:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(8, thread_name_prefix="stagefs-inplace")
+                    self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="stagefs-inplace")
             pieces = list(self._pool.map(lambda p: self._read_file(p[0], p[1], p[2]), parts))
         else:
             pieces = [self._read_file(e, start, n) for e, start, n, _ in parts]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
@@ -27,6 +29,7 @@ from stagefs.format.spec import SHARD_HEADER
 __all__ = ["CHUNK", "CopyAborted", "Layout", "OriginFailed", "copy_shard", "open_partial"]
 
 CHUNK = 8 * 2**20  # bytes per origin read while placing
+IN_FLIGHT = 4  # origin reads of one shard in flight at once: one stream rarely fills a PFS link
 
 
 class CopyAborted(Exception):
@@ -134,18 +137,11 @@ def copy_shard(
     done = False
     try:
         verifier = _Verifier(m, entries, check, f"shard {index} from the origin")
-        pos = 0
-        while pos < size:
-            n = min(CHUNK, size - pos)
-            try:
-                data = read(pos, n)
-            except Exception as exc:
-                raise OriginFailed(str(exc)) from exc
+        for pos, data in _read_ahead(read, size):
             verifier.feed(pos, data)
             _pwrite_all(fd, data, pos)
-            pos += n
             if progress is not None:
-                progress(pos)
+                progress(pos + len(data))
             if stop is not None and stop():
                 raise CopyAborted(final)
         verifier.finish()
@@ -161,6 +157,28 @@ def copy_shard(
         if not done:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(partial)
+
+
+def _read_ahead(read: Callable[[int, int], bytes], size: int) -> Iterator[tuple[int, bytes]]:
+    """The chunks of ``[0, size)`` in order, with up to IN_FLIGHT reads running ahead."""
+    chunk = CHUNK
+    starts = deque(range(0, size, chunk))
+    with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="stagefs-read") as pool:
+        pending: deque[tuple[int, Future[bytes]]] = deque()
+        try:
+            while starts or pending:
+                while starts and len(pending) < IN_FLIGHT:
+                    pos = starts.popleft()
+                    pending.append((pos, pool.submit(read, pos, min(chunk, size - pos))))
+                pos, fut = pending.popleft()
+                try:
+                    data = fut.result()
+                except Exception as exc:
+                    raise OriginFailed(str(exc)) from exc
+                yield pos, data
+        finally:
+            for _, fut in pending:
+                fut.cancel()
 
 
 def _pwrite_all(fd: int, data: bytes, pos: int) -> None:
