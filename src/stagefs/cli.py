@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # names are bytes: write those that are not UTF-8 as they are
+        reconfigure(errors="surrogateescape")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="stagefs: %(levelname)s: %(message)s")
     try:
