@@ -19,13 +19,13 @@ pytestmark = pytest.mark.integration
 EXE = shutil.which("stagefs")
 
 
-def run(*args: str | Path, ok: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[
-        bytes]:
+def run(*args: str | bytes | Path, ok: bool = True, timeout: float = 120,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
     if EXE is None:
         pytest.skip("the stagefs console script is not on PATH (pip install -e .)")
-    env = {**os.environ, "COLUMNS": "120"}
-    proc = subprocess.run([EXE, *map(str, args)], capture_output=True, timeout=timeout,
-                          env=env, check=False)
+    env = {**os.environ, "COLUMNS": "120", **(env or {})}
+    argv = [EXE, *(a if isinstance(a, bytes) else str(a) for a in args)]
+    proc = subprocess.run(argv, capture_output=True, timeout=timeout, env=env, check=False)
     if ok:
         assert proc.returncode == 0, proc.stderr.decode()
         assert b"Traceback" not in proc.stderr
@@ -240,3 +240,22 @@ def test_demo() -> None:
     assert "| how" in out and "samples/s" in out
     assert "stagefs: fs.read " in out and "plain files: open + read" in out
     assert "200 files" in out
+
+
+def test_names_that_are_not_utf8(tmp_path: Path) -> None:
+    """Names are bytes: listed and accepted as they are, even where stdout is strict UTF-8."""
+    src = os.fsencode(tmp_path / "src")
+    os.makedirs(os.path.join(src, b"d\xfe"))
+    for name, data in [(b"bad\xffname", b"x"), (b"ok", b"y"), (b"d\xfe/in\xe9", b"z")]:
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(data)
+    pack = tmp_path / "pack"
+    run("pack", src, pack)
+    strict = {"PYTHONIOENCODING": "utf-8", "LC_ALL": "C.UTF-8", "PYTHONUTF8": "0"}
+    assert run("ls", pack, env=strict).stdout.splitlines() == [b"bad\xffname", b"d\xfe", b"ok"]
+    assert run("ls", pack, b"d\xfe", env=strict).stdout.splitlines() == [b"in\xe9"]
+    long = run("ls", "-l", pack, env=strict).stdout.splitlines()
+    assert [line.rsplit(b" ", 1)[1] for line in long] == [b"bad\xffname", b"d\xfe", b"ok"]
+    assert b"File: d\xfe/in\xe9" in run("stat", pack, b"d\xfe/in\xe9", env=strict).stdout
+    assert run("cat", pack, b"bad\xffname", env=strict).stdout == b"x"
+    one_line_error(run("cat", pack, b"missing\xff", ok=False, env=strict), "missing")
