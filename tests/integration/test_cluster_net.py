@@ -9,6 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 from cluster_helpers import make_pack
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stagefs.errors import AuthenticationError, ConfigError
 from stagefs.format import Manifest
@@ -163,6 +165,56 @@ def test_garbage_never_crashes_or_hangs_the_server(
     assert srv.stats.protocol_errors > 0
     c = PeerClient(*srv.address, token)
     assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]  # still serving
+
+
+@pytest.fixture(scope="module")
+def shared_server(packed: tuple[str, dict[str, bytes]]) -> Iterator[tuple[ShardServer, bytes]]:
+    pack, _ = packed
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
+                      limits=ServerLimits(handshake_timeout=0.25, idle_timeout=0.25)).start()
+    yield srv, token
+    srv.close()
+    m.close()
+
+
+def _authed(srv: ShardServer, token: bytes) -> socket.socket:
+    s = socket.create_connection(srv.address, timeout=5)
+    ch = P.FrameDecoder()
+    while (msg := ch.next_message()) is None:
+        ch.feed(s.recv(4096))
+    assert isinstance(msg, P.Challenge)
+    nc = auth.new_nonce()
+    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, msg.nonce, nc))))
+    return s
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=600), authed=st.booleans(), cut=st.booleans())
+def test_hypothesis_frames_never_crash_or_hang(
+        shared_server: tuple[ShardServer, bytes], data: bytes, authed: bool, cut: bool) -> None:
+    srv, token = shared_server
+    if cut:  # a valid READ frame, truncated
+        data = P.encode(P.Read(1, (P.Range(0, 0, 8),)))[: len(data) % 40]
+    s = _authed(srv, token) if authed else socket.create_connection(srv.address, timeout=5)
+    try:
+        s.sendall(data)
+        s.settimeout(5)
+        t0 = time.monotonic()
+        while s.recv(65536):
+            pass  # the server answers and closes, or drops us at its timeout: never hangs
+        assert time.monotonic() - t0 < 4
+    except TimeoutError:
+        pytest.fail("the server hung")
+    except OSError:
+        pass
+    finally:
+        s.close()
+    c = PeerClient(*srv.address, token)
+    assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]  # and it still serves
+    c.close()
 
 
 def test_connection_limit(server: tuple[ShardServer, bytes, Manifest]) -> None:
