@@ -111,7 +111,7 @@ def run(config: str, raw: str, pack: str, args: argparse.Namespace) -> list[dict
     loader = StallMeter(torch.utils.data.DataLoader(
         ds, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
         collate_fn=collate, persistent_workers=args.workers > 0,
-        multiprocessing_context="fork" if args.workers else None), runtime=None)
+        multiprocessing_context="fork" if args.workers else None), write=False)
     rows = []
     try:
         for epoch in range(args.epochs):

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
-from stagefs.config import env
+from stagefs.runtime import Runtime
 
 __all__ = ["EpochStall", "StallMeter"]
 
@@ -60,14 +60,17 @@ class StallMeter(Generic[T]):
     """Iterate ``loader`` through this to measure the data stall of every epoch.
 
     ``meter.epochs`` lists the finished epochs, ``meter.last`` the latest one. ``runtime``:
-    the directory to write ``stall-<pid>.json`` into (default ``$STAGEFS_RUNTIME``; none
-    is written when neither is set).
+    the directory to write ``stall-<pid>.json`` into; by default ``$STAGEFS_RUNTIME``, else
+    the job's default runtime directory if a Store has made it; ``write=False`` writes none.
     """
 
     def __init__(self, loader: Iterable[T], *, runtime: str | None = None,
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, write: bool = True) -> None:
         self.loader = loader
-        self.runtime = runtime or env("RUNTIME")
+        if runtime is None and write:
+            rt = Runtime()
+            runtime = rt.path if rt.explicit or rt.exists() else None
+        self.runtime = runtime if write else None
         self.rank = rank
         self.epochs: list[EpochStall] = []
 
