@@ -36,6 +36,7 @@ __all__ = ["Runtime", "alive", "job_id", "proc_start"]
 
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 _STALE_GRACE_S = 5.0  # a fresh directory whose creator has not registered yet is not stale
+_USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
 
 def job_id() -> str:
@@ -135,11 +136,21 @@ class Runtime:
     # -- processes ------------------------------------------------------------------------
 
     def register(self, pid: int | None = None) -> None:
+        """Record that this process uses the job (once per open store; see unregister)."""
         pid = os.getpid() if pid is None else pid
+        key = (pid, self.path)
+        _USERS[key] = _USERS.get(key, 0) + 1
         with open(os.path.join(self.procs, str(pid)), "w") as f:
             f.write(str(proc_start(pid)))
 
     def unregister(self) -> None:
+        """A store closed; the record goes when the process's last store of the job does."""
+        key = (os.getpid(), self.path)
+        left = _USERS.get(key, 1) - 1
+        if left > 0:
+            _USERS[key] = left
+            return
+        _USERS.pop(key, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(self.procs, str(os.getpid())))
 

@@ -27,6 +27,7 @@ from stagefs.errors import (
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg
+from stagefs.runtime import Runtime
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.inplace import SumTable
@@ -65,6 +66,7 @@ class Store:
         chain: TierChain | None = None,
         sums: SumTable | None = None,
         reopen: dict[str, Any] | None = None,
+        runtime: Runtime | None = None,
     ) -> None:
         self.pack_dir = pack_dir
         self.verify = verify
@@ -76,6 +78,7 @@ class Store:
         self._holders = sources or (chain.holders if chain is not None else self._origin_holders)
         self._sums = sums  # in place: checksums learnt as shards are placed
         self._reopen = reopen  # how a pickled copy reopens this store
+        self._runtime = runtime  # the job's runtime dir, if this store uses one
         m = self.manifest
         self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
@@ -296,7 +299,8 @@ class Store:
             self._closed = True
         if self.chain is not None:
             self.chain.close()
-            self.chain.runtime.unregister()
+        if self._runtime is not None:
+            self._runtime.unregister()
         self.origin.close()
         if self._sums is not None:
             self._sums.close()

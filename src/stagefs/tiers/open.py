@@ -78,4 +78,4 @@ def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike
         reopen = {"path": path, "tiers": specs, "verify": verify,
                   "runtime": os.fspath(runtime) if runtime is not None else None}
     return Store(path, verify=verify, manifest=manifest, origin=origin, chain=chain, sums=sums,
-                 reopen=reopen)
+                 reopen=reopen, runtime=rt)
