@@ -136,7 +136,7 @@ def main() -> int:
 
     results: dict[str, dict[str, Any]] = {}
     try:
-        for name, (reader, _st) in systems.items():  # warm-up pass: fills every cache
+        for reader, _st in systems.values():  # warm-up pass: fills every cache
             reader()
         for name, (reader, statter) in systems.items():
             warm, nbytes = median_rate(reader, n, a.runs)
