@@ -229,7 +229,7 @@ def test_stats_are_flushed_while_open(raw: tuple[Path, dict[str, bytes]], tmp_pa
     with stagefs.open(root, tiers=[str(tmp_path / "t")], runtime=tmp_path / "rt") as fs:
         read_all(fs, files)
         fs.chain.wait_idle(30)  # type: ignore[union-attr]
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not list((tmp_path / "rt" / "stats").iterdir()):
             time.sleep(0.05)
         assert list((tmp_path / "rt" / "stats").glob(f"{os.getpid()}.*.json"))
