@@ -141,12 +141,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(files=args.files, workdir=args.workdir, keep=args.keep)
 
 
-def _open_dataset(origin: str, tiers: list[str] | None):  # type: ignore[no-untyped-def]
-    """stagefs.open(origin), with ``tiers=`` when given and when stagefs.open takes it."""
+def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[no-untyped-def]
+                  connect: bool = False, runtime: str | None = None):
+    """stagefs.open(origin), with ``tiers=`` when given and when stagefs.open takes it; or,
+    with ``connect``, the cluster's store (stagefs.connect)."""
     import inspect
 
     import stagefs
 
+    if connect:
+        if origin:
+            raise SystemExit("stagefs: give either a dataset or --connect, not both")
+        return stagefs.connect(runtime)
+    if not origin:
+        raise SystemExit("stagefs: name the dataset (a pack or a directory), or --connect")
     if tiers and "tiers" in inspect.signature(stagefs.open).parameters:
         return stagefs.open(origin, tiers=tiers)  # type: ignore[call-arg]
     if tiers:
@@ -161,7 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
-    store = _open_dataset(args.dataset, args.tier)
+    store = _open_dataset(args.dataset, args.tier, args.connect, args.runtime)
     env = dict(os.environ, **_env_for(store, Interceptor(store, args.at).root))
     store.close()
     try:
@@ -174,12 +182,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from stagefs.posix import fuse
 
     if args.foreground:
-        with _open_dataset(args.dataset, args.tier) as store:
+        with _open_dataset(args.dataset, args.tier, args.connect, args.runtime) as store:
             fuse.mount(store, args.mountpoint, allow_other=args.allow_other)
         return 0
-    _open_dataset(args.dataset, args.tier).close()  # a bad dataset is reported here
+    # a bad dataset (or no cluster) is reported here, before anything is started
+    _open_dataset(args.dataset, args.tier, args.connect, args.runtime).close()
     return fuse.mount_background(args.dataset, args.mountpoint, args.tier,
-                                 allow_other=args.allow_other)
+                                 allow_other=args.allow_other, connect=args.connect,
+                                 runtime=args.runtime)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -316,15 +326,21 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", action="store_true", help="keep the generated data")
 
     sp = add("run", cmd_run, "run a command with Python file access under --at served by stagefs")
-    sp.add_argument("--dataset", required=True, help="the pack (or origin) to serve")
+    sp.add_argument("--dataset", help="the pack (or origin) to serve")
     sp.add_argument("--at", required=True, help="the path the program reads the data from")
     sp.add_argument("--tier", action="append", default=None, help="a node-local tier (repeat)")
+    sp.add_argument("--connect", action="store_true",
+                    help="serve the cluster's dataset (this node's daemon) instead")
+    sp.add_argument("--runtime", default=None, help="the cluster's runtime dir (--connect)")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")
-    sp.add_argument("dataset", help="the pack (or origin) to serve")
+    sp.add_argument("dataset", nargs="?", help="the pack (or origin) to serve")
     sp.add_argument("mountpoint", help="an existing, empty directory")
     sp.add_argument("--tier", action="append", default=None, help="a node-local tier (repeat)")
+    sp.add_argument("--connect", action="store_true",
+                    help="serve the cluster's whole dataset (this node's daemon) instead")
+    sp.add_argument("--runtime", default=None, help="the cluster's runtime dir (--connect)")
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground until unmounted or interrupted")
     sp.add_argument("--allow-other", action="store_true", help="let other users read it")

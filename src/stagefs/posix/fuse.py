@@ -227,8 +227,9 @@ def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
                           "close the programs using it, or: umount -l)")
 
 
-def mount_background(dataset: str, mountpoint: str, tiers: list[str] | None, *,
-                     allow_other: bool = False, timeout: float = 60.0) -> int:
+def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | None, *,
+                     allow_other: bool = False, connect: bool = False,
+                     runtime: str | None = None, timeout: float = 60.0) -> int:
     """Start ``stagefs mount --foreground`` as a detached process; return once mounted.
 
     The child runs in its own session (a closed terminal does not end it), writes its log
@@ -246,8 +247,13 @@ def mount_background(dataset: str, mountpoint: str, tiers: list[str] | None, *,
         raise ConfigError(f"mount point {mp} is not a directory: create it first (mkdir -p)")
     if is_mounted(mp):
         raise ConfigError(f"{mp} is already a mount point: 'stagefs umount {mp}' first")
-    cmd = [sys.executable, "-m", "stagefs.cli", "mount", os.path.abspath(dataset), mp,
-           "--foreground"]
+    cmd = [sys.executable, "-m", "stagefs.cli", "mount", mp, "--foreground"]
+    if dataset:
+        cmd.insert(4, os.path.abspath(dataset))
+    if connect:
+        cmd.append("--connect")
+    if runtime:
+        cmd += ["--runtime", os.path.abspath(runtime)]
     for t in tiers or ():
         cmd += ["--tier", t]
     if allow_other:
@@ -259,7 +265,7 @@ def mount_background(dataset: str, mountpoint: str, tiers: list[str] | None, *,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if is_mounted(mp):
-            print(f"mounted {dataset} at {mp} (server pid {child.pid}; "
+            print(f"mounted {dataset or 'the cluster dataset'} at {mp} (server pid {child.pid}; "
                   f"'stagefs umount {mp}' to end it)")
             return 0
         if child.poll() is not None:
