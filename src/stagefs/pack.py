@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from stagefs.config import format_size, parse_size
 from stagefs.errors import (
+    CorruptManifestError,
     DestinationExistsError,
     PackError,
     SourceChangedError,
@@ -44,7 +45,7 @@ from stagefs.format import (
     shard_name,
 )
 from stagefs.format.codecs import Codec, compress_auto
-from stagefs.format.manifest import Entry, ShardInfo
+from stagefs.format.manifest import Entry, Manifest, ShardInfo
 
 __all__ = ["PackReport", "pack", "unpack"]
 
@@ -539,7 +540,7 @@ def unpack(
                    disable=None if progress is None else not progress)
         with bar:
             for e in range(len(m)):
-                target = os.path.join(root, m.path_of(e)) if e else root
+                target = os.path.join(root, _plain_path(m, e)) if e else root
                 kind = m.kind[e]
                 if kind == KIND_DIR:
                     os.makedirs(target, exist_ok=True)
@@ -558,6 +559,20 @@ def unpack(
             ns = m.mtime_ns[e]
             os.utime(target, ns=(ns, ns))
     return n
+
+
+def _plain_path(m: Manifest, e: int) -> bytes:
+    """The path of entry ``e``, checked to name a child of its directory entry, so that no
+    crafted manifest can make unpack write outside DEST (a "..", or a path through a symlink)."""
+    path, parent = m.path_of(e), m.parent[e]
+    head, _, name = path.rpartition(b"/")
+    if (name in (b"", b".", b"..") or b"\0" in name or m.kind[parent] != KIND_DIR
+            or m.path_of(parent) != head):
+        raise CorruptManifestError(
+            f"{m.path}: entry {os.fsdecode(path)!r} is not a name inside its directory; "
+            "refusing to unpack this pack"
+        )
+    return path
 
 
 def _unpack_file(store: Any, e: int, target: bytes) -> None:

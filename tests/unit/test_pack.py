@@ -496,3 +496,55 @@ def test_destination_containing_the_source_is_refused(tmp_path: Path, sample_tre
         _pack(sample_tree, dest, overwrite=True)  # --force must never delete the source
     assert str(os.path.abspath(dest)) in str(info.value)
     assert snapshot_tree(sample_tree) == before
+
+
+# ------------------------------------------------------------------ crafted manifests
+
+
+def _crafted_pack(pack: Path, entries: list[Any]) -> Path:
+    from stagefs.format import ManifestBuilder
+
+    pack.mkdir()
+    b = ManifestBuilder()
+    for e in entries:
+        b.add(e)
+    b.write(str(pack / MANIFEST_NAME))
+    return pack / MANIFEST_NAME
+
+
+def _patch_manifest(path: Path, old: bytes, new: bytes) -> None:
+    """Replace bytes in the manifest's string blob and re-seal its checksum."""
+    from xxhash import xxh3_64_intdigest
+
+    from stagefs.format.spec import MANIFEST_HEADER
+
+    raw = bytearray(path.read_bytes())
+    at = raw.index(old, MANIFEST_HEADER.size)
+    raw[at : at + len(old)] = new
+    raw[40:48] = xxh3_64_intdigest(bytes(raw[MANIFEST_HEADER.size :])).to_bytes(8, "little")
+    path.write_bytes(bytes(raw))
+
+
+def test_unpack_refuses_paths_that_leave_dest(tmp_path: Path) -> None:
+    from stagefs.errors import CorruptManifestError
+    from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
+    from stagefs.format.manifest import Entry
+
+    # a name ".." (the builder takes any name the caller gives)
+    _crafted_pack(tmp_path / "p1", [Entry(b"", KIND_DIR, 0o40755, 0),
+                                    Entry(b"..", KIND_DIR, 0o40755, 0),
+                                    Entry(b"../evil", KIND_FILE, 0o100644, 0)])
+    with pytest.raises(CorruptManifestError, match=r"entry '\.\.'"):
+        stagefs.unpack(tmp_path / "p1", tmp_path / "a" / "out", progress=False)
+    assert not (tmp_path / "a" / "evil").exists()
+    # a file whose path goes through a symlink to a directory outside DEST
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    m = _crafted_pack(tmp_path / "p2", [
+        Entry(b"", KIND_DIR, 0o40755, 0), Entry(b"D", KIND_DIR, 0o40755, 0),
+        Entry(b"L", KIND_SYMLINK, 0o120777, 0, link_target=os.fsencode(outside)),
+        Entry(b"D/evil", KIND_FILE, 0o100644, 0)])
+    _patch_manifest(m, b"D/evil", b"L/evil")
+    with pytest.raises(CorruptManifestError, match="L/evil"):
+        stagefs.unpack(tmp_path / "p2", tmp_path / "out2", progress=False)
+    assert os.listdir(outside) == []
