@@ -18,6 +18,7 @@ from stagefs.errors import (
     IsADirectoryError_,
     NotADirectoryError_,
     NotFoundError,
+    PathError,
     SymlinkLoopError,
 )
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
@@ -235,7 +236,7 @@ class Namespace:
     def readlink(self, path: PathArg) -> str:
         e = self.entry(path, follow=False)
         if self.manifest.kind[e] != KIND_SYMLINK:
-            raise OSError(22, "Invalid argument (not a symlink)", _show(path))
+            raise PathError(_show(path), "Invalid argument (not a symlink)")
         return os.fsdecode(self.manifest.link_target(e))
 
     # -- directories -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ from stagefs.errors import (
     ConfigError,
     CorruptShardError,
     IsADirectoryError_,
+    NotFoundError,
     OriginUnavailableError,
     ReadOnlyError,
 )
@@ -348,7 +349,7 @@ def open(
 
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
-        raise FileNotFoundError(2, "No such file or directory (no dataset here)", p)
+        raise NotFoundError(p, "No such file or directory (no dataset here)")
     if not os.path.isdir(p):
         raise ConfigError(f"{p}: a dataset is a directory (a pack, or raw files to use in place)")
     if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and os.path.isdir(

@@ -92,6 +92,7 @@ def test_readlink_of_non_link(sample_store: stagefs.Store) -> None:
     with pytest.raises(OSError) as info:
         sample_store.readlink("a.txt")
     assert info.value.errno == errno.EINVAL and "a.txt" in str(info.value)
+    assert isinstance(info.value, StagefsError)
 
 
 @pytest.mark.parametrize("rel", ["", "img", "data", "data/nested", "emptydir", "link_dir"])

@@ -233,8 +233,9 @@ def test_context_manager_and_repr(sample_pack_session: tuple[Path, Path]) -> Non
 
 
 def test_open_refuses_what_is_not_a_pack(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(FileNotFoundError, match="nowhere") as info:
         stagefs.open(tmp_path / "nowhere")
+    assert isinstance(info.value, StagefsError)
     (tmp_path / "f").write_bytes(b"")
     with pytest.raises(StagefsError, match="f"):
         stagefs.open(tmp_path / "f")
