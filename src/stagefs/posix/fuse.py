@@ -34,6 +34,8 @@ _FUSE_MAIN_ERRORS = {
     4: "the kernel refused the mount (is /dev/fuse usable? are you allowed to mount?)",
     5: "could not daemonise", 6: "could not set signal handlers", 7: "bad loop configuration",
 }
+_CAP_NO_OPEN_SUPPORT = 1 << 17  # libfuse 3 FUSE_CAP_* bits
+_CAP_CACHE_SYMLINKS = 1 << 23
 _RECENT_FILES = 64  # small files kept whole (at most 4 MiB each) while the kernel reads them
 _OPEN_READERS = 32  # large-file readers kept open
 
@@ -90,8 +92,12 @@ def _operations(store: Any) -> Any:
             self._recent: dict[int, bytes] = {}
             self._readers: dict[int, list[Any]] = {}  # entry → [file object, its lock]
             self._lock = threading.Lock()
+            self._no_open = False
 
         def init_with_config(self, conn: Any, config: Any) -> None:
+            if conn is not None:
+                self._no_open = bool(conn.capable & _CAP_NO_OPEN_SUPPORT)
+                conn.want |= conn.capable & _CAP_CACHE_SYMLINKS
             if config is not None:
                 config.kernel_cache = 1
                 config.entry_timeout = CACHE_TIMEOUT
@@ -119,10 +125,16 @@ def _operations(store: Any) -> Any:
             for c in m.children(e):
                 yield os.fsdecode(m.name_of(c)), {"st_mode": int(m.mode[c]), "st_ino": c + 1}, 0
 
-        # No open/release: libfuse answers them in C (kernel_cache sets keep_cache there), and
-        # the read-only mount makes the kernel refuse opens for writing with EROFS itself. A
-        # file the kernel already caches is then opened, read and closed without this
-        # process running any Python at all.
+        # No per-open state: the read-only mount makes the kernel refuse opens for writing
+        # with EROFS itself, and reads find the file by path.
+
+        def open(self, path: str, flags: int) -> int:
+            # ENOSYS once, where the kernel supports it, and it stops sending OPEN and
+            # RELEASE for the life of the mount ("no_open", Linux 4.19+), keeping the page
+            # cache; a warm file is then opened and read without asking this process at all.
+            if self._no_open:
+                raise fusepy.FuseOSError(errno.ENOSYS)
+            return 0
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
             e = ns.file_entry(path)
