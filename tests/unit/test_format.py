@@ -408,3 +408,23 @@ def test_checksum_is_xxh3_of_raw_content(sample_store: stagefs.Store) -> None:
     for path in ("a.txt", "data/arr.npy", "img/cat.jpg"):
         e = fs.manifest.lookup(path.encode())
         assert fs.manifest.checksum[e] == checksum(fs.read(path))
+
+
+def test_bit_flips_in_a_zstd_frame_never_raise_anything_else() -> None:
+    """A flipped bit may make the frame header declare any size: decode must neither trust
+    it (MemoryError, a huge allocation) nor fail with anything but CorruptShardError."""
+    data = text_bytes(100_000, 1)
+    stored = zstandard.ZstdCompressor(level=3).compress(data)
+    refused = 0
+    for i in range(min(len(stored), 40)):
+        for bit in range(8):
+            bad = bytearray(stored)
+            bad[i] ^= 1 << bit
+            try:
+                out = decode(Codec.ZSTD, bytes(bad), len(data), "shard-y")
+            except CorruptShardError as exc:
+                assert "shard-y" in str(exc)
+                refused += 1
+            else:
+                assert isinstance(out, bytes) and len(out) <= len(data)
+    assert refused > 100

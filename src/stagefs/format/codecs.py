@@ -78,6 +78,11 @@ def decode(codec: int, stored: bytes, size: int, where: str) -> bytes:
         return stored
     if codec == Codec.ZSTD:
         try:
+            # a corrupt frame header may declare any size: never allocate by it
+            declared = zstandard.frame_content_size(stored)
+            if declared not in (-1, size):
+                raise CorruptShardError(
+                    f"{where}: zstd frame says {declared} bytes, the manifest says {size}")
             return _decompressor().decompress(stored, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CorruptShardError(f"{where}: zstd data cannot be decoded ({exc})") from exc
