@@ -251,13 +251,26 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this bench (every option spelled out)."""
+    parts = ["stagefs bench", f"--dataset {args.dataset}", f"--files {args.files}",
+             f"--epochs {args.epochs}", f"--runs {args.runs}"]
+    parts += [f"--origin {args.origin}"] if args.origin else []
+    parts += ["--systems " + " ".join(args.systems)] if args.systems else []
+    parts += [f"--{k.replace('_', '-')} {v}" for k, v in (("work", args.work),
+              ("local", args.local), ("peer_python", args.peer_python)) if v]
+    parts += ["--no-drop-caches"] if args.no_drop_caches else []
+    return " ".join(parts + [f"--out {args.out}"])
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from stagefs.bench.runner import BenchConfig, run_bench
 
     cfg = BenchConfig(dataset=args.dataset, files=args.files, origin=args.origin,
                       epochs=args.epochs, runs=args.runs, systems=args.systems, out=args.out,
                       work=args.work, local=args.local, peer_python=args.peer_python,
-                      keep=args.keep, command="stagefs " + " ".join(sys.argv[1:]))
+                      keep=args.keep, drop_caches=not args.no_drop_caches,
+                      command=_bench_command(args))
     results = run_bench(cfg)
     from stagefs.bench.report import summary_table
 
@@ -410,6 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the Python that has the peers installed (default: "
                          "$STAGEFS_BENCH_PEER_PYTHON, else this one)")
     sp.add_argument("--keep", action="store_true", help="keep conversions and local copies")
+    sp.add_argument("--no-drop-caches", action="store_true",
+                    help="do not drop the page cache before cold epochs (it needs root)")
     return p
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagefs.bench.systems import Context, System, all_systems, mount_fuse, unmount_fuse
+from stagefs.bench.systems import Context, System, all_systems, serve_fuse, stop_fuse
 from stagefs.errors import ConfigError
 
 __all__ = ["BenchConfig", "run_bench"]
@@ -39,6 +39,7 @@ class BenchConfig:
     local: str | None = None  # node-local scratch (default: /dev/shm or the temp dir)
     peer_python: str | None = None
     keep: bool = False
+    drop_caches: bool = True  # drop the page cache before each cold epoch (when root)
     timeout: float = 3600.0
     command: str = ""
     log: Any = field(default=None, repr=False)
@@ -219,7 +220,9 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
     sizes_path = os.path.join(scratch, "sizes.json")
     _write_sizes(ctx, raw, sizes_path)
     roots = [raw, ctx.conv]
-    results["cold"] = "page cache dropped" if drop_caches() else "page cache NOT dropped (not root)"
+    dropped = cfg.drop_caches and drop_caches()
+    results["cold"] = ("page cache dropped" if dropped else "page cache NOT dropped ("
+                       + ("not root" if cfg.drop_caches else "--no-drop-caches") + ")")
     for run in range(cfg.runs):
         order = active[run % len(active):] + active[:run % len(active)] if active else []
         for s in order:
@@ -240,18 +243,22 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
 def _one_run(cfg: BenchConfig, worker: _Worker, s: System, ctx: Context, run: int,
              roots: list[str], sizes_path: str) -> dict[str, Any]:
     server = None
+    stats_file = os.path.join(worker.scratch, "fuse-origin-stats.json")
     try:
         if s.name == "stagefs-fuse":
-            server = mount_fuse(ctx)
-        cold = drop_caches()
+            if os.path.exists(stats_file):
+                os.unlink(stats_file)
+            server = serve_fuse(ctx, stats_file)
+        cold = cfg.drop_caches and drop_caches()
         return worker.call(s, "run", run=run, epochs=cfg.epochs, cold=cold,
                            origin_roots=roots, sizes=sizes_path,
-                           server_pid=server.pid if server else None)
+                           server_pid=server.pid if server else None,
+                           server_stats=stats_file if server else None)
     except (RuntimeError, OSError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         if server is not None:
-            unmount_fuse(ctx, server)
+            stop_fuse(ctx, server)
 
 
 def _write_sizes(ctx: Context, raw: str, path: str) -> None:

@@ -147,9 +147,15 @@ class PlainLocal(_PlainReads):
 
 
 class _StagefsBase(_Base):
-    """Systems reading the stagefs pack written once next to the raw data."""
+    """Systems reading the stagefs pack written once next to the raw data.
+
+    ``tiered``: open it with one node-local tier (as docs/torch.md and the README show for a
+    dataset on a shared file system); the tier and the runtime directory start empty in
+    each run, so the first epoch stages from the origin.
+    """
 
     pack_name = "stagefs"
+    tiered = True
 
     def convert(self, ctx: Context) -> str:
         import stagefs
@@ -158,13 +164,24 @@ class _StagefsBase(_Base):
         stagefs.pack(ctx.raw, dest, jobs=2, overwrite=True, progress=False)
         return dest
 
-    def _store(self, ctx: Context, tiers: list[str] | None = None) -> Any:
+    def tier_args(self, ctx: Context) -> tuple[list[str], str] | None:
+        """(tiers, runtime dir), both emptied; None without tiers."""
+        if not (self.tiered and _takes_tiers()):
+            return None
+        base = ctx.scratch(self.name)
+        shutil.rmtree(base, ignore_errors=True)
+        tier, runtime = os.path.join(base, "tier0"), os.path.join(base, "runtime")
+        os.makedirs(tier)
+        return [tier], runtime
+
+    def _store(self, ctx: Context) -> Any:
         import stagefs
 
         pack = ctx.out(self.pack_name)
-        if tiers:
-            return stagefs.open(pack, tiers=tiers)  # type: ignore[call-arg]
-        return stagefs.open(pack)
+        t = self.tier_args(ctx)
+        if t is None:
+            return stagefs.open(pack)
+        return stagefs.open(pack, tiers=t[0], runtime=t[1])  # type: ignore[call-arg]
 
     def open(self, ctx: Context, run: int) -> None:
         super().open(ctx, run)
@@ -179,9 +196,17 @@ class _StagefsBase(_Base):
             store.close()
 
 
+def _takes_tiers() -> bool:
+    import stagefs
+
+    return "tiers" in inspect.signature(stagefs.open).parameters
+
+
 class StagefsNative(_StagefsBase):
-    name, title = "stagefs-native", "stagefs, Store.read_many"
-    settings = f"Store.read_many over the shuffled order, {BATCH} samples a call"
+    name, title = "stagefs-native", "stagefs, read_many, no tier"
+    settings = (f"stagefs.open(pack) without tiers: every read is a range read of a shard on "
+                f"the origin; Store.read_many over the shuffled order, {BATCH} samples a call")
+    tiered = False
 
     def epoch(self, ctx: Context, run: int, epoch: int) -> Iterator[tuple[str, Any]]:
         files = self.files
@@ -193,23 +218,13 @@ class StagefsNative(_StagefsBase):
 
 
 class StagefsTiers(StagefsNative):
-    name, title = "stagefs-tiers", "stagefs + memory tier, read_many"
-    settings = (f"stagefs.open(pack, tiers=[node-local dir]); read_many, {BATCH} a call; "
-                "the tier starts empty in each run")
+    name, title = "stagefs-tiers", "stagefs + tier, read_many"
+    settings = (f"stagefs.open(pack, tiers=[node-local dir]); Store.read_many over a uniform "
+                f"shuffle, {BATCH} samples a call")
+    tiered = True
 
     def missing(self) -> str | None:
-        import stagefs
-
-        if "tiers" not in inspect.signature(stagefs.open).parameters:
-            return "this stagefs.open takes no tiers yet"
-        return None
-
-    def open(self, ctx: Context, run: int) -> None:
-        _Base.open(self, ctx, run)
-        tier = os.path.join(ctx.scratch(self.name), "tier0")
-        shutil.rmtree(tier, ignore_errors=True)
-        os.makedirs(tier)
-        self.store = self._store(ctx, tiers=[tier])
+        return None if _takes_tiers() else "this stagefs.open takes no tiers yet"
 
 
 def _identity(batch: Any) -> Any:
@@ -217,9 +232,10 @@ def _identity(batch: Any) -> Any:
 
 
 class StagefsTorch(_StagefsBase):
-    name, title = "stagefs-torch", "stagefs.torch FileDataset + DataLoader"
-    settings = (f"FileDataset(target='path') + stagefs Sampler(prefetch=256MiB), DataLoader "
-                f"batch_size={BATCH}, num_workers=0 (batched __getitems__)")
+    name, title = "stagefs-torch", "stagefs.torch + tier, DataLoader"
+    settings = (f"as docs/torch.md shows: stagefs.open(pack, tiers=[node-local dir]), "
+                f"FileDataset(target='path'), Sampler(prefetch='512MiB', locality=True: the "
+                f"window shuffle), DataLoader(batch_size={BATCH}, num_workers=0)")
 
     def missing(self) -> str | None:
         try:
@@ -236,8 +252,8 @@ class StagefsTorch(_StagefsBase):
         super().open(ctx, run)
         self.ds = FileDataset(self.store, root="", target="path")
         try:
-            self.sampler = Sampler(self.ds, seed=run, prefetch="256MiB")
-        except TypeError:  # an older Sampler without prefetch
+            self.sampler = Sampler(self.ds, seed=run, prefetch="512MiB", locality=True)
+        except TypeError:  # an older Sampler
             self.sampler = Sampler(self.ds, seed=run)
         self.loader = torch.utils.data.DataLoader(
             self.ds, batch_size=BATCH, sampler=self.sampler, num_workers=0,
@@ -257,8 +273,9 @@ class StagefsTorch(_StagefsBase):
 
 
 class StagefsIntercept(_StagefsBase):
-    name, title = "stagefs-intercept", "stagefs.intercept, open() + read()"
-    settings = "plain open() + read() under a path served by stagefs.intercept, random order"
+    name, title = "stagefs-intercept", "stagefs.intercept + tier, open() + read()"
+    settings = ("plain open() + read() in a uniform shuffle, under a path served by "
+                "stagefs.intercept from stagefs.open(pack, tiers=[node-local dir])")
 
     def missing(self) -> str | None:
         try:
@@ -271,7 +288,7 @@ class StagefsIntercept(_StagefsBase):
         from stagefs.posix.intercept import intercept
 
         super().open(ctx, run)
-        self.at = os.path.join(ctx.scratch(self.name), "view")
+        self.at = os.path.join(ctx.local, "intercept-view")
         self._cm = intercept(self.store, self.at, children=False)
         self._cm.__enter__()
 
@@ -290,10 +307,12 @@ class StagefsIntercept(_StagefsBase):
 
 
 class StagefsFuse(_StagefsBase):
-    """Reads through a 'stagefs mount' that the runner starts (mount_fuse) for each run."""
+    """Reads through a FUSE mount that the runner starts for each run (serve_fuse)."""
 
-    name, title = "stagefs-fuse", "stagefs mount (FUSE), open() + read()"
-    settings = "plain open() + read() under a 'stagefs mount' of the pack, random order"
+    name, title = "stagefs-fuse", "stagefs mount + tier (FUSE), open() + read()"
+    settings = ("plain open() + read() in a uniform shuffle under a FUSE mount of the pack "
+                "(the 'stagefs mount' server, stagefs.posix.fuse.mount, with one node-local "
+                "tier)")
 
     def missing(self) -> str | None:
         try:
@@ -306,7 +325,7 @@ class StagefsFuse(_StagefsBase):
         _Base.open(self, ctx, run)
 
     def origin_bytes(self) -> int | None:
-        return None  # the server process's reads, counted by the runner from /proc
+        return None  # counted in the server process (worker.py reads its stats file)
 
     def close(self) -> None:
         return None
@@ -319,13 +338,16 @@ class StagefsFuse(_StagefsBase):
                 yield rel, f.read()
 
 
-def mount_fuse(ctx: Context, timeout: float = 60.0) -> subprocess.Popen[bytes]:
-    """Start 'stagefs mount --foreground' of the pack at ctx.fuse_mount; return the server."""
+def serve_fuse(ctx: Context, stats_file: str, timeout: float = 60.0) -> subprocess.Popen[bytes]:
+    """Start the FUSE server of the pack at ctx.fuse_mount (fuse_serve.py); return it."""
     from stagefs.posix.fuse import is_mounted
 
     os.makedirs(ctx.fuse_mount, exist_ok=True)
-    cmd = [sys.executable, "-m", "stagefs.cli", "mount", ctx.out("stagefs"), ctx.fuse_mount,
-           "--foreground"]
+    cmd = [sys.executable, "-m", "stagefs.bench.fuse_serve", ctx.out("stagefs"),
+           ctx.fuse_mount, stats_file]
+    t = StagefsFuse().tier_args(ctx)
+    if t is not None:
+        cmd += [t[1], *t[0]]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
@@ -333,12 +355,12 @@ def mount_fuse(ctx: Context, timeout: float = 60.0) -> subprocess.Popen[bytes]:
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"stagefs mount did not come up: {err[-1000:]}")
+            raise RuntimeError(f"the FUSE mount did not come up: {err[-1000:]}")
         time.sleep(0.05)
     return proc
 
 
-def unmount_fuse(ctx: Context, proc: subprocess.Popen[bytes]) -> None:
+def stop_fuse(ctx: Context, proc: subprocess.Popen[bytes]) -> None:
     from stagefs.posix.fuse import is_mounted, unmount
 
     try:

@@ -63,9 +63,8 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
         opens0, stats0, bytes0 = counter.snapshot()
     own0 = system.origin_bytes()
     io0, cpu0 = me.io(), me.cpu()
-    s_io0 = server.io() if server else {}
     s_cpu0 = server.cpu() if server else 0.0
-    s_fds0 = server.origin_fds(roots) if server else 0
+    s_stats0 = _server_stats(spec) if server and epoch else {}
     me.reset_peak()
     if server:
         server.reset_peak()
@@ -82,12 +81,15 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
     extra: dict[str, Any] = {}
     opens = opens1 - opens0
     if server:  # FUSE: the server process reads the origin; count its share too
-        s_io1 = server.io()
         cpu += server.cpu() - s_cpu0
-        origin_bytes = s_io1.get("rchar", 0) - s_io0.get("rchar", 0)
-        opens = server.origin_fds(roots) - (s_fds0 if epoch else 0)
+        time.sleep(0.2)  # the server publishes its counters every 50 ms
+        s_stats1 = _server_stats(spec)
+        origin_bytes = s_stats1.get("bytes_read", 0) - s_stats0.get("bytes_read", 0)
+        opens += s_stats1.get("opens", 0) - s_stats0.get("opens", 0)
+        stats_extra = s_stats1.get("stats", 0) - s_stats0.get("stats", 0)
         extra["server_peak_rss"] = server.peak_rss()
         peak += extra["server_peak_rss"]
+        stats1 += stats_extra
     checksum, distinct = tally.digest()
     return EpochFigures(
         system=system.name, run=spec["run"], epoch=epoch, cold=bool(spec["cold"]) and epoch == 0,
@@ -97,6 +99,15 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
         rchar=io1.get("rchar", 0) - io0.get("rchar", 0),
         read_bytes=io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
         setup_seconds=setup, extra=extra)
+
+
+def _server_stats(spec: dict[str, Any]) -> dict[str, int]:
+    """The FUSE server's origin counters (fuse_serve.py writes them)."""
+    try:
+        with open(spec["server_stats"]) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def main(argv: list[str]) -> int:
