@@ -36,6 +36,21 @@ _WINDOW = 32  # requests in flight on one connection
 _BACKOFF = (0.5, 30.0)
 
 
+_tls = threading.local()
+
+
+def _scratch(n: int) -> bytearray | None:
+    """This thread's receive buffer, shared by every peer client of the thread (one buffer
+    per thread, not per peer: a thousand peers cost no more memory than one) and reused
+    across replies, which are copied out of it before the next one is received."""
+    if n > _SCRATCH:
+        return None
+    buf: bytearray | None = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _tls.buf = bytearray(min(_SCRATCH, max(n, 2**20, 2 * len(buf or b""))))
+    return buf
+
+
 class PeerUnavailable(SourceUnavailable):
     """The peer is down, timed out, refused us or spoke nonsense: try the next holder."""
 
@@ -74,7 +89,6 @@ class PeerClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
-        self._local = threading.local()
         self._down_until = 0.0
         self._backoff = _BACKOFF[0]
 
@@ -153,14 +167,6 @@ class PeerClient:
         for s in idle:
             s.close()
 
-    def _scratch(self) -> bytearray:
-        """This thread's receive buffer, reused across replies (no allocation, no page
-        faults per request); replies are copied out of it before the next one."""
-        buf: bytearray | None = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = self._local.buf = bytearray(_SCRATCH)
-        return buf
-
     def _exchange(self, msg: P.Message) -> P.Message:
         replies: list[P.Message] = []
         self._pipeline([msg], lambda _i, reply: replies.append(reply))
@@ -179,9 +185,8 @@ class PeerClient:
                 send_message(sock, msgs[0])
             else:
                 sock.sendall(b"".join(P.encode(m) for m in msgs))
-            scratch = self._scratch()
             for i in range(len(msgs)):
-                reply = recv_message(sock, scratch=scratch)
+                reply = recv_message(sock, scratch=_scratch)
                 if isinstance(reply, P.Error):
                     raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
                 handle(i, reply)

@@ -11,6 +11,7 @@ import errno
 import os
 import socket
 import struct
+from collections.abc import Callable
 
 from stagefs.net import protocol as P
 
@@ -51,14 +52,15 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None
 
 
 def recv_message(sock: socket.socket, max_frame: int = P.MAX_FRAME,
-                 scratch: bytearray | None = None) -> P.Message:
-    """The next message. With ``scratch``, a payload that fits is received into it (no
-    allocation per message): the message's DATA chunks are then views of ``scratch``,
-    valid until the next call that uses it."""
+                 scratch: Callable[[int], bytearray | None] | None = None) -> P.Message:
+    """The next message. With ``scratch`` (n -> a buffer of at least n bytes, or None), the
+    payload is received into that buffer (no allocation per message): the message's DATA
+    chunks are then views of it, valid until the buffer's next use."""
     mtype, length = P.parse_header(recv_exact(sock, P.HEADER.size), max_frame)
     if not length:
         return P.decode_payload(mtype, b"")
-    into = memoryview(scratch) if scratch is not None and length <= len(scratch) else None
+    buf = scratch(length) if scratch is not None else None
+    into = memoryview(buf) if buf is not None else None
     return P.decode_payload(mtype, recv_exact(sock, length, into))
 
 
