@@ -378,7 +378,9 @@ def pack(
     dest_in_src = os.path.relpath(real_dest, real_src) if _within(real_dest, real_src) else None
     size = parse_size(shard_size)
     if size <= 0:
-        raise PackError("the shard size must be positive")
+        raise PackError(f"--shard-size must be positive, not {shard_size!r}")
+    if jobs is not None and jobs < 0:
+        raise PackError(f"--jobs must be a number of processes (1 or more), not {jobs}")
     jobs = jobs or min(os.cpu_count() or 1, 8)
 
     scan = _scan(os.fsencode(src_s), follow_symlinks=follow_symlinks, exclude=dest_in_src)

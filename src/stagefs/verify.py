@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import xxhash
 from tqdm import tqdm
 
-from stagefs.errors import FormatError, StagefsError
+from stagefs.errors import ConfigError, FormatError, StagefsError
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
 from stagefs.tiers.origin import PackOrigin
@@ -117,6 +117,8 @@ def verify_pack(pack_dir: str, *, jobs: int | None = None,
     sizes = [s.size for s in m.shards]
     m.close()
     report = VerifyReport()
+    if jobs is not None and jobs < 0:
+        raise ConfigError(f"--jobs must be a number of processes (1 or more), not {jobs}")
     jobs = jobs or min(os.cpu_count() or 1, 8)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verifying",
               disable=None if progress is None else not progress) as bar:

@@ -204,6 +204,8 @@ def test_errors_are_one_line(cli_pack: tuple[Path, Path], tmp_path: Path) -> Non
     one_line_error(run("pack", src, tmp_path / "p", "--shard-size", "lots", ok=False), "lots")
     one_line_error(run("pack", src, tmp_path / "p", "--shard-size", "0", ok=False), "size")
     one_line_error(run("pack", tmp_path / "nowhere", tmp_path / "p", ok=False), "nowhere")
+    one_line_error(run("pack", src, tmp_path / "p", "-j", "-1", ok=False), "--jobs", "-1")
+    one_line_error(run("verify", pack, "-j", "-2", ok=False), "--jobs", "-2")
     one_line_error(run("pack", src, pack, ok=False), str(pack), "--force")
     assert not (tmp_path / "p").exists()
 
