@@ -119,6 +119,13 @@ def test_pack_unpack_is_identity(data: st.DataObject, shard_size: int, compress:
                     assert s.st_size == len(node.content)
                 elif node.kind == "link":
                     assert os.fsencode(fs.readlink(rel)) == node.content
+                real = os.path.join(src, rel) if rel else src
+                assert fs.exists(rel) == os.path.exists(real), rel
+                assert fs.isdir(rel) == os.path.isdir(real), rel
+                assert fs.isfile(rel) == os.path.isfile(real), rel
+                if os.path.exists(real):  # stat follows symlinks, as os.stat does
+                    s, r = fs.stat(rel), os.stat(real)
+                    assert (s.st_mode, s.st_mtime_ns) == (r.st_mode, r.st_mtime_ns), rel
             files = [rel for rel, n in before.items() if n.kind == "file"]
             assert fs.read_many(files) == [before[r].content for r in files]
 
