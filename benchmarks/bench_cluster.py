@@ -4,8 +4,10 @@
    pack in its memory tier; this process reads every sample from it with batched requests
    (``PeerClient.read``, 64 ranges per request, checksums verified as the Store does) and,
    alternating, through a raw socket loop moving the same byte counts from another process
-   (request = 8 bytes, reply = the batch's bytes out of memory, no framing, no files, no
-   checksum): the limit. Also the latency of one small sample (4 KiB and 110 KB) both ways.
+   (request = the list of ranges, reply = those bytes, sliced out of the shards held in
+   the raw server's memory and sent with scatter sendmsg, no copy; no framing, no authentication, no
+   checksum): the limit. (It moves the real shard bytes: a buffer of zeros would be read
+   from one cached zero page and flatter the limit.) Also the latency of one small sample (4 KiB and 110 KB) both ways.
 2. Staging with 4 nodes (``mpiexec -n 4 stagefs serve``, each rank its own node directory)
    from the test PFS at /tmp/pfs: origin bytes and time, against 4 processes each copying
    the whole pack from the PFS at the same time (what a job without stagefs does). The page
@@ -25,6 +27,7 @@ import shutil
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -43,18 +46,27 @@ from stagefs.net.client import PeerClient
 BATCH = 64
 
 RAW_SERVER = r"""
-import socket, struct, sys
-buf = bytes(256 * 2**20)
+import os, socket, struct, sys
+pack = sys.argv[1]
+names = sorted(f for f in os.listdir(pack) if f.endswith(".sfs"))
+shards = [memoryview(open(os.path.join(pack, f), "rb").read()) for f in names]  # the real bytes
 s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
 print(s.getsockname()[1], flush=True)
 c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-mv = memoryview(buf)
+rng = struct.Struct("!IQI")
 while True:
-    h = c.recv(8, socket.MSG_WAITALL)
-    if len(h) < 8:
+    h = c.recv(4, socket.MSG_WAITALL)
+    if len(h) < 4:
         break
-    n = struct.unpack("!Q", h)[0]
-    c.sendall(mv[:n])
+    n = struct.unpack("!I", h)[0]
+    body = c.recv(n * rng.size, socket.MSG_WAITALL)
+    views = [shards[sh][o : o + k] for sh, o, k in rng.iter_unpack(body)]
+    while views:  # scatter send straight from the shard bytes, no copy in user space
+        sent = c.sendmsg(views[:512])
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
 """
 
 
@@ -117,7 +129,7 @@ def peer_reads(work: str, files: int, runs: int) -> dict[str, Any]:
     daemon = subprocess.Popen(
         [sys.executable, "-m", "stagefs.cli", "serve", pack, "--tier", tier + ":2GiB",
          "--runtime", rt, "--bind", "127.0.0.1", "--progress", "0", "--no-mpi"], start_new_session=True, stderr=subprocess.DEVNULL)
-    raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER], stdout=subprocess.PIPE,
+    raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, pack], stdout=subprocess.PIPE,
                            start_new_session=True)
     try:
         wait_staged([rt], daemon, 300)
@@ -136,8 +148,10 @@ def peer_reads(work: str, files: int, runs: int) -> dict[str, Any]:
         rbuf = bytearray(256 * 2**20)
         rview = memoryview(rbuf)
 
-        def raw_get(n: int) -> None:
-            rs.sendall(n.to_bytes(8, "big"))
+        def raw_get(batch: list[tuple[int, int, int]]) -> None:
+            rs.sendall(len(batch).to_bytes(4, "big")
+                       + b"".join(struct.pack("!IQI", *r) for r in batch))
+            n = sum(r[2] for r in batch)
             got = 0
             while got < n:
                 got += rs.recv_into(rview[got:n], n - got)
@@ -155,7 +169,7 @@ def peer_reads(work: str, files: int, runs: int) -> dict[str, Any]:
 
         def raw_epoch() -> None:
             for i in range(0, len(ranges), BATCH):
-                raw_get(sum(r[2] for r in ranges[i : i + BATCH]))
+                raw_get(ranges[i : i + BATCH])
 
         peer_t: list[float] = []
         raw_t: list[float] = []
@@ -171,14 +185,14 @@ def peer_reads(work: str, files: int, runs: int) -> dict[str, Any]:
         lat: dict[str, dict[str, float]] = {}
         small = next(r for r in ranges if r[2] >= 4096)
         mean = min(ranges, key=lambda r: abs(r[2] - 110_000))
-        for label, (s, o, _) , n in (("4 KiB", small, 4096), ("110 KB", mean, mean[2])):
+        for label, (s, o, _), n in (("4 KiB", small, 4096), ("110 KB", mean, mean[2])):
             pl, rl = [], []
             for _ in range(max(200, 400 * runs // 5)):
                 t0 = time.perf_counter()
                 client.read([(s, o, n)])
                 pl.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                raw_get(n)
+                raw_get([(s, o, n)])
                 rl.append(time.perf_counter() - t0)
             lat[label] = {"peer_us": statistics.median(pl) * 1e6,
                           "raw_us": statistics.median(rl) * 1e6}
