@@ -140,3 +140,41 @@ def test_gate_holds_the_read_ahead_back() -> None:
     time.sleep(0.35)
     assert (gate(25) and not gate(35)) or gate(35)  # shard 2 waited out; 3 first asked now
     assert not shard_gate(shard_of, lambda: set(), wait=10)(0)
+
+
+def collate_with_hits(batch: list[bytes]) -> tuple[list[bytes], int]:
+    """Runs in the worker: the batch, and how many samples its read-ahead served so far."""
+    import torch.utils.data
+
+    info = torch.utils.data.get_worker_info()
+    ahead = getattr(info.dataset, "_worker_ahead", None) if info is not None else None
+    return batch, ahead.prefetcher.stats.hits if ahead is not None else -1
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_workers_read_their_own_batches_ahead(tmp_path: Path, method: str) -> None:
+    """Each DataLoader worker reads ahead the batches the round robin will give it; with
+    persistent workers the second epoch's order differs and the read-ahead steps aside."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=200, classes=4, mean_size=2500, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
+    ds = FileDataset(tmp_path / "pack", target=None)
+    s = Sampler(ds, seed=6, prefetch=100_000, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, sampler=s, num_workers=2,
+                                         multiprocessing_context=method, timeout=120,
+                                         persistent_workers=True, collate_fn=collate_with_hits)
+    for epoch in range(2):
+        s.set_epoch(epoch)
+        got, hits = [], []
+        for batch, h in loader:
+            got += batch
+            hits.append(h)
+        assert got == ds.read_samples(s.order().tolist())
+        if epoch == 0:
+            assert max(hits) > 0  # the workers' read-ahead served samples
+        else:
+            assert max(hits) == -1  # stale order in persistent workers: turned off

@@ -3,8 +3,10 @@ torchvision's ImageFolder expects (one folder per class)."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -15,11 +17,32 @@ from stagefs.errors import ConfigError, NotFoundError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from stagefs.store import Store
 from stagefs.store import open as open_store
-from stagefs.torch._prefetch import Prefetcher
+from stagefs.torch._prefetch import Prefetcher, shard_gate
 
 __all__ = ["FileDataset"]
 
 Target = Literal["folder", "path"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Upcoming:
+    """What the Sampler tells DataLoader workers: this rank's order for the epoch, and the
+    read-ahead budget (shared by the workers) and threads (per worker)."""
+
+    order: npt.NDArray[np.int64]
+    budget: int
+    threads: int
+    gate: bool  # wait for the tiers to hold a shard before reading it ahead
+
+
+@dataclass
+class _WorkerAhead:
+    """A worker's read-ahead: its own future batches, as the DataLoader deals them out."""
+
+    pid: int
+    prefetcher: Prefetcher
+    batches: list[npt.NDArray[np.int64]]
+    next: int = 0
 
 
 class FileDataset(torch.utils.data.Dataset[Any]):
@@ -55,6 +78,8 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         self.target: Target = target
         self.extensions = tuple(e.lower() for e in extensions) if extensions else None
         self._prefetcher: Prefetcher | None = None
+        self._upcoming: Upcoming | None = None
+        self._worker_ahead: _WorkerAhead | None = None
         self._scan()
 
     # -- the listing -----------------------------------------------------------------------
@@ -165,13 +190,48 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch in one call (the DataLoader's batched fetch): one Store.read_many."""
         idx = [_index(i, len(self.entries)) for i in indices]
-        p = self._ahead()
+        p = self._ahead() or self._ahead_in_worker(idx)
         got: list[bytes | None] = [p.take(i) for i in idx] if p is not None else [None] * len(idx)
         missing = [k for k, d in enumerate(got) if d is None]
         if missing:
             for k, d in zip(missing, self.read_samples([idx[k] for k in missing]), strict=True):
                 got[k] = d
         return [self._item(i, d) for i, d in zip(idx, got, strict=True)]  # type: ignore[arg-type]
+
+    def _ahead_in_worker(self, idx: list[int]) -> Prefetcher | None:
+        """In a DataLoader worker: read ahead the batches this worker will be given.
+
+        The DataLoader hands batch b to worker b mod num_workers (round robin, in order), so
+        from the rank's order a worker knows its own future batches. Any batch that is not
+        the one expected (another batch sampler, a stale order in a persistent worker after
+        the first epoch) turns the read-ahead off in this worker: reads are then direct.
+        """
+        up = self._upcoming
+        if up is None or not idx:
+            return None
+        st = self._worker_ahead
+        if st is None or st.pid != os.getpid():
+            info = torch.utils.data.get_worker_info()
+            if info is None:
+                return None
+            size, n = len(idx), len(up.order)
+            batches = [up.order[b * size : (b + 1) * size]
+                       for b in range(info.id, math.ceil(n / size), info.num_workers)]
+            gate = (shard_gate(self.shard_of(), self.store.held_shards)
+                    if up.gate and hasattr(self.store, "held_shards") else None)
+            mine = np.concatenate(batches) if batches else up.order[:0]
+            p = Prefetcher(self.read_samples, self.sizes(), mine,
+                           max(1, up.budget // info.num_workers), threads=up.threads, gate=gate)
+            st = self._worker_ahead = _WorkerAhead(os.getpid(), p, batches)
+        if st.next >= len(st.batches) or st.batches[st.next].tolist() != idx:
+            st.prefetcher.close()
+            self._upcoming = self._worker_ahead = None
+            return None
+        st.next += 1
+        return st.prefetcher.start()
+
+    def _set_upcoming(self, up: Upcoming | None) -> None:
+        self._upcoming = up
 
     def _set_prefetcher(self, p: Prefetcher | None) -> None:
         old, self._prefetcher = self._prefetcher, p
@@ -183,11 +243,12 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         return {"store": self.store, "root": self.root, "transform": self.transform,
                 "target": self.target, "target_transform": self.target_transform,
-                "extensions": self.extensions}
+                "extensions": self.extensions, "_upcoming": self._upcoming}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._prefetcher = None
+        self._worker_ahead = None
         self._scan()
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ import torch.utils.data
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
 from stagefs.config import parse_size
 from stagefs.errors import ConfigError
+from stagefs.torch._dataset import Upcoming
 from stagefs.torch._prefetch import Prefetcher, shard_gate
 
 __all__ = ["Sampler"]
@@ -98,6 +99,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._plan: Plan | None = None
         self._yielded = 0  # indices yielded since this epoch's start or the resume point
         self.prefetcher: Prefetcher | None = None
+        self._tell_workers()
 
     @staticmethod
     def _budget(prefetch: bool | int | str | None) -> int:
@@ -115,6 +117,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._segments = None
         self._plan = None
         self._yielded = 0
+        self._tell_workers()
 
     def _holders(self) -> Holders | None:
         if not self.locality:
@@ -198,6 +201,14 @@ class Sampler(torch.utils.data.Sampler[int]):
         self.prefetcher = p
         self.dataset._set_prefetcher(p)  # started on first use in this process
 
+    def _tell_workers(self) -> None:
+        """Give the dataset this epoch's order before the DataLoader starts its workers (they
+        inherit or unpickle it) so each worker can read its own next batches ahead."""
+        if self.budget and hasattr(self.dataset, "_set_upcoming"):
+            self.dataset._set_upcoming(Upcoming(self.order(), self.budget,
+                                                max(1, self.prefetch_threads // 2),
+                                                self.locality))
+
     def _tier_gate(self) -> Callable[[int], bool] | None:
         """With tiers: "sample i's shard is in a tier" (the tiers stage in our order, so the
         read-ahead waits for them rather than read the same bytes from the origin)."""
@@ -251,6 +262,7 @@ class Sampler(torch.utils.data.Sampler[int]):
             for w, c, h in state["segments"]]
         self._plan = None
         self._yielded = 0
+        self._tell_workers()
 
     def __repr__(self) -> str:
         return (f"<stagefs.torch.Sampler rank {self.rank}/{self.world_size} epoch {self.epoch}"
