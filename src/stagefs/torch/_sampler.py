@@ -61,8 +61,9 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     ``prefetch``: a byte budget ("512MiB", an int, or True for 256 MiB). Each epoch the
     store is asked to stage the shards in the order this epoch and the next will first use
-    them (``Store.prefetch``), and the next samples' bytes are read ahead into memory for
-    a dataset read in this process (num_workers=0), never more than the budget.
+    them (``Store.prefetch``), and the next samples' bytes are read ahead into memory,
+    never more than the budget: in this process for a dataset read here (num_workers=0),
+    else by each DataLoader worker for the batches it will be given.
     """
 
     def __init__(
