@@ -119,7 +119,7 @@ class Namespace:
         key = normalize(path)
         e = self._lookup(key)
         if e < 0:
-            e = self._walk_components(key, path)
+            e = self._walk_components(key, path, follow)
         if follow and self._kind[e] == KIND_SYMLINK:
             e = self.follow(e, path)
         return e
@@ -135,11 +135,15 @@ class Namespace:
             e = target
         raise SymlinkLoopError(_show(path))
 
-    def _walk_components(self, key: bytes, path: PathArg) -> int:
+    def _walk_components(self, key: bytes, path: PathArg, follow: bool = True) -> int:
         """Slow path for a key not in the table: a symlinked directory or a missing name."""
         m = self.manifest
-        cur = 0
+        cur, links = 0, 0
         for comp in key.split(b"/"):
+            if m.kind[cur] == KIND_SYMLINK:  # as the kernel: at most 40 links in one path
+                links += 1
+                if links > _MAX_LINKS:
+                    raise SymlinkLoopError(_show(path))
             cur = self.follow(cur, path)
             if m.kind[cur] != KIND_DIR:
                 raise NotADirectoryError_(_show(path))
@@ -148,6 +152,8 @@ class Namespace:
             if child < 0:
                 raise NotFoundError(_show(path))
             cur = child
+        if follow and links >= _MAX_LINKS and m.kind[cur] == KIND_SYMLINK:
+            raise SymlinkLoopError(_show(path))  # following the last one makes 41
         return cur
 
     def kind_of(self, e: int, follow: bool = True) -> int:

@@ -312,3 +312,29 @@ def test_unusual_names(tmp_path: Path) -> None:
         assert fs.read(b"d\n\xfe/in") == b"inner"
         assert fs.read(os.fsdecode(b"d\n\xfe/in")) == b"inner"
         assert fs.listdir(b"d\n\xfe") == ["in"]
+
+
+def test_walk_following_a_loop_stops_like_os_walk(tmp_path: Path) -> None:
+    """d/up -> .. : with followlinks, os.walk descends until the kernel's 40-link limit
+    (ELOOP); stagefs stops at the same depth instead of recursing without end."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"f")
+    os.symlink("..", src / "d" / "up")
+    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    real = []
+    for top, _, _ in os.walk(src, followlinks=True):
+        rel = os.path.relpath(top, src)
+        real.append("" if rel == "." else rel)
+    with stagefs.open(tmp_path / "pack") as fs:
+        ours = [top for top, _, _ in fs.walk("", followlinks=True)]
+        assert sorted(ours) == sorted(real)
+        deep = "d/up/" * 40 + "d/f"
+        assert fs.read(deep) == b"f" == (src / deep).read_bytes()
+        for path in ("d/up/" * 41 + "d/f", "d/up/" * 40 + "d/up"):
+            with pytest.raises(OSError) as info:
+                fs.stat(path)
+            assert info.value.errno == errno.ELOOP and isinstance(info.value, StagefsError)
+            with pytest.raises(OSError) as info:
+                os.stat(src / path)
+            assert info.value.errno == errno.ELOOP
