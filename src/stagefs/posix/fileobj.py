@@ -112,6 +112,16 @@ class LargeFile(_Base, io.BufferedReader):
         # as io.BytesIO (unlike io.BufferedReader): any negative size reads to the end
         return io.BufferedReader.read(self, -1 if size is None or size < 0 else size)
 
+    def readlines(self, hint: int | None = -1) -> list[bytes]:
+        # as io.BytesIO: stop once the lines reach ``hint`` bytes (io.IOBase waits to pass it)
+        lines, total = [], 0
+        for line in self:
+            lines.append(line)
+            total += len(line)
+            if hint is not None and 0 < hint <= total:
+                break
+        return lines
+
     def __repr__(self) -> str:
         return f"<stagefs file {self.name!r} mode='rb'>"
 
