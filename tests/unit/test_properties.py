@@ -225,7 +225,7 @@ def fileobj_store(fileobj_pack: Path) -> Iterator[stagefs.Store]:
         yield fs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(data=st.data(), name=st.sampled_from(sorted(FILES)))
 def test_small_file_behaves_like_bytesio(fileobj_store: stagefs.Store, data: st.DataObject,
                                          name: str) -> None:
@@ -233,7 +233,7 @@ def test_small_file_behaves_like_bytesio(fileobj_store: stagefs.Store, data: st.
     _check_like_bytesio(fileobj_store, name, ops, -1, fileobj.SmallFile)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(data=st.data(), name=st.sampled_from(sorted(n for n in FILES if FILES[n])),
        buffering=st.sampled_from([-1, 2, 7, 64, 4096]))
 def test_large_file_behaves_like_bytesio(fileobj_store: stagefs.Store, data: st.DataObject,
