@@ -25,7 +25,8 @@ def _median(xs: Sequence[float]) -> float:
 def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Per system: medians over runs (cold = the first epoch of each run; warm = the others)."""
     out: dict[str, dict[str, Any]] = {}
-    for name, s in results["systems"].items():
+    for name in results.get("order") or list(results["systems"]):
+        s = results["systems"][name]
         eps = s["epochs"]
         if not eps:
             out[name] = {"title": s["title"], "error": (s["errors"] or ["no epochs"])[0]}
@@ -87,6 +88,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"{results['epochs']} epochs per run, {results['runs']} runs, medians; "
             f"first epoch of each run cold ({results['cold']}).")
     cmd = f"\n\nCommand: `{results['command']}`" if results.get("command") else ""
+    load = results.get("load_average", {})
+    if load:
+        cmd += (f"\n\nLoad average (1 min) at start {load['start'][0]:.1f}, at end "
+                f"{load['end'][0]:.1f}, on {results['machine']['cpus']} CPUs.")
     return (f"{head}{cmd}\n\n{summary_table(results)}\n\nSettings:\n\n{_settings(results)}\n")
 
 
@@ -120,16 +125,19 @@ def _plots(results: dict[str, Any], out: str) -> list[str]:
     paths = []
     ys = range(len(names))
 
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
-    ax.barh([y + 0.2 for y in ys], [summary[n]["warm_samples_per_s"] for n in names],
-            height=0.4, label="warm (median)")
-    ax.barh([y - 0.2 for y in ys], [summary[n]["cold_samples_per_s"] for n in names],
-            height=0.4, label="cold first epoch (median)")
-    ax.set_yticks(list(ys), names)
-    ax.invert_yaxis()
-    ax.set_xlabel("samples/s (shuffled epoch)")
-    ax.legend(loc="lower right")
-    ax.set_title("Epoch throughput per system")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.5), sharey=True)
+    for ax, key, label in ((axes[0], "cold_samples_per_s", "cold first epoch"),
+                           (axes[1], "warm_samples_per_s", "warm epochs")):
+        vals = [summary[n][key] for n in names]
+        ax.barh(list(ys), vals, color=["C1" if n.startswith("stagefs") else "C0"
+                                       for n in names])
+        for y, v in zip(ys, vals, strict=True):
+            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+        ax.set_xlabel(f"samples/s, {label} (median over runs)")
+        ax.set_xlim(0, max(vals) * 1.25 or 1)
+    axes[0].set_yticks(list(ys), names)
+    axes[0].invert_yaxis()
+    fig.suptitle("Shuffled-epoch throughput per system")
     paths.append(_save(fig, out, "throughput.png"))
 
     epochs = max(len(summary[n]["per_epoch_samples_per_s"]) for n in names)

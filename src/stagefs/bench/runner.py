@@ -235,6 +235,9 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
                 continue
             entry["epochs"].extend(res["epochs"])
             cfg.say("  " + ", ".join(f"{e['samples_per_s']:,.0f}/s" for e in res["epochs"]))
+    results["load_average"] = {"start": results["machine"]["load_average"],
+                               "end": list(os.getloadavg())}
+    results["order"] = [s.name for s in active]
     _check(results, files)
     write_report(results, cfg.out)
     return results
@@ -292,5 +295,5 @@ def _machine() -> dict[str, Any]:
     import platform
 
     return {"cpus": os.cpu_count(), "python": platform.python_version(),
-            "kernel": platform.release(),
+            "kernel": platform.release(), "load_average": list(os.getloadavg()),
             "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1)}
