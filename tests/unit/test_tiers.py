@@ -393,3 +393,31 @@ def test_pickled_store_reopens_with_its_tiers(pack: Path, files: dict[str, bytes
 def test_parse_tier_capacity() -> None:
     assert parse_tier("/tmp/x:1MiB").capacity == 2**20
     assert parse_tier("/tmp/x").capacity is None
+
+
+@pytest.mark.parametrize("chunk", [777, 4096])
+def test_placement_verifies_files_across_read_chunks(chunk: int, pack: Path,
+                                                     files: dict[str, bytes], runtime: Path,
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files (raw and zstd) that straddle the copy's read chunks are checked all the same."""
+    import stagefs.tiers.placer as placer
+
+    monkeypatch.setattr(placer, "CHUNK", chunk)
+    with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
+        assert fs.chain is not None
+        assert fs.chain.stage() == {"placed": len(fs.manifest.shards)}
+        read_all(fs, files)
+    # a byte flipped at the origin is caught while copying: that shard is not placed
+    bad = tmp_path / "bad"
+    shutil.copytree(pack, bad)
+    victim = sorted(bad.glob("shard-*.sfs"))[1]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    with stagefs.open(bad, tiers=[str(tmp_path / "t2")]) as fs:
+        assert fs.chain is not None
+        counts = fs.chain.stage()
+        assert counts == {"placed": len(fs.manifest.shards) - 1, "failed": 1}
+        assert 1 not in fs.held_shards()
+        assert not list((tmp_path / "t2").glob("*/*.partial"))
