@@ -34,21 +34,30 @@ _UTF8 = sys.getfilesystemencoding() == "utf-8" and sys.getfilesystemencodeerrors
 )
 
 
-def normalize(path: PathArg) -> bytes:
-    """The manifest key of ``path``: bytes, no leading or trailing "/", no "." or "..".
-
-    ".." never climbs above the root (as at "/" on a real file system).
-    """
+def plain_key(path: PathArg) -> bytes | None:
+    """The manifest key of a path that needs no resolution (no leading or trailing "/",
+    no empty, "." or ".." component), or None: the fast path's gate."""
     if type(path) is str and _UTF8:  # the common case, without os.fsencode's dispatch
         if path[:1] not in "/." and path[-1:] != "/" and "//" not in path and "/." not in path:
             return path.encode("utf-8", "surrogateescape")
-        p = path.encode("utf-8", "surrogateescape")
-    else:
-        p = os.fsencode(path)
-        if p[:1] not in (b"/", b".") and p[-1:] != b"/" and b"//" not in p and b"/." not in p:
-            return p
+        return None
+    p = os.fsencode(path)
+    if p[:1] not in (b"/", b".") and p[-1:] != b"/" and b"//" not in p and b"/." not in p:
+        return p
+    return None
+
+
+def normalize(path: PathArg) -> bytes:
+    """The key of ``path`` with "", "." and ".." components folded lexically.
+
+    Lexical: "link/.." is the directory holding "link". ``Namespace.entry`` resolves ".."
+    physically, as the kernel does (the parent of the directory "link" points to).
+    """
+    key = plain_key(path)
+    if key is not None:
+        return key
     parts: list[bytes] = []
-    for comp in p.split(b"/"):
+    for comp in os.fsencode(path).split(b"/"):
         if comp in (b"", b"."):
             continue
         if comp == b"..":
@@ -64,7 +73,7 @@ class DirEntry:
 
     __slots__ = ("_e", "_ns", "name", "path")
 
-    def __init__(self, ns: Namespace, e: int, name: str, path: str) -> None:
+    def __init__(self, ns: Namespace, e: int, name: Any, path: Any) -> None:
         self._ns, self._e, self.name, self.path = ns, e, name, path
 
     def inode(self) -> int:
@@ -86,7 +95,7 @@ class DirEntry:
         e = self._ns.follow(self._e, self.path) if follow_symlinks else self._e
         return self._ns.stat_entry(e)
 
-    def __fspath__(self) -> str:
+    def __fspath__(self) -> Any:
         return self.path
 
     def __repr__(self) -> str:
@@ -115,13 +124,24 @@ class Namespace:
     # -- resolution ------------------------------------------------------------------------
 
     def entry(self, path: PathArg, *, follow: bool = True) -> int:
-        """The entry index of ``path``; symlinks (also inside the path) are followed."""
-        key = normalize(path)
-        e = self._lookup(key)
-        if e < 0:
-            e = self._walk_components(key, path, follow)
-        if follow and self._kind[e] == KIND_SYMLINK:
+        """The entry index of ``path``, resolved as the kernel resolves a path: symlinks in
+        the path are followed, ".." is the parent of the directory reached so far, and a
+        trailing "/" requires a directory (and follows a final symlink)."""
+        key = plain_key(path)
+        if key is not None:
+            e = self._lookup(key)
+            if e < 0:
+                e = self._walk_components(key.split(b"/"), path, follow)
+            if follow and self._kind[e] == KIND_SYMLINK:
+                e = self.follow(e, path)
+            return e
+        raw = os.fsencode(path)
+        trailing = raw.endswith(b"/") and raw.strip(b"/") != b""
+        e = self._walk_components(raw.split(b"/"), path, follow or trailing)
+        if (follow or trailing) and self._kind[e] == KIND_SYMLINK:
             e = self.follow(e, path)
+        if trailing and self._kind[e] != KIND_DIR:
+            raise NotADirectoryError_(_show(path))
         return e
 
     def follow(self, e: int, path: PathArg) -> int:
@@ -135,11 +155,14 @@ class Namespace:
             e = target
         raise SymlinkLoopError(_show(path))
 
-    def _walk_components(self, key: bytes, path: PathArg, follow: bool = True) -> int:
-        """Slow path for a key not in the table: a symlinked directory or a missing name."""
+    def _walk_components(self, comps: list[bytes], path: PathArg, follow: bool = True) -> int:
+        """Resolve a path one component at a time (the slow path): symlinked directories,
+        "..", missing names and files used as directories."""
         m = self.manifest
         cur, links = 0, 0
-        for comp in key.split(b"/"):
+        for comp in comps:
+            if comp in (b"", b"."):
+                continue
             if m.kind[cur] == KIND_SYMLINK:  # as the kernel: at most 40 links in one path
                 links += 1
                 if links > _MAX_LINKS:
@@ -147,6 +170,9 @@ class Namespace:
             cur = self.follow(cur, path)
             if m.kind[cur] != KIND_DIR:
                 raise NotADirectoryError_(_show(path))
+            if comp == b"..":
+                cur = int(m.parent[cur])  # the root is its own parent, as "/" is
+                continue
             prefix = m.path_of(cur)
             child = m.lookup(prefix + b"/" + comp if prefix else comp)
             if child < 0:
@@ -182,14 +208,16 @@ class Namespace:
     # -- stat ------------------------------------------------------------------------------
 
     def _stat_py(self, path: PathArg) -> os.stat_result:
-        e = self._lookup(normalize(path))  # entry(), inlined for the common case
+        key = plain_key(path)  # entry(), inlined for the common case
+        e = -1 if key is None else self._lookup(key)
         if e < 0 or self._kind[e] == KIND_SYMLINK:
             e = self.entry(path)
         return self.stat_entry(e)
 
     def _find_py(self, path: PathArg) -> int:
-        """The entry of a regular file at ``path`` (no symlink in the way), or -1."""
-        e = self._lookup(normalize(path))
+        """The entry of a regular file at a plain ``path`` (no symlink in the way), or -1."""
+        key = plain_key(path)
+        e = -1 if key is None else self._lookup(key)
         return e if e >= 0 and self._kind[e] == KIND_FILE else -1
 
     def lstat(self, path: PathArg) -> os.stat_result:
@@ -247,29 +275,42 @@ class Namespace:
 
     # -- directories -----------------------------------------------------------------------
 
-    def listdir(self, path: PathArg = "") -> list[str]:
+    def listdir(self, path: PathArg = "") -> list[Any]:
+        """Names in a directory: ``str``, or ``bytes`` when ``path`` is bytes (as os does)."""
         m = self.manifest
-        return [os.fsdecode(m.name_of(c)) for c in m.children(self.dir_entry(path))]
+        children = m.children(self.dir_entry(path))
+        if isinstance(path, bytes):
+            return [m.name_of(c) for c in children]
+        return [os.fsdecode(m.name_of(c)) for c in children]
 
     def scandir(self, path: PathArg = "") -> Iterator[DirEntry]:
+        """``DirEntry`` objects; their ``name`` and ``path`` are bytes when ``path`` is."""
         m = self.manifest
         e = self.dir_entry(path)
-        base = os.fsdecode(path) if not isinstance(path, str) else path
+        as_bytes = isinstance(path, bytes)
+        base: Any = path if isinstance(path, str | bytes) else os.fspath(path)
         for c in m.children(e):
-            name = os.fsdecode(m.name_of(c))
+            name: Any = m.name_of(c) if as_bytes else os.fsdecode(m.name_of(c))
             yield DirEntry(self, c, name, os.path.join(base, name) if base else name)
 
     def walk(
         self, top: PathArg = "", topdown: bool = True, followlinks: bool = False
-    ) -> Iterator[tuple[str, list[str], list[str]]]:
+    ) -> Iterator[tuple[Any, list[Any], list[Any]]]:
         """Like ``os.walk``: symlinks to directories are listed as directories and descended
         only with ``followlinks``."""
+        if isinstance(top, bytes):  # bytes in, bytes out, as os.walk
+            for d, dirs_, files_ in self.walk(os.fsdecode(top), topdown, followlinks):
+                yield (os.fsencode(d), [os.fsencode(x) for x in dirs_],
+                       [os.fsencode(x) for x in files_])
+            return
         top_s = os.fsdecode(top) if not isinstance(top, str) else top
         try:
             entries = list(self.scandir(top_s))
         except OSError:
             return
-        dirs, files, links = [], [], set()
+        dirs: list[str] = []
+        files: list[str] = []
+        links: set[str] = set()
         for d in entries:
             if d.is_dir():
                 dirs.append(d.name)

@@ -311,7 +311,7 @@ def test_unusual_names(tmp_path: Path) -> None:
             assert fs.read(os.fsdecode(n)) == bytes([i]) * i
         assert fs.read(b"d\n\xfe/in") == b"inner"
         assert fs.read(os.fsdecode(b"d\n\xfe/in")) == b"inner"
-        assert fs.listdir(b"d\n\xfe") == ["in"]
+        assert fs.listdir(b"d\n\xfe") == [b"in"]  # bytes in, bytes out, as os.listdir
 
 
 def test_walk_following_a_loop_stops_like_os_walk(tmp_path: Path) -> None:
@@ -338,3 +338,33 @@ def test_walk_following_a_loop_stops_like_os_walk(tmp_path: Path) -> None:
             with pytest.raises(OSError) as info:
                 os.stat(src / path)
             assert info.value.errno == errno.ELOOP
+
+
+def test_dotdot_trailing_slash_and_bytes_like_the_kernel(tmp_path: Path) -> None:
+    """".." is the parent of the directory reached (through a symlink too), a trailing "/"
+    needs a directory, and bytes paths list as bytes: each as os does on the source."""
+    src = tmp_path / "src"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "a" / "b" / "f").write_bytes(b"f")
+    (src / "a" / "sib").write_bytes(b"sib")
+    (src / "top").write_bytes(b"top")
+    os.symlink("a/b", src / "lk")
+    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False)
+
+    def outcome(fn, *args):  # type: ignore[no-untyped-def]
+        try:
+            r = fn(*args)
+        except OSError as exc:
+            return exc.errno
+        return r.st_size if isinstance(r, os.stat_result) and not st.S_ISDIR(r.st_mode) else (
+            "dir" if isinstance(r, os.stat_result) else r)
+
+    with stagefs.open(tmp_path / "pack") as fs:
+        for p in ["lk/../sib", "lk/../top", "top/", "a/", "lk/", "a/b/f/", "a/../top", "lk/f",
+                  "lk/..", "a/b/../../top", "top/..", "lk/f/.."]:
+            assert outcome(fs.stat, p) == outcome(os.stat, f"{src}/{p}"), p
+            assert outcome(fs.lstat, p) == outcome(os.lstat, f"{src}/{p}"), p
+        assert fs.stat("../../top") == fs.stat("top")  # the root is "/" to the dataset
+        assert fs.listdir(b"a") == sorted(os.listdir(os.fsencode(src / "a")))
+        assert [d.name for d in fs.scandir(b"a")] == [b"b", b"sib"]
+        assert list(fs.walk(b"a")) == [(b"a", [b"b"], [b"sib"]), (b"a/b", [], [b"f"])]
