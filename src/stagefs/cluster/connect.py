@@ -27,7 +27,7 @@ from stagefs.format.codecs import decode
 from stagefs.namespace import PathArg
 from stagefs.net.client import PeerClient, PeerSource
 from stagefs.store import Store
-from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.base import ShardSource, SourceUnavailable, pread_full
 
 __all__ = ["ClusterStore", "LocalTierSource", "connect"]
 
@@ -65,7 +65,7 @@ class LocalTierSource:
         fd = self.fd(shard)
         if fd is None:
             raise SourceUnavailable(f"shard {shard} is not (yet) in this node's tiers")
-        data = os.pread(fd, length, offset)
+        data = pread_full(fd, length, offset)
         if len(data) != length:
             raise SourceUnavailable(f"shard {shard}: short read from the tier copy")
         self.hits += 1

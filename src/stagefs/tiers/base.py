@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
-__all__ = ["OriginStats", "ShardSource", "SourceUnavailable"]
+__all__ = ["OriginStats", "ShardSource", "SourceUnavailable", "pread_full"]
+
+
+_MAX_ONE_READ = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read
+
+
+def pread_full(fd: int, length: int, offset: int) -> bytes:
+    """``os.pread`` that returns all ``length`` bytes unless the file ends first.
+
+    One call for anything up to 1 GiB (every sample); larger ranges (a whole multi-GiB file)
+    are read in parts, since one read never returns more than about 2 GiB on Linux.
+    """
+    if length <= _MAX_ONE_READ:
+        return os.pread(fd, length, offset)
+    parts, done = [], 0
+    while done < length:
+        part = os.pread(fd, min(_MAX_ONE_READ, length - done), offset + done)
+        if not part:
+            break
+        parts.append(part)
+        done += len(part)
+    return b"".join(parts)
 
 
 class SourceUnavailable(Exception):

@@ -36,7 +36,7 @@ from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
-from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.base import ShardSource, SourceUnavailable, pread_full
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.placer import (
     CopyAborted,
@@ -69,7 +69,7 @@ class _PartialSource:
         info = self.inflight.get(shard)
         if info is None or offset + length > info[1]:
             raise SourceUnavailable("not copied yet")
-        data = os.pread(info[0], length, offset)
+        data = pread_full(info[0], length, offset)
         if len(data) != length:
             raise SourceUnavailable("short read")
         return data

@@ -8,7 +8,7 @@ import threading
 from stagefs.errors import CorruptShardError, NotFoundError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import OriginStats, SourceUnavailable
+from stagefs.tiers.base import OriginStats, SourceUnavailable, pread_full
 
 __all__ = ["PackOrigin"]
 
@@ -68,7 +68,7 @@ class PackOrigin:
     def pread(self, shard: int, offset: int, length: int) -> bytes:
         fd = self._fd(shard)
         try:
-            data = os.pread(fd, length, offset)
+            data = pread_full(fd, length, offset)
         except OSError as exc:
             raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
         self.stats.reads += 1

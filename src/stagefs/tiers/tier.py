@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from stagefs.config import TierSpec, format_size
 from stagefs.errors import ConfigError
 from stagefs.format import Manifest
-from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.base import SourceUnavailable, pread_full
 
 __all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir"]
 
@@ -139,7 +139,7 @@ class DirTier:
         if fd is None and not (self.holds(shard) and (fd := self._fds.get(shard)) is not None):
             raise SourceUnavailable(f"{self.name}: shard {shard} not held")
         try:
-            data = os.pread(fd, length, offset)
+            data = pread_full(fd, length, offset)
         except OSError as exc:
             raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
         if len(data) != length:
