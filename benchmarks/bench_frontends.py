@@ -3,7 +3,8 @@ interception (``stagefs.intercept``), FUSE (``stagefs mount``), the native API
 (``Store.read``), and as plain files on the local disk and on the test PFS.
 
 Every system reads the same files in the same random order, in one run, systems
-alternating; each figure is the median of --runs passes. "warm": after a first pass, page
+alternating within each pass; each figure is the median of --runs passes (all passes are in
+the JSON), with the load average of the machine recorded before and after. "warm": after a first pass, page
 caches full (for stagefs this is the state after staging). "cold": the page cache is
 dropped before each pass (root only; on a VM the host may still cache).
 
@@ -55,18 +56,6 @@ def stat_all(paths: list[str]) -> int:
     for p in paths:
         n += os.stat(p).st_size
     return n
-
-
-def median_rate(fn: Callable[[], int], count: int, runs: int,
-                before: Callable[[], object] | None = None) -> tuple[float, int]:
-    rates, total = [], 0
-    for _ in range(runs):
-        if before:
-            before()
-        t0 = time.perf_counter()
-        total = fn()
-        rates.append(count / (time.perf_counter() - t0))
-    return statistics.median(rates), total
 
 
 def main() -> int:
@@ -134,19 +123,34 @@ def main() -> int:
     if pfs:
         systems["plain files, test PFS"] = (plain(pfs, read_all), plain(pfs, stat_all))
 
-    results: dict[str, dict[str, Any]] = {}
+    load0 = os.getloadavg()
+    results: dict[str, dict[str, Any]] = {name: {} for name in systems}
+    samples: dict[str, dict[str, list[float]]] = {name: {} for name in systems}
+
+    def measure(name: str, kind: str, fn: Callable[[], int]) -> None:
+        t0 = time.perf_counter()
+        results[name]["bytes" if kind == "warm_samples_per_s" else "_"] = fn()
+        samples[name].setdefault(kind, []).append(n / (time.perf_counter() - t0))
+
     try:
         for reader, _st in systems.values():  # warm-up pass: fills every cache
             reader()
-        for name, (reader, statter) in systems.items():
-            warm, nbytes = median_rate(reader, n, a.runs)
-            stat_rate, _ = median_rate(statter, n, a.runs)
-            results[name] = {"warm_samples_per_s": warm, "stat_per_s": stat_rate,
-                             "bytes": nbytes}
+        # systems alternate within each pass, so a busy moment of this shared machine falls
+        # on all of them alike
+        for _ in range(a.runs):
+            for name, (reader, statter) in systems.items():
+                measure(name, "warm_samples_per_s", reader)
+                measure(name, "stat_per_s", statter)
         if not a.no_cold and drop_caches():
-            for name, (reader, _st) in systems.items():
-                cold, _ = median_rate(reader, n, a.runs, before=drop_caches)
-                results[name]["cold_samples_per_s"] = cold
+            for _ in range(a.runs):
+                for name, (reader, _st) in systems.items():
+                    drop_caches()
+                    measure(name, "cold_samples_per_s", reader)
+        for name in systems:
+            results[name].pop("_", None)
+            for kind, rates in samples[name].items():
+                results[name][kind] = statistics.median(rates)
+                results[name][kind.replace("_per_s", "_runs")] = rates
     finally:
         if is_mounted(mnt):
             subprocess.run([sys.executable, "-m", "stagefs.cli", "umount", mnt], check=False)
@@ -171,7 +175,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     out = os.path.join(a.out, "frontends.json")
     with open(out, "w") as f:
-        json.dump({"benchmark": "frontends", "files": n, "mean_bytes": base["bytes"] / n,
+        json.dump({"benchmark": "frontends", "files": n, "loadavg": [load0, os.getloadavg()], "mean_bytes": base["bytes"] / n,
                    "runs": a.runs, "machine": platform.node(), "cpus": os.cpu_count(),
                    "command": " ".join(sys.argv), "results": results}, f, indent=2)
     print(f"\nsaved {out}")
