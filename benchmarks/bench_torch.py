@@ -183,9 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                  "tier held before"], rows))
     for key, by_config in results.items():
         first = {c: by_config[c]["median"][0]["stall"] for c in configs}
-        print(f"{key}: first-epoch stall, prefetch vs none: "
-              f"{first['stagefs+prefetch']:.1%} vs {first['stagefs']:.1%} "
-              f"(plain PFS {first['plain']:.1%})")
+        print(f"{key}: first-epoch stall, plain PFS {first['plain']:.1%}, stagefs "
+              f"{first['stagefs']:.1%}, +prefetch {first['stagefs+prefetch']:.1%}, "
+              f"+prefetch+window {first['stagefs+prefetch+window']:.1%}")
     doc = {"command": "python3 benchmarks/bench_torch.py " + " ".join(argv or sys.argv[1:]),
            "files": args.files, "batch": args.batch, "compute_s": args.compute,
            "epochs": args.epochs, "repeat": args.repeat, "budget": args.budget,
