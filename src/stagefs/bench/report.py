@@ -47,6 +47,7 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "cold_origin_stats": _median([e["origin_stats"] for e in first]),
             "cold_origin_bytes": _median([e["origin_bytes"] for e in first]),
             "warm_origin_opens": _median([e["origin_opens"] for e in rest]),
+            "warm_origin_stats": _median([e["origin_stats"] for e in rest]),
             "warm_origin_bytes": _median([e["origin_bytes"] for e in rest]),
             "peak_rss": max(e["peak_rss"] for e in eps),
             "cpu_s_per_1k": _median([e["cpu_s_per_1k"] for e in eps]),
@@ -154,14 +155,20 @@ def _plots(results: dict[str, Any], out: str) -> list[str]:
     ax.set_title("Per-epoch throughput")
     paths.append(_save(fig, out, "epochs.png"))
 
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
-    ops = [max(1.0, summary[n]["cold_origin_opens"] + summary[n]["cold_origin_stats"])
-           for n in names]
-    ax.barh(list(ys), ops)
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
+    for off, (label, ops) in zip((-0.2, 0.2), (
+            ("cold epoch", [summary[n]["cold_origin_opens"] + summary[n]["cold_origin_stats"]
+                            for n in names]),
+            ("warm epoch", [summary[n]["warm_origin_opens"] + summary[n].get(
+                "warm_origin_stats", 0) for n in names])), strict=True):
+        ax.barh([y + off for y in ys], [max(0.8, v) for v in ops], height=0.4, label=label)
+        for y, v in zip(ys, ops, strict=True):
+            ax.text(max(0.8, v), y + off, f" {v:,.0f}", va="center", fontsize=8)
     ax.set_xscale("log")
     ax.set_yticks(list(ys), names)
     ax.invert_yaxis()
-    ax.set_xlabel("origin metadata operations in the cold epoch (opens + stats, log)")
+    ax.set_xlabel("path operations on the origin per epoch (opens + stats; median; log)")
+    ax.legend(loc="lower right")
     ax.set_title("Metadata load on the origin")
     paths.append(_save(fig, out, "origin_ops.png"))
     return paths
