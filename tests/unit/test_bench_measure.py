@@ -1,0 +1,90 @@
+"""The bench's pure parts: the order-free epoch checksum, the origin counter, the summary."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from stagefs.bench.measure import OriginCounter, Tally
+from stagefs.bench.report import summarize, summary_table
+from stagefs.cli import main
+
+
+def _tally(items: list[tuple[str, bytes]]) -> tuple[str, int, int]:
+    t = Tally()
+    for k, v in items:
+        t.add(k, v)
+    digest, distinct = t.digest()
+    return digest, distinct, t.samples
+
+
+def test_checksum_ignores_order_and_sees_every_difference() -> None:
+    items = [(f"train/{i}.jpg", bytes([i]) * (i + 1)) for i in range(50)]
+    ref, distinct, n = _tally(items)
+    assert (distinct, n) == (50, 50)
+    assert _tally(list(reversed(items)))[0] == ref
+    changed = [*items[:-1], (items[-1][0], items[-1][1][:-1] + b"\x00")]
+    assert _tally(changed)[0] != ref  # one byte differs
+    dup = [*items[:-1], items[0]]  # one sample twice, one missing
+    d, distinct, n = _tally(dup)
+    assert d != ref and distinct == 49 and n == 50
+    assert _tally([(k, memoryview(v)) for k, v in items])[0] == ref  # memoryviews hash alike
+
+
+def test_origin_counter_counts_only_under_its_roots(tmp_path: Path) -> None:
+    origin, other = tmp_path / "origin", tmp_path / "other"
+    origin.mkdir()
+    other.mkdir()
+    (origin / "a").write_bytes(b"x" * 10)
+    (other / "b").write_bytes(b"y")
+    real_open, real_stat = open, os.stat
+    with OriginCounter([str(origin)], {str(origin / "a"): 10}) as c:
+        with open(origin / "a", "rb") as f:
+            f.read()
+        os.close(os.open(origin / "a", os.O_RDONLY))
+        os.stat(origin / "a")
+        os.path.exists(origin / "a")
+        os.listdir(origin)  # the root itself is not "under" it
+        with open(other / "b", "rb"):
+            pass
+        os.stat(other / "b")
+    assert (c.opens, c.stats, c.bytes_opened) == (2, 2, 20)
+    assert open is real_open and os.stat is real_stat  # restored
+
+
+def _results(epochs: list[dict[str, object]]) -> dict[str, object]:
+    conv = {"seconds": 1.5, "bytes_on_disk": 2_000_000}
+    return {"order": ["x"], "skipped": {}, "systems": {"x": {
+        "title": "x", "settings": "", "conversion": conv, "epochs": epochs, "errors": [],
+        "all_samples_once": True, "same_bytes": True}}}
+
+
+def _epoch(epoch: int, rate: float, opens: int) -> dict[str, object]:
+    return {"epoch": epoch, "samples_per_s": rate, "mb_per_s": rate / 10, "origin_opens": opens,
+            "origin_stats": 1, "origin_bytes": 1000, "peak_rss": 2**20, "cpu_s_per_1k": 0.1}
+
+
+def test_summary_takes_medians_of_cold_and_warm_epochs() -> None:
+    eps = [_epoch(0, r, 9) for r in (100, 300, 200)] + [_epoch(1, r, 0) for r in (1000, 5000)]
+    eps += [_epoch(2, r, 0) for r in (2000, 4000, 3000)]
+    m = summarize(_results(eps))["x"]
+    assert m["cold_samples_per_s"] == 200
+    assert m["warm_samples_per_s"] == 3000
+    assert m["per_epoch_samples_per_s"] == [200, 3000, 3000]
+    assert (m["cold_origin_opens"], m["warm_origin_opens"]) == (9, 0)
+    assert "| x " in summary_table(_results(eps))
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--systems", "nosuch"], "unknown system"),
+    (["--epochs", "0"], "at least 1"),
+])
+def test_bad_options_are_named(args: list[str], words: str, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["bench", "--origin", str(tmp_path / "o"), "--out", str(tmp_path / "out"),
+               *args])
+    assert rc == 1
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before generating anything
