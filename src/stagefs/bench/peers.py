@@ -79,7 +79,8 @@ class WebDatasetSystem(_Base):
     interpreter = "peers"
     settings = ("tar shards of 64 MiB (ShardWriter); WebDataset(shardshuffle=100) + "
                 ".shuffle(1000): shard shuffle plus a sample shuffle buffer, as its docs "
-                "recommend (webdataset.github.io/webdataset/sharding)")
+                "recommend (webdataset.github.io/webdataset/sharding); it reads shards on a "
+                "mounted path in place (its FileCache does not copy local files)")
 
     def missing(self) -> str | None:
         return _missing("webdataset")
