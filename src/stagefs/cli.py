@@ -260,7 +260,7 @@ def _bench_command(args: argparse.Namespace) -> str:
     parts += [f"--{k.replace('_', '-')} {v}" for k, v in (("work", args.work),
               ("local", args.local), ("peer_python", args.peer_python)) if v]
     parts += ["--no-drop-caches"] if args.no_drop_caches else []
-    return " ".join(parts + [f"--out {args.out}"])
+    return " ".join([*parts, f"--out {args.out}"])
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
