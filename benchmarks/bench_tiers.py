@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, r in enumerate(eps):
             ratio = plain[i]["time"] / r["time"]
             rows.append([name, i + 1, f"{r['time']:.1f}", f"{r['read_time']:.1f}",
-                         f"x{ratio:.2f}", f"{r['meta_ops']:,}", format_size(r["origin_bytes"]),
+                         f"x{ratio:.2f}", f"{round(r['meta_ops']):,}", format_size(r["origin_bytes"]),
                          f"{100 * r['hit_rate']:.0f}%", f"{100 * r['held_before']:.0f}%"])
     print()
     print(table(["configuration", "epoch", "s (placed)", "s (reads)", "vs plain",
@@ -298,10 +298,10 @@ def check_targets(results: dict[str, list[dict[str, Any]]], nshards: int
             "met": local >= 0.8, "detail": f"{100 * local:.0f}% of the local-disk speed"}
         meta = sum(r["meta_ops"] for r in eps)
         out[f"{name}: origin metadata ops <= shards + a few"] = {
-            "met": meta <= nshards + 10, "detail": f"{meta:,} ops, {nshards} shards"}
+            "met": meta <= nshards + 10, "detail": f"{round(meta):,} ops, {nshards} shards"}
         late = sum(r["origin_bytes"] for r in later)
         out[f"{name}: zero origin bytes after epoch 1"] = {
-            "met": late == 0, "detail": f"{late:,} bytes"}
+            "met": late == 0, "detail": f"{round(late):,} bytes"}
         half = results[f"{name}, tiers = 1/2"]
         gaps = [abs(r["hit_rate"] - r["held_before"]) for r in half[1:]]
         out[f"{name}, tiers = 1/2: hit rate within 5 points of held fraction"] = {
