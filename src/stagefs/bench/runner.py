@@ -262,6 +262,8 @@ def _one_run(cfg: BenchConfig, worker: _Worker, s: System, ctx: Context, run: in
     finally:
         if server is not None:
             stop_fuse(ctx, server)
+        if s.on_origin:  # its caches and tiers: a run starts empty anyway, free the memory
+            shutil.rmtree(ctx.scratch(s.name), ignore_errors=True)
 
 
 def _write_sizes(ctx: Context, raw: str, path: str) -> None:
