@@ -179,13 +179,3 @@ def test_workers_read_their_own_batches_ahead(tmp_path: Path, method: str) -> No
         else:
             assert max(hits) == -1  # stale order in persistent workers: turned off
 
-
-def test_wait_gate_waits_for_the_shard() -> None:
-    sizes = np.full(4, 10, dtype=np.int64)
-    t0 = time.monotonic()
-    p = Prefetcher(SlowReader(sizes), sizes, np.arange(4, dtype=np.int64), 100,
-                   gate=lambda i: time.monotonic() - t0 > 0.2)
-    p.wait_gate(2)
-    assert time.monotonic() - t0 > 0.2
-    p.close()
-    Prefetcher(SlowReader(sizes), sizes, np.arange(4, dtype=np.int64), 100).wait_gate(0)

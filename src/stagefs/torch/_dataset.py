@@ -193,9 +193,6 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         p = self._ahead() or self._ahead_in_worker(idx)
         got: list[bytes | None] = [p.take(i) for i in idx] if p is not None else [None] * len(idx)
         missing = [k for k, d in enumerate(got) if d is None]
-        if missing and p is not None:  # tiers staging our order: read what they copied
-            for k in missing:
-                p.wait_gate(idx[k])
         if missing:
             for k, d in zip(missing, self.read_samples([idx[k] for k in missing]), strict=True):
                 got[k] = d

@@ -97,17 +97,6 @@ class Prefetcher:
             self._cv.notify_all()
             return data
 
-    def wait_gate(self, i: int) -> None:
-        """Before a direct read of sample ``i``: wait, as the read-ahead does, for the gate
-        (its shard in a tier; the gate itself lets a shard through after its wait)."""
-        if self._gate is None:
-            return
-        while not self._closed:
-            with self._cv:
-                if self._gate(i):
-                    return
-            time.sleep(0.005)
-
     def _claim(self) -> list[int] | None:
         """Under the lock: reserve the next chunk, or None when there is nothing left."""
         n = len(self.order)
