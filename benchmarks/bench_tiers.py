@@ -164,6 +164,8 @@ def run_stagefs(origin: str, tiers: Tiers, orders: list[list[str]],
                 meta += 2  # the manifest: one open, one fstat (not in the origin's counters)
             local_s = None
             if local is not None and i > 0:  # the same order from local-disk shards, now
+                for p in order:  # warm (caches were dropped before this configuration)
+                    local.read(p)
                 t1 = time.perf_counter()
                 for p in order:
                     local.read(p)
