@@ -38,8 +38,9 @@ def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.delenv("STAGEFS_RUNTIME", raising=False)
     monkeypatch.delenv("STAGEFS_TIERS", raising=False)
     monkeypatch.setenv("STAGEFS_JOB", name)
+    path = Runtime().path
     yield name
-    shutil.rmtree(Runtime().path, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_default_runtime_is_per_user_and_job(job: str) -> None:
