@@ -203,7 +203,9 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
         key = getattr(s, "pack_name", s.name)
         if key not in conversions:
             cfg.say(f"converting for {s.name} ...")
+            cold = cfg.drop_caches and drop_caches()  # each converter reads the raw data cold
             conversions[key] = c = worker.call(s, "convert")
+            c["cold"] = cold
             if "error" not in c:
                 c["bytes_on_disk"] = _du(c["dir"])
                 cfg.say(f"  {c['seconds']:.1f} s, {c['bytes_on_disk'] / 1e6:,.1f} MB")
