@@ -64,4 +64,12 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
              format_size(o["bytes_read"])] for o in st["origins"]]
     if rows:
         print(table(["origin", "misses", "opens", "stats", "reads", "bytes read"], rows))
+    rows = [[r.get("rank"), r.get("pid"), r.get("epoch"), r.get("steps"),
+             f"{r.get('wait_s', 0):.1f}", f"{r.get('step_s', 0):.1f}",
+             f"{100 * r.get('stall', 0):.1f}%", f"{100 * r.get('steady_stall', 0):.1f}%"]
+            for r in st["stalls"]]
+    if rows:
+        print("data stall (time each step waited for data), per training process and epoch:")
+        print(table(["rank", "pid", "epoch", "steps", "waited s", "step s", "stall",
+                     "stall after 1st batch"], rows))
     return 0

@@ -3,6 +3,7 @@ the runtime directory, summed (``stagefs status``)."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -49,4 +50,26 @@ def job_status(rt: Runtime) -> dict[str, Any]:
         for k in _ORIGIN_COUNTERS:
             o[k] += int(rec.get("origin_stats", {}).get(k, 0))
     return {"runtime": rt.path, "job": rt.job, "live_processes": len(rt.live_processes()),
-            "tiers": list(tiers.values()), "origins": list(origins.values())}
+            "tiers": list(tiers.values()), "origins": list(origins.values()),
+            "stalls": stall_records(rt.path)}
+
+
+def stall_records(runtime: str) -> list[dict[str, Any]]:
+    """The data-stall records training processes wrote (``stall-<pid>.json``, written by
+    ``stagefs.torch.StallMeter``): one row per process and epoch, by rank then epoch."""
+    rows: list[dict[str, Any]] = []
+    try:
+        names = sorted(n for n in os.listdir(runtime)
+                       if n.startswith("stall-") and n.endswith(".json"))
+    except OSError:
+        return rows
+    for name in names:
+        try:
+            with open(os.path.join(runtime, name)) as f:
+                rec = json.load(f)
+            for ep in rec.get("epochs", []):
+                rows.append({"pid": rec.get("pid"), "rank": rec.get("rank"), **ep})
+        except (OSError, ValueError, TypeError):
+            continue  # a record being rewritten or not ours: skip it, status is best effort
+    rows.sort(key=lambda r: (r.get("rank") or 0, r.get("pid") or 0, r.get("epoch") or 0))
+    return rows

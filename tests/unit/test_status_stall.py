@@ -1,0 +1,48 @@
+"""`stagefs status` shows the data stall that training processes recorded in the runtime."""
+
+from __future__ import annotations
+
+import json
+
+import stagefs
+from stagefs.cli import main
+
+
+def test_status_lists_stall_per_rank_and_epoch(tmp_path, monkeypatch, capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a" * 100)
+    stagefs.pack(src, tmp_path / "pack", progress=False)
+    rt = tmp_path / "rt"
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
+    with stagefs.open(tmp_path / "pack", tiers=[f"{tmp_path}/tier:10MiB"]) as fs:
+        assert fs.read("a") == b"a" * 100
+    for pid, rank, stall in ((111, 1, 0.25), (222, 0, 0.5)):
+        (rt / f"stall-{pid}.json").write_text(json.dumps({
+            "pid": pid, "rank": rank, "updated": 0.0,
+            "epochs": [{"epoch": 0, "steps": 10, "wait_s": 1.0, "step_s": 3.0,
+                        "first_wait_s": 0.5, "stall": stall, "steady_stall": stall / 2}]}))
+    (rt / "stall-333.json.partial").write_text("{half")  # being written: ignored
+
+    assert main(["status", "--runtime", str(rt), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["pid"], r["stall"]) for r in doc["stalls"]] == [
+        (0, 222, 0.5), (1, 111, 0.25)]
+
+    assert main(["status", "--runtime", str(rt)]) == 0
+    out = capsys.readouterr().out
+    assert "data stall" in out and "50.0%" in out and "25.0%" in out
+
+
+def test_status_without_stall_records(tmp_path, monkeypatch, capsys) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"a")
+    stagefs.pack(src, tmp_path / "pack", progress=False)
+    rt = tmp_path / "rt"
+    with stagefs.open(tmp_path / "pack", tiers=[f"{tmp_path}/tier:10MiB"], runtime=str(rt)):
+        pass
+    assert main(["status", "--runtime", str(rt)]) == 0
+    assert "data stall" not in capsys.readouterr().out
+
+
