@@ -78,7 +78,9 @@ def summary_table(results: dict[str, Any]) -> str:
 
 
 def _settings(results: dict[str, Any]) -> str:
-    lines = [f"- **{n}** ({s['title']}): {s['settings']}" for n, s in results["systems"].items()]
+    systems = results["systems"]
+    lines = [f"- **{n}** ({systems[n]['title']}): {systems[n]['settings']}"
+             for n in results.get("order") or list(systems)]
     lines += [f"- {n}: left out: {why.splitlines()[0]}" for n, why in results["skipped"].items()]
     return "\n".join(lines)
 
@@ -130,12 +132,18 @@ def _plots(results: dict[str, Any], out: str) -> list[str]:
     for ax, key, label in ((axes[0], "cold_samples_per_s", "cold first epoch"),
                            (axes[1], "warm_samples_per_s", "warm epochs")):
         vals = [summary[n][key] for n in names]
-        ax.barh(list(ys), vals, color=["C1" if n.startswith("stagefs") else "C0"
-                                       for n in names])
+        # a node-local copy is never cold: keep the cold scale for the systems that are
+        local = {n for n in names if not results["systems"][n].get("on_origin", True)}
+        scale = max([v for n, v in zip(names, vals, strict=True)
+                     if key.startswith("warm") or n not in local] or vals)
+        top = scale * 1.25 or 1.0
+        ax.barh(list(ys), [min(v, top) for v in vals],
+                color=["C1" if n.startswith("stagefs") else "C0" for n in names])
         for y, v in zip(ys, vals, strict=True):
-            ax.text(v, y, f" {v:,.0f}", va="center", fontsize=8)
+            ax.text(min(v, top * 0.8), y, f" {v:,.0f}" + (" (local copy)" if v > top else ""),
+                    va="center", fontsize=8)
         ax.set_xlabel(f"samples/s, {label} (median over runs)")
-        ax.set_xlim(0, max(vals) * 1.25 or 1)
+        ax.set_xlim(0, top)
     axes[0].set_yticks(list(ys), names)
     axes[0].invert_yaxis()
     fig.suptitle("Shuffled-epoch throughput per system")
