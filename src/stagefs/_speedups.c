@@ -22,6 +22,7 @@ typedef struct {
     PyTypeObject *stat_type;
     PyObject *fallback_stat;
     long long dev, uid, gid;
+    PyObject *dev_o, *uid_o, *gid_o, *blksize_o;  /* the same in every result: made once */
 } Index;
 
 static void release(Index *self) {
@@ -37,6 +38,8 @@ static void Index_dealloc(Index *self) {
     release(self);
     Py_XDECREF(self->stat_type);
     Py_XDECREF(self->fallback_stat);
+    Py_XDECREF(self->dev_o); Py_XDECREF(self->uid_o);
+    Py_XDECREF(self->gid_o); Py_XDECREF(self->blksize_o);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -65,6 +68,11 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
     self->mask = (uint64_t)nslots - 1;
     Py_INCREF(stat_type); self->stat_type = (PyTypeObject *)stat_type;
     Py_INCREF(fallback); self->fallback_stat = fallback;
+    self->dev_o = PyLong_FromLongLong(self->dev);
+    self->uid_o = PyLong_FromLongLong(self->uid);
+    self->gid_o = PyLong_FromLongLong(self->gid);
+    self->blksize_o = PyLong_FromLong(65536);
+    if (!self->dev_o || !self->uid_o || !self->gid_o || !self->blksize_o) return -1;
     return 0;
 }
 
@@ -120,8 +128,15 @@ static PyObject *Index_lookup(Index *self, PyObject *key) {
     return PyLong_FromSsize_t(find_key(self, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key)));
 }
 
+/* Put a new reference at item i of r; on failure drop r. */
 #define SET(i, v) do { PyObject *o_ = (v); if (!o_) { Py_DECREF(r); return NULL; } \
                        PyStructSequence_SetItem(r, (i), o_); } while (0)
+/* Put a shared object at items i, j, k (one new reference is consumed, two are added). */
+#define SET3(i, j, k, v) do { PyObject *o_ = (v); if (!o_) { Py_DECREF(r); return NULL; } \
+                              Py_INCREF(o_); Py_INCREF(o_); PyStructSequence_SetItem(r, (i), o_); \
+                              PyStructSequence_SetItem(r, (j), o_); \
+                              PyStructSequence_SetItem(r, (k), o_); } while (0)
+#define SHARED(o) (Py_INCREF(o), (o))
 
 /* stat(path) -> os.stat_result of a regular file; anything else goes to the fallback. */
 static PyObject *Index_stat(Index *self, PyObject *path) {
@@ -140,21 +155,15 @@ static PyObject *Index_stat(Index *self, PyObject *path) {
     if (r == NULL) return NULL;
     SET(0, PyLong_FromUnsignedLong(mode));
     SET(1, PyLong_FromSsize_t(e + 1));
-    SET(2, PyLong_FromLongLong(self->dev));
+    SET(2, SHARED(self->dev_o));
     SET(3, PyLong_FromLong(1));
-    SET(4, PyLong_FromLongLong(self->uid));
-    SET(5, PyLong_FromLongLong(self->gid));
+    SET(4, SHARED(self->uid_o));
+    SET(5, SHARED(self->gid_o));
     SET(6, PyLong_FromUnsignedLongLong(size));
-    SET(7, PyLong_FromLongLong(sec));
-    SET(8, PyLong_FromLongLong(sec));
-    SET(9, PyLong_FromLongLong(sec));
-    SET(10, PyFloat_FromDouble(fsec));
-    SET(11, PyFloat_FromDouble(fsec));
-    SET(12, PyFloat_FromDouble(fsec));
-    SET(13, PyLong_FromLongLong(ns));
-    SET(14, PyLong_FromLongLong(ns));
-    SET(15, PyLong_FromLongLong(ns));
-    SET(16, PyLong_FromLong(65536));
+    SET3(7, 8, 9, PyLong_FromLongLong(sec));
+    SET3(10, 11, 12, PyFloat_FromDouble(fsec));
+    SET3(13, 14, 15, PyLong_FromLongLong(ns));
+    SET(16, SHARED(self->blksize_o));
     SET(17, PyLong_FromUnsignedLongLong((size + 511) >> 9));
     SET(18, PyLong_FromLong(0));
     return r;
