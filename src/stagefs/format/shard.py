@@ -6,6 +6,7 @@ with its final name is always whole (docs/FORMAT.md, "Shards").
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -86,7 +87,5 @@ class ShardWriter:
 
     def abort(self) -> None:
         self._f.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._partial)
-        except FileNotFoundError:
-            pass
