@@ -184,6 +184,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         with _open_dataset(args.dataset, args.tier, args.connect, args.runtime) as store:
             fuse.mount(store, args.mountpoint, allow_other=args.allow_other)
+        fuse.remove_own_log()  # a detached server that ended cleanly leaves no log behind
         return 0
     # a bad dataset (or no cluster) is reported here, before anything is started
     _open_dataset(args.dataset, args.tier, args.connect, args.runtime).close()

@@ -205,3 +205,22 @@ def test_mount_errors_are_clear(tree: Any, tmp_path: Path, mnt: Path) -> None:
     assert r.returncode == 1 and "is not mounted" in r.stderr
     r = _stagefs("mount", str(tmp_path / "nopack"), str(tmp_path))
     assert r.returncode == 1 and "no dataset here" in r.stderr
+
+
+def test_detached_server_leaves_no_log_after_a_clean_unmount(
+    tree: Any, tmp_path: Path
+) -> None:
+    logs = tmp_path / "tmp"
+    logs.mkdir()
+    mp = tmp_path / "m"
+    mp.mkdir()
+    env = {**os.environ, "TMPDIR": str(logs)}
+    r = subprocess.run([sys.executable, "-m", "stagefs.cli", "mount", str(tree[1]), str(mp)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert next(p.name for p in logs.iterdir()).startswith("stagefs-mount-")  # while it runs
+    assert _stagefs("umount", str(mp)).returncode == 0
+    deadline = time.monotonic() + 20
+    while any(logs.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(logs.iterdir())

@@ -11,6 +11,7 @@ ones by range, verified when read in order); reads of different files run in par
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -239,6 +240,18 @@ def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
                           "close the programs using it, or: umount -l)")
 
 
+_LOG_VAR = "STAGEFS_MOUNT_LOG"  # the detached server's log, named for it to remove
+
+
+def remove_own_log() -> None:
+    """Called by a detached server that ended cleanly: its log is of no more use (a server
+    that failed keeps it, and ``stagefs mount`` names it)."""
+    path = os.environ.pop(_LOG_VAR, None)
+    if path and os.path.basename(path).startswith("stagefs-mount-"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | None, *,
                      allow_other: bool = False, connect: bool = False,
                      runtime: str | None = None, timeout: float = 60.0) -> int:
@@ -273,7 +286,8 @@ def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | No
     with tempfile.NamedTemporaryFile(prefix="stagefs-mount-", suffix=".log",
                                      delete=False) as logf:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                 start_new_session=True, close_fds=True)
+                                 start_new_session=True, close_fds=True,
+                                 env={**os.environ, _LOG_VAR: logf.name})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if is_mounted(mp):
