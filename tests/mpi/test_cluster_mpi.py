@@ -3,11 +3,14 @@ node directory and port on 127.0.0.1, readers on every rank, a daemon killed mid
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,18 @@ pytestmark = [
                        "(pip install 'stagefs[mpi]')"),
 ]
 READER = str(Path(__file__).with_name("cluster_reader.py"))
+_SEGMENTS = "/dev/shm/mpich_shm_*"
+
+
+@pytest.fixture(autouse=True)
+def _remove_leftover_mpich_segments() -> Iterator[None]:
+    """Jobs whose ranks are killed leave MPICH's shared-memory segments in /dev/shm: remove
+    the ones this test's jobs made (they have all ended when the test returns)."""
+    before = set(glob.glob(_SEGMENTS))
+    yield
+    for path in set(glob.glob(_SEGMENTS)) - before:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _readers(workdir: str, n: int, rounds: int) -> subprocess.Popen[bytes]:
