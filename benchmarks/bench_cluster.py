@@ -38,6 +38,7 @@ from xxhash import xxh3_64_intdigest
 
 import stagefs
 from stagefs.bench.datasets import imagenet_like
+from stagefs.bench.runner import drop_caches
 from stagefs.bench.table import table
 from stagefs.cluster.cmap import load_runtime
 from stagefs.format import Manifest
@@ -68,16 +69,6 @@ while True:
         if sent:
             views[0] = views[0][sent:]
 """
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True, timeout=120)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def make_pack(root: str, files: int, shard_size: str) -> tuple[str, int]:

@@ -28,17 +28,8 @@ from xxhash import xxh3_64_intdigest
 
 import stagefs
 from stagefs.bench.datasets import imagenet_like
+from stagefs.bench.runner import drop_caches
 from stagefs.bench.table import table
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def median_time(fn: Callable[[], object], runs: int, before: Callable[[], object] | None = None

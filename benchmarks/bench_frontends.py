@@ -29,18 +29,9 @@ from typing import Any
 
 import stagefs
 from stagefs.bench.datasets import imagenet_like
+from stagefs.bench.runner import drop_caches
 from stagefs.bench.table import table
 from stagefs.posix.fuse import fuse_available, is_mounted
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def read_all(paths: list[str]) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 
 import stagefs
 from stagefs.bench.datasets import imagenet_like
+from stagefs.bench.runner import drop_caches
 from stagefs.bench.table import table
 from stagefs.config import format_size
 
@@ -64,10 +65,6 @@ def rate_cap(rate: str | None) -> Iterator[None]:
     finally:
         sh("tc qdisc del dev pfs-h root", check=False)
         sh("ip netns exec stagefs-pfs tc qdisc del dev pfs-p root", check=False)
-
-
-def drop_caches() -> None:
-    sh("sync; echo 3 > /proc/sys/vm/drop_caches", check=False)
 
 
 def prepare(root: str, files: int) -> tuple[str, str]:

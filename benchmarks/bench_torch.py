@@ -42,6 +42,7 @@ import torch.utils.data
 
 import stagefs
 from stagefs.bench.datasets import imagenet_like
+from stagefs.bench.runner import drop_caches
 from stagefs.bench.table import table
 from stagefs.torch import FileDataset, Sampler, StallMeter
 
@@ -68,11 +69,6 @@ class PlainFolder(torch.utils.data.Dataset[tuple[bytes, int]]):
 
 def collate(batch: list[Any]) -> int:
     return sum(len(x[0]) for x in batch)
-
-
-def drop_caches() -> None:
-    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False,
-                   timeout=120)
 
 
 def pfs_cap() -> str:
