@@ -73,10 +73,13 @@ class Store:
         self.verify = verify
         self.manifest = manifest or Manifest(os.path.join(pack_dir, MANIFEST_NAME))
         self.namespace = ns = Namespace(self.manifest)
-        self.origin: Any = origin if origin is not None else PackOrigin(pack_dir, self.manifest)
+        self.origin: Any = origin if origin is not None else PackOrigin(
+            pack_dir, self.manifest, check_headers=not verify)
         self._origin_only = (self.origin,)
         self.chain = chain  # node-local tiers (tiers/chain.py), or None: origin only
         self._holders = sources or (chain.holders if chain is not None else self._origin_holders)
+        # the tiers fill as origin reads pass (tiers/fill.py)
+        self._from_origin = chain.from_origin if chain is not None else None
         self._sums = sums  # in place: checksums learnt as shards are placed
         self._reopen = reopen  # how a pickled copy reopens this store
         self._runtime = runtime  # the job's runtime dir, if this store uses one
@@ -165,10 +168,13 @@ class Store:
                   out: list[bytes], shard: int, start: int, span: int) -> None:
         """Read adjacent ranges with one call, then verify each file on its own."""
         m = self.manifest
+        src: ShardSource | None = None
         try:
-            blob = memoryview(self._fetch(shard, start, span))
+            src, got = self._fetch_from(shard, start, span)
+            blob = memoryview(got)
         except (SourceUnavailable, ChecksumError, CorruptShardError):
             blob = None
+        fill = self._from_origin if src is self.origin else None
         for i in run:
             e = ents[i]
             data = None
@@ -183,6 +189,8 @@ class Store:
                     data = raw
                     self.stats.reads += 1
                     self.stats.bytes += len(raw)
+                    if fill is not None:
+                        fill(shard, m.offset[e], blob[rel : rel + m.stored[e]], self.verify)
             # a bad or missing span falls back to the per-entry path, which tries every holder
             out[i] = data if data is not None else self.read_entry(e, paths[i])
 
@@ -198,7 +206,7 @@ class Store:
         tried: list[str] = []
         for src in self._holders(shard):
             try:
-                data = src.pread(shard, offset, stored)
+                data = raw = src.pread(shard, offset, stored)
             except SourceUnavailable:
                 self.stats.unavailable += 1
                 tried.append(src.name + " (unavailable)")
@@ -208,10 +216,13 @@ class Store:
                     data = decode(codec, data, size, self._where(e))
                 except CorruptShardError:
                     data = b""
-            if not self.verify or checksum(data) == self._checksum[e] or self._trust(src, e):
+            good = self.verify and checksum(data) == self._checksum[e]
+            if good or not self.verify or self._trust(src, e):
                 stats = self.stats
                 stats.reads += 1
                 stats.bytes += size
+                if src is self.origin and self._from_origin is not None:
+                    self._from_origin(shard, offset, raw, good)
                 return data
             self.stats.checksum_failures += 1
             tried.append(src.name)
@@ -234,18 +245,26 @@ class Store:
         return str(getattr(self.origin, "root", None) or self.pack_dir)
 
     def _fetch(self, shard: int, offset: int, length: int) -> bytes:
+        return self._fetch_from(shard, offset, length)[1]
+
+    def _fetch_from(self, shard: int, offset: int, length: int) -> tuple[ShardSource, bytes]:
+        """The first holder that answers, and its bytes (not verified here)."""
         for src in self._holders(shard):
             try:
-                return src.pread(shard, offset, length)
+                return src, src.pread(shard, offset, length)
             except SourceUnavailable:
                 continue
         raise SourceUnavailable(f"shard {shard}: no holder answered")
 
     def _corrupt(self, src: ShardSource, shard: int) -> None:
-        """A holder returned bad bytes: tell it to drop its copy, if it keeps copies."""
+        """A holder returned bad bytes: tell it to drop its copy, if it keeps copies; the
+        origin says what is wrong with its shard file, if that is the cause."""
         drop = getattr(src, "drop", None)
         if drop is not None:
             drop(shard)
+        diagnose = getattr(src, "diagnose", None)
+        if diagnose is not None:
+            diagnose(shard)
 
     def _where(self, e: int) -> str:
         return f"shard {self.manifest.shards[self.manifest.shard[e]].name}"

@@ -67,7 +67,7 @@ def _check_streamed(origin: PackOrigin, shard: int, e: int, m: Manifest,
 
 def _verify_shard(pack_dir: str, shard: int) -> tuple[int, int, list[Corrupt]]:
     m = Manifest(os.path.join(pack_dir, MANIFEST_NAME), verify=False)
-    origin = PackOrigin(pack_dir, m)
+    origin = PackOrigin(pack_dir, m, check_headers=True)
     a = m.arrays
     ents = [int(e) for e in (a["shard"] == shard).nonzero()[0] if a["kind"][e] == KIND_FILE]
     ents.sort(key=lambda e: int(m.offset[e]))

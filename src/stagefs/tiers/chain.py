@@ -5,10 +5,12 @@ background placement of shards into the tiers. The only module that knows their 
   from a dict (its fd is cached in the tier); a shard not held yet is re-checked on disk at
   most every ``RECHECK_S`` (one local ``open``, never an origin call), so a shard placed by
   another process is seen almost at once.
-- A miss schedules the whole shard's placement in one background thread per process; a claim
-  in the runtime dir makes the copy happen once per node. While this process copies a shard,
-  reads of ranges already copied are served from the partial file (checksum-verified like
-  every read), so the first epoch does not read those bytes from the origin twice.
+- Reads fill the tier as they pass (fill.py): every verified read from the origin also writes
+  its bytes into the shard's shared partial copy, and any process then reads them from there.
+  A shard whose files have all been read this way is complete without a copy.
+- A miss also schedules the shard's placement in one background thread per process; a claim
+  in the runtime dir makes the copy happen once per node, and the copy reads from the origin
+  only the files no read has brought in. So every origin byte is read once.
 - Capacity: a shard goes into the first tier with room; a full tier takes no more (no
   eviction: the held set stays put); ENOSPC deletes the partial file and stops that tier.
 """
@@ -36,15 +38,10 @@ from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
-from stagefs.tiers.base import ShardSource, SourceUnavailable, pread_full
+from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.claims import Claims
-from stagefs.tiers.placer import (
-    CopyAborted,
-    Layout,
-    OriginFailed,
-    copy_shard,
-    open_partial,
-)
+from stagefs.tiers.fill import Extents, ShardFill, create_fill, open_fill, remove_fill
+from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.tier import NO_SPACE, DirTier
 
 __all__ = ["RECHECK_S", "TierChain"]
@@ -57,22 +54,27 @@ _STATS_EVERY_S = 1.0
 Record = Callable[[int, int], None]
 
 
-class _PartialSource:
-    """Ranges of shards this process is copying now, already written to the partial file."""
+class _FillSource:
+    """The files already in a shard's partial copy (fill.py), for shards not whole yet."""
 
     name = "partial copy"
 
-    def __init__(self) -> None:
-        self.inflight: dict[int, list[int]] = {}  # shard -> [read fd, bytes copied]
+    def __init__(self, chain: TierChain) -> None:
+        self.fills: dict[int, tuple[ShardFill, DirTier]] = {}
+        self._chain = chain
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        info = self.inflight.get(shard)
-        if info is None or offset + length > info[1]:
-            raise SourceUnavailable("not copied yet")
-        data = pread_full(info[0], length, offset)
-        if len(data) != length:
-            raise SourceUnavailable("short read")
+        got = self.fills.get(shard)
+        if got is None:
+            raise SourceUnavailable("no partial copy")
+        data = got[0].pread(offset, length)
+        got[1].stats.hits += 1
+        got[1].stats.bytes += length
         return data
+
+    def drop(self, shard: int) -> None:
+        """A read found bad bytes in the partial copy: start it afresh."""
+        self._chain._drop_fill(shard)
 
     def close(self) -> None:
         pass
@@ -97,14 +99,18 @@ class TierChain:
         self._sizes = [s.size for s in manifest.shards]
         self._layout: Layout | None = None
         self._origin_only: tuple[ShardSource, ...] = (origin,)
-        self._partial = _PartialSource()
-        self._with_partial: tuple[ShardSource, ...] = (self._partial, origin)
+        self._fill = _FillSource(self)
+        self._fills = self._fill.fills
+        self._with_fill: tuple[ShardSource, ...] = (self._fill, origin)
+        self._extents: dict[int, Extents] = {}
+        self._no_fill: set[int] = set()  # shards whose files do not tile them (never seen)
+        self.fill_reads = record is None  # in place, sums are learnt by the placer only
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
         self._queue: deque[int] = deque()
         self._queued: set[int] = set()
         self._failed: set[int] = set()
-        self._graveyard: list[int] = []  # read fds of aborted partial copies, closed at close
+        self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
         self.misses = 0
         self.full = not self.tiers
         self._closing = False
@@ -132,18 +138,148 @@ class TierChain:
     def _miss(self, shard: int) -> tuple[ShardSource, ...]:
         now = time.monotonic()
         if now >= self._next_check.get(shard, 0.0):
-            for t in self.tiers:
-                if t.holds(shard):
-                    route = (t, self.origin)
-                    self._route[shard] = route
-                    return route
+            if self._find(shard):
+                return self._route[shard]
+            got = self._fills.get(shard)
+            if got is not None and not got[0].linked():  # finished or dropped elsewhere
+                self._forget_fill(shard)
+                got = None
+            if got is None:
+                self._get_fill(shard, create=False)
             self._next_check[shard] = now + RECHECK_S
-        self.misses += 1
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
-        if shard in self._partial.inflight:
-            return self._with_partial
+        if shard in self._fills:
+            return self._with_fill
         return self._origin_only
+
+    # -- filling the tiers as reads pass ---------------------------------------------------
+
+    def from_origin(self, shard: int, offset: int, data: bytes | memoryview,
+                    verified: bool) -> None:
+        """The Store read ``data`` (one stored file, or adjacent ones) from the origin; if
+        it was verified, it goes into the shard's partial copy too."""
+        self.misses += 1
+        if not verified or not self.fill_reads or self._closing:
+            return
+        got = self._fills.get(shard)
+        if got is None:
+            if self.full or shard in self._no_fill or shard in self._route:
+                return
+            got = self._get_fill(shard, create=True)
+            if got is None:
+                return
+        f, t = got
+        try:
+            new = f.write(offset, data)
+        except OSError as exc:
+            self._drop_fill(shard, again=False)
+            self._tier_failed(t, exc)
+            return
+        except ValueError:  # closed under us (the store is closing)
+            return
+        if new:
+            t.stats.filled += new
+            t.stats.filled_bytes += len(data)
+            if f.complete():
+                self._finish(shard)
+
+    def _extents_of(self, shard: int) -> Extents:
+        ext = self._extents.get(shard)
+        if ext is None:
+            if self._layout is None:
+                self._layout = Layout(self.manifest)
+            lay = self._layout
+            ents = lay.idx[lay.bounds[shard] : lay.bounds[shard + 1]]
+            ext = self._extents[shard] = Extents.of(self.manifest, ents, self._sizes[shard])
+        return ext
+
+    def _get_fill(self, shard: int, *, create: bool) -> tuple[ShardFill, DirTier] | None:
+        """The shard's partial copy: opened if some process made one, else (``create``)
+        made in the first tier with room. None if the shard is whole somewhere, if no tier
+        has room, or if it cannot be filled file by file."""
+        ext = self._extents_of(shard)
+        if not ext.tiles:
+            self._no_fill.add(shard)
+            return None
+        size = self._sizes[shard]
+        for t in self.tiers:
+            final = t.path(shard)
+            f = open_fill(final, size, ext)
+            if f is not None:
+                self._fills[shard] = (f, t)
+                return f, t
+        if not create:
+            return None
+        for t in self.tiers:
+            if t.stopped is not None:
+                continue
+            final = t.path(shard)
+            try:
+                with self._tier_lock(t):
+                    if os.path.exists(final):
+                        return None  # whole already: the next look finds it
+                    f = open_fill(final, size, ext)  # made while we waited for the lock
+                    if f is None:
+                        if t.capacity is not None and t.used_bytes() + size > t.capacity:
+                            t.stopped = "full"
+                            log.info("%s is full: it takes no more shards", t.name)
+                            continue
+                        f = create_fill(final, size, ext, shard, self.manifest.pack_id)
+            except OSError as exc:
+                self._tier_failed(t, exc)
+                continue
+            self._fills[shard] = (f, t)
+            return f, t
+        self.full = True
+        with self._cond:
+            self._queue.clear()
+        return None
+
+    def _finish(self, shard: int) -> bool:
+        """A complete partial copy becomes the shard's copy (once, under the tier lock)."""
+        got = self._fills.get(shard)
+        if got is None:
+            return False
+        f, t = got
+        with self._tier_lock(t):
+            if not f.linked() or not f.complete():
+                return False
+            try:
+                finish_copy(f, shard, self.manifest.pack_id, self._sizes[shard])
+            except (CorruptShardError, OSError) as exc:
+                log.warning("shard %d: partial copy not kept: %s", shard, exc)
+                remove_fill(f.final)
+                self._forget_fill(shard)
+                return False
+        fd = os.dup(f.fd)
+        if not t.adopt(shard, fd):
+            os.close(fd)
+        self._forget_fill(shard)
+        t.stats.placed += 1
+        t.stats.placed_bytes += self._sizes[shard]
+        self._route[shard] = (t, self.origin)
+        return True
+
+    def _forget_fill(self, shard: int) -> None:
+        got = self._fills.pop(shard, None)
+        if got is not None:
+            self._graveyard_fills.append(got[0])  # a reader may still be using it
+
+    def _drop_fill(self, shard: int, *, again: bool = True) -> None:
+        got = self._fills.get(shard)
+        if got is not None:
+            f, t = got
+            with contextlib.suppress(OSError), self._tier_lock(t):
+                if f.linked():
+                    remove_fill(f.final)
+            t.stats.dropped += again
+            self._forget_fill(shard)
+        if again:
+            self._next_check.pop(shard, None)
+            with self._cond:
+                self._queued.discard(shard)
+            self._enqueue([shard], urgent=True)
 
     def _dropped(self, shard: int) -> None:
         """A tier dropped a corrupt copy: read elsewhere, and place the shard again."""
@@ -208,15 +344,21 @@ class TierChain:
         try:
             if self._find(shard):  # finished by someone else just before we claimed it
                 return "held"
-            for t in self.tiers:
-                if t.stopped is None:
-                    outcome = self._place_in(t, shard, progress)
-                    if outcome != "next":
-                        return outcome
-            self.full = True
-            with self._cond:
-                self._queue.clear()
-            return "full"
+            got = self._fills.get(shard)
+            if got is not None and not got[0].linked():
+                self._forget_fill(shard)
+                got = None
+            if got is None:
+                got = self._get_fill(shard, create=True)
+            if got is None:
+                if self._find(shard):
+                    return "held"
+                if shard in self._no_fill:
+                    self._failed.add(shard)
+                    log.warning("shard %d not placed: its files do not tile it", shard)
+                    return "failed"
+                return "full"
+            return self._copy_rest(shard, *got, progress)
         finally:
             self.claims.release(shard)
 
@@ -226,61 +368,33 @@ class TierChain:
         for t in self.tiers:
             if t.holds(shard):
                 self._route[shard] = (t, self.origin)
+                got = self._fills.get(shard)
+                if got is not None:
+                    self._forget_fill(shard)
                 return True
         return False
 
-    def _place_in(self, t: DirTier, shard: int, progress: Callable[[int], None] | None) -> str:
-        size = self._sizes[shard]
-        final = t.path(shard)
+    def _copy_rest(self, shard: int, f: ShardFill, t: DirTier,
+                   progress: Callable[[int], None] | None) -> str:
+        """Copy what the reads have not filled, then make the copy whole."""
         try:
-            with self._tier_lock(t):
-                if t.capacity is not None and t.used_bytes() + size > t.capacity:
-                    t.stopped = "full"
-                    log.info("%s is full: it takes no more shards", t.name)
-                    return "next"
-                fd = open_partial(final, size)
-        except OSError as exc:
-            return self._tier_failed(t, exc)
-        rfd = os.open(final + ".partial", os.O_RDONLY | os.O_CLOEXEC)
-        info = [rfd, 0]
-        self._partial.inflight[shard] = info
-
-        def advanced(n: int) -> None:
-            info[1] = n
-            if progress is not None:
-                progress(n)
-
-        if self._layout is None:
-            self._layout = Layout(self.manifest)
-        try:
-            copy_shard(fd, final, read=lambda off, n: self.origin.pread(shard, off, n),
-                       size=size, index=shard, pack_id=self.manifest.pack_id, m=self.manifest,
-                       entries=self._layout.entries(shard), check=self._check,
-                       progress=advanced, stop=lambda: self._closing)
+            fill_gaps(f, read=lambda off, n: self.origin.pread(shard, off, n), m=self.manifest,
+                      check=self._check, where=f"shard {shard} from the origin",
+                      progress=progress, stop=lambda: self._closing)
         except CopyAborted:
-            self._abandon(shard)
-            return "aborted"
+            return "aborted"  # what was copied stays in the partial copy, for the next one
         except (OriginFailed, CorruptShardError) as exc:
-            self._abandon(shard)
             self._failed.add(shard)
+            self._drop_fill(shard, again=False)  # it cannot be completed: free its room
             log.warning("shard %d not placed: %s", shard, exc)
             return "failed"
         except OSError as exc:
-            self._abandon(shard)
-            return self._tier_failed(t, exc)
-        # the read fd now names the placed file: it becomes the tier's cached fd
-        del self._partial.inflight[shard]
-        if not t.adopt(shard, rfd):
-            self._graveyard.append(rfd)
-        t.stats.placed += 1
-        t.stats.placed_bytes += size
-        self._route[shard] = (t, self.origin)
-        return "placed"
-
-    def _abandon(self, shard: int) -> None:
-        info = self._partial.inflight.pop(shard, None)
-        if info is not None:
-            self._graveyard.append(info[0])  # a reader may still hold it for a moment
+            self._drop_fill(shard, again=False)
+            self._tier_failed(t, exc)
+            return "failed"
+        if self._finish(shard):
+            return "placed"
+        return "held" if self._find(shard) else "failed"
 
     def _tier_failed(self, t: DirTier, exc: OSError) -> str:
         reason = "no space left on device" if exc.errno in NO_SPACE else str(exc)
@@ -411,16 +525,18 @@ class TierChain:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=60)
         self.flush_stats()
-        for fd in self._graveyard:
-            os.close(fd)
-        self._graveyard.clear()
+        for f, _ in list(self._fills.values()):
+            f.close()
+        self._fills.clear()
+        for f in self._graveyard_fills:
+            f.close()
+        self._graveyard_fills.clear()
         for t in self.tiers:
             t.close()
         _CHAINS.discard(self)
 
     def _after_fork(self) -> None:
         """In a forked child: no placer thread was copied; start counting afresh."""
-        self._partial.inflight.clear()
         self._queue.clear()
         self._queued.clear()
         self._init_threading()

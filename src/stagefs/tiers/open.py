@@ -54,7 +54,8 @@ def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike
     try:
         if is_pack:
             manifest = Manifest(os.path.join(path, MANIFEST_NAME))
-            origin: PackOrigin | InPlaceOrigin = PackOrigin(path, manifest)
+            origin: PackOrigin | InPlaceOrigin = PackOrigin(path, manifest,
+                                                               check_headers=not verify)
         else:
             from stagefs.inplace import open_manifest
 

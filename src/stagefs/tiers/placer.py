@@ -1,7 +1,8 @@
-"""Copying one shard from the origin into a tier: large sequential reads, ``.partial`` then
-rename, and nothing wrong ever renamed into place.
+"""Copying the rest of one shard from the origin into its partial copy in a tier (see
+fill.py: reads may have filled parts of it already): large reads of the runs still missing,
+then a rename, and nothing wrong ever renamed into place.
 
-Every stored file is checked while it streams through (xxh3 of its raw content against the
+Every stored file copied is checked while it streams through (xxh3 of its raw content against the
 manifest), or, for an in-place dataset whose checksums are not known yet, its checksum is
 computed and handed to ``record``. Before the rename the partial file's size and header are
 checked. The copy is pure I/O on file descriptors; the decisions (which tier, whether there
@@ -11,7 +12,6 @@ is room, who holds the claim) live in chain.py.
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -25,8 +25,9 @@ from stagefs.errors import CorruptShardError
 from stagefs.format import KIND_FILE, Manifest, ShardHeader
 from stagefs.format.codecs import decode
 from stagefs.format.spec import SHARD_HEADER
+from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 
-__all__ = ["CHUNK", "CopyAborted", "Layout", "OriginFailed", "copy_shard", "open_partial"]
+__all__ = ["CHUNK", "CopyAborted", "Layout", "OriginFailed", "fill_gaps", "finish_copy"]
 
 CHUNK = 8 * 2**20  # bytes per origin read while placing
 IN_FLIGHT = 4  # origin reads of one shard in flight at once: one stream rarely fills a PFS link
@@ -65,7 +66,7 @@ class _Verifier:
 
     def __init__(self, m: Manifest, entries: list[int], check: Check, where: str) -> None:
         self.ents = [(e, m.offset[e], m.stored[e], m.codec[e], m.size[e]) for e in entries
-                     if m.size[e] > 0]
+                     if m.stored[e] > 0]
         self.i = 0
         self.check = check
         self.where = where
@@ -102,74 +103,89 @@ class _Verifier:
             raise CorruptShardError(f"{self.where}: shard shorter than its files")
 
 
-def open_partial(final: str, size: int) -> int:
-    """Create ``final.partial`` and reserve ``size`` bytes for it (ENOSPC shows up here)."""
-    partial = final + ".partial"
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
-            raise
-    return fd
-
-
-def copy_shard(
-    fd: int,
-    final: str,
+def fill_gaps(
+    fill: ShardFill,
     *,
     read: Callable[[int, int], bytes],
-    size: int,
-    index: int,
-    pack_id: bytes,
     m: Manifest,
-    entries: list[int],
     check: Check,
+    where: str,
     progress: Callable[[int], None] | None = None,
     stop: Callable[[], bool] | None = None,
 ) -> None:
-    """Fill the partial file ``fd`` (from ``open_partial``) with the shard and rename it to
-    ``final``. On any failure the partial file is deleted and ``fd`` is closed."""
-    partial = final + ".partial"
-    done = False
-    try:
-        verifier = _Verifier(m, entries, check, f"shard {index} from the origin")
-        for pos, data in _read_ahead(read, size):
-            verifier.feed(pos, data)
-            _pwrite_all(fd, data, pos)
-            if progress is not None:
-                progress(pos + len(data))
-            if stop is not None and stop():
-                raise CopyAborted(final)
+    """Copy from the origin every stored file of the shard that no read has filled yet.
+
+    Runs of missing files are read in pieces of at most CHUNK bytes, IN_FLIGHT at a time;
+    each piece is written, then streamed through the files' checksums, and a file's fill
+    byte is set once it is whole and right. ``progress(n)`` gets the bytes done so far
+    (filled before or copied now).
+    """
+    ext = fill.ext
+    runs = fill.missing()
+    todo = [(int(ext.offs[lo]), int(ext.ends[hi - 1]), lo, hi) for lo, hi in runs]
+    done = int(ext.ends[-1]) - sum(b - a for a, b, _, _ in todo) if len(ext) else 0
+    if progress is not None:
+        progress(done)
+    pieces: list[tuple[int, int]] = []
+    for a, b, _, _ in todo:
+        pieces.extend((p, min(CHUNK, b - p)) for p in range(a, b, CHUNK))
+    run = 0
+    verifier: _Verifier | None = None
+    for pos, data in _read_ahead(read, pieces):
+        if verifier is None or pos >= todo[run][1]:
+            if verifier is not None:
+                verifier.finish()
+                run += 1
+            _, _, lo, hi = todo[run]
+            verifier = _run_verifier(fill, lo, hi, m, check, where)
+        _pwrite_all(fill.fd, data, pos)
+        verifier.feed(pos, data)
+        done += len(data)
+        if progress is not None:
+            progress(done)
+        if stop is not None and stop():
+            raise CopyAborted(fill.final)
+    if verifier is not None:
         verifier.finish()
-        got = os.fstat(fd).st_size
-        if got != size:
-            raise CorruptShardError(f"{partial}: {got} bytes written, expected {size}")
-        header = ShardHeader.decode(os.pread(fd, SHARD_HEADER.size, 0), partial)
-        header.check(partial, index=index, pack_id=pack_id, file_size=size)
-        os.rename(partial, final)
-        done = True
-    finally:
-        os.close(fd)
-        if not done:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(partial)
 
 
-def _read_ahead(read: Callable[[int, int], bytes], size: int) -> Iterator[tuple[int, bytes]]:
-    """The chunks of ``[0, size)`` in order, with up to IN_FLIGHT reads running ahead."""
-    chunk = CHUNK
-    starts = deque(range(0, size, chunk))
+def _run_verifier(fill: ShardFill, lo: int, hi: int, m: Manifest, check: Check,
+                  where: str) -> _Verifier:
+    """A verifier for extents lo..hi-1 that sets each file's fill byte once it is right."""
+    position = {int(e): lo + k for k, e in enumerate(fill.ext.entries[lo:hi])}
+
+    def checked(e: int, digest: int) -> None:
+        check(e, digest)
+        k = position[e]
+        fill.mark(k, k + 1)
+
+    return _Verifier(m, [int(e) for e in fill.ext.entries[lo:hi]], checked, where)
+
+
+def finish_copy(fill: ShardFill, index: int, pack_id: bytes, size: int) -> None:
+    """Check a complete partial copy (size, header) and rename it to its final name."""
+    partial = fill.partial
+    got = os.fstat(fill.fd).st_size
+    if got != size:
+        raise CorruptShardError(f"{partial}: {got} bytes written, expected {size}")
+    header = ShardHeader.decode(os.pread(fill.fd, SHARD_HEADER.size, 0), partial)
+    header.check(partial, index=index, pack_id=pack_id, file_size=size)
+    os.rename(partial, fill.final)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(fill.final + FILL_SUFFIX)
+
+
+def _read_ahead(read: Callable[[int, int], bytes],
+                pieces: list[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
+    """The ``(offset, length)`` pieces in order, with up to IN_FLIGHT reads running ahead."""
+    starts = deque(pieces)
     with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="stagefs-read") as pool:
         pending: deque[tuple[int, Future[bytes]]] = deque()
         try:
             while starts or pending:
                 while starts and len(pending) < IN_FLIGHT:
-                    pos = starts.popleft()
-                    pending.append((pos, pool.submit(read, pos, min(chunk, size - pos))))
+                    pos, n = starts.popleft()
+                    pending.append((pos, pool.submit(read, pos, n)))
                 pos, fut = pending.popleft()
                 try:
                     data = fut.result()

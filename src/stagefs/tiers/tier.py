@@ -30,6 +30,8 @@ class TierStats:
     bytes: int = 0  # bytes it served
     placed: int = 0  # shards this process put into it
     placed_bytes: int = 0
+    filled: int = 0  # files written into partial copies by reads (fill.py)
+    filled_bytes: int = 0
     dropped: int = 0  # copies deleted because a read found them corrupt
 
     def as_dict(self) -> dict[str, int]:

@@ -1,0 +1,226 @@
+"""Shared partial copies: the tier copy of a shard fills as reads pass through it.
+
+In the first epoch every sample is read once from the origin. Each verified read also writes
+its bytes into the shard's copy in a tier, so the epoch places the data as a side effect and
+the background placer only copies what no read brought in (its "gaps"). Every origin byte is
+then read once (MONARCH's placement during the first epoch, at shard granularity).
+
+Files beside the shard's final name in the tier, shared by every process of the node:
+
+- ``NAME.partial``: the shard's full size, reserved with ``fallocate`` when it is created;
+  its 64-byte header is written then (it follows from the manifest).
+- ``NAME.fill``: one byte per stored file of the shard, in offset order (files of size 0
+  are left out): 1 once the file's bytes are in ``NAME.partial`` and were checked against
+  the manifest's checksum. A byte is set only after its bytes are written.
+
+The copy is complete when every byte is 1; whoever sets the last one (a reader or the
+placer) renames ``NAME.partial`` to ``NAME`` and deletes ``NAME.fill``, under the tier's
+lock. Every read of a copy, partial or whole, is still verified by the Store, so a torn or
+stale byte never reaches a caller: it falls through to the origin.
+
+Only a shard whose stored files tile it exactly (the pack format: header, then the files
+back to back) is filled this way; another shard is copied whole by the placer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from stagefs.format import Manifest, ShardHeader
+from stagefs.format.spec import SHARD_HEADER
+from stagefs.tiers.base import SourceUnavailable, pread_full
+
+__all__ = ["Extents", "ShardFill", "create_fill", "open_fill"]
+
+FILL_SUFFIX = ".fill"
+PARTIAL_SUFFIX = ".partial"
+
+
+@dataclass(frozen=True)
+class Extents:
+    """The stored files of one shard with bytes, in offset order: [offs[i], ends[i])."""
+
+    offs: npt.NDArray[np.int64]
+    ends: npt.NDArray[np.int64]
+    entries: npt.NDArray[np.int64]  # manifest entry of each extent
+    tiles: bool  # header, then the extents back to back, to the shard's end
+
+    @classmethod
+    def of(cls, m: Manifest, entries: npt.NDArray[np.int64], size: int) -> Extents:
+        a = m.arrays
+        stored = a["stored"][entries].astype(np.int64)
+        keep = stored > 0
+        ents = entries[keep]
+        offs = a["offset"][ents].astype(np.int64)
+        ends = offs + stored[keep]
+        if len(offs):
+            tiles = bool(offs[0] == SHARD_HEADER.size and ends[-1] == size
+                         and np.array_equal(ends[:-1], offs[1:]))
+        else:
+            tiles = size == SHARD_HEADER.size
+        return cls(offs, ends, ents, tiles)
+
+    def __len__(self) -> int:
+        return len(self.offs)
+
+    def inside(self, a: int, b: int) -> tuple[int, int]:
+        """Extents lying wholly inside [a, b): positions lo..hi-1."""
+        return (int(np.searchsorted(self.offs, a, "left")),
+                int(np.searchsorted(self.ends, b, "right")))
+
+    def touching(self, a: int, b: int) -> tuple[int, int]:
+        """Extents that overlap [a, b): positions lo..hi-1."""
+        return (int(np.searchsorted(self.ends, a, "right")),
+                int(np.searchsorted(self.offs, b, "left")))
+
+
+class ShardFill:
+    """This process's handle on one shard's partial copy in one tier."""
+
+    def __init__(self, final: str, fd: int, fill_fd: int, ext: Extents) -> None:
+        self.final = final
+        self.fd = fd
+        self.ext = ext
+        st = os.fstat(fd)
+        self.ino = (st.st_dev, st.st_ino)
+        n = len(ext)
+        self._mm = mmap.mmap(fill_fd, max(n, 1), mmap.MAP_SHARED) if n else None
+        self.bits: npt.NDArray[np.uint8] = (np.frombuffer(self._mm, dtype=np.uint8, count=n)
+                                            if self._mm is not None else np.ones(0, np.uint8))
+
+    @property
+    def partial(self) -> str:
+        return self.final + PARTIAL_SUFFIX
+
+    def covered(self, a: int, b: int) -> bool:
+        """Are all bytes of [a, b) written and checked?"""
+        lo, hi = self.ext.touching(a, b)
+        return bool(self.bits[lo:hi].all())
+
+    def pread(self, offset: int, length: int) -> bytes:
+        if not self.covered(offset, offset + length):
+            raise SourceUnavailable("not filled yet")
+        data = pread_full(self.fd, length, offset)
+        if len(data) != length:
+            raise SourceUnavailable("short read of a partial copy")
+        return data
+
+    def write(self, offset: int, data: bytes | memoryview) -> int:
+        """Write verified bytes at ``offset``; mark the files they hold whole. Returns the
+        number of files newly marked."""
+        lo, hi = self.ext.inside(offset, offset + len(data))
+        if hi <= lo or self.bits[lo:hi].all():
+            return 0
+        view = memoryview(data)
+        pos = offset
+        while view:
+            n = os.pwrite(self.fd, view, pos)
+            view, pos = view[n:], pos + n
+        new = int(hi - lo - np.count_nonzero(self.bits[lo:hi]))
+        self.bits[lo:hi] = 1
+        return new
+
+    def mark(self, lo: int, hi: int) -> None:
+        self.bits[lo:hi] = 1
+
+    def complete(self) -> bool:
+        return bool(self.bits.all())
+
+    def missing(self) -> list[tuple[int, int]]:
+        """Runs of positions not filled yet: [(lo, hi), ...]."""
+        holes = np.flatnonzero(self.bits == 0)
+        if not len(holes):
+            return []
+        cuts = np.flatnonzero(np.diff(holes) != 1) + 1
+        return [(int(r[0]), int(r[-1]) + 1) for r in np.split(holes, cuts)]
+
+    def linked(self) -> bool:
+        """Is this still the partial copy the tier names (not dropped, not finished)?"""
+        try:
+            st = os.stat(self.partial)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ino
+
+    def close(self) -> None:
+        self.bits = np.ones(0, np.uint8)
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
+    """Open an existing partial copy, or None if there is none (or it is not a whole one)."""
+    try:
+        fd = os.open(final + PARTIAL_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        ffd = os.open(final + FILL_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        os.close(fd)
+        return None
+    try:
+        if os.fstat(fd).st_size != size or os.fstat(ffd).st_size != len(ext):
+            os.close(fd)
+            return None
+        return ShardFill(final, fd, ffd, ext)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.close(ffd)
+
+
+def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes) -> ShardFill:
+    """Create (replacing any leftover) the partial copy and its fill map; the caller holds
+    the tier's lock and checked the room. ENOSPC shows up here, with nothing left behind."""
+    partial, fmap = final + PARTIAL_SUFFIX, final + FILL_SUFFIX
+    for p in (fmap, partial):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+    fd = ffd = -1
+    try:
+        fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        _reserve(fd, size)
+        header = ShardHeader(index, pack_id, size - SHARD_HEADER.size).encode()
+        os.pwrite(fd, header, 0)
+        ffd = os.open(fmap, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.ftruncate(ffd, len(ext))
+        fill = ShardFill(final, fd, ffd, ext)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        for p in (fmap, partial):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        raise
+    finally:
+        if ffd >= 0:
+            os.close(ffd)
+    return fill
+
+
+def remove_fill(final: str) -> None:
+    for suffix in (FILL_SUFFIX, PARTIAL_SUFFIX):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(final + suffix)
+
+
+def _reserve(fd: int, size: int) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        import errno
+
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        os.ftruncate(fd, size)

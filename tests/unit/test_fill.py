@@ -1,0 +1,270 @@
+"""Reads fill the tiers (tiers/fill.py): every verified origin read also lands in the shard's
+shared partial copy, the placer copies only what no read brought in, and every origin byte
+is read once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from stagefs.format import MANIFEST_NAME, Manifest
+from stagefs.runtime import proc_start
+from stagefs.tiers.fill import Extents
+from tiers_helpers import make_tree
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    base = tmp_path_factory.mktemp("fill")
+    files = make_tree(base / "raw", n=160)
+    stagefs.pack(base / "raw", base / "pack", shard_size="64KiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return base / "pack", files
+
+
+@pytest.fixture
+def pack(dataset: tuple[Path, dict[str, bytes]]) -> Path:
+    return dataset[0]
+
+
+@pytest.fixture
+def files(dataset: tuple[Path, dict[str, bytes]]) -> dict[str, bytes]:
+    return dataset[1]
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    rt = tmp_path / "runtime"
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
+    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
+    return rt
+
+
+@pytest.fixture
+def placer_elsewhere(pack: Path, runtime: Path) -> Iterator[None]:
+    """Every shard's claim held by another live process (the parent of this one), as when
+    another process of the node is placing them: this process's placer copies nothing,
+    so only the reads fill the tier."""
+    m = Manifest(str(pack / MANIFEST_NAME))
+    claims = runtime / "claims"
+    claims.mkdir(parents=True, exist_ok=True)
+    owner = f"{os.getppid()} {proc_start(os.getppid())}"
+    for s in range(len(m.shards)):
+        (claims / f"{m.pack_id.hex()}.{s}").write_text(owner)
+    m.close()
+    yield
+
+
+def stored_bytes(fs: stagefs.Store, paths: list[str]) -> int:
+    m = fs.manifest
+    return sum(int(m.stored[fs.namespace.file_entry(p)]) for p in paths)
+
+
+def shuffled(files: dict[str, bytes], seed: int = 0) -> list[str]:
+    paths = sorted(files)
+    random.Random(seed).shuffle(paths)
+    return paths
+
+
+def leftovers(tier: Path) -> list[Path]:
+    return sorted(p for p in tier.rglob("*") if p.suffix in (".partial", ".fill"))
+
+
+def test_extents_tile_every_packed_shard(pack: Path) -> None:
+    m = Manifest(str(pack / MANIFEST_NAME))
+    try:
+        from stagefs.tiers.placer import Layout
+
+        lay = Layout(m)
+        for s, info in enumerate(m.shards):
+            ext = Extents.of(m, lay.idx[lay.bounds[s] : lay.bounds[s + 1]], info.size)
+            assert ext.tiles, s
+            assert int(ext.ends[-1]) == info.size
+    finally:
+        m.close()
+
+
+def test_reads_alone_fill_the_tier(pack: Path, files: dict[str, bytes], runtime: Path,
+                                   tmp_path: Path, placer_elsewhere: None) -> None:
+    tier = tmp_path / "t"
+    paths = shuffled(files)
+    with stagefs.open(pack, tiers=[str(tier)]) as fs:
+        assert fs.chain is not None
+        for p in paths:
+            assert fs.read(p) == files[p], p
+        origin = fs.chain.origin.stats
+        # every stored byte read once from the origin, headers never
+        assert origin.bytes_read == stored_bytes(fs, paths)
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        t = fs.chain.tiers[0].stats
+        assert t.placed == len(fs.manifest.shards)
+        assert t.filled == sum(1 for p in paths if files[p])
+        assert leftovers(tier) == []
+        # the copies are the pack's shards, byte for byte
+        pid = fs.manifest.pack_id.hex()
+        for s in fs.manifest.shards:
+            assert (tier / pid / s.name).read_bytes() == (pack / s.name).read_bytes()
+        before = origin.bytes_read
+        for p in shuffled(files, 1):
+            assert fs.read(p) == files[p], p
+        assert origin.bytes_read == before
+
+
+def test_batched_reads_fill_too(pack: Path, files: dict[str, bytes], runtime: Path,
+                                tmp_path: Path, placer_elsewhere: None) -> None:
+    paths = sorted(files)  # in pack order: read_many coalesces adjacent files into one read
+    with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
+        assert fs.chain is not None
+        for k in range(0, len(paths), 16):
+            batch = paths[k : k + 16]
+            assert fs.read_many(batch) == [files[p] for p in batch]
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        assert fs.chain.origin.stats.bytes_read == stored_bytes(fs, paths)
+
+
+def _read_some(pack: str, tier: str, runtime: str, paths: list[str]) -> None:
+    os.environ["STAGEFS_RUNTIME"] = runtime
+    with stagefs.open(pack, tiers=[tier]) as fs:
+        for p in paths:
+            fs.read(p)
+
+
+def test_another_process_reads_what_one_filled(pack: Path, files: dict[str, bytes],
+                                               runtime: Path, tmp_path: Path,
+                                               placer_elsewhere: None) -> None:
+    tier = tmp_path / "t"
+    paths = shuffled(files, 2)
+    half = paths[: len(paths) // 2]
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_read_some, args=(str(pack), str(tier), str(runtime), half))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert leftovers(tier)  # partial copies, shared through the tier
+    with stagefs.open(pack, tiers=[str(tier)]) as fs:
+        assert fs.chain is not None
+        for p in paths:
+            assert fs.read(p) == files[p], p
+        # what the other process read came from the partial copies, not the origin
+        assert fs.chain.origin.stats.bytes_read == stored_bytes(fs, paths[len(half):])
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+    assert leftovers(tier) == []
+
+
+def test_the_placer_copies_only_the_gaps(pack: Path, files: dict[str, bytes], runtime: Path,
+                                         tmp_path: Path) -> None:
+    tier = tmp_path / "t"
+    paths = shuffled(files, 3)
+    half = paths[: len(paths) // 3]
+    ctx = multiprocessing.get_context("spawn")
+    # a process whose placer is kept off by live claims reads a third of the files ...
+    claims = runtime / "claims"
+    claims.mkdir(parents=True)
+    m = Manifest(str(pack / MANIFEST_NAME))
+    owner = f"{os.getppid()} {proc_start(os.getppid())}"
+    held = [claims / f"{m.pack_id.hex()}.{s}" for s in range(len(m.shards))]
+    m.close()
+    for c in held:
+        c.write_text(owner)
+    child = ctx.Process(target=_read_some, args=(str(pack), str(tier), str(runtime), half))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    for c in held:
+        c.unlink()
+    # ... then staging copies only the rest
+    with stagefs.open(pack, tiers=[str(tier)]) as fs:
+        assert fs.chain is not None
+        assert fs.chain.stage() == {"placed": len(fs.manifest.shards)}
+        assert fs.chain.origin.stats.bytes_read == stored_bytes(fs, paths[len(half):])
+        pid = fs.manifest.pack_id.hex()
+        for s in fs.manifest.shards:
+            assert (tier / pid / s.name).read_bytes() == (pack / s.name).read_bytes()
+    assert leftovers(tier) == []
+
+
+def test_a_corrupt_partial_copy_is_never_served(pack: Path, files: dict[str, bytes],
+                                                runtime: Path, tmp_path: Path,
+                                                placer_elsewhere: None) -> None:
+    tier = tmp_path / "t"
+    paths = [p for p in sorted(files) if len(files[p]) > 100]
+    with stagefs.open(pack, tiers=[str(tier)]) as fs:
+        assert fs.chain is not None
+        first = paths[0]
+        assert fs.read(first) == files[first]
+        e = fs.namespace.file_entry(first)
+        shard, off = int(fs.manifest.shard[e]), int(fs.manifest.offset[e])
+        partial = tier / fs.manifest.pack_id.hex() / (fs.manifest.shards[shard].name + ".partial")
+        assert partial.exists()
+        with open(partial, "r+b") as f:  # a bit flips in the tier's copy
+            f.seek(off + 10)
+            b = f.read(1)
+            f.seek(off + 10)
+            f.write(bytes([b[0] ^ 0x01]))
+        fs.chain._next_check.clear()
+        assert fs.read(first) == files[first]  # from the origin, and the copy is dropped
+        assert fs.chain.tiers[0].stats.dropped == 1
+        assert fs.stats.checksum_failures == 1
+        for p in shuffled(files):
+            assert fs.read(p) == files[p], p
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        pid = fs.manifest.pack_id.hex()
+        for s in fs.manifest.shards:
+            assert (tier / pid / s.name).read_bytes() == (pack / s.name).read_bytes()
+
+
+def test_a_small_tier_fills_up_and_reads_go_on(pack: Path, files: dict[str, bytes],
+                                               runtime: Path, tmp_path: Path,
+                                               placer_elsewhere: None) -> None:
+    tier = tmp_path / "t"
+    m = Manifest(str(pack / MANIFEST_NAME))
+    cap = sum(s.size for s in m.shards) // 2
+    m.close()
+    with stagefs.open(pack, tiers=[f"{tier}:{cap}"]) as fs:
+        assert fs.chain is not None
+        for p in shuffled(files, 4):
+            assert fs.read(p) == files[p], p
+        held = fs.held_shards()
+        assert 0 < len(held) < len(fs.manifest.shards)
+        assert fs.chain.tiers[0].used_bytes() <= cap
+        assert fs.chain.tiers[0].stopped == "full"
+        assert leftovers(tier) == []  # every shard it took was read whole: all complete
+
+
+def test_leftover_partial_copies(pack: Path, files: dict[str, bytes], runtime: Path,
+                                 tmp_path: Path, placer_elsewhere: None) -> None:
+    """A partial copy left by a job that died is taken up (its filled files were checked
+    before they were marked); a partial file without its fill map is made afresh."""
+    tier = tmp_path / "t"
+    paths = shuffled(files, 5)
+    half = paths[: len(paths) // 2]
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_read_some, args=(str(pack), str(tier), str(runtime), half))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    partials = [p for p in leftovers(tier) if p.suffix == ".partial"]
+    assert len(partials) >= 2
+    orphan = partials[0]
+    orphan.with_suffix(".fill").unlink()  # shard-N.sfs.partial -> shard-N.sfs.fill
+    with stagefs.open(pack, tiers=[str(tier)]) as fs:
+        for p in paths:
+            assert fs.read(p) == files[p], p
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+    assert leftovers(tier) == []
+
+
+def test_no_filling_without_checksums(pack: Path, files: dict[str, bytes], runtime: Path,
+                                      tmp_path: Path, placer_elsewhere: None) -> None:
+    tier = tmp_path / "t"
+    with stagefs.open(pack, tiers=[str(tier)], verify=False) as fs:
+        for p in shuffled(files):
+            assert fs.read(p) == files[p]
+        assert fs.held_shards() == set()
+    assert leftovers(tier) == []
