@@ -40,7 +40,7 @@ from stagefs.format import Manifest
 from stagefs.runtime import Runtime
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.claims import Claims
-from stagefs.tiers.fill import Extents, ShardFill, create_fill, open_fill, remove_fill
+from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.tier import NO_SPACE, DirTier
 
@@ -95,6 +95,7 @@ class TierChain:
             t.on_drop = self._dropped
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
+        self.activity = Activity(os.path.join(runtime.claims, f"{self.pack_id}.activity"))
         self._record = record
         self._sizes = [s.size for s in manifest.shards]
         self._layout: Layout | None = None
@@ -136,6 +137,7 @@ class TierChain:
         return self._miss(shard)
 
     def _miss(self, shard: int) -> tuple[ShardSource, ...]:
+        self.activity.touch()  # a read may go to the origin now: the placer gives way
         now = time.monotonic()
         if now >= self._next_check.get(shard, 0.0):
             if self._find(shard):
@@ -160,6 +162,7 @@ class TierChain:
         """The Store read ``data`` (one stored file, or adjacent ones) from the origin; if
         it was verified, it goes into the shard's partial copy too."""
         self.misses += 1
+        self.activity.touch()
         if not verified or not self.fill_reads or self._closing:
             return
         got = self._fills.get(shard)
@@ -221,11 +224,13 @@ class TierChain:
                         return None  # whole already: the next look finds it
                     f = open_fill(final, size, ext)  # made while we waited for the lock
                     if f is None:
-                        if t.capacity is not None and t.used_bytes() + size > t.capacity:
-                            t.stopped = "full"
-                            log.info("%s is full: it takes no more shards", t.name)
+                        why = t.no_room(size)
+                        if why is not None:
+                            t.stopped = why
+                            log.info("%s: %s; it takes no more shards", t.name, why)
                             continue
-                        f = create_fill(final, size, ext, shard, self.manifest.pack_id)
+                        f = create_fill(final, size, ext, shard, self.manifest.pack_id,
+                                        reserve=t.kind != "memory")
             except OSError as exc:
                 self._tier_failed(t, exc)
                 continue
@@ -380,7 +385,7 @@ class TierChain:
         try:
             fill_gaps(f, read=lambda off, n: self.origin.pread(shard, off, n), m=self.manifest,
                       check=self._check, where=f"shard {shard} from the origin",
-                      progress=progress, stop=lambda: self._closing)
+                      progress=progress, stop=lambda: self._closing, quiet=self.activity.quiet_for)
         except CopyAborted:
             return "aborted"  # what was copied stays in the partial copy, for the next one
         except (OriginFailed, CorruptShardError) as exc:
@@ -531,6 +536,7 @@ class TierChain:
         for f in self._graveyard_fills:
             f.close()
         self._graveyard_fills.clear()
+        self.activity.close()
         for t in self.tiers:
             t.close()
         _CHAINS.discard(self)

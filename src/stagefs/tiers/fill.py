@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +37,7 @@ from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import SourceUnavailable, pread_full
 
-__all__ = ["Extents", "ShardFill", "create_fill", "open_fill"]
+__all__ = ["Activity", "Extents", "ShardFill", "create_fill", "open_fill"]
 
 FILL_SUFFIX = ".fill"
 PARTIAL_SUFFIX = ".partial"
@@ -78,6 +79,36 @@ class Extents:
         """Extents that overlap [a, b): positions lo..hi-1."""
         return (int(np.searchsorted(self.ends, a, "right")),
                 int(np.searchsorted(self.offs, b, "left")))
+
+
+class Activity:
+    """When a read last went to the origin, shared by the node's processes of one job (8
+    bytes of a mapped file in the runtime dir): the placer gives way while reads are busy.
+
+    Monotonic clock nanoseconds: the clock is the same for every process of the machine.
+    """
+
+    def __init__(self, path: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < 8:
+                os.ftruncate(fd, 8)
+            self._mm = mmap.mmap(fd, 8, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self._last = np.frombuffer(self._mm, dtype=np.int64, count=1)
+
+    def touch(self) -> None:
+        self._last[0] = time.monotonic_ns()
+
+    def quiet_for(self) -> float:
+        """Seconds since the last origin read of any of the job's processes on this node."""
+        return (time.monotonic_ns() - int(self._last[0])) / 1e9
+
+    def close(self) -> None:
+        self._last = np.zeros(1, np.int64)
+        with contextlib.suppress(BufferError):
+            self._mm.close()
 
 
 class ShardFill:
@@ -180,9 +211,14 @@ def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
         os.close(ffd)
 
 
-def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes) -> ShardFill:
+def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes, *,
+                reserve: bool = True) -> ShardFill:
     """Create (replacing any leftover) the partial copy and its fill map; the caller holds
-    the tier's lock and checked the room. ENOSPC shows up here, with nothing left behind."""
+    the tier's lock and checked the room. With ``reserve`` the space is allocated now
+    (``fallocate``: a disk tier), and ENOSPC shows up here with nothing left behind; in
+    memory the file is left sparse (allocating would zero pages the reads are about to
+    write: 4 ms per 16 MiB on the critical path), and a full file system shows up as the
+    write's ENOSPC, which stops the tier."""
     partial, fmap = final + PARTIAL_SUFFIX, final + FILL_SUFFIX
     for p in (fmap, partial):
         with contextlib.suppress(FileNotFoundError):
@@ -190,7 +226,10 @@ def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes)
     fd = ffd = -1
     try:
         fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        _reserve(fd, size)
+        if reserve:
+            _reserve(fd, size)
+        else:
+            os.ftruncate(fd, size)
         header = ShardHeader(index, pack_id, size - SHARD_HEADER.size).encode()
         os.pwrite(fd, header, 0)
         ffd = os.open(fmap, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,9 @@ __all__ = ["CHUNK", "CopyAborted", "Layout", "OriginFailed", "fill_gaps", "finis
 
 CHUNK = 8 * 2**20  # bytes per origin read while placing
 IN_FLIGHT = 4  # origin reads of one shard in flight at once: one stream rarely fills a PFS link
+BUSY_CHUNK = 1 << 20  # soon after reads used the origin, the copy reads one piece this big
+IDLE_S = 0.01  # the copy waits while reads went to the origin less than this long ago
+CALM_S = 1.0  # and goes at full speed once they stopped this long ago
 
 
 class CopyAborted(Exception):
@@ -112,26 +116,24 @@ def fill_gaps(
     where: str,
     progress: Callable[[int], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    quiet: Callable[[], float] | None = None,
 ) -> None:
     """Copy from the origin every stored file of the shard that no read has filled yet.
 
     Runs of missing files are read in pieces of at most CHUNK bytes, IN_FLIGHT at a time;
     each piece is written, then streamed through the files' checksums, and a file's fill
-    byte is set once it is whole and right. ``progress(n)`` gets the bytes done so far
-    (filled before or copied now).
+    byte is set once it is whole and right. The copy gives way to reads (``quiet``: see
+    ``_read_ahead``). ``progress(n)`` gets the bytes done so far (filled before or copied
+    now); ``stop()`` aborts it.
     """
     ext = fill.ext
-    runs = fill.missing()
-    todo = [(int(ext.offs[lo]), int(ext.ends[hi - 1]), lo, hi) for lo, hi in runs]
+    todo = [(int(ext.offs[lo]), int(ext.ends[hi - 1]), lo, hi) for lo, hi in fill.missing()]
     done = int(ext.ends[-1]) - sum(b - a for a, b, _, _ in todo) if len(ext) else 0
     if progress is not None:
         progress(done)
-    pieces: list[tuple[int, int]] = []
-    for a, b, _, _ in todo:
-        pieces.extend((p, min(CHUNK, b - p)) for p in range(a, b, CHUNK))
     run = 0
     verifier: _Verifier | None = None
-    for pos, data in _read_ahead(read, pieces):
+    for pos, data in _read_ahead(read, [(a, b) for a, b, _, _ in todo], quiet, stop):
         if verifier is None or pos >= todo[run][1]:
             if verifier is not None:
                 verifier.finish()
@@ -145,6 +147,8 @@ def fill_gaps(
             progress(done)
         if stop is not None and stop():
             raise CopyAborted(fill.final)
+    if stop is not None and stop():
+        raise CopyAborted(fill.final)
     if verifier is not None:
         verifier.finish()
 
@@ -175,17 +179,37 @@ def finish_copy(fill: ShardFill, index: int, pack_id: bytes, size: int) -> None:
         os.unlink(fill.final + FILL_SUFFIX)
 
 
-def _read_ahead(read: Callable[[int, int], bytes],
-                pieces: list[tuple[int, int]]) -> Iterator[tuple[int, bytes]]:
-    """The ``(offset, length)`` pieces in order, with up to IN_FLIGHT reads running ahead."""
-    starts = deque(pieces)
+def _read_ahead(read: Callable[[int, int], bytes], spans: list[tuple[int, int]],
+                quiet: Callable[[], float] | None = None,
+                stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
+    """The bytes of ``spans`` ([start, end) each) in order, in pieces, with up to IN_FLIGHT
+    reads running ahead.
+
+    ``quiet()``: seconds since reads last went to the origin. The copy has the origin's
+    idle time only (an idle I/O class): it waits while reads are under way (less than
+    IDLE_S ago), reads one piece of BUSY_CHUNK at a time while they may resume any moment
+    (less than CALM_S ago), and goes at full speed once they have stopped.
+    """
+    todo = deque(spans)
     with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="stagefs-read") as pool:
         pending: deque[tuple[int, Future[bytes]]] = deque()
         try:
-            while starts or pending:
-                while starts and len(pending) < IN_FLIGHT:
-                    pos, n = starts.popleft()
-                    pending.append((pos, pool.submit(read, pos, n)))
+            while todo or pending:
+                q = quiet() if quiet is not None else CALM_S
+                if q < IDLE_S and not pending:
+                    if stop is not None and stop():
+                        return
+                    time.sleep(IDLE_S - q)
+                    continue
+                if q >= IDLE_S:
+                    room, chunk = ((1, min(BUSY_CHUNK, CHUNK)) if q < CALM_S
+                                   else (IN_FLIGHT, CHUNK))
+                    while todo and len(pending) < room:
+                        a, b = todo.popleft()
+                        n = min(chunk, b - a)
+                        if a + n < b:
+                            todo.appendleft((a + n, b))
+                        pending.append((a, pool.submit(read, a, n)))
                 pos, fut = pending.popleft()
                 try:
                     data = fut.result()

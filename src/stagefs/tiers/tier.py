@@ -134,6 +134,21 @@ class DirTier:
         """Bytes in the whole tier directory (every dataset, partial copies included)."""
         return dir_bytes(self.root)
 
+    def no_room(self, size: int) -> str | None:
+        """Why a new copy of ``size`` bytes does not fit (the caller holds the tier's lock):
+        ``"full"`` (the tier's capacity), ``"no space left on device"`` (its file system,
+        counting what sparse partial copies will still take), or None: it fits."""
+        used, unwritten = dir_usage(self.root)
+        if self.capacity is not None and used + size > self.capacity:
+            return "full"
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        if st.f_bavail * st.f_frsize - unwritten < size:
+            return "no space left on device"
+        return None
+
     # -- ShardSource ----------------------------------------------------------------------
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
@@ -190,12 +205,24 @@ class DirTier:
 
 def dir_bytes(root: str) -> int:
     """Apparent bytes of the files one and two levels below ``root``."""
-    total = 0
+    return dir_usage(root)[0]
+
+
+def dir_usage(root: str) -> tuple[int, int]:
+    """Apparent bytes of the files one and two levels below ``root``, and how many of them
+    are not allocated yet (sparse partial copies, to be written)."""
+    total = unwritten = 0
+
+    def add(st: os.stat_result) -> None:
+        nonlocal total, unwritten
+        total += st.st_size
+        unwritten += max(0, st.st_size - st.st_blocks * 512)
+
     try:
         with os.scandir(root) as it:
             top = list(it)
     except FileNotFoundError:
-        return 0
+        return 0, 0
     for d in top:
         try:
             if d.is_dir(follow_symlinks=False):
@@ -203,12 +230,12 @@ def dir_bytes(root: str) -> int:
                     for f in it:
                         with contextlib.suppress(FileNotFoundError):
                             if f.is_file(follow_symlinks=False):
-                                total += f.stat(follow_symlinks=False).st_size
+                                add(f.stat(follow_symlinks=False))
             elif d.is_file(follow_symlinks=False):
-                total += d.stat(follow_symlinks=False).st_size
+                add(d.stat(follow_symlinks=False))
         except FileNotFoundError:
             continue
-    return total
+    return total, unwritten
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
