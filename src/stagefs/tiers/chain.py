@@ -297,7 +297,10 @@ class TierChain:
     # -- placement --------------------------------------------------------------------------
 
     def prefetch(self, shards: Iterable[int]) -> None:
-        """Place these shards, in this order, after any shard a read is waiting for."""
+        """Place these shards, in this order, after any shard a read is waiting for.
+
+        A prefetch announces reads (an epoch starts): the copy gives them the first turn."""
+        self.activity.touch()
         self._enqueue([int(s) for s in shards], urgent=False)
 
     def _enqueue(self, shards: list[int], *, urgent: bool) -> None:

@@ -13,15 +13,38 @@ import numpy as np
 import numpy.typing as npt
 import torch.utils.data
 
+from stagefs._sampling import Plan, Segment
 from stagefs.errors import ConfigError, NotFoundError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from stagefs.store import Store
 from stagefs.store import open as open_store
-from stagefs.torch._prefetch import Prefetcher, shard_gate
+from stagefs.torch._prefetch import Prefetcher
 
 __all__ = ["FileDataset"]
 
 Target = Literal["folder", "path"] | None
+
+
+@dataclass(frozen=True, slots=True)
+class EpochPlan:
+    """How the Sampler deals an epoch from its start: enough for a worker to work out the
+    order of the epoch after the one it was told of (persistent workers keep their copy of
+    the dataset, so set_epoch cannot reach them)."""
+
+    n: int
+    seed: int
+    shuffle: bool
+    drop_last: bool
+    world: int
+    rank: int
+    holders: tuple[tuple[int, ...], ...] | None
+    window: int
+
+    def order(self, epoch: int, shard_of: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
+        plan = Plan(self.n, self.seed, epoch, self.shuffle, self.drop_last,
+                    [Segment(self.world, 0, self.holders)],
+                    shard_of if self.holders is not None else None, self.window)
+        return plan.remaining(self.rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +55,8 @@ class Upcoming:
     order: npt.NDArray[np.int64]
     budget: int
     threads: int
-    gate: bool  # wait for the tiers to hold a shard before reading it ahead
+    epoch: int = 0
+    plan: EpochPlan | None = None  # to follow into the next epochs
 
 
 @dataclass
@@ -209,26 +233,42 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         up = self._upcoming
         if up is None or not idx:
             return None
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            return None
         st = self._worker_ahead
         if st is None or st.pid != os.getpid():
-            info = torch.utils.data.get_worker_info()
-            if info is None:
-                return None
-            size, n = len(idx), len(up.order)
-            batches = [up.order[b * size : (b + 1) * size]
-                       for b in range(info.id, math.ceil(n / size), info.num_workers)]
-            gate = (shard_gate(self.shard_of(), self.store.held_shards)
-                    if up.gate and hasattr(self.store, "held_shards") else None)
-            mine = np.concatenate(batches) if batches else up.order[:0]
-            p = Prefetcher(self.read_samples, self.sizes(), mine,
-                           max(1, up.budget // info.num_workers), threads=up.threads, gate=gate)
-            st = self._worker_ahead = _WorkerAhead(os.getpid(), p, batches)
+            st = self._worker_ahead = self._worker_plan(up, info, len(idx))
         if st.next >= len(st.batches) or st.batches[st.next].tolist() != idx:
             st.prefetcher.close()
             self._upcoming = self._worker_ahead = None
-            return None
+            nxt = self._next_epoch(up)
+            if nxt is None:
+                return None
+            st = self._worker_plan(nxt, info, len(idx))
+            if not st.batches or st.batches[0].tolist() != idx:
+                st.prefetcher.close()
+                return None
+            self._upcoming, self._worker_ahead = nxt, st
         st.next += 1
         return st.prefetcher.start()
+
+    def _worker_plan(self, up: Upcoming, info: Any, size: int) -> _WorkerAhead:
+        n = len(up.order)
+        batches = [up.order[b * size : (b + 1) * size]
+                   for b in range(info.id, math.ceil(n / size), info.num_workers)]
+        mine = np.concatenate(batches) if batches else up.order[:0]
+        p = Prefetcher(self.read_samples, self.sizes(), mine,
+                       max(1, up.budget // info.num_workers), threads=up.threads)
+        return _WorkerAhead(os.getpid(), p, batches)
+
+    def _next_epoch(self, up: Upcoming) -> Upcoming | None:
+        """A persistent worker's batches stopped matching: if they are the next epoch's,
+        follow it (the order is a function of the seed and the epoch)."""
+        if up.plan is None:
+            return None
+        order = up.plan.order(up.epoch + 1, self.shard_of())
+        return Upcoming(order, up.budget, up.threads, up.epoch + 1, up.plan)
 
     def _set_upcoming(self, up: Upcoming | None) -> None:
         self._upcoming = up

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PrefetchStats", "Prefetcher", "shard_gate"]
+__all__ = ["PrefetchStats", "Prefetcher"]
 
 Reader = Callable[[Sequence[int]], list[bytes]]
 
@@ -31,7 +30,6 @@ class PrefetchStats:
     bytes_read: int = 0
     errors: int = 0  # read-ahead reads that failed (the caller then reads, and sees the error)
     peak_bytes: int = 0  # the most bytes held or reserved at once
-    gated: int = 0  # times the read-ahead waited for a shard to reach a tier
 
 
 class Prefetcher:
@@ -41,14 +39,10 @@ class Prefetcher:
     at a time, by ``threads`` threads; a claim reserves its bytes first, so the bytes held
     plus the bytes being read never exceed ``budget`` (a sample larger than the whole budget
     is never read ahead). ``take(i)`` must be called in ``order``'s order.
-
-    ``gate(i)``: whether sample i may be read ahead now (see ``shard_gate``); the read-ahead
-    waits at a closed gate.
     """
 
     def __init__(self, read: Reader, sizes: npt.NDArray[np.int64], order: npt.NDArray[np.int64],
-                 budget: int, *, chunk: int = 16, threads: int = 4,
-                 gate: Callable[[int], bool] | None = None) -> None:
+                 budget: int, *, chunk: int = 16, threads: int = 4) -> None:
         if budget <= 0:
             raise ValueError(f"prefetch budget must be positive, not {budget}")
         self.budget, self.chunk, self.nthreads = budget, max(1, chunk), max(1, threads)
@@ -56,7 +50,6 @@ class Prefetcher:
         self.pid = os.getpid()
         self.stats = PrefetchStats()
         self._read, self._sizes = read, sizes
-        self._gate = gate
         self._cv = threading.Condition()
         self._ready: dict[int, bytes] = {}
         self._pending: set[int] = set()
@@ -112,9 +105,6 @@ class Prefetcher:
                     continue
                 if self._used + need + size > self.budget:
                     break
-                if self._gate is not None and not self._gate(i):
-                    self.stats.gated += 1
-                    break
                 claim.append(i)
                 need += size
                 self._next += 1
@@ -125,7 +115,7 @@ class Prefetcher:
                 return claim
             if self._next >= n:
                 return None
-            self._cv.wait(0.02)  # the budget is full or the gate closed: wait
+            self._cv.wait(0.02)  # the budget is full: wait
         return None
 
     def _run(self) -> None:
@@ -165,36 +155,3 @@ class Prefetcher:
     def __repr__(self) -> str:
         return (f"<Prefetcher {self._pos}/{len(self.order)} taken, {self._used} of "
                 f"{self.budget} bytes, {self.stats}>")
-
-
-def shard_gate(shard_of: npt.NDArray[np.int64], held: Callable[[], set[int]],
-               wait: float = 2.0, recheck: float = 0.02) -> Callable[[int], bool]:
-    """A read-ahead gate for a store with tiers: "sample i's shard is in a tier".
-
-    The sampler has asked the tiers to stage the shards in the order of first use, so the
-    read-ahead waits for them instead of reading the same bytes from the origin. ``held()``
-    (the tiers' listing) is asked at most every ``recheck`` seconds; a shard still missing
-    ``wait`` seconds after it was first asked about is let through (full tiers, a slow
-    copy): its samples are read from wherever the store finds them.
-    """
-    seen: set[int] = set()
-    first_asked: dict[int, float] = {}
-    at = [-1.0]
-
-    def gate(i: int) -> bool:
-        s = int(shard_of[i])
-        if s in seen:
-            return True
-        now = time.monotonic()
-        if now - at[0] > recheck:
-            seen.update(held())
-            at[0] = now
-            if s in seen:
-                return True
-        since = first_asked.setdefault(s, now)
-        if now - since >= wait:
-            seen.add(s)
-            return True
-        return False
-
-    return gate

@@ -8,7 +8,7 @@ and keeps the resumable state.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,8 +19,8 @@ import torch.utils.data
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
 from stagefs.config import parse_size
 from stagefs.errors import ConfigError
-from stagefs.torch._dataset import Upcoming
-from stagefs.torch._prefetch import Prefetcher, shard_gate
+from stagefs.torch._dataset import EpochPlan, Upcoming
+from stagefs.torch._prefetch import Prefetcher
 
 __all__ = ["Sampler"]
 
@@ -197,8 +197,7 @@ class Sampler(torch.utils.data.Sampler[int]):
             both = np.concatenate([order, self.next_order()])
             stage([int(s) for s in first_use(both, self._shard_of)])
         p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
-                       threads=self.prefetch_threads,
-                       gate=self._tier_gate() if self.locality else None)
+                       threads=self.prefetch_threads)
         self.prefetcher = p
         self.dataset._set_prefetcher(p)  # started on first use in this process
 
@@ -206,20 +205,15 @@ class Sampler(torch.utils.data.Sampler[int]):
         """Give the dataset this epoch's order before the DataLoader starts its workers (they
         inherit or unpickle it) so each worker can read its own next batches ahead."""
         if self.budget and hasattr(self.dataset, "_set_upcoming"):
+            plan = self.plan()
+            follow = None
+            if len(plan.segments) == 1:  # from the epoch's start: later epochs start so too
+                follow = EpochPlan(self.n, self.seed, self.shuffle, self.drop_last,
+                                   self.world_size, self.rank, plan.segments[0].holders,
+                                   self.window)
             self.dataset._set_upcoming(Upcoming(self.order(), self.budget,
                                                 max(1, self.prefetch_threads // 2),
-                                                self.locality))
-
-    def _tier_gate(self) -> Callable[[int], bool] | None:
-        """With tiers: "sample i's shard is in a tier" (the tiers stage in our order, so the
-        read-ahead waits for them rather than read the same bytes from the origin)."""
-        store = self.dataset.store
-        held_shards = getattr(store, "held_shards", None)
-        status = getattr(store, "status", None)
-        if held_shards is None or status is None or not status().get("tiers"):
-            return None
-        assert self._shard_of is not None
-        return shard_gate(self._shard_of, held_shards)
+                                                self.epoch, follow))
 
     # -- resumable state -------------------------------------------------------------------
 
