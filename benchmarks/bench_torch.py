@@ -47,6 +47,7 @@ from stagefs.bench.table import table
 from stagefs.torch import FileDataset, Sampler, StallMeter
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+CONFIGS = ["plain", "stagefs", "stagefs+prefetch", "stagefs+prefetch+window"]
 
 
 class PlainFolder(torch.utils.data.Dataset[tuple[bytes, int]]):
@@ -69,6 +70,17 @@ class PlainFolder(torch.utils.data.Dataset[tuple[bytes, int]]):
 
 def collate(batch: list[Any]) -> int:
     return sum(len(x[0]) for x in batch)
+
+
+def link_bytes() -> int:
+    """Bytes the test PFS's link has carried to this host so far (0 if there is no such
+    link): what every process on the node read from the PFS, metadata and read-ahead
+    included."""
+    try:
+        with open("/sys/class/net/pfs-h/statistics/rx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return 0
 
 
 def pfs_cap() -> str:
@@ -103,6 +115,7 @@ def run(config: str, raw: str, pack: str, args: argparse.Namespace) -> list[dict
         ds = FileDataset(store)
         sampler = Sampler(ds, seed=0, rank=0, world_size=1,
                           prefetch=args.budget if "prefetch" in config else None,
+                          prefetch_threads=args.threads,
                           locality="window" in config, window=args.window)
     loader = StallMeter(torch.utils.data.DataLoader(
         ds, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
@@ -114,6 +127,7 @@ def run(config: str, raw: str, pack: str, args: argparse.Namespace) -> list[dict
             sampler.set_epoch(epoch)
             held = len(store.held_shards()) / len(store.manifest.shards) if store else 0.0
             nbytes = 0
+            wire = link_bytes()
             for nb in loader:
                 nbytes += nb
                 time.sleep(args.compute)
@@ -121,7 +135,8 @@ def run(config: str, raw: str, pack: str, args: argparse.Namespace) -> list[dict
             assert e is not None
             rows.append({"epoch": epoch + 1, "stall": e.stall, "wait_s": e.wait_s,
                          "step_s": e.step_s, "steady_stall": e.steady_stall,
-                         "held_before": held, "bytes": nbytes})
+                         "held_before": held, "bytes": nbytes,
+                         "link_bytes": link_bytes() - wire})
     finally:
         sampler.close()
         del loader
@@ -146,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--budget", default="256MiB", help="read-ahead budget (prefetch)")
     ap.add_argument("--window", type=int, default=4, help="shards per shuffle window")
+    ap.add_argument("--threads", type=int, default=4,
+                    help="read-ahead threads (Sampler prefetch_threads)")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, choices=CONFIGS)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "torch.json"))
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the dataset on the PFS")
     args = ap.parse_args(argv)
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print("the test PFS is not mounted at /tmp/pfs", file=sys.stderr)
         return 2
     raw, pack = prepare(args.root, args.files)
-    configs = ["plain", "stagefs", "stagefs+prefetch", "stagefs+prefetch+window"]
+    configs = args.configs
     caps = {pfs_cap()}
     results: dict[str, Any] = {}
     for workers in args.workers:
@@ -173,22 +192,21 @@ def main(argv: list[str] | None = None) -> int:
             for r in by_config[c]["median"]:
                 rows.append([key, c, r["epoch"], f"{r['stall']:.1%}", f"{r['steady_stall']:.1%}",
                              f"{r['wait_s']:.2f}", f"{r['step_s']:.2f}",
-                             f"{r['held_before']:.0%}"])
+                             f"{r['held_before']:.0%}", f"{r['link_bytes'] / 1e6:.0f}"])
     print()
     print(table(["loader", "config", "epoch", "stall", "after 1st batch", "wait s", "step s",
-                 "tier held before"], rows))
+                 "tier held before", "MB over the PFS link"], rows))
     for key, by_config in results.items():
-        first = {c: by_config[c]["median"][0]["stall"] for c in configs}
-        print(f"{key}: first-epoch stall, plain PFS {first['plain']:.1%}, stagefs "
-              f"{first['stagefs']:.1%}, +prefetch {first['stagefs+prefetch']:.1%}, "
-              f"+prefetch+window {first['stagefs+prefetch+window']:.1%}")
+        print(f"{key}: first-epoch stall, " + ", ".join(
+            f"{c} {by_config[c]['median'][0]['stall']:.1%}" for c in configs))
     doc = {"command": "python3 benchmarks/bench_torch.py " + " ".join(argv or sys.argv[1:]),
            "files": args.files, "batch": args.batch, "compute_s": args.compute,
+           "threads": args.threads, "window": args.window,
            "epochs": args.epochs, "repeat": args.repeat, "budget": args.budget,
            "pfs_rate_cap_seen": sorted(caps), "torch": torch.__version__,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": results}
     os.makedirs(RESULTS, exist_ok=True)
-    out = os.path.join(RESULTS, "torch.json")
+    out = args.out
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"saved {out}")

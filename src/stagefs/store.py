@@ -216,12 +216,19 @@ class Store:
                     data = decode(codec, data, size, self._where(e))
                 except CorruptShardError:
                     data = b""
-            good = self.verify and checksum(data) == self._checksum[e]
+            digest = checksum(data) if self.verify else 0
+            good = self.verify and digest == self._checksum[e]
             if good or not self.verify or self._trust(src, e):
                 stats = self.stats
                 stats.reads += 1
                 stats.bytes += size
                 if src is self.origin and self._from_origin is not None:
+                    if not good and self.verify and self._sums is not None:
+                        # in place: the origin checked the file against the scan; its sum is
+                        # learnt from this read, and what it wrote into a tier is checked
+                        # against that sum from now on
+                        self._sums.record(e, digest)
+                        good = True
                     self._from_origin(shard, offset, raw, good)
                 return data
             self.stats.checksum_failures += 1

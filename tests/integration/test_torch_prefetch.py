@@ -150,3 +150,73 @@ def test_workers_read_their_own_batches_ahead(tmp_path: Path, method: str) -> No
         else:
             assert max(hits) == -1  # not the epoch after the last: turned off
 
+
+
+@pytest.mark.parametrize(("budget", "threads"), [(1000, 1), (5000, 4)])
+def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> None:
+    """The read-ahead into the tiers (for DataLoader workers): in order, never more than the
+    budget past the consumer; what the consumer passed first is skipped."""
+    from stagefs.torch._prefetch import TierAhead
+
+    rng = np.random.default_rng(budget)
+    sizes = rng.integers(1, 400, 600).astype(np.int64)
+    order = rng.permutation(600).astype(np.int64)
+    cum = np.concatenate([[0], np.cumsum(sizes[order])])
+    pos_of = {int(i): k for k, i in enumerate(order)}
+    seen: list[int] = []
+    over: list[int] = []
+    consumer = [0]
+    lock = threading.Lock()
+
+    def read(idx: Sequence[int]) -> None:
+        time.sleep(0.0005)
+        with lock:
+            last = pos_of[int(idx[-1])]
+            if cum[last + 1] - cum[consumer[0]] > budget:
+                over.append(last)
+            seen.extend(int(i) for i in idx)
+
+    ta = TierAhead(read, sizes, order, budget, chunk=8, threads=threads).start()
+    try:
+        for k in range(0, len(order) + 1, 10):
+            with lock:
+                consumer[0] = k
+            ta.advance(k)
+            time.sleep(0.002 if k < 300 else 0)  # then the consumer outruns it
+    finally:
+        ta.close()
+    assert not over
+    assert len(seen) == len(set(seen))  # each sample read at most once
+    positions = sorted(pos_of[i] for i in seen)
+    assert positions == list(range(len(positions))) or ta.stats.skipped > 0
+    assert ta.stats.read == len(seen) and ta.stats.read + ta.stats.skipped <= len(order)
+    assert ta.stats.read > 0
+
+
+def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
+    """With tiers and DataLoader workers, the Sampler reads ahead into the tiers from the
+    main process; the workers read what it brought, and the epoch leaves every shard whole
+    in the tier."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=300, classes=4, mean_size=3000, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
+    store = stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
+                         runtime=tmp_path / "rt")
+    ds = FileDataset(store, target=None)
+    s = Sampler(ds, seed=3, prefetch=200_000, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, sampler=s, num_workers=2,
+                                         multiprocessing_context="fork", timeout=120,
+                                         collate_fn=lambda b: b)
+    try:
+        got = [x for batch in loader for x in batch]
+        assert got == ds.read_samples(s.order().tolist())
+        assert s.tier_ahead is not None and s.tier_ahead.stats.read > 0
+        assert ds._upcoming is None  # the workers do not read ahead on their own
+        assert store.held_shards() == set(range(len(store.manifest.shards)))
+    finally:
+        s.close()
+        store.close()

@@ -14,7 +14,8 @@ import pytest
 
 import stagefs
 from stagefs.format import MANIFEST_NAME, Manifest
-from stagefs.runtime import proc_start
+from stagefs.runtime import Runtime, proc_start
+from stagefs.tiers.status import job_status
 from stagefs.tiers.fill import Extents
 from tiers_helpers import make_tree
 
@@ -147,6 +148,8 @@ def test_another_process_reads_what_one_filled(pack: Path, files: dict[str, byte
     child.join(60)
     assert child.exitcode == 0
     assert leftovers(tier)  # partial copies, shared through the tier
+    (row,) = job_status(Runtime(str(runtime)))["tiers"]  # what `stagefs status` shows
+    assert row["shards_filling"] > 0 and row["filled"] == sum(1 for p in half if files[p])
     with stagefs.open(pack, tiers=[str(tier)]) as fs:
         assert fs.chain is not None
         for p in paths:
@@ -267,4 +270,97 @@ def test_no_filling_without_checksums(pack: Path, files: dict[str, bytes], runti
         for p in shuffled(files):
             assert fs.read(p) == files[p]
         assert fs.held_shards() == set()
+    assert leftovers(tier) == []
+
+
+def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy's reads: none while the pace says wait, then the pieces and depth it says."""
+    import threading
+    import time
+
+    from stagefs.tiers import placer
+
+    calls: list[tuple[int, int]] = []
+    in_flight, most = [0], [0]
+    lock = threading.Lock()
+
+    def read(off: int, n: int) -> bytes:
+        with lock:
+            calls.append((off, n))
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.002)
+        with lock:
+            in_flight[0] -= 1
+        return bytes(n)
+
+    spans = [(0, 20000), (30000, 30500)]
+    t0 = time.monotonic()
+    out = list(placer._read_ahead(read, spans, pace=lambda: None,
+                                  stop=lambda: time.monotonic() - t0 > 0.1))
+    assert out == [] and calls == []  # waited, then stopped
+    got = list(placer._read_ahead(read, spans, pace=lambda: (1, 1024)))
+    assert max(n for _, n in calls) == 1024 and most[0] == 1
+    assert b"".join(d for _, d in got) == bytes(20500)
+    assert [p for p, _ in got] == sorted(p for p, _ in got)
+    calls.clear()
+    most[0] = 0
+    got = list(placer._read_ahead(read, spans, pace=lambda: (4, 4096)))
+    assert max(n for _, n in calls) == 4096 and most[0] > 1
+    assert sum(len(d) for _, d in got) == 20500
+
+
+def test_the_copy_gives_way_to_reads(pack: Path, runtime: Path, tmp_path: Path) -> None:
+    """The chain's pace: full speed once reads stopped; while they go on, nothing during
+    the first GRACE_S, then one small piece at a time."""
+    import time
+
+    from stagefs.tiers import chain as chainmod
+    from stagefs.tiers import placer
+
+    with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
+        c = fs.chain
+        assert c is not None
+        last = c.activity._last
+        last[0] = time.monotonic_ns() - int(2 * chainmod.CALM_S * 1e9)  # reads long ago
+        assert c._pace() == (placer.IN_FLIGHT, placer.CHUNK)
+        c.activity.touch()  # a read just now
+        assert c._pace() is None  # the grace period begins
+        c._grace_until = time.monotonic() - 0.001  # ... and ends
+        c.activity.touch()
+        assert c._pace() == (1, placer.BUSY_CHUNK)
+        last[0] = time.monotonic_ns() - int(0.5 * chainmod.CALM_S * 1e9)  # a pause in reads
+        assert c._pace() == (1, placer.BUSY_CHUNK)
+
+
+def test_reads_fill_the_tiers_in_place_too(dataset: tuple[Path, dict[str, bytes]],
+                                           tmp_path: Path, runtime: Path) -> None:
+    """A raw directory used in place: a read's file is checked against the scan (size,
+    mtime), its sum learnt from the read, and its bytes fill the tier; reading every file
+    once leaves every shard whole, with each origin byte read once."""
+    import shutil
+
+    raw = tmp_path / "raw"
+    src = dataset[0].parent / "raw"
+    shutil.copytree(src, raw)
+    files = {str(p.relative_to(raw)): p.read_bytes() for p in raw.rglob("*") if p.is_file()}
+    stagefs.open(raw, runtime=runtime).close()  # the scan, as a job's first open
+    tier = tmp_path / "t"
+    with stagefs.open(raw, tiers=[str(tier)]) as fs:
+        assert fs.chain is not None
+        pid = fs.manifest.pack_id.hex()
+        claims = runtime / "claims"
+        owner = f"{os.getppid()} {proc_start(os.getppid())}"
+        for s in range(len(fs.manifest.shards)):  # keep this process's placer off
+            (claims / f"{pid}.{s}").write_text(owner)
+        paths = shuffled(files, 6)
+        for p in paths:
+            assert fs.read(p) == files[p], p
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        assert fs.chain.origin.stats.bytes_read == sum(len(d) for d in files.values())
+        assert fs.chain.tiers[0].stats.filled == sum(1 for d in files.values() if d)
+        before = fs.chain.origin.stats.bytes_read
+        for p in shuffled(files, 7):
+            assert fs.read(p) == files[p], p
+        assert fs.chain.origin.stats.bytes_read == before
     assert leftovers(tier) == []

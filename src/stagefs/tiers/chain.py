@@ -38,6 +38,7 @@ from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
+from stagefs.tiers import placer
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
@@ -49,6 +50,9 @@ __all__ = ["RECHECK_S", "TierChain"]
 log = logging.getLogger("stagefs.tiers")
 
 RECHECK_S = 0.05  # how often a read re-checks whether a missing shard has landed
+IDLE_S = 0.01  # reads went to the origin less than this long ago: they are under way
+CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
+GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
 _STATS_EVERY_S = 1.0
 
 Record = Callable[[int, int], None]
@@ -105,7 +109,6 @@ class TierChain:
         self._with_fill: tuple[ShardSource, ...] = (self._fill, origin)
         self._extents: dict[int, Extents] = {}
         self._no_fill: set[int] = set()  # shards whose files do not tile them (never seen)
-        self.fill_reads = record is None  # in place, sums are learnt by the placer only
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
         self._queue: deque[int] = deque()
@@ -123,6 +126,7 @@ class TierChain:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._busy = False
+        self._grace_until: float | None = None
         # one file per open store: several stores of one process each keep their counters
         name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
         self._stats_path = os.path.join(self.runtime.stats, name)
@@ -163,7 +167,7 @@ class TierChain:
         it was verified, it goes into the shard's partial copy too."""
         self.misses += 1
         self.activity.touch()
-        if not verified or not self.fill_reads or self._closing:
+        if not verified or self._closing:
             return
         got = self._fills.get(shard)
         if got is None:
@@ -382,13 +386,30 @@ class TierChain:
                 return True
         return False
 
+    def _pace(self) -> tuple[int, int] | None:
+        """The copy gives way to reads that go to the origin (a job's processes on the node
+        stamp a shared clock): full speed once they stopped CALM_S ago; while they are under
+        way, nothing for the first GRACE_S this process has copying to do (the first
+        batches of an epoch), then one BUSY_CHUNK piece at a time: a reader that never
+        pauses (one thread reading file after file) leaves the link mostly idle, and the
+        copy is what makes its epoch fast."""
+        q = self.activity.quiet_for()
+        if q >= CALM_S:
+            return placer.IN_FLIGHT, placer.CHUNK
+        now = time.monotonic()
+        if self._grace_until is None:
+            self._grace_until = now + GRACE_S
+        if q < IDLE_S and now < self._grace_until:
+            return None
+        return 1, min(placer.BUSY_CHUNK, placer.CHUNK)
+
     def _copy_rest(self, shard: int, f: ShardFill, t: DirTier,
                    progress: Callable[[int], None] | None) -> str:
         """Copy what the reads have not filled, then make the copy whole."""
         try:
             fill_gaps(f, read=lambda off, n: self.origin.pread(shard, off, n), m=self.manifest,
                       check=self._check, where=f"shard {shard} from the origin",
-                      progress=progress, stop=lambda: self._closing, quiet=self.activity.quiet_for)
+                      progress=progress, stop=lambda: self._closing, pace=self._pace)
         except CopyAborted:
             return "aborted"  # what was copied stays in the partial copy, for the next one
         except (OriginFailed, CorruptShardError) as exc:

@@ -28,13 +28,12 @@ from stagefs.format.codecs import decode
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 
-__all__ = ["CHUNK", "CopyAborted", "Layout", "OriginFailed", "fill_gaps", "finish_copy"]
+__all__ = ["BUSY_CHUNK", "CHUNK", "IN_FLIGHT", "CopyAborted", "Layout", "OriginFailed", "Pace",
+           "fill_gaps", "finish_copy"]
 
 CHUNK = 8 * 2**20  # bytes per origin read while placing
 IN_FLIGHT = 4  # origin reads of one shard in flight at once: one stream rarely fills a PFS link
-BUSY_CHUNK = 1 << 20  # soon after reads used the origin, the copy reads one piece this big
-IDLE_S = 0.01  # the copy waits while reads went to the origin less than this long ago
-CALM_S = 1.0  # and goes at full speed once they stopped this long ago
+BUSY_CHUNK = 1 << 20  # while reads use the origin, the copy reads one piece this big at a time
 
 
 class CopyAborted(Exception):
@@ -116,15 +115,15 @@ def fill_gaps(
     where: str,
     progress: Callable[[int], None] | None = None,
     stop: Callable[[], bool] | None = None,
-    quiet: Callable[[], float] | None = None,
+    pace: Pace | None = None,
 ) -> None:
     """Copy from the origin every stored file of the shard that no read has filled yet.
 
     Runs of missing files are read in pieces of at most CHUNK bytes, IN_FLIGHT at a time;
     each piece is written, then streamed through the files' checksums, and a file's fill
-    byte is set once it is whole and right. The copy gives way to reads (``quiet``: see
-    ``_read_ahead``). ``progress(n)`` gets the bytes done so far (filled before or copied
-    now); ``stop()`` aborts it.
+    byte is set once it is whole and right. ``pace()`` says how hard to read now (the chain
+    makes the copy give way to reads). ``progress(n)`` gets the bytes done so far (filled
+    before or copied now); ``stop()`` aborts it.
     """
     ext = fill.ext
     todo = [(int(ext.offs[lo]), int(ext.ends[hi - 1]), lo, hi) for lo, hi in fill.missing()]
@@ -133,7 +132,7 @@ def fill_gaps(
         progress(done)
     run = 0
     verifier: _Verifier | None = None
-    for pos, data in _read_ahead(read, [(a, b) for a, b, _, _ in todo], quiet, stop):
+    for pos, data in _read_ahead(read, [(a, b) for a, b, _, _ in todo], pace, stop):
         if verifier is None or pos >= todo[run][1]:
             if verifier is not None:
                 verifier.finish()
@@ -179,31 +178,28 @@ def finish_copy(fill: ShardFill, index: int, pack_id: bytes, size: int) -> None:
         os.unlink(fill.final + FILL_SUFFIX)
 
 
-def _read_ahead(read: Callable[[int, int], bytes], spans: list[tuple[int, int]],
-                quiet: Callable[[], float] | None = None,
-                stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
-    """The bytes of ``spans`` ([start, end) each) in order, in pieces, with up to IN_FLIGHT
-    reads running ahead.
+Pace = Callable[[], tuple[int, int] | None]
+"""How the copy may read now: (pieces in flight, bytes per piece), or None: wait."""
 
-    ``quiet()``: seconds since reads last went to the origin. The copy has the origin's
-    idle time only (an idle I/O class): it waits while reads are under way (less than
-    IDLE_S ago), reads one piece of BUSY_CHUNK at a time while they may resume any moment
-    (less than CALM_S ago), and goes at full speed once they have stopped.
-    """
+
+def _read_ahead(read: Callable[[int, int], bytes], spans: list[tuple[int, int]],
+                pace: Pace | None = None,
+                stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
+    """The bytes of ``spans`` ([start, end) each) in order, in pieces read ahead as ``pace``
+    allows (default: IN_FLIGHT pieces of CHUNK bytes)."""
     todo = deque(spans)
     with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="stagefs-read") as pool:
         pending: deque[tuple[int, Future[bytes]]] = deque()
         try:
             while todo or pending:
-                q = quiet() if quiet is not None else CALM_S
-                if q < IDLE_S and not pending:
+                how = pace() if pace is not None else (IN_FLIGHT, CHUNK)
+                if how is None and not pending:
                     if stop is not None and stop():
                         return
-                    time.sleep(IDLE_S - q)
+                    time.sleep(0.005)
                     continue
-                if q >= IDLE_S:
-                    room, chunk = ((1, min(BUSY_CHUNK, CHUNK)) if q < CALM_S
-                                   else (IN_FLIGHT, CHUNK))
+                if how is not None:
+                    room, chunk = how
                     while todo and len(pending) < room:
                         a, b = todo.popleft()
                         n = min(chunk, b - a)

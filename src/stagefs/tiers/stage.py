@@ -56,10 +56,12 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
         print(json.dumps(st, indent=2))
         return 0
     print(f"job {st['job']}: runtime {st['runtime']}, {st['live_processes']} live processes")
-    rows = [[t["path"], format_size(t["bytes_used"]), t["shards_held"], t["hits"],
-             format_size(t["bytes"]), t["placed"], t["dropped"]] for t in st["tiers"]]
+    rows = [[t["path"], format_size(t["bytes_used"]), t["shards_held"], t["shards_filling"],
+             t["hits"], format_size(t["bytes"]), t["placed"], format_size(t["filled_bytes"]),
+             t["dropped"]] for t in st["tiers"]]
     if rows:
-        print(table(["tier", "used", "shards held", "hits", "served", "placed", "dropped"], rows))
+        print(table(["tier", "used", "shards held", "filling", "hits", "served", "placed",
+                     "filled by reads", "dropped"], rows))
     rows = [[o["origin"], o["misses"], o["opens"], o["stats"], o["reads"],
              format_size(o["bytes_read"])] for o in st["origins"]]
     if rows:

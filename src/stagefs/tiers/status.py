@@ -12,27 +12,33 @@ from stagefs.tiers.tier import dir_bytes
 
 __all__ = ["job_status"]
 
-_TIER_COUNTERS = ("hits", "bytes", "placed", "placed_bytes", "dropped")
+_TIER_COUNTERS = ("hits", "bytes", "placed", "placed_bytes", "filled", "filled_bytes",
+                  "dropped")
 _ORIGIN_COUNTERS = ("opens", "stats", "reads", "bytes_read")
 
 
-def _held(tier: str, pack_id: str) -> int:
+def _held(tier: str, pack_id: str) -> tuple[int, int]:
+    """Shards held whole, and shards with a partial copy being filled."""
     try:
         names = os.listdir(os.path.join(tier, pack_id))
     except FileNotFoundError:
-        return 0
-    return sum(1 for n in names if n.endswith(".sfs"))
+        return 0, 0
+    return (sum(1 for n in names if n.endswith(".sfs")),
+            sum(1 for n in names if n.endswith(".sfs.fill")))
 
 
 def job_status(rt: Runtime) -> dict[str, Any]:
-    """Per tier: bytes used, shards held, hits, bytes served, shards placed and dropped;
+    """Per tier: bytes used, shards held and being filled, hits, bytes served, shards
+    placed, bytes filled by reads, copies dropped;
     per origin: misses, opens, stats, reads and bytes read; summed over the job's processes."""
     tiers: dict[str, dict[str, Any]] = {}
     for rec in rt.tier_records():
         for t in rec.get("tiers", []):
-            row = tiers.setdefault(t, {"path": t, "shards_held": 0,
+            row = tiers.setdefault(t, {"path": t, "shards_held": 0, "shards_filling": 0,
                                        **dict.fromkeys(_TIER_COUNTERS, 0)})
-            row["shards_held"] += _held(t, rec["pack_id"])
+            n_held, n_filling = _held(t, rec["pack_id"])
+            row["shards_held"] += n_held
+            row["shards_filling"] += n_filling
     for row in tiers.values():
         row["bytes_used"] = dir_bytes(row["path"])
     origins: dict[str, dict[str, Any]] = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PrefetchStats", "Prefetcher"]
+__all__ = ["PrefetchStats", "Prefetcher", "TierAhead", "TierAheadStats"]
 
 Reader = Callable[[Sequence[int]], list[bytes]]
 
@@ -155,3 +155,105 @@ class Prefetcher:
     def __repr__(self) -> str:
         return (f"<Prefetcher {self._pos}/{len(self.order)} taken, {self._used} of "
                 f"{self.budget} bytes, {self.stats}>")
+
+
+@dataclass
+class TierAheadStats:
+    read: int = 0  # samples read ahead into the tiers
+    bytes_read: int = 0
+    skipped: int = 0  # samples the consumer reached before the read-ahead did
+    errors: int = 0  # reads that failed (the worker that reads the sample sees the error)
+
+
+class TierAhead:
+    """Read ``order``'s samples ahead of the consumer into the node's tiers (for DataLoader
+    workers): a Store with tiers writes every sample it reads from the origin into the
+    shard's copy in a tier, where the workers then find it. Nothing is held in this
+    process; the bytes between the consumer's position and the read-ahead's stay within
+    ``budget``.
+
+    ``read(indices)`` reads the samples through the store (its result is dropped).
+    ``advance(pos)``: the consumer has reached position ``pos`` of ``order`` (the Sampler
+    calls it as it yields).
+    """
+
+    def __init__(self, read: Callable[[Sequence[int]], object], sizes: npt.NDArray[np.int64],
+                 order: npt.NDArray[np.int64], budget: int, *, chunk: int = 16,
+                 threads: int = 4) -> None:
+        if budget <= 0:
+            raise ValueError(f"prefetch budget must be positive, not {budget}")
+        self.order = np.asarray(order, dtype=np.int64)
+        self._cum = np.concatenate([[0], np.cumsum(np.asarray(sizes)[self.order])])
+        self.budget, self.chunk, self.nthreads = budget, max(1, chunk), max(1, threads)
+        self.pid = os.getpid()
+        self.stats = TierAheadStats()
+        self._read = read
+        self._cv = threading.Condition()
+        self._pos = 0  # the consumer's position
+        self._next = 0  # the read-ahead's position
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+
+    def ahead_bytes(self) -> int:
+        """Bytes claimed ahead of the consumer now."""
+        return int(self._cum[max(self._next, self._pos)] - self._cum[self._pos])
+
+    def start(self) -> TierAhead:
+        if not self._threads and not self._closed:
+            for k in range(self.nthreads):
+                t = threading.Thread(target=self._run, name=f"stagefs-tier-ahead-{k}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def advance(self, pos: int) -> None:
+        with self._cv:
+            if pos > self._pos:
+                self._pos = pos
+                self._cv.notify_all()
+
+    def _claim(self) -> tuple[list[int], int] | None:
+        n = len(self.order)
+        while not self._closed:
+            if self._next < self._pos:
+                self.stats.skipped += self._pos - self._next
+                self._next = self._pos
+            if self._next >= n:
+                return None
+            stop = min(n, self._next + self.chunk)
+            limit = self._cum[self._pos] + self.budget  # the furthest byte we may reach
+            stop = min(stop, int(np.searchsorted(self._cum, limit, "right")) - 1)
+            if stop > self._next:
+                claim = [int(i) for i in self.order[self._next : stop]]
+                nbytes = int(self._cum[stop] - self._cum[self._next])
+                self._next = stop
+                return claim, nbytes
+            self._cv.wait(0.05)  # the budget is used: wait for the consumer
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                claim = self._claim()
+            if claim is None:
+                return
+            try:
+                self._read(claim[0])
+            except Exception:
+                self.stats.errors += 1
+                continue
+            self.stats.read += len(claim[0])
+            self.stats.bytes_read += claim[1]
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
+
+    def __repr__(self) -> str:
+        return (f"<TierAhead {self._next}/{len(self.order)} read ahead, consumer at "
+                f"{self._pos}, {self.ahead_bytes()} of {self.budget} bytes, {self.stats}>")

@@ -8,6 +8,7 @@ and keeps the resumable state.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_wor
 from stagefs.config import parse_size
 from stagefs.errors import ConfigError
 from stagefs.torch._dataset import EpochPlan, Upcoming
-from stagefs.torch._prefetch import Prefetcher
+from stagefs.torch._prefetch import Prefetcher, TierAhead
 
 __all__ = ["Sampler"]
 
@@ -100,6 +101,8 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._plan: Plan | None = None
         self._yielded = 0  # indices yielded since this epoch's start or the resume point
         self.prefetcher: Prefetcher | None = None
+        self.tier_ahead: TierAhead | None = None
+        self._held: tuple[float, set[int]] = (0.0, set())
         self._tell_workers()
 
     @staticmethod
@@ -181,9 +184,14 @@ class Sampler(torch.utils.data.Sampler[int]):
         order = self.order()
         self._yielded = 0
         self._start_prefetch(order)
+        ahead = self.tier_ahead
         for i in order.tolist():
             self._yielded += 1
+            if ahead is not None and not self._yielded & 15:
+                ahead.advance(self._yielded)
             yield i
+        if ahead is not None:
+            ahead.close()
         # the epoch is done: iterating again without set_epoch repeats it from its start
         self._segments, self._plan, self._yielded = None, None, 0
 
@@ -200,11 +208,34 @@ class Sampler(torch.utils.data.Sampler[int]):
                        threads=self.prefetch_threads)
         self.prefetcher = p
         self.dataset._set_prefetcher(p)  # started on first use in this process
+        if self.tier_ahead is not None:
+            self.tier_ahead.close()
+            self.tier_ahead = None
+        if self._tiered():  # for DataLoader workers: read ahead into the tiers, from here
+            self.tier_ahead = TierAhead(self._read_into_tiers, self.dataset.sizes(), order,
+                                        self.budget, threads=self.prefetch_threads).start()
+            self.dataset._set_tier_ahead(self.tier_ahead)  # stopped if this process reads
+
+    def _tiered(self) -> bool:
+        return getattr(self.dataset.store, "chain", None) is not None
+
+    def _read_into_tiers(self, indices: Sequence[int]) -> None:
+        """Read the samples whose shard is not whole in a tier yet (the store writes what it
+        reads from the origin into the tiers)."""
+        at, held = self._held
+        now = time.monotonic()
+        if now - at > 0.5:
+            held = set(self.dataset.store.held_shards())
+            self._held = (now, held)
+        assert self._shard_of is not None
+        todo = [i for i in indices if int(self._shard_of[i]) not in held]
+        if todo:
+            self.dataset.read_samples(todo)
 
     def _tell_workers(self) -> None:
         """Give the dataset this epoch's order before the DataLoader starts its workers (they
         inherit or unpickle it) so each worker can read its own next batches ahead."""
-        if self.budget and hasattr(self.dataset, "_set_upcoming"):
+        if self.budget and hasattr(self.dataset, "_set_upcoming") and not self._tiered():
             plan = self.plan()
             follow = None
             if len(plan.segments) == 1:  # from the epoch's start: later epochs start so too
@@ -264,12 +295,16 @@ class Sampler(torch.utils.data.Sampler[int]):
                 f" seed {self.seed}{' locality' if self.locality else ''}>")
 
     def close(self) -> None:
+        if self.tier_ahead is not None:
+            self.tier_ahead.close()
+            self.dataset._set_tier_ahead(None)
+            self.tier_ahead = None
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.dataset._set_prefetcher(None)
             self.prefetcher = None
 
     def __del__(self) -> None:
-        p = getattr(self, "prefetcher", None)
-        if p is not None and p.pid == os.getpid():
-            p.close()
+        for p in (getattr(self, "prefetcher", None), getattr(self, "tier_ahead", None)):
+            if p is not None and p.pid == os.getpid():
+                p.close()
