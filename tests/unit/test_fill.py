@@ -311,8 +311,9 @@ def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_copy_gives_way_to_reads(pack: Path, runtime: Path, tmp_path: Path) -> None:
-    """The chain's pace: full speed once reads stopped; while they go on, nothing during
-    the first GRACE_S, then one small piece at a time."""
+    """The chain's pace: full speed once reads stopped; while several threads read, nothing;
+    while one reads, nothing for the first GRACE_S, then one small piece at a time."""
+    import threading
     import time
 
     from stagefs.tiers import chain as chainmod
@@ -321,15 +322,22 @@ def test_the_copy_gives_way_to_reads(pack: Path, runtime: Path, tmp_path: Path) 
     with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
         c = fs.chain
         assert c is not None
-        last = c.activity._last
-        last[0] = time.monotonic_ns() - int(2 * chainmod.CALM_S * 1e9)  # reads long ago
+        slots = c.activity._slots
+        slots[:] = time.monotonic_ns() - int(2 * chainmod.CALM_S * 1e9)  # reads long ago
         assert c._pace() == (placer.IN_FLIGHT, placer.CHUNK)
-        c.activity.touch()  # a read just now
+        c.activity.touch()  # one reader, just now
+        assert c.activity.readers(chainmod.READERS_S) == 1
         assert c._pace() is None  # the grace period begins
         c._grace_until = time.monotonic() - 0.001  # ... and ends
         c.activity.touch()
         assert c._pace() == (1, placer.BUSY_CHUNK)
-        last[0] = time.monotonic_ns() - int(0.5 * chainmod.CALM_S * 1e9)  # a pause in reads
+        other = threading.Thread(target=c.activity.touch)  # a second reader
+        other.start()
+        other.join()
+        c.activity.touch()
+        assert c.activity.readers(chainmod.READERS_S) == 2
+        assert c._pace() is None  # readers after the bandwidth: the copy waits
+        slots[:] = time.monotonic_ns() - int(0.5 * chainmod.CALM_S * 1e9)  # a pause
         assert c._pace() == (1, placer.BUSY_CHUNK)
 
 

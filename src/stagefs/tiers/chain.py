@@ -53,6 +53,7 @@ RECHECK_S = 0.05  # how often a read re-checks whether a missing shard has lande
 IDLE_S = 0.01  # reads went to the origin less than this long ago: they are under way
 CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
+READERS_S = 0.05  # threads that read from the origin this recently count as reading now
 _STATS_EVERY_S = 1.0
 
 Record = Callable[[int, int], None]
@@ -387,15 +388,22 @@ class TierChain:
         return False
 
     def _pace(self) -> tuple[int, int] | None:
-        """The copy gives way to reads that go to the origin (a job's processes on the node
-        stamp a shared clock): full speed once they stopped CALM_S ago; while they are under
-        way, nothing for the first GRACE_S this process has copying to do (the first
-        batches of an epoch), then one BUSY_CHUNK piece at a time: a reader that never
-        pauses (one thread reading file after file) leaves the link mostly idle, and the
-        copy is what makes its epoch fast."""
-        q = self.activity.quiet_for()
+        """How the copy may read now; it gives way to reads that go to the origin (the job's
+        processes on the node stamp a shared clock, fill.Activity):
+
+        - no read for CALM_S: full speed;
+        - several threads reading (DataLoader workers, a read-ahead): they are after the
+          link's bandwidth, and what they read fills the tiers anyway: the copy waits;
+        - one thread reading: it waits on each read's latency and leaves the link mostly
+          idle, so after a grace period (the first batches of an epoch) the copy reads one
+          BUSY_CHUNK piece at a time alongside it.
+        """
+        act = self.activity
+        q = act.quiet_for()
         if q >= CALM_S:
             return placer.IN_FLIGHT, placer.CHUNK
+        if q < IDLE_S and act.readers(READERS_S) > 1:
+            return None
         now = time.monotonic()
         if self._grace_until is None:
             self._grace_until = now + GRACE_S

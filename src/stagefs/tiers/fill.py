@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -82,31 +83,40 @@ class Extents:
 
 
 class Activity:
-    """When a read last went to the origin, shared by the node's processes of one job (8
-    bytes of a mapped file in the runtime dir): the placer gives way while reads are busy.
+    """When reads last went to the origin, and how many readers did, shared by the node's
+    processes of one job (a small mapped file in the runtime dir): the placer gives way.
 
-    Monotonic clock nanoseconds: the clock is the same for every process of the machine.
+    Each reading thread stamps one of SLOTS slots (by process and thread) with the monotonic
+    clock (the same for every process of the machine), in nanoseconds.
     """
 
+    SLOTS = 64
+
     def __init__(self, path: str) -> None:
+        size = 8 * self.SLOTS
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(fd).st_size < 8:
-                os.ftruncate(fd, 8)
-            self._mm = mmap.mmap(fd, 8, mmap.MAP_SHARED)
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        self._last = np.frombuffer(self._mm, dtype=np.int64, count=1)
+        self._slots = np.frombuffer(self._mm, dtype=np.int64, count=self.SLOTS)
 
     def touch(self) -> None:
-        self._last[0] = time.monotonic_ns()
+        slot = hash((os.getpid(), threading.get_ident())) % self.SLOTS
+        self._slots[slot] = time.monotonic_ns()
 
     def quiet_for(self) -> float:
         """Seconds since the last origin read of any of the job's processes on this node."""
-        return (time.monotonic_ns() - int(self._last[0])) / 1e9
+        return (time.monotonic_ns() - int(self._slots.max())) / 1e9
+
+    def readers(self, within: float) -> int:
+        """Threads (of any process) that read from the origin in the last ``within`` s."""
+        return int(np.count_nonzero(self._slots > time.monotonic_ns() - int(within * 1e9)))
 
     def close(self) -> None:
-        self._last = np.zeros(1, np.int64)
+        self._slots = np.zeros(self.SLOTS, np.int64)
         with contextlib.suppress(BufferError):
             self._mm.close()
 
