@@ -15,8 +15,8 @@ import pytest
 import stagefs
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.runtime import Runtime, proc_start
-from stagefs.tiers.status import job_status
 from stagefs.tiers.fill import Extents
+from stagefs.tiers.status import job_status
 from tiers_helpers import make_tree
 
 
