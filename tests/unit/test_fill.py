@@ -296,16 +296,16 @@ def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> N
 
     spans = [(0, 20000), (30000, 30500)]
     t0 = time.monotonic()
-    out = list(placer._read_ahead(read, spans, pace=lambda: None,
+    out = list(placer._read_ahead(read, placer.spans(spans), pace=lambda: None,
                                   stop=lambda: time.monotonic() - t0 > 0.1))
     assert out == [] and calls == []  # waited, then stopped
-    got = list(placer._read_ahead(read, spans, pace=lambda: (1, 1024)))
+    got = list(placer._read_ahead(read, placer.spans(spans), pace=lambda: (1, 1024)))
     assert max(n for _, n in calls) == 1024 and most[0] == 1
     assert b"".join(d for _, d in got) == bytes(20500)
     assert [p for p, _ in got] == sorted(p for p, _ in got)
     calls.clear()
     most[0] = 0
-    got = list(placer._read_ahead(read, spans, pace=lambda: (4, 4096)))
+    got = list(placer._read_ahead(read, placer.spans(spans), pace=lambda: (4, 4096)))
     assert max(n for _, n in calls) == 4096 and most[0] > 1
     assert sum(len(d) for _, d in got) == 20500
 

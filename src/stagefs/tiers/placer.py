@@ -119,37 +119,71 @@ def fill_gaps(
 ) -> None:
     """Copy from the origin every stored file of the shard that no read has filled yet.
 
-    Runs of missing files are read in pieces of at most CHUNK bytes, IN_FLIGHT at a time;
-    each piece is written, then streamed through the files' checksums, and a file's fill
-    byte is set once it is whole and right. ``pace()`` says how hard to read now (the chain
-    makes the copy give way to reads). ``progress(n)`` gets the bytes done so far (filled
-    before or copied now); ``stop()`` aborts it.
+    The copy walks the shard's files in offset order and reads the next run of missing
+    files, up to CHUNK bytes, as ``pace()`` allows (IN_FLIGHT pieces at full speed). What is
+    missing is looked up when each piece is planned, so files the reads fill meanwhile are
+    not read again. Each piece is written, then each file in it is checked (a file larger
+    than CHUNK is read in pieces and checked as they stream through) and its fill byte set.
+    ``progress(n)`` gets the bytes done so far (filled before or copied now); ``stop()``
+    aborts it.
     """
-    ext = fill.ext
-    todo = [(int(ext.offs[lo]), int(ext.ends[hi - 1]), lo, hi) for lo, hi in fill.missing()]
-    done = int(ext.ends[-1]) - sum(b - a for a, b, _, _ in todo) if len(ext) else 0
+    ext, bits = fill.ext, fill.bits
+    n_ext = len(ext)
+    offs, ends = ext.offs, ext.ends
+    done = [int(np.sum((ends - offs)[bits.astype(bool)])) if n_ext else 0]
     if progress is not None:
-        progress(done)
-    run = 0
-    verifier: _Verifier | None = None
-    for pos, data in _read_ahead(read, [(a, b) for a, b, _, _ in todo], pace, stop):
-        if verifier is None or pos >= todo[run][1]:
-            if verifier is not None:
-                verifier.finish()
-                run += 1
-            _, _, lo, hi = todo[run]
-            verifier = _run_verifier(fill, lo, hi, m, check, where)
+        progress(done[0])
+    cursor = [0]
+    big: list[tuple[int, int] | None] = [None]  # the rest of a large file being read
+
+    def next_piece(chunk: int) -> tuple[int, int] | None:
+        rest = big[0]
+        if rest is not None:
+            a, b = rest
+            n = min(chunk, b - a)
+            big[0] = (a + n, b) if a + n < b else None
+            return a, n
+        k = cursor[0]
+        while k < n_ext and bits[k]:
+            k += 1
+        if k >= n_ext:
+            cursor[0] = k
+            return None
+        a = int(offs[k])
+        if int(ends[k]) - a > chunk:
+            cursor[0] = k + 1
+            big[0] = (a + chunk, int(ends[k]))
+            return a, chunk
+        hi = k + 1
+        while hi < n_ext and not bits[hi] and int(ends[hi]) - a <= chunk:
+            hi += 1
+        cursor[0] = hi
+        return a, int(ends[hi - 1]) - a
+
+    streaming: _Verifier | None = None
+    for pos, data in _read_ahead(read, next_piece, pace, stop):
         _pwrite_all(fill.fd, data, pos)
-        verifier.feed(pos, data)
-        done += len(data)
+        end = pos + len(data)
+        lo, hi = ext.inside(pos, end)
+        if hi > lo:
+            _run_verifier(fill, lo, hi, m, check, where).feed(pos, data)
+        else:  # a piece of a file larger than CHUNK
+            k = ext.touching(pos, end)[0]
+            if streaming is None:
+                streaming = _run_verifier(fill, k, k + 1, m, check, where)
+            streaming.feed(pos, data)
+            if end >= int(ends[k]):
+                streaming.finish()
+                streaming = None
+        done[0] += len(data)
         if progress is not None:
-            progress(done)
+            progress(done[0])
         if stop is not None and stop():
             raise CopyAborted(fill.final)
     if stop is not None and stop():
         raise CopyAborted(fill.final)
-    if verifier is not None:
-        verifier.finish()
+    if streaming is not None:
+        streaming.finish()
 
 
 def _run_verifier(fill: ShardFill, lo: int, hi: int, m: Manifest, check: Check,
@@ -182,16 +216,17 @@ Pace = Callable[[], tuple[int, int] | None]
 """How the copy may read now: (pieces in flight, bytes per piece), or None: wait."""
 
 
-def _read_ahead(read: Callable[[int, int], bytes], spans: list[tuple[int, int]],
+def _read_ahead(read: Callable[[int, int], bytes],
+                next_piece: Callable[[int], tuple[int, int] | None],
                 pace: Pace | None = None,
                 stop: Callable[[], bool] | None = None) -> Iterator[tuple[int, bytes]]:
-    """The bytes of ``spans`` ([start, end) each) in order, in pieces read ahead as ``pace``
-    allows (default: IN_FLIGHT pieces of CHUNK bytes)."""
-    todo = deque(spans)
+    """Pieces ``next_piece(max bytes) -> (offset, length)`` (None: no more), read in order
+    and ahead as ``pace`` allows (default: IN_FLIGHT pieces of CHUNK bytes)."""
     with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="stagefs-read") as pool:
         pending: deque[tuple[int, Future[bytes]]] = deque()
+        more = True
         try:
-            while todo or pending:
+            while more or pending:
                 how = pace() if pace is not None else (IN_FLIGHT, CHUNK)
                 if how is None and not pending:
                     if stop is not None and stop():
@@ -200,12 +235,14 @@ def _read_ahead(read: Callable[[int, int], bytes], spans: list[tuple[int, int]],
                     continue
                 if how is not None:
                     room, chunk = how
-                    while todo and len(pending) < room:
-                        a, b = todo.popleft()
-                        n = min(chunk, b - a)
-                        if a + n < b:
-                            todo.appendleft((a + n, b))
-                        pending.append((a, pool.submit(read, a, n)))
+                    while more and len(pending) < room:
+                        piece = next_piece(chunk)
+                        if piece is None:
+                            more = False
+                        else:
+                            pending.append((piece[0], pool.submit(read, *piece)))
+                if not pending:
+                    continue
                 pos, fut = pending.popleft()
                 try:
                     data = fut.result()
@@ -215,6 +252,22 @@ def _read_ahead(read: Callable[[int, int], bytes], spans: list[tuple[int, int]],
         finally:
             for _, fut in pending:
                 fut.cancel()
+
+
+def spans(parts: list[tuple[int, int]]) -> Callable[[int], tuple[int, int] | None]:
+    """``next_piece`` over fixed [start, end) spans (tests)."""
+    todo = deque(parts)
+
+    def next_piece(chunk: int) -> tuple[int, int] | None:
+        if not todo:
+            return None
+        a, b = todo.popleft()
+        n = min(chunk, b - a)
+        if a + n < b:
+            todo.appendleft((a + n, b))
+        return a, n
+
+    return next_piece
 
 
 def _pwrite_all(fd: int, data: bytes, pos: int) -> None:
