@@ -97,6 +97,8 @@ class Tiers:
     def clean(self) -> None:
         for d in (self.mem, self.disk, self.runtime):
             shutil.rmtree(d, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(d))  # the parent too, once it is empty
 
 
 def epoch_orders(paths: list[str], epochs: int) -> list[list[str]]:

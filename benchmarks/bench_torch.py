@@ -27,6 +27,7 @@ Run as root (drop_caches) with the test PFS at /tmp/pfs::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -143,6 +144,8 @@ def run(config: str, raw: str, pack: str, args: argparse.Namespace) -> list[dict
         if store is not None:
             store.close()
         shutil.rmtree(tier, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(tier))  # the parent too, once it is empty
     return rows
 
 
