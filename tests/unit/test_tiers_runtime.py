@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,8 +40,13 @@ def job(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     monkeypatch.delenv("STAGEFS_TIERS", raising=False)
     monkeypatch.setenv("STAGEFS_JOB", name)
     path = Runtime().path
+    base = os.path.dirname(path)
+    made_base = not os.path.exists(base)
     yield name
     shutil.rmtree(path, ignore_errors=True)
+    if made_base:  # the per-user directory too, when the test made it and left it empty
+        with contextlib.suppress(OSError):
+            os.rmdir(base)
 
 
 def test_default_runtime_is_per_user_and_job(job: str) -> None:
