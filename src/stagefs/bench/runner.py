@@ -123,7 +123,10 @@ class _Worker:
         with os.fdopen(fd, "w") as f:
             json.dump(spec, f)
         out_path = spec_path[:-5] + ".out.json"
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        # the peers' libraries put caches and temporary files under the temp dir (LitData's
+        # chunks/ and data/, torch's inductor cache): keep them in this run's scratch dir
+        env = dict(os.environ, PYTHONWARNINGS="ignore", TMPDIR=self.scratch,
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(self.scratch, "torchinductor"))
         try:
             r = subprocess.run([self.python(system), "-m", "stagefs.bench.worker", spec_path,
                                 out_path], env=env, capture_output=True, text=True,
