@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -53,13 +53,20 @@ def placer_elsewhere(pack: Path, runtime: Path) -> Iterator[None]:
     another process of the node is placing them: this process's placer copies nothing,
     so only the reads fill the tier."""
     m = Manifest(str(pack / MANIFEST_NAME))
+    hold_claims(runtime, m.pack_id.hex(), len(m.shards))
+    m.close()
+    yield
+
+
+def hold_claims(runtime: Path, pack_id: str, shards: int) -> list[Path]:
+    """Claim every shard for another live process (this one's parent); the claim files."""
     claims = runtime / "claims"
     claims.mkdir(parents=True, exist_ok=True)
     owner = f"{os.getppid()} {proc_start(os.getppid())}"
-    for s in range(len(m.shards)):
-        (claims / f"{m.pack_id.hex()}.{s}").write_text(owner)
-    m.close()
-    yield
+    held = [claims / f"{pack_id}.{s}" for s in range(shards)]
+    for c in held:
+        c.write_text(owner)
+    return held
 
 
 def stored_bytes(fs: stagefs.Store, paths: list[str]) -> int:
@@ -136,17 +143,22 @@ def _read_some(pack: str, tier: str, runtime: str, paths: list[str]) -> None:
             fs.read(p)
 
 
+def read_in_another_process(pack: Path, tier: Path, runtime: Path, paths: list[str]) -> None:
+    """Another process of the job (spawned) opens the store with the tier and reads these."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=_read_some, args=(str(pack), str(tier), str(runtime), paths))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+
+
 def test_another_process_reads_what_one_filled(pack: Path, files: dict[str, bytes],
                                                runtime: Path, tmp_path: Path,
                                                placer_elsewhere: None) -> None:
     tier = tmp_path / "t"
     paths = shuffled(files, 2)
     half = paths[: len(paths) // 2]
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_read_some, args=(str(pack), str(tier), str(runtime), half))
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
+    read_in_another_process(pack, tier, runtime, half)
     assert leftovers(tier)  # partial copies, shared through the tier
     (row,) = job_status(Runtime(str(runtime)))["tiers"]  # what `stagefs status` shows
     assert row["shards_filling"] > 0 and row["filled"] == sum(1 for p in half if files[p])
@@ -165,20 +177,11 @@ def test_the_placer_copies_only_the_gaps(pack: Path, files: dict[str, bytes], ru
     tier = tmp_path / "t"
     paths = shuffled(files, 3)
     half = paths[: len(paths) // 3]
-    ctx = multiprocessing.get_context("spawn")
     # a process whose placer is kept off by live claims reads a third of the files ...
-    claims = runtime / "claims"
-    claims.mkdir(parents=True)
     m = Manifest(str(pack / MANIFEST_NAME))
-    owner = f"{os.getppid()} {proc_start(os.getppid())}"
-    held = [claims / f"{m.pack_id.hex()}.{s}" for s in range(len(m.shards))]
+    held = hold_claims(runtime, m.pack_id.hex(), len(m.shards))
     m.close()
-    for c in held:
-        c.write_text(owner)
-    child = ctx.Process(target=_read_some, args=(str(pack), str(tier), str(runtime), half))
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
+    read_in_another_process(pack, tier, runtime, half)
     for c in held:
         c.unlink()
     # ... then staging copies only the rest
@@ -247,11 +250,7 @@ def test_leftover_partial_copies(pack: Path, files: dict[str, bytes], runtime: P
     tier = tmp_path / "t"
     paths = shuffled(files, 5)
     half = paths[: len(paths) // 2]
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=_read_some, args=(str(pack), str(tier), str(runtime), half))
-    child.start()
-    child.join(60)
-    assert child.exitcode == 0
+    read_in_another_process(pack, tier, runtime, half)
     partials = [p for p in leftovers(tier) if p.suffix == ".partial"]
     assert len(partials) >= 2
     orphan = partials[0]
@@ -271,6 +270,22 @@ def test_no_filling_without_checksums(pack: Path, files: dict[str, bytes], runti
             assert fs.read(p) == files[p]
         assert fs.held_shards() == set()
     assert leftovers(tier) == []
+
+
+def _pieces(parts: list[tuple[int, int]]) -> Callable[[int], tuple[int, int] | None]:
+    """A ``next_piece`` for the copy's reader over fixed [start, end) spans."""
+    todo = list(parts)
+
+    def next_piece(chunk: int) -> tuple[int, int] | None:
+        if not todo:
+            return None
+        a, b = todo.pop(0)
+        n = min(chunk, b - a)
+        if a + n < b:
+            todo.insert(0, (a + n, b))
+        return a, n
+
+    return next_piece
 
 
 def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,16 +311,16 @@ def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> N
 
     spans = [(0, 20000), (30000, 30500)]
     t0 = time.monotonic()
-    out = list(placer._read_ahead(read, placer.spans(spans), pace=lambda: None,
+    out = list(placer._read_ahead(read, _pieces(spans), pace=lambda: None,
                                   stop=lambda: time.monotonic() - t0 > 0.1))
     assert out == [] and calls == []  # waited, then stopped
-    got = list(placer._read_ahead(read, placer.spans(spans), pace=lambda: (1, 1024)))
+    got = list(placer._read_ahead(read, _pieces(spans), pace=lambda: (1, 1024)))
     assert max(n for _, n in calls) == 1024 and most[0] == 1
     assert b"".join(d for _, d in got) == bytes(20500)
     assert [p for p, _ in got] == sorted(p for p, _ in got)
     calls.clear()
     most[0] = 0
-    got = list(placer._read_ahead(read, placer.spans(spans), pace=lambda: (4, 4096)))
+    got = list(placer._read_ahead(read, _pieces(spans), pace=lambda: (4, 4096)))
     assert max(n for _, n in calls) == 4096 and most[0] > 1
     assert sum(len(d) for _, d in got) == 20500
 
@@ -356,11 +371,8 @@ def test_reads_fill_the_tiers_in_place_too(dataset: tuple[Path, dict[str, bytes]
     tier = tmp_path / "t"
     with stagefs.open(raw, tiers=[str(tier)]) as fs:
         assert fs.chain is not None
-        pid = fs.manifest.pack_id.hex()
-        claims = runtime / "claims"
-        owner = f"{os.getppid()} {proc_start(os.getppid())}"
-        for s in range(len(fs.manifest.shards)):  # keep this process's placer off
-            (claims / f"{pid}.{s}").write_text(owner)
+        # keep this process's placer off
+        hold_claims(runtime, fs.manifest.pack_id.hex(), len(fs.manifest.shards))
         paths = shuffled(files, 6)
         for p in paths:
             assert fs.read(p) == files[p], p

@@ -147,12 +147,7 @@ class TierChain:
         if now >= self._next_check.get(shard, 0.0):
             if self._find(shard):
                 return self._route[shard]
-            got = self._fills.get(shard)
-            if got is not None and not got[0].linked():  # finished or dropped elsewhere
-                self._forget_fill(shard)
-                got = None
-            if got is None:
-                self._get_fill(shard, create=False)
+            self._live_fill(shard, create=False)
             self._next_check[shard] = now + RECHECK_S
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
@@ -201,6 +196,15 @@ class TierChain:
             ents = lay.idx[lay.bounds[shard] : lay.bounds[shard + 1]]
             ext = self._extents[shard] = Extents.of(self.manifest, ents, self._sizes[shard])
         return ext
+
+    def _live_fill(self, shard: int, *, create: bool) -> tuple[ShardFill, DirTier] | None:
+        """The shard's partial copy as the tier names it now: a handle whose copy another
+        process finished or dropped is let go, and the current one looked up."""
+        got = self._fills.get(shard)
+        if got is not None and not got[0].linked():
+            self._forget_fill(shard)
+            got = None
+        return got if got is not None else self._get_fill(shard, create=create)
 
     def _get_fill(self, shard: int, *, create: bool) -> tuple[ShardFill, DirTier] | None:
         """The shard's partial copy: opened if some process made one, else (``create``)
@@ -357,12 +361,7 @@ class TierChain:
         try:
             if self._find(shard):  # finished by someone else just before we claimed it
                 return "held"
-            got = self._fills.get(shard)
-            if got is not None and not got[0].linked():
-                self._forget_fill(shard)
-                got = None
-            if got is None:
-                got = self._get_fill(shard, create=True)
+            got = self._live_fill(shard, create=True)
             if got is None:
                 if self._find(shard):
                     return "held"
@@ -381,9 +380,7 @@ class TierChain:
         for t in self.tiers:
             if t.holds(shard):
                 self._route[shard] = (t, self.origin)
-                got = self._fills.get(shard)
-                if got is not None:
-                    self._forget_fill(shard)
+                self._forget_fill(shard)
                 return True
         return False
 

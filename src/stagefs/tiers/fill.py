@@ -25,6 +25,7 @@ back to back) is filled this way; another shard is copied whole by the placer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
 import threading
@@ -268,8 +269,6 @@ def _reserve(fd: int, size: int) -> None:
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        import errno
-
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
         os.ftruncate(fd, size)

@@ -130,9 +130,9 @@ def fill_gaps(
     ext, bits = fill.ext, fill.bits
     n_ext = len(ext)
     offs, ends = ext.offs, ext.ends
-    done = [int(np.sum((ends - offs)[bits.astype(bool)])) if n_ext else 0]
+    done = int(np.sum((ends - offs)[bits.astype(bool)])) if n_ext else 0
     if progress is not None:
-        progress(done[0])
+        progress(done)
     cursor = [0]
     big: list[tuple[int, int] | None] = [None]  # the rest of a large file being read
 
@@ -175,9 +175,9 @@ def fill_gaps(
             if end >= int(ends[k]):
                 streaming.finish()
                 streaming = None
-        done[0] += len(data)
+        done += len(data)
         if progress is not None:
-            progress(done[0])
+            progress(done)
         if stop is not None and stop():
             raise CopyAborted(fill.final)
     if stop is not None and stop():
@@ -252,22 +252,6 @@ def _read_ahead(read: Callable[[int, int], bytes],
         finally:
             for _, fut in pending:
                 fut.cancel()
-
-
-def spans(parts: list[tuple[int, int]]) -> Callable[[int], tuple[int, int] | None]:
-    """``next_piece`` over fixed [start, end) spans (tests)."""
-    todo = deque(parts)
-
-    def next_piece(chunk: int) -> tuple[int, int] | None:
-        if not todo:
-            return None
-        a, b = todo.popleft()
-        n = min(chunk, b - a)
-        if a + n < b:
-            todo.appendleft((a + n, b))
-        return a, n
-
-    return next_piece
 
 
 def _pwrite_all(fd: int, data: bytes, pos: int) -> None:

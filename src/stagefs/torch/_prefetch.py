@@ -12,6 +12,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +33,51 @@ class PrefetchStats:
     peak_bytes: int = 0  # the most bytes held or reserved at once
 
 
-class Prefetcher:
+class _Ahead:
+    """What the two read-aheads share: an order, a byte budget, ``threads`` threads that
+    claim ``chunk`` samples at a time, the consumer's and the producers' positions."""
+
+    thread_name = "stagefs-ahead"
+
+    def __init__(self, order: npt.NDArray[np.int64], budget: int, chunk: int,
+                 threads: int) -> None:
+        if budget <= 0:
+            raise ValueError(f"prefetch budget must be positive, not {budget}")
+        self.budget, self.chunk, self.nthreads = budget, max(1, chunk), max(1, threads)
+        self.order = np.asarray(order, dtype=np.int64)
+        self.pid = os.getpid()
+        self._cv = threading.Condition()
+        self._pos = 0  # the consumer's position in order
+        self._next = 0  # the producers' position in order
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Self:
+        if not self._threads and not self._closed:
+            for k in range(self.nthreads):
+                t = threading.Thread(target=self._run, name=f"{self.thread_name}-{k}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _on_close(self) -> None:
+        """Under the lock, as the read-ahead closes."""
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._on_close()
+            self._cv.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
+
+
+class Prefetcher(_Ahead):
     """Read ``order``'s samples ahead of ``take``, within ``budget`` bytes.
 
     ``sizes[i]`` is sample i's size in memory. Reads are claimed in order, ``chunk`` samples
@@ -41,36 +86,21 @@ class Prefetcher:
     is never read ahead). ``take(i)`` must be called in ``order``'s order.
     """
 
+    thread_name = "stagefs-prefetch"
+
     def __init__(self, read: Reader, sizes: npt.NDArray[np.int64], order: npt.NDArray[np.int64],
                  budget: int, *, chunk: int = 16, threads: int = 4) -> None:
-        if budget <= 0:
-            raise ValueError(f"prefetch budget must be positive, not {budget}")
-        self.budget, self.chunk, self.nthreads = budget, max(1, chunk), max(1, threads)
-        self.order = np.asarray(order, dtype=np.int64)
-        self.pid = os.getpid()
+        super().__init__(order, budget, chunk, threads)
         self.stats = PrefetchStats()
         self._read, self._sizes = read, sizes
-        self._cv = threading.Condition()
         self._ready: dict[int, bytes] = {}
         self._pending: set[int] = set()
         self._used = 0
-        self._pos = 0  # takes so far: the consumer's position in order
-        self._next = 0  # the producers' position in order
-        self._closed = False
-        self._threads: list[threading.Thread] = []
 
     @property
     def used(self) -> int:
         """Bytes held or reserved now."""
         return self._used
-
-    def start(self) -> Prefetcher:
-        if not self._threads and not self._closed:
-            for k in range(self.nthreads):
-                t = threading.Thread(target=self._run, name=f"stagefs-prefetch-{k}", daemon=True)
-                t.start()
-                self._threads.append(t)
-        return self
 
     def take(self, i: int) -> bytes | None:
         """Sample ``i``'s bytes if read ahead (waiting for a read in flight), else None."""
@@ -142,14 +172,11 @@ class Prefetcher:
                     self.stats.bytes_read += reserved
                 self._cv.notify_all()
 
+    def _on_close(self) -> None:
+        self._ready.clear()
+
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._ready.clear()
-            self._cv.notify_all()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10)
+        super().close()
         self._used = 0
 
     def __repr__(self) -> str:
@@ -165,7 +192,7 @@ class TierAheadStats:
     errors: int = 0  # reads that failed (the worker that reads the sample sees the error)
 
 
-class TierAhead:
+class TierAhead(_Ahead):
     """Read ``order``'s samples ahead of the consumer into the node's tiers (for DataLoader
     workers): a Store with tiers writes every sample it reads from the origin into the
     shard's copy in a tier, where the workers then find it. Nothing is held in this
@@ -177,35 +204,19 @@ class TierAhead:
     calls it as it yields).
     """
 
+    thread_name = "stagefs-tier-ahead"
+
     def __init__(self, read: Callable[[Sequence[int]], object], sizes: npt.NDArray[np.int64],
                  order: npt.NDArray[np.int64], budget: int, *, chunk: int = 16,
                  threads: int = 4) -> None:
-        if budget <= 0:
-            raise ValueError(f"prefetch budget must be positive, not {budget}")
-        self.order = np.asarray(order, dtype=np.int64)
+        super().__init__(order, budget, chunk, threads)
         self._cum = np.concatenate([[0], np.cumsum(np.asarray(sizes)[self.order])])
-        self.budget, self.chunk, self.nthreads = budget, max(1, chunk), max(1, threads)
-        self.pid = os.getpid()
         self.stats = TierAheadStats()
         self._read = read
-        self._cv = threading.Condition()
-        self._pos = 0  # the consumer's position
-        self._next = 0  # the read-ahead's position
-        self._closed = False
-        self._threads: list[threading.Thread] = []
 
     def ahead_bytes(self) -> int:
         """Bytes claimed ahead of the consumer now."""
         return int(self._cum[max(self._next, self._pos)] - self._cum[self._pos])
-
-    def start(self) -> TierAhead:
-        if not self._threads and not self._closed:
-            for k in range(self.nthreads):
-                t = threading.Thread(target=self._run, name=f"stagefs-tier-ahead-{k}",
-                                     daemon=True)
-                t.start()
-                self._threads.append(t)
-        return self
 
     def advance(self, pos: int) -> None:
         with self._cv:
@@ -245,14 +256,6 @@ class TierAhead:
                 continue
             self.stats.read += len(claim[0])
             self.stats.bytes_read += claim[1]
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=10)
 
     def __repr__(self) -> str:
         return (f"<TierAhead {self._next}/{len(self.order)} read ahead, consumer at "
