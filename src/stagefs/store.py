@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from stagefs._malloc import tune_malloc
-from stagefs.config import TierSpec
+from stagefs.config import TierSpec, env
 from stagefs.errors import (
     ChecksumError,
     ConfigError,
@@ -37,6 +39,32 @@ from stagefs.tiers.origin import PackOrigin
 __all__ = ["ReadStats", "Store", "open"]
 
 _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
+READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
+
+
+_STORES: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A lock another thread held at the fork stays held in the child: make new ones."""
+    for store in list(_STORES):
+        store._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _read_threads() -> int:
+    text = env("read_threads")
+    if text is None:
+        return READ_THREADS
+    try:
+        n = int(text)
+    except ValueError:
+        raise ConfigError(f"STAGEFS_READ_THREADS must be a whole number, not {text!r}") from None
+    if n < 1:
+        raise ConfigError(f"STAGEFS_READ_THREADS must be at least 1, not {n}")
+    return n
 
 
 @dataclass
@@ -91,6 +119,9 @@ class Store:
         self.stats = ReadStats()
         self._closed = False
         self._lock = threading.Lock()
+        self.read_threads = _read_threads()
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+        _STORES.add(self)
         # the namespace answers these directly: no extra call layer on the metadata path
         self.stat, self.lstat, self.listdir = ns.stat, ns.lstat, ns.listdir
         self.exists, self.isdir, self.isfile, self.islink = ns.exists, ns.isdir, ns.isfile, ns.islink
@@ -132,7 +163,11 @@ class Store:
         """The contents of many files, in the order asked: the batched fast path.
 
         Ranges are read in the order of their bytes, and ranges that sit next to each other
-        in a shard are read with one call.
+        in a shard are read with one call. What has to come from a remote source (the
+        origin, a partial copy that may not hold it yet) is read by up to ``read_threads``
+        threads at once: a batch of small random reads waits on the file system's latency,
+        not its bandwidth (on the test PFS, 32 samples of 107 KB take 37 ms one after the
+        other).
         """
         find, file_entry = self._find, self.namespace.file_entry
         plist = paths if isinstance(paths, list) else list(paths)
@@ -146,6 +181,7 @@ class Store:
         pos = [(shard[e], offset[e], stored[e]) for e in ents]
         order = sorted(range(len(ents)), key=pos.__getitem__)
         out: list[bytes] = [b""] * len(ents)
+        units: list[tuple[int, int, int, int, int]] = []  # order[i:j], shard, start, span
         n, i = len(order), 0
         while i < n:
             s0, start, length = pos[order[i]]
@@ -156,13 +192,51 @@ class Store:
                     break
                 end += l1
                 j += 1
+            units.append((i, j, s0, start, end - start))
+            i = j
+
+        def read_unit(u: tuple[int, int, int, int, int]) -> None:
+            i, j, s0, start, span = u
             if j == i + 1:
                 k = order[i]
                 out[k] = self.read_entry(ents[k], plist[k])
             else:
-                self._read_run(order[i:j], ents, plist, out, s0, start, end - start)
-            i = j
+                self._read_run(order[i:j], ents, plist, out, s0, start, span)
+
+        remote = []
+        if len(units) > 1 and self.read_threads > 1:
+            remote = [u for u in units if not getattr(self._holders(u[2])[0], "local", False)]
+        if len(remote) < 2:
+            for u in units:
+                read_unit(u)
+            return out
+        pool = self._read_pool()
+        futures: list[Future[None]] = [pool.submit(read_unit, u) for u in remote[1:]]
+        try:
+            read_unit(remote[0])
+            ids = {id(u) for u in remote}
+            for u in units:
+                if id(u) not in ids:
+                    read_unit(u)
+        finally:
+            for f in futures:  # every read has ended before out is returned or dropped
+                f.exception()
+        for f in futures:
+            f.result()  # the first error, as the caller would have seen it reading alone
         return out
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        """This process's reader threads (a forked child makes its own)."""
+        got = self._pool
+        pid = os.getpid()
+        if got is None or got[0] != pid:
+            with self._lock:
+                got = self._pool
+                if got is None or got[0] != pid:
+                    got = (pid, ThreadPoolExecutor(self.read_threads - 1,
+                                                   thread_name_prefix="stagefs-read"))
+                    self._pool = got
+        return got[1]
 
     def _read_run(self, run: list[int], ents: list[int], paths: Sequence[PathArg],
                   out: list[bytes], shard: int, start: int, span: int) -> None:
@@ -324,6 +398,9 @@ class Store:
             if self._closed:
                 return
             self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None and pool[0] == os.getpid():
+            pool[1].shutdown(wait=True)
         if self.chain is not None:
             self.chain.close()
         if self._runtime is not None:

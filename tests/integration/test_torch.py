@@ -347,11 +347,14 @@ def test_locality_and_prefetch_with_real_tiers(tree: tuple[Path, Path], tmp_path
     ds = FileDataset(store)
     s = Sampler(ds, seed=1, locality=True)
     assert s.local_fraction == pytest.approx(np.isin(ds.shard_of(), list(held)).mean())
-    # prefetching: the sampler hands the tiers every shard in order of first use
-    p = Sampler(ds, seed=1, prefetch="1MiB", rank=0, world_size=1)
+    # prefetching: the sampler hands the tiers every shard in order of first use, as soon
+    # as it knows the order (here: when it is made)
     asked: list[list[int]] = []
     real_prefetch = store.prefetch
     store.prefetch = lambda shards: (asked.append(list(shards)), real_prefetch(asked[-1]))[1]
+    p = Sampler(ds, seed=1, prefetch="1MiB", rank=0, world_size=1)
+    assert p.tier_ahead is not None  # reading ahead before the loop asks
+    p.set_epoch(0)  # the same epoch start: the read-ahead goes on
     _, samples = raw_listing(raw)
     got = loader_bytes(ds, p, num_workers=0)
     assert got == [(raw / samples[i][0]).read_bytes() for i in p.order()]

@@ -194,9 +194,9 @@ def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> N
 
 
 def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
-    """With tiers and DataLoader workers, the Sampler reads ahead into the tiers from the
-    main process; the workers read what it brought, and the epoch leaves every shard whole
-    in the tier."""
+    """With tiers, the Sampler reads an epoch's first samples into them from the moment it
+    knows the order until the loop starts (within the budget), then leaves the reading to
+    the DataLoader workers; the epoch leaves every shard whole in the tier."""
     import torch
 
     import stagefs
@@ -207,14 +207,25 @@ def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
     store = stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
                          runtime=tmp_path / "rt")
     ds = FileDataset(store, target=None)
-    s = Sampler(ds, seed=3, prefetch=200_000, rank=0, world_size=1)
+    budget = 200_000
+    s = Sampler(ds, seed=3, prefetch=budget, rank=0, world_size=1)
+    ta = s.tier_ahead
+    assert ta is not None  # under way as soon as the order is known
+    sizes = ds.sizes()[s.order()]
+    first = int(np.searchsorted(np.cumsum(sizes), budget, "right"))  # samples in the budget
+    deadline = time.monotonic() + 60
+    while ta.stats.read + ta.stats.skipped < first and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ta.stats.read == first and 0 < ta.stats.bytes_read <= budget
+    tier = store.status()["tiers"][0]
+    assert tier["filled_bytes"] >= ta.stats.bytes_read  # in the tier, for any process
     loader = torch.utils.data.DataLoader(ds, batch_size=10, sampler=s, num_workers=2,
                                          multiprocessing_context="fork", timeout=120,
                                          collate_fn=lambda b: b)
     try:
         got = [x for batch in loader for x in batch]
         assert got == ds.read_samples(s.order().tolist())
-        assert s.tier_ahead is not None and s.tier_ahead.stats.read > 0
+        assert s.tier_ahead is None and ta.stats.read == first  # stopped when the loop began
         assert ds._upcoming is None  # the workers do not read ahead on their own
         assert store.held_shards() == set(range(len(store.manifest.shards)))
     finally:

@@ -36,6 +36,7 @@ class LocalTierSource:
     """This node's tier copies of the shards placed here, read with pread (no daemon hop)."""
 
     name = "local tier"
+    local = True  # Store.read_many reads it in the calling thread
 
     def __init__(self, tiers: Sequence[str], pack_hex: str, manifest: Manifest) -> None:
         self.dirs = [os.path.join(t, pack_hex) for t in tiers]

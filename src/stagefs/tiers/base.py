@@ -39,7 +39,11 @@ class SourceUnavailable(Exception):
 
 @runtime_checkable
 class ShardSource(Protocol):
-    """Something that can return a byte range of a shard."""
+    """Something that can return a byte range of a shard.
+
+    A source with a true ``local`` attribute (a whole shard copy in a node-local tier) is
+    read in the calling thread; Store.read_many reads the others from several threads.
+    """
 
     name: str
 

@@ -447,15 +447,20 @@ class TierChain:
 
     @contextlib.contextmanager
     def _tier_lock(self, t: DirTier) -> Iterator[None]:
-        """Serialise 'is there room? reserve it' for one tier across the node's processes."""
+        """Serialise 'is there room? reserve it' for one tier across the node's processes.
+
+        A fork waits until no thread of this process is inside (_FORK_GUARD): a child would
+        inherit the locked file and hold the lock for as long as it lives.
+        """
         name = f".tier-{xxh3_64_hexdigest(t.root.encode())}.lock"
-        fd = os.open(os.path.join(self.runtime.claims, name), os.O_RDWR | os.O_CREAT
-                     | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        with _FORK_GUARD:
+            fd = os.open(os.path.join(self.runtime.claims, name), os.O_RDWR | os.O_CREAT
+                         | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)
 
     # -- whole-dataset operations ---------------------------------------------------------
 
@@ -590,7 +595,12 @@ _CHAINS: weakref.WeakSet[TierChain] = weakref.WeakSet()
 _OPENED = itertools.count()
 
 
+_FORK_GUARD = threading.Lock()  # held while a tier's lock file is locked (_tier_lock)
+
+
 def _after_fork_in_child() -> None:
+    global _FORK_GUARD
+    _FORK_GUARD = threading.Lock()
     for chain in list(_CHAINS):
         chain._after_fork()
 
@@ -601,7 +611,9 @@ def _close_all() -> None:
             chain.close()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(before=lambda: _FORK_GUARD.acquire(),
+                    after_in_parent=lambda: _FORK_GUARD.release(),
+                    after_in_child=_after_fork_in_child)
 atexit.register(_close_all)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -11,6 +12,18 @@ from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import OriginStats, SourceUnavailable, pread_full
 
 __all__ = ["PackOrigin"]
+
+
+def _reads_are_random(fd: int) -> None:
+    """Tell the kernel not to read ahead on this shard: samples are read in a random order,
+    and the read-ahead a small read sets off fetches its neighbours early. On the test PFS
+    the first 300 samples of an epoch (107 KB each, 4 threads) took 52 MB over the link for
+    32 MB of samples, 60 MB/s of useful bytes on a 95 MB/s link; with the hint, 35 MB and
+    89 MB/s. The copy reads pieces of megabytes, several in flight, and loses nothing."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is not None:
+        with contextlib.suppress(OSError):
+            advise(fd, 0, 0, os.POSIX_FADV_RANDOM)
 
 
 class PackOrigin:
@@ -60,6 +73,7 @@ class PackOrigin:
         except OSError as exc:
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
         self.stats.opens += 1
+        _reads_are_random(fd)
         # no fstat: the manifest knows the size, and a truncated shard shows up as a short
         # read; on a parallel file system a stat of an open file is not free
         if self.check_headers:

@@ -76,6 +76,8 @@ def prepare_tier_dir(path: str) -> None:
 class DirTier:
     """One tier for one dataset: ``pread`` serves held shards through one cached fd each."""
 
+    local = True  # node-local: Store.read_many reads it in the calling thread
+
     def __init__(self, spec: TierSpec, manifest: Manifest) -> None:
         self.spec = spec
         self.root = spec.path

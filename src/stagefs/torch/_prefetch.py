@@ -67,11 +67,15 @@ class _Ahead:
     def _on_close(self) -> None:
         """Under the lock, as the read-ahead closes."""
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Stop; ``wait``: until the reads under way have ended (else they end on their
+        own, and nothing more is read)."""
         with self._cv:
             self._closed = True
             self._on_close()
             self._cv.notify_all()
+        if not wait:
+            return
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=10)
@@ -175,8 +179,8 @@ class Prefetcher(_Ahead):
     def _on_close(self) -> None:
         self._ready.clear()
 
-    def close(self) -> None:
-        super().close()
+    def close(self, *, wait: bool = True) -> None:
+        super().close(wait=wait)
         self._used = 0
 
     def __repr__(self) -> str:

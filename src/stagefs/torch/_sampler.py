@@ -60,11 +60,15 @@ class Sampler(torch.utils.data.Sampler[int]):
     as ``held_by[rank]``), shuffled in windows of ``window`` shards (docs/torch.md states
     the bound on the randomness lost). ``local_fraction`` tells the share it got.
 
-    ``prefetch``: a byte budget ("512MiB", an int, or True for 256 MiB). Each epoch the
+    ``prefetch``: a byte budget ("512MiB", an int, or True for 256 MiB). As soon as an
+    epoch's order is known (the Sampler is made, ``set_epoch``, ``load_state_dict``) the
     store is asked to stage the shards in the order this epoch and the next will first use
-    them (``Store.prefetch``), and the next samples' bytes are read ahead into memory,
-    never more than the budget: in this process for a dataset read here (num_workers=0),
-    else by each DataLoader worker for the batches it will be given.
+    them (``Store.prefetch``), and, with tiers, the epoch's first samples are read into
+    them from this process until the loop starts (within the budget). During the loop the
+    next samples' bytes are read ahead into memory within the budget: in this process for
+    a dataset read here (num_workers=0); without tiers, by each DataLoader worker for the
+    batches it will be given; with tiers, the workers' batched reads (several in flight,
+    Store.read_many) fetch what the tiers do not hold yet.
     """
 
     def __init__(
@@ -103,7 +107,9 @@ class Sampler(torch.utils.data.Sampler[int]):
         self.prefetcher: Prefetcher | None = None
         self.tier_ahead: TierAhead | None = None
         self._held: tuple[float, set[int]] = (0.0, set())
+        self._staged_plan: Plan | None = None  # the plan whose shards were staged
         self._tell_workers()
+        self._read_ahead_early()
 
     @staticmethod
     def _budget(prefetch: bool | int | str | None) -> int:
@@ -117,11 +123,16 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning (call it on every rank, every epoch)."""
+        plan = self._plan
+        if (int(epoch) == self.epoch and plan is not None and not self.locality
+                and self._yielded == 0 and [s.consumed for s in plan.segments] == [0]):
+            return  # this epoch's start is planned already (and its read-ahead under way)
         self.epoch = int(epoch)
         self._segments = None
         self._plan = None
         self._yielded = 0
         self._tell_workers()
+        self._read_ahead_early()
 
     def _holders(self) -> Holders | None:
         if not self.locality:
@@ -184,14 +195,17 @@ class Sampler(torch.utils.data.Sampler[int]):
         order = self.order()
         self._yielded = 0
         self._start_prefetch(order)
-        ahead = self.tier_ahead
+        if self.tier_ahead is not None:
+            # the loop has started: from here the DataLoader's workers read their batches
+            # (Store.read_many: several reads in flight each) and this process, whose one
+            # thread drives the loop, is left alone: a read-ahead here took the GIL from it
+            # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
+            self.tier_ahead.close(wait=False)
+            self.dataset._set_tier_ahead(None)
+            self.tier_ahead = None
         for i in order.tolist():
             self._yielded += 1
-            if ahead is not None and not self._yielded & 15:
-                ahead.advance(self._yielded)
             yield i
-        if ahead is not None:
-            ahead.close()
         # the epoch is done: iterating again without set_epoch repeats it from its start
         self._segments, self._plan, self._yielded = None, None, 0
 
@@ -200,21 +214,49 @@ class Sampler(torch.utils.data.Sampler[int]):
     def _start_prefetch(self, order: npt.NDArray[np.int64]) -> None:
         if not self.budget or self._shard_of is None:
             return
-        stage = getattr(self.dataset.store, "prefetch", None)
-        if stage is not None:  # shards in order of first use: this epoch, then the next
-            both = np.concatenate([order, self.next_order()])
-            stage([int(s) for s in first_use(both, self._shard_of)])
+        self._stage(order)
+        if self.tier_ahead is not None:
+            # the loop has started: from here the DataLoader's workers read their batches
+            # (Store.read_many: several reads in flight each) and this process, whose one
+            # thread drives the loop, is left alone: a read-ahead here took the GIL from it
+            # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
+            self.tier_ahead.close(wait=False)
+            self.dataset._set_tier_ahead(None)
+            self.tier_ahead = None
         p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
                        threads=self.prefetch_threads)
         self.prefetcher = p
         self.dataset._set_prefetcher(p)  # started on first use in this process
+
+    def _stage(self, order: npt.NDArray[np.int64]) -> None:
+        """Once per epoch plan: hand the store the shards in order of first use (this
+        epoch, then the next)."""
+        stage = getattr(self.dataset.store, "prefetch", None)
+        if stage is None or self._staged_plan is self._plan:
+            return
+        assert self._shard_of is not None
+        self._staged_plan = self._plan
+        both = np.concatenate([order, self.next_order()])
+        stage([int(s) for s in first_use(both, self._shard_of)])
+
+    def _read_ahead_early(self) -> None:
+        """The order of an epoch is known once its seed, epoch and resume point are: the
+        shards are staged and, with tiers, the epoch's first samples read into them from
+        now until the loop starts (the DataLoader starts its workers and hands them their
+        first batches before any sample arrives). Not where the order needs the other
+        ranks' holdings (a collective call)."""
         if self.tier_ahead is not None:
-            self.tier_ahead.close()
+            self.tier_ahead.close(wait=False)
+            self.dataset._set_tier_ahead(None)
             self.tier_ahead = None
-        if self._tiered():  # for DataLoader workers: read ahead into the tiers, from here
-            self.tier_ahead = TierAhead(self._read_into_tiers, self.dataset.sizes(), order,
-                                        self.budget, threads=self.prefetch_threads).start()
-            self.dataset._set_tier_ahead(self.tier_ahead)  # stopped if this process reads
+        if (not self.budget or self._shard_of is None or not self._tiered()
+                or (self.locality and self.world_size > 1 and self._held_by is None)):
+            return
+        order = self.order()
+        self._stage(order)
+        self.tier_ahead = TierAhead(self._read_into_tiers, self.dataset.sizes(), order,
+                                    self.budget, threads=1).start()
+        self.dataset._set_tier_ahead(self.tier_ahead)  # stopped if this process reads
 
     def _tiered(self) -> bool:
         return getattr(self.dataset.store, "chain", None) is not None
@@ -289,6 +331,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._plan = None
         self._yielded = 0
         self._tell_workers()
+        self._read_ahead_early()
 
     def __repr__(self) -> str:
         return (f"<stagefs.torch.Sampler rank {self.rank}/{self.world_size} epoch {self.epoch}"
