@@ -11,12 +11,17 @@ before each one:
 - ``stagefs``: FileDataset over the pack on the PFS, tiers on /dev/shm (shards placed when
   first read), no prefetching;
 - ``stagefs+prefetch``: the same with ``Sampler(prefetch=...)``: the tiers are handed every
-  shard in order of first use (this epoch, then the next) and, in process, the next samples'
-  bytes are read ahead into memory within a byte budget;
+  shard in order of first use (this epoch, then the next); from the moment the sampler is
+  made until the loop starts, the epoch's first samples are read into the tiers; in the
+  loop, without workers, the next samples' bytes are read ahead into memory within a byte
+  budget (with workers, their batched reads do it);
 - ``stagefs+prefetch+window``: the same with the locality-aware shuffle
   (``locality=True``): shards in a random order, samples shuffled within windows of
   ``--window`` shards, so the order of first use is spread over the epoch and staging the
   next window runs ahead of the reads.
+
+``--setup S`` sleeps S seconds between making the loader and the first epoch, the same for
+every configuration, standing for a model's set-up (0 by default: the loop starts at once).
 
 Run as root (drop_caches) with the test PFS at /tmp/pfs::
 
@@ -123,6 +128,7 @@ def run(config: str, raw: str, pack: str, args: argparse.Namespace) -> list[dict
         collate_fn=collate, persistent_workers=args.workers > 0,
         multiprocessing_context="fork" if args.workers else None), write=False)
     rows = []
+    time.sleep(args.setup)  # the model's set-up: the sampler knows epoch 1's order already
     try:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
@@ -161,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--compute", type=float, default=0.04, help="seconds per batch")
+    ap.add_argument("--setup", type=float, default=0.0,
+                    help="seconds between making the loader and the first epoch, standing for "
+                         "the model's set-up (the same for every configuration)")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--budget", default="256MiB", help="read-ahead budget (prefetch)")
     ap.add_argument("--window", type=int, default=4, help="shards per shuffle window")
@@ -204,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c} {by_config[c]['median'][0]['stall']:.1%}" for c in configs))
     doc = {"command": "python3 benchmarks/bench_torch.py " + " ".join(argv or sys.argv[1:]),
            "files": args.files, "batch": args.batch, "compute_s": args.compute,
+           "setup_s": args.setup,
            "threads": args.threads, "window": args.window,
            "epochs": args.epochs, "repeat": args.repeat, "budget": args.budget,
            "pfs_rate_cap_seen": sorted(caps), "torch": torch.__version__,

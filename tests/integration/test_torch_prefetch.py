@@ -231,3 +231,31 @@ def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
     finally:
         s.close()
         store.close()
+
+
+def test_a_dropped_sampler_stops_its_read_ahead(tmp_path: Path) -> None:
+    """The read-ahead into the tiers starts when the sampler is made: a sampler dropped
+    without close() (never iterated) is still collected, and its threads end."""
+    import gc
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=120, classes=2, mean_size=2000, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
+    with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
+                      runtime=tmp_path / "rt") as store:
+        ds = FileDataset(store, target=None)
+        s = Sampler(ds, seed=1, prefetch=20_000, rank=0, world_size=1)
+        ta = s.tier_ahead
+        assert ta is not None
+        threads = list(ta._threads)
+        deadline = time.monotonic() + 30
+        while ta.stats.read == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 < ta.stats.bytes_read <= 20_000  # then it waits at its budget
+        del s
+        gc.collect()
+        for t in threads:
+            t.join(10)
+        assert ta._closed and not any(t.is_alive() for t in threads)

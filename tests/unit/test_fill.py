@@ -384,3 +384,58 @@ def test_reads_fill_the_tiers_in_place_too(dataset: tuple[Path, dict[str, bytes]
             assert fs.read(p) == files[p], p
         assert fs.chain.origin.stats.bytes_read == before
     assert leftovers(tier) == []
+
+
+def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
+                                                tmp_path: Path) -> None:
+    """A thread holds a tier's lock file while the main thread forks (a DataLoader starting
+    its workers while the placer or a read-ahead reserves room): the fork waits for it, so
+    the child does not keep the lock locked for as long as it lives."""
+    import fcntl
+    import threading
+    import time
+
+    with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        tier = chain.tiers[0]
+        inside, leave = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with chain._tier_lock(tier):
+                inside.set()
+                leave.wait(10)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        assert inside.wait(10)
+        threading.Timer(0.3, leave.set).start()
+        start = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the child: once the parent's thread is done, the lock is free
+            code = 1
+            try:
+                with chain._tier_lock(tier):
+                    code = 0
+            finally:
+                os._exit(code)
+        waited = time.monotonic() - start
+        t.join(10)
+        deadline = time.monotonic() + 30
+        while True:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if not got:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert got and os.waitstatus_to_exitcode(status) == 0
+        assert waited >= 0.25  # the fork waited for the lock to be let go
+        # and this process can take it again
+        name = next(n for n in os.listdir(chain.runtime.claims) if n.startswith(".tier-"))
+        fd = os.open(os.path.join(chain.runtime.claims, name), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)

@@ -263,3 +263,148 @@ def test_read_many_through_symlinks(sample_pack_session: tuple[Path, Path],
     assert sample_store.read_many(paths) == [(src / p.lstrip("/")).read_bytes() for p in paths]
     with pytest.raises(FileNotFoundError, match="link_dangling"):
         sample_store.read_many(["a.txt", "link_dangling"])
+
+
+# --------------------------------------------------------------------------- batched origin reads
+
+
+class _Recording:
+    """An origin that waits on every read (as a remote file system does) and records how many
+    reads were under way at once."""
+
+    def __init__(self, inner: object, delay: float) -> None:
+        import threading
+
+        self.inner, self.delay, self.name = inner, delay, "origin"
+        self.now = self.most = self.calls = 0
+        self._lock = threading.Lock()
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        import time
+
+        with self._lock:
+            self.now += 1
+            self.calls += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(self.delay)
+            return self.inner.pread(shard, offset, length)  # type: ignore[attr-defined]
+        finally:
+            with self._lock:
+                self.now -= 1
+
+    def close(self) -> None:
+        self.inner.close()  # type: ignore[attr-defined]
+
+
+def _scattered(fs: stagefs.Store, files: dict[str, bytes], k: int) -> list[str]:
+    """k non-empty files no two of which sit next to each other (one origin read each)."""
+    m = fs.manifest
+    order = sorted((p for p, d in files.items() if d),
+                   key=lambda p: (m.shard[m.lookup(p.encode())], m.offset[m.lookup(p.encode())]))
+    picked = order[::3][:k]
+    random.Random(5).shuffle(picked)
+    return picked
+
+
+def _recording_store(pack: Path, delay: float) -> tuple[stagefs.Store, _Recording]:
+    from stagefs.store import Store
+    from stagefs.tiers.origin import PackOrigin
+
+    manifest = stagefs.format.Manifest(str(pack / stagefs.format.MANIFEST_NAME))
+    rec = _Recording(PackOrigin(str(pack), manifest), delay)
+    return Store(str(pack), manifest=manifest, origin=rec), rec  # type: ignore[arg-type]
+
+
+def test_read_many_reads_the_origin_from_several_threads(
+        busy: tuple[Path, dict[str, bytes]], monkeypatch: pytest.MonkeyPatch) -> None:
+    pack, files = busy
+    fs, rec = _recording_store(pack, 0.02)
+    with fs:
+        batch = _scattered(fs, files, 24)
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        assert rec.calls == len(batch)
+        assert 2 <= rec.most <= fs.read_threads == 8
+    monkeypatch.setenv("STAGEFS_READ_THREADS", "1")
+    fs, rec = _recording_store(pack, 0.002)
+    with fs:
+        assert fs.read_threads == 1
+        batch = _scattered(fs, files, 24)
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        assert rec.most == 1  # one at a time, in the calling thread
+
+
+@pytest.mark.parametrize("value", ["0", "many", "-2"])
+def test_read_threads_must_be_a_positive_number(busy: tuple[Path, dict[str, bytes]],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                value: str) -> None:
+    from stagefs.errors import ConfigError
+
+    monkeypatch.setenv("STAGEFS_READ_THREADS", value)
+    with pytest.raises(ConfigError, match="STAGEFS_READ_THREADS"):
+        stagefs.open(busy[0])
+
+
+def test_a_bad_file_read_by_a_helper_thread_is_reported(
+        corruptible: tuple[Path, dict[str, bytes]]) -> None:
+    """The corrupt file is not the first of the batch, so a reader thread finds it: the
+    caller gets the same ChecksumError as a read alone, and the good files stay right."""
+    pack, files = corruptible
+    with stagefs.open(pack) as fs:
+        batch = _scattered(fs, files, 20)
+        victim = batch[-1]
+        m = fs.manifest
+        e = m.lookup(victim.encode())
+        shard = m.shards[m.shard[e]].name
+        off = int(m.offset[e]) + int(m.stored[e]) // 2
+    _flip(pack / shard, off)
+    with stagefs.open(pack) as fs:
+        with pytest.raises(ChecksumError, match=victim):
+            fs.read_many(batch)
+        assert fs.read_many(batch[:-1]) == [files[p] for p in batch[:-1]]
+
+
+def test_read_many_in_a_forked_child(busy: tuple[Path, dict[str, bytes]]) -> None:
+    """The reader threads are not copied by fork: a child that inherits the Store (as a
+    DataLoader worker does) makes its own, and reads right."""
+    import multiprocessing
+
+    pack, files = busy
+    with stagefs.open(pack) as fs:
+        batch = _scattered(fs, files, 16)
+        want = [files[p] for p in batch]
+        assert fs.read_many(batch) == want  # the parent's threads exist now
+        assert fs._pool is not None
+
+        def child() -> None:
+            os._exit(0 if fs.read_many(batch) == want and fs._pool[1] is not parent else 1)
+
+        parent = fs._pool[1]
+        proc = multiprocessing.get_context("fork").Process(target=child)
+        proc.start()
+        proc.join(60)
+        if proc.exitcode is None:
+            proc.kill()
+        assert proc.exitcode == 0
+
+
+def test_origin_shards_are_read_without_read_ahead(busy: tuple[Path, dict[str, bytes]],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Samples are read in a random order: the origin tells the kernel so for every shard
+    it opens (the read-ahead of a small read fetches its neighbours ahead of need)."""
+    advised: list[tuple[int, int, int, int]] = []
+    real = os.posix_fadvise
+
+    def record(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((fd, offset, length, advice))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    pack, files = busy
+    with stagefs.open(pack) as fs:
+        batch = _scattered(fs, files, 30)
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        opened = fs.origin._fds
+        assert len(opened) >= 2 and fs.origin.stats.opens == len(opened)
+        assert sorted(a[0] for a in advised) == sorted(opened.values())
+        assert {a[1:] for a in advised} == {(0, 0, os.POSIX_FADV_RANDOM)}

@@ -244,7 +244,7 @@ class TierAhead(_Ahead):
                 nbytes = int(self._cum[stop] - self._cum[self._next])
                 self._next = stop
                 return claim, nbytes
-            self._cv.wait(0.05)  # the budget is used: wait for the consumer
+            self._cv.wait()  # the budget is used: wait for the consumer (advance) or close
         return None
 
     def _run(self) -> None:

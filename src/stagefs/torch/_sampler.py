@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,23 @@ def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     except ValueError as exc:
         raise ConfigError(f"cannot tell this process's rank: {exc}") from None
     return found or (0, 1)
+
+
+def _tier_reader(dataset: Any, shard_of: npt.NDArray[np.int64]) -> Callable[[Sequence[int]], None]:
+    """Reads samples whose shard is not whole in a tier yet (the store writes what it reads
+    from the origin into the tiers). Holds the dataset, not the sampler: a sampler dropped
+    without close() is still collected, and its __del__ stops the read-ahead."""
+    held: list[Any] = [0.0, set()]
+
+    def read(indices: Sequence[int]) -> None:
+        now = time.monotonic()
+        if now - held[0] > 0.5:
+            held[:] = [now, set(dataset.store.held_shards())]
+        todo = [i for i in indices if int(shard_of[i]) not in held[1]]
+        if todo:
+            dataset.read_samples(todo)
+
+    return read
 
 
 class Sampler(torch.utils.data.Sampler[int]):
@@ -106,7 +123,6 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._yielded = 0  # indices yielded since this epoch's start or the resume point
         self.prefetcher: Prefetcher | None = None
         self.tier_ahead: TierAhead | None = None
-        self._held: tuple[float, set[int]] = (0.0, set())
         self._staged_plan: Plan | None = None  # the plan whose shards were staged
         self._tell_workers()
         self._read_ahead_early()
@@ -254,25 +270,14 @@ class Sampler(torch.utils.data.Sampler[int]):
             return
         order = self.order()
         self._stage(order)
-        self.tier_ahead = TierAhead(self._read_into_tiers, self.dataset.sizes(), order,
+        self.tier_ahead = TierAhead(_tier_reader(self.dataset, self._shard_of),
+                                    self.dataset.sizes(), order,
                                     self.budget, threads=1).start()
         self.dataset._set_tier_ahead(self.tier_ahead)  # stopped if this process reads
 
     def _tiered(self) -> bool:
         return getattr(self.dataset.store, "chain", None) is not None
 
-    def _read_into_tiers(self, indices: Sequence[int]) -> None:
-        """Read the samples whose shard is not whole in a tier yet (the store writes what it
-        reads from the origin into the tiers)."""
-        at, held = self._held
-        now = time.monotonic()
-        if now - at > 0.5:
-            held = set(self.dataset.store.held_shards())
-            self._held = (now, held)
-        assert self._shard_of is not None
-        todo = [i for i in indices if int(self._shard_of[i]) not in held]
-        if todo:
-            self.dataset.read_samples(todo)
 
     def _tell_workers(self) -> None:
         """Give the dataset this epoch's order before the DataLoader starts its workers (they
