@@ -439,3 +439,25 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
             os.close(fd)
+
+
+def test_a_partial_copy_started_elsewhere_is_used_at_once(
+        pack: Path, files: dict[str, bytes], runtime: Path, tmp_path: Path,
+        placer_elsewhere: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that looked for a shard's copy a moment ago, before another process (a
+    read-ahead) started its partial copy, reads what that copy holds instead of going to
+    the origin again until its next look at the tier (RECHECK_S)."""
+    from stagefs.tiers import chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "RECHECK_S", 3600.0)
+    tier = str(tmp_path / "t")
+    with stagefs.open(pack, tiers=[tier]) as a, stagefs.open(pack, tiers=[tier]) as b:
+        assert a.chain is not None and b.chain is not None
+        m = a.manifest
+        path = next(p for p in shuffled(files) if files[p])
+        shard = int(m.shard[m.lookup(path.encode())])
+        b.chain.holders(shard)  # b looks: nothing in the tier yet
+        assert a.read(path) == files[path]  # a reads it from the origin and fills the tier
+        before = b.chain.origin.stats.bytes_read
+        assert b.read(path) == files[path]
+        assert b.chain.origin.stats.bytes_read == before  # from a's partial copy

@@ -149,6 +149,11 @@ class TierChain:
                 return self._route[shard]
             self._live_fill(shard, create=False)
             self._next_check[shard] = now + RECHECK_S
+        elif shard not in self._fills:
+            # a partial copy another process started since the last look: a failed open()
+            # per tier when there is none, against a read from the origin (a process forked
+            # as a read-ahead filled the first batches read them again within RECHECK_S)
+            self._get_fill(shard, create=False)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
         if shard in self._fills:
