@@ -334,6 +334,18 @@ def test_read_many_reads_the_origin_from_several_threads(
         assert rec.most == 1  # one at a time, in the calling thread
 
 
+def test_fast_origin_reads_stay_in_the_calling_thread(
+        busy: tuple[Path, dict[str, bytes]]) -> None:
+    """Reads that come back at once (the page cache, a local disk) are not worth a thread:
+    only a slow one sends the rest of the batch to the reader threads."""
+    pack, files = busy
+    fs, rec = _recording_store(pack, 0.0)
+    with fs:
+        batch = _scattered(fs, files, 24)
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        assert rec.most == 1 and fs._pool is None
+
+
 @pytest.mark.parametrize("value", ["0", "many", "-2"])
 def test_read_threads_must_be_a_positive_number(busy: tuple[Path, dict[str, bytes]],
                                                 monkeypatch: pytest.MonkeyPatch,
@@ -370,7 +382,8 @@ def test_read_many_in_a_forked_child(busy: tuple[Path, dict[str, bytes]]) -> Non
     import multiprocessing
 
     pack, files = busy
-    with stagefs.open(pack) as fs:
+    fs, _rec = _recording_store(pack, 0.002)  # a remote file system's latency: threads
+    with fs:
         batch = _scattered(fs, files, 16)
         want = [files[p] for p in batch]
         assert fs.read_many(batch) == want  # the parent's threads exist now
@@ -408,3 +421,22 @@ def test_origin_shards_are_read_without_read_ahead(busy: tuple[Path, dict[str, b
         assert len(opened) >= 2 and fs.origin.stats.opens == len(opened)
         assert sorted(a[0] for a in advised) == sorted(opened.values())
         assert {a[1:] for a in advised} == {(0, 0, os.POSIX_FADV_RANDOM)}
+
+
+def test_the_kernel_read_ahead_can_be_kept(busy: tuple[Path, dict[str, bytes]],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """STAGEFS_ORIGIN_READAHEAD=kernel leaves the kernel's read-ahead on (an idle, fast
+    link); a value it does not know fails the open, naming the variable."""
+    from stagefs.errors import ConfigError
+
+    advised: list[int] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, a: advised.append(fd))
+    pack, files = busy
+    monkeypatch.setenv("STAGEFS_ORIGIN_READAHEAD", "kernel")
+    with stagefs.open(pack) as fs:
+        batch = _scattered(fs, files, 10)
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        assert fs.origin.stats.opens >= 2 and advised == []
+    monkeypatch.setenv("STAGEFS_ORIGIN_READAHEAD", "sometimes")
+    with pytest.raises(ConfigError, match="STAGEFS_ORIGIN_READAHEAD"):
+        stagefs.open(pack)

@@ -30,6 +30,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,12 +84,27 @@ class Extents:
                 int(np.searchsorted(self.offs, b, "left")))
 
 
+_reader = threading.local()
+
+
+@contextlib.contextmanager
+def reading_for(ident: int) -> Iterator[None]:
+    """Reads in this thread count as thread ``ident``'s (a helper thread of one batched read:
+    the batch is one reader, however many threads fetch it)."""
+    _reader.ident = ident
+    try:
+        yield
+    finally:
+        _reader.ident = None
+
+
 class Activity:
     """When reads last went to the origin, and how many readers did, shared by the node's
     processes of one job (a small mapped file in the runtime dir): the placer gives way.
 
-    Each reading thread stamps one of SLOTS slots (by process and thread) with the monotonic
-    clock (the same for every process of the machine), in nanoseconds.
+    Each reading thread stamps one of SLOTS slots (by process and thread; the helper threads
+    of a batched read as the thread that asked, ``reading_for``) with the monotonic clock
+    (the same for every process of the machine), in nanoseconds.
     """
 
     SLOTS = 64
@@ -105,7 +121,8 @@ class Activity:
         self._slots = np.frombuffer(self._mm, dtype=np.int64, count=self.SLOTS)
 
     def touch(self) -> None:
-        slot = hash((os.getpid(), threading.get_ident())) % self.SLOTS
+        slot = hash((os.getpid(), getattr(_reader, "ident", None) or threading.get_ident())
+                    ) % self.SLOTS
         self._slots[slot] = time.monotonic_ns()
 
     def quiet_for(self) -> float:
