@@ -43,6 +43,7 @@ __all__ = ["ReadStats", "Store", "open"]
 _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
 READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
 SLOW_READ_S = 0.001  # a read slower than this waited on a remote file system's latency
+_Unit = tuple[int, int, int, int, int]  # read_many: order[i:j], shard, start, span
 
 
 _STORES: weakref.WeakSet[Store] = weakref.WeakSet()
@@ -184,7 +185,7 @@ class Store:
         pos = [(shard[e], offset[e], stored[e]) for e in ents]
         order = sorted(range(len(ents)), key=pos.__getitem__)
         out: list[bytes] = [b""] * len(ents)
-        units: list[tuple[int, int, int, int, int]] = []  # order[i:j], shard, start, span
+        units: list[_Unit] = []
         n, i = len(order), 0
         while i < n:
             s0, start, length = pos[order[i]]
@@ -198,7 +199,7 @@ class Store:
             units.append((i, j, s0, start, end - start))
             i = j
 
-        def read_unit(u: tuple[int, int, int, int, int]) -> None:
+        def read_unit(u: _Unit) -> None:
             i, j, s0, start, span = u
             if j == i + 1:
                 k = order[i]
@@ -206,9 +207,12 @@ class Store:
             else:
                 self._read_run(order[i:j], ents, plist, out, s0, start, span)
 
-        remote = []
+        remote: list[_Unit] = []
+        local: list[_Unit] = []
         if len(units) > 1 and self.read_threads > 1:
-            remote = [u for u in units if not getattr(self._holders(u[2])[0], "local", False)]
+            for u in units:
+                is_local = getattr(self._holders(u[2])[0], "local", False)
+                (local if is_local else remote).append(u)
         if len(remote) < 2:
             for u in units:
                 read_unit(u)
@@ -227,7 +231,7 @@ class Store:
         rest = remote[k:]
         caller = threading.get_ident()
 
-        def read_for_caller(u: tuple[int, int, int, int, int]) -> None:
+        def read_for_caller(u: _Unit) -> None:
             with reading_for(caller):  # one reader for the tiers' pace, however many threads
                 read_unit(u)
 
@@ -238,10 +242,8 @@ class Store:
         try:
             if rest:
                 read_unit(rest[0])
-            ids = {id(u) for u in remote}
-            for u in units:
-                if id(u) not in ids:
-                    read_unit(u)
+            for u in local:
+                read_unit(u)
         finally:
             for f in futures:  # every read has ended before out is returned or dropped
                 f.exception()

@@ -147,12 +147,14 @@ class TierChain:
         if now >= self._next_check.get(shard, 0.0):
             if self._find(shard):
                 return self._route[shard]
-            self._live_fill(shard, create=False)
             self._next_check[shard] = now + RECHECK_S
-        elif shard not in self._fills:
-            # a partial copy another process started since the last look: a failed open()
-            # per tier when there is none, against a read from the origin (a process forked
-            # as a read-ahead filled the first batches read them again within RECHECK_S)
+            got = self._fills.get(shard)
+            if got is not None and not got[0].linked():  # finished or dropped elsewhere
+                self._forget_fill(shard)
+        if shard not in self._fills:
+            # a partial copy another process started: looked for on every miss (a failed
+            # open() per tier when there is none, against a read from the origin; a process
+            # forked while a read-ahead filled the first batches read them again otherwise)
             self._get_fill(shard, create=False)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)

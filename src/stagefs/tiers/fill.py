@@ -191,14 +191,6 @@ class ShardFill:
     def complete(self) -> bool:
         return bool(self.bits.all())
 
-    def missing(self) -> list[tuple[int, int]]:
-        """Runs of positions not filled yet: [(lo, hi), ...]."""
-        holes = np.flatnonzero(self.bits == 0)
-        if not len(holes):
-            return []
-        cuts = np.flatnonzero(np.diff(holes) != 1) + 1
-        return [(int(r[0]), int(r[-1]) + 1) for r in np.split(holes, cuts)]
-
     def linked(self) -> bool:
         """Is this still the partial copy the tier names (not dropped, not finished)?"""
         try:

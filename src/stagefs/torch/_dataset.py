@@ -18,7 +18,7 @@ from stagefs.errors import ConfigError, NotFoundError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from stagefs.store import Store
 from stagefs.store import open as open_store
-from stagefs.torch._prefetch import Prefetcher, TierAhead
+from stagefs.torch._prefetch import Prefetcher
 
 __all__ = ["FileDataset"]
 
@@ -102,7 +102,6 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         self.target: Target = target
         self.extensions = tuple(e.lower() for e in extensions) if extensions else None
         self._prefetcher: Prefetcher | None = None
-        self._tier_ahead: TierAhead | None = None
         self._upcoming: Upcoming | None = None
         self._worker_ahead: _WorkerAhead | None = None
         self._scan()
@@ -202,10 +201,6 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         p = self._prefetcher
         if p is None or p.pid != os.getpid():  # a forked copy: its threads are not here
             return None
-        ta = self._tier_ahead
-        if ta is not None and ta.pid == p.pid:  # reads happen here: the in-memory one will do
-            ta.close()
-            self._tier_ahead = None
         return p.start()
 
     def __getitem__(self, i: int) -> Any:
@@ -278,9 +273,6 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def _set_upcoming(self, up: Upcoming | None) -> None:
         self._upcoming = up
 
-    def _set_tier_ahead(self, ta: TierAhead | None) -> None:
-        self._tier_ahead = ta
-
     def _set_prefetcher(self, p: Prefetcher | None) -> None:
         old, self._prefetcher = self._prefetcher, p
         if old is not None and old is not p and old.pid == os.getpid():
@@ -296,7 +288,6 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._prefetcher = None
-        self._tier_ahead = None
         self._worker_ahead = None
         self._scan()
 

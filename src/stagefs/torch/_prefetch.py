@@ -204,8 +204,9 @@ class TierAhead(_Ahead):
     ``budget``.
 
     ``read(indices)`` reads the samples through the store (its result is dropped).
-    ``advance(pos)``: the consumer has reached position ``pos`` of ``order`` (the Sampler
-    calls it as it yields).
+    ``advance(pos)``: the consumer has reached position ``pos`` of ``order``. The Sampler
+    never advances it: it reads the epoch's first ``budget`` bytes before the loop starts,
+    and is stopped then.
     """
 
     thread_name = "stagefs-tier-ahead"

@@ -211,14 +211,6 @@ class Sampler(torch.utils.data.Sampler[int]):
         order = self.order()
         self._yielded = 0
         self._start_prefetch(order)
-        if self.tier_ahead is not None:
-            # the loop has started: from here the DataLoader's workers read their batches
-            # (Store.read_many: several reads in flight each) and this process, whose one
-            # thread drives the loop, is left alone: a read-ahead here took the GIL from it
-            # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
-            self.tier_ahead.close(wait=False)
-            self.dataset._set_tier_ahead(None)
-            self.tier_ahead = None
         for i in order.tolist():
             self._yielded += 1
             yield i
@@ -231,14 +223,11 @@ class Sampler(torch.utils.data.Sampler[int]):
         if not self.budget or self._shard_of is None:
             return
         self._stage(order)
-        if self.tier_ahead is not None:
-            # the loop has started: from here the DataLoader's workers read their batches
-            # (Store.read_many: several reads in flight each) and this process, whose one
-            # thread drives the loop, is left alone: a read-ahead here took the GIL from it
-            # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
-            self.tier_ahead.close(wait=False)
-            self.dataset._set_tier_ahead(None)
-            self.tier_ahead = None
+        # the loop has started: from here the DataLoader's workers read their batches
+        # (Store.read_many: several reads in flight each) and this process, whose one thread
+        # drives the loop, is left alone: a read-ahead here took the GIL from it
+        # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
+        self._stop_tier_ahead(wait=False)
         p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
                        threads=self.prefetch_threads)
         self.prefetcher = p
@@ -261,23 +250,23 @@ class Sampler(torch.utils.data.Sampler[int]):
         now until the loop starts (the DataLoader starts its workers and hands them their
         first batches before any sample arrives). Not where the order needs the other
         ranks' holdings (a collective call)."""
-        if self.tier_ahead is not None:
-            self.tier_ahead.close(wait=False)
-            self.dataset._set_tier_ahead(None)
-            self.tier_ahead = None
+        self._stop_tier_ahead(wait=False)
         if (not self.budget or self._shard_of is None or not self._tiered()
                 or (self.locality and self.world_size > 1 and self._held_by is None)):
             return
         order = self.order()
         self._stage(order)
         self.tier_ahead = TierAhead(_tier_reader(self.dataset, self._shard_of),
-                                    self.dataset.sizes(), order,
-                                    self.budget, threads=1).start()
-        self.dataset._set_tier_ahead(self.tier_ahead)  # stopped if this process reads
+                                    self.dataset.sizes(), order, self.budget, threads=1).start()
+
+    def _stop_tier_ahead(self, *, wait: bool) -> None:
+        """``wait``: until its reads under way have ended (else they end on their own)."""
+        if self.tier_ahead is not None:
+            self.tier_ahead.close(wait=wait)
+            self.tier_ahead = None
 
     def _tiered(self) -> bool:
         return getattr(self.dataset.store, "chain", None) is not None
-
 
     def _tell_workers(self) -> None:
         """Give the dataset this epoch's order before the DataLoader starts its workers (they
@@ -343,10 +332,7 @@ class Sampler(torch.utils.data.Sampler[int]):
                 f" seed {self.seed}{' locality' if self.locality else ''}>")
 
     def close(self) -> None:
-        if self.tier_ahead is not None:
-            self.tier_ahead.close()
-            self.dataset._set_tier_ahead(None)
-            self.tier_ahead = None
+        self._stop_tier_ahead(wait=True)
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.dataset._set_prefetcher(None)
