@@ -461,3 +461,31 @@ def test_a_partial_copy_started_elsewhere_is_used_at_once(
         before = b.chain.origin.stats.bytes_read
         assert b.read(path) == files[path]
         assert b.chain.origin.stats.bytes_read == before  # from a's partial copy
+
+
+def test_a_complete_copy_left_unfinished_is_made_whole_by_the_next_read(
+        pack: Path, files: dict[str, bytes], runtime: Path, tmp_path: Path,
+        placer_elsewhere: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process filled the last files of a shard's partial copy and ended before renaming
+    it (a DataLoader worker leaves with os._exit, its placer thread mid-copy): the next
+    process to read from it makes it the shard's copy, instead of serving a partial copy
+    for the rest of the job."""
+    tier = tmp_path / "t"
+    with stagefs.open(pack, tiers=[str(tier)]) as a, stagefs.open(pack, tiers=[str(tier)]) as b:
+        assert a.chain is not None and b.chain is not None
+        m = a.manifest
+        shard = 0
+        in_shard = [p for p in sorted(files) if files[p]
+                    and int(m.shard[m.lookup(p.encode())]) == shard]
+        monkeypatch.setattr(a.chain, "_finish", lambda _shard: False)  # ends before the rename
+        for p in in_shard:
+            assert a.read(p) == files[p], p
+        assert shard not in a.held_shards() and leftovers(tier)  # complete, still partial
+        before = b.chain.origin.stats.bytes_read
+        assert b.read(in_shard[0]) == files[in_shard[0]]
+        assert b.chain.origin.stats.bytes_read == before  # from the tier
+        assert shard in b.held_shards()
+        pid = m.pack_id.hex()
+        name = m.shards[shard].name
+        assert (tier / pid / name).read_bytes() == (pack / name).read_bytes()
+        assert not [p for p in leftovers(tier) if p.name.startswith(name)]

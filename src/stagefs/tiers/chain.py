@@ -144,7 +144,8 @@ class TierChain:
     def _miss(self, shard: int) -> tuple[ShardSource, ...]:
         self.activity.touch()  # a read may go to the origin now: the placer gives way
         now = time.monotonic()
-        if now >= self._next_check.get(shard, 0.0):
+        recheck = now >= self._next_check.get(shard, 0.0)
+        if recheck:
             if self._find(shard):
                 return self._route[shard]
             self._next_check[shard] = now + RECHECK_S
@@ -156,6 +157,11 @@ class TierChain:
             # open() per tier when there is none, against a read from the origin; a process
             # forked while a read-ahead filled the first batches read them again otherwise)
             self._get_fill(shard, create=False)
+        got = self._fills.get(shard)
+        if recheck and got is not None and got[0].complete() and self._finish(shard):
+            # complete but never made whole: the process that filled it last ended first
+            # (a DataLoader worker leaves with os._exit, its placer thread mid-copy)
+            return self._route[shard]
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
         if shard in self._fills:
