@@ -105,8 +105,7 @@ def warm_torch(workers: int) -> None:
     """Run a DataLoader like the measured one over a few in-memory items, so torch's code
     is in memory again after drop_caches (see the module's docstring)."""
     for _ in torch.utils.data.DataLoader(
-            _Few(), batch_size=32, sampler=torch.utils.data.RandomSampler(range(64)),
-            num_workers=workers, collate_fn=collate,
+            _Few(), batch_size=32, shuffle=True, num_workers=workers, collate_fn=collate,
             multiprocessing_context="fork" if workers else None):
         pass
 

@@ -133,31 +133,31 @@ def fill_gaps(
     done = int(np.sum((ends - offs)[bits.astype(bool)])) if n_ext else 0
     if progress is not None:
         progress(done)
-    cursor = [0]
-    big: list[tuple[int, int] | None] = [None]  # the rest of a large file being read
+    cursor = 0
+    big: tuple[int, int] | None = None  # the rest of a large file being read
 
     def next_piece(chunk: int) -> tuple[int, int] | None:
-        rest = big[0]
-        if rest is not None:
-            a, b = rest
+        nonlocal cursor, big
+        if big is not None:
+            a, b = big
             n = min(chunk, b - a)
-            big[0] = (a + n, b) if a + n < b else None
+            big = (a + n, b) if a + n < b else None
             return a, n
-        k = cursor[0]
+        k = cursor
         while k < n_ext and bits[k]:
             k += 1
         if k >= n_ext:
-            cursor[0] = k
+            cursor = k
             return None
         a = int(offs[k])
         if int(ends[k]) - a > chunk:
-            cursor[0] = k + 1
-            big[0] = (a + chunk, int(ends[k]))
+            cursor = k + 1
+            big = (a + chunk, int(ends[k]))
             return a, chunk
         hi = k + 1
         while hi < n_ext and not bits[hi] and int(ends[hi]) - a <= chunk:
             hi += 1
-        cursor[0] = hi
+        cursor = hi
         return a, int(ends[hi - 1]) - a
 
     streaming: _Verifier | None = None

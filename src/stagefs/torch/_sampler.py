@@ -49,13 +49,14 @@ def _tier_reader(dataset: Any, shard_of: npt.NDArray[np.int64]) -> Callable[[Seq
     """Reads samples whose shard is not whole in a tier yet (the store writes what it reads
     from the origin into the tiers). Holds the dataset, not the sampler: a sampler dropped
     without close() is still collected, and its __del__ stops the read-ahead."""
-    held: list[Any] = [0.0, set()]
+    looked, held = 0.0, set[int]()
 
     def read(indices: Sequence[int]) -> None:
+        nonlocal looked, held
         now = time.monotonic()
-        if now - held[0] > 0.5:
-            held[:] = [now, set(dataset.store.held_shards())]
-        todo = [i for i in indices if int(shard_of[i]) not in held[1]]
+        if now - looked > 0.5:
+            looked, held = now, set(dataset.store.held_shards())
+        todo = [i for i in indices if int(shard_of[i]) not in held]
         if todo:
             dataset.read_samples(todo)
 
