@@ -27,7 +27,7 @@ from stagefs.cluster.placement import place
 from stagefs.cluster.staging import Stager
 from stagefs.config import TierSpec
 from stagefs.errors import ChecksumError
-from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest
+from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net import auth
 from stagefs.net.client import PeerClient
 from stagefs.net.server import ShardServer
