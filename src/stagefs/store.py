@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from stagefs._malloc import tune_malloc
 from stagefs.config import TierSpec, env
@@ -32,13 +32,13 @@ from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg
 from stagefs.runtime import Runtime
-from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.base import PreadMany, ShardSource, SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.fill import reading_for
 from stagefs.tiers.inplace import SumTable
 from stagefs.tiers.origin import PackOrigin
 
-__all__ = ["ReadStats", "Store", "open"]
+__all__ = ["Holders", "ReadStats", "Store", "open"]
 
 _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
 READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
@@ -71,6 +71,19 @@ def _read_threads() -> int:
     return n
 
 
+class Holders(Protocol):
+    """Who holds each shard, and the rest a Store hands to the same object: the node's
+    tiers (tiers/chain.py) or a cluster (cluster/connect.py). A holder that offers
+    ``pread_many`` (tiers/base.py ``PreadMany``) gets the ranges of a ``read_many`` that
+    go to it in one call."""
+
+    def holders(self, shard: int) -> Sequence[ShardSource]: ...
+    def prefetch(self, shards: Iterable[int]) -> None: ...
+    def held_shards(self) -> set[int]: ...
+    def status(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
 @dataclass
 class ReadStats:
     """Reads served by this process's Store."""
@@ -97,6 +110,7 @@ class Store:
         sources: Callable[[int], Sequence[ShardSource]] | None = None,
         origin: ShardSource | None = None,
         chain: TierChain | None = None,
+        policy: Holders | None = None,
         sums: SumTable | None = None,
         reopen: dict[str, Any] | None = None,
         runtime: Runtime | None = None,
@@ -109,7 +123,10 @@ class Store:
             pack_dir, self.manifest, check_headers=not verify)
         self._origin_only = (self.origin,)
         self.chain = chain  # node-local tiers (tiers/chain.py), or None: origin only
-        self._holders = sources or (chain.holders if chain is not None else self._origin_holders)
+        # who holds each shard: the tiers, a cluster (policy), or the origin alone
+        self._policy: Holders | None = policy if policy is not None else chain
+        self._holders = sources or (self._policy.holders if self._policy is not None
+                                    else self._origin_holders)
         # the tiers fill as origin reads pass (tiers/fill.py)
         self._from_origin = chain.from_origin if chain is not None else None
         self._sums = sums  # in place: checksums learnt as shards are placed
@@ -207,41 +224,78 @@ class Store:
             else:
                 self._read_run(order[i:j], ents, plist, out, s0, start, span)
 
+        def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
+            """One call to ``src`` for all its units, each then verified like any read;
+            what it could not give goes to the per-entry path (every holder in turn)."""
+            got = pread_many([(s0, start, span) for _, _, s0, start, span in us])
+            for (i, j, s0, start, span), data in zip(us, got, strict=True):
+                if data is not None:
+                    self._read_run(order[i:j], ents, plist, out, s0, start, span,
+                                   fetched=(src, data))
+                    continue
+                self.stats.unavailable += 1
+                for k in order[i:j]:
+                    out[k] = self.read_entry(ents[k], plist[k])
+
         remote: list[_Unit] = []
         local: list[_Unit] = []
-        if len(units) > 1 and self.read_threads > 1:
+        # a holder that takes many ranges in one call -> (it, that call, its units)
+        batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]] = {}
+        if len(units) > 1:
+            holders = self._holders
             for u in units:
-                is_local = getattr(self._holders(u[2])[0], "local", False)
-                (local if is_local else remote).append(u)
-        if len(remote) < 2:
+                hs = holders(u[2])
+                if getattr(hs[0], "local", False):
+                    local.append(u)
+                    continue
+                src = _first_up(hs)
+                many: PreadMany | None = getattr(src, "pread_many", None)
+                if many is not None:
+                    batches.setdefault(id(src), (src, many, []))[2].append(u)
+                else:
+                    remote.append(u)
+        if not batches and len(remote) < 2:
             for u in units:
                 read_unit(u)
             return out
-        # remote reads that come back at once (the page cache, a local disk) go on here, one
-        # after the other: threads would only cost (a warm epoch from the PFS client's page
-        # cache: 17.6 k samples/s with them, 29.5 k without); the first slow one (a shared
-        # file system's latency) hands the rest to the reader threads
-        clock, k = time.perf_counter, 0
-        while k < len(remote):
-            t0 = clock()
-            read_unit(remote[k])
-            k += 1
-            if clock() - t0 > SLOW_READ_S:
-                break
-        rest = remote[k:]
         caller = threading.get_ident()
 
-        def read_for_caller(u: _Unit) -> None:
+        def for_caller(read: Callable[..., None], *args: Any) -> None:
             with reading_for(caller):  # one reader for the tiers' pace, however many threads
-                read_unit(u)
+                read(*args)
 
+        threads = self.read_threads > 1
         futures: list[Future[None]] = []
-        if len(rest) > 1:
-            pool = self._read_pool()
-            futures = [pool.submit(read_for_caller, u) for u in rest[1:]]
         try:
-            if rest:
-                read_unit(rest[0])
+            # each remote holder's batch at once, in the reader threads (the last one in
+            # this thread if it has nothing else to read)
+            alone = not local and not remote
+            for b, (src, many, us) in enumerate(batches.values(), 1):
+                if threads and not (alone and b == len(batches)):
+                    futures.append(self._read_pool().submit(for_caller, read_batch, src, many,
+                                                            us))
+                else:
+                    read_batch(src, many, us)
+            # remote reads that come back at once (the page cache, a local disk) go on
+            # here, one after the other: threads would only cost (a warm epoch from the PFS
+            # client's page cache: 17.6 k samples/s with them, 29.5 k without); the first
+            # slow one (a shared file system's latency) hands the rest to the reader threads
+            rest = remote
+            if len(remote) > 1:
+                clock, k = time.perf_counter, 0
+                while k < len(remote):
+                    t0 = clock()
+                    read_unit(remote[k])
+                    k += 1
+                    if clock() - t0 > SLOW_READ_S:
+                        break
+                rest = remote[k:]
+                if threads and len(rest) > 1:
+                    pool = self._read_pool()
+                    futures += [pool.submit(for_caller, read_unit, u) for u in rest[1:]]
+                    rest = rest[:1]
+            for u in rest:
+                read_unit(u)
             for u in local:
                 read_unit(u)
         finally:
@@ -265,12 +319,14 @@ class Store:
         return got[1]
 
     def _read_run(self, run: list[int], ents: list[int], paths: Sequence[PathArg],
-                  out: list[bytes], shard: int, start: int, span: int) -> None:
-        """Read adjacent ranges with one call, then verify each file on its own."""
+                  out: list[bytes], shard: int, start: int, span: int,
+                  fetched: tuple[ShardSource, bytes] | None = None) -> None:
+        """Read adjacent ranges with one call (or take ``fetched``: a holder and the bytes
+        it gave for them), then verify each file on its own."""
         m = self.manifest
         src: ShardSource | None = None
         try:
-            src, got = self._fetch_from(shard, start, span)
+            src, got = fetched or self._fetch_from(shard, start, span)
             blob = memoryview(got)
         except (SourceUnavailable, ChecksumError, CorruptShardError):
             blob = None
@@ -397,18 +453,18 @@ class Store:
 
     def prefetch(self, shards: Iterable[int]) -> None:
         """Place these shards into the tiers in this order, soonest first (background)."""
-        if self.chain is not None:
-            self.chain.prefetch(shards)
+        if self._policy is not None:
+            self._policy.prefetch(shards)
 
     def held_shards(self) -> set[int]:
         """The shards this node holds in its tiers."""
-        return self.chain.held_shards() if self.chain is not None else set()
+        return self._policy.held_shards() if self._policy is not None else set()
 
     def status(self) -> dict[str, Any]:
         """Counters of this process: per tier (bytes used, shards held, hits, placed,
         dropped), misses, hit rate, and every origin operation (``origin_stats``)."""
-        if self.chain is not None:
-            out = self.chain.status()
+        if self._policy is not None:
+            out = self._policy.status()
         else:
             out = {"pid": os.getpid(), "tiers": [], "misses": self.stats.reads, "hits": 0,
                    "hit_rate": 0.0, "origin": self._origin_name(),
@@ -427,8 +483,8 @@ class Store:
             pool, self._pool = self._pool, None
         if pool is not None and pool[0] == os.getpid():
             pool[1].shutdown(wait=True)
-        if self.chain is not None:
-            self.chain.close()
+        if self._policy is not None:
+            self._policy.close()
         if self._runtime is not None:
             self._runtime.unregister()
         self.origin.close()
@@ -443,11 +499,18 @@ class Store:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
+        reopen = getattr(self._policy, "reopen", None)
+        if reopen is not None:  # (function, args) that open it again (a cluster: connect)
+            return {"policy_reopen": reopen()}
         if self._reopen is not None:
             return {"reopen": self._reopen}
         return {"pack_dir": self.pack_dir, "verify": self.verify}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "policy_reopen" in state:
+            fn, args = state["policy_reopen"]
+            self.__dict__.update(fn(*args).__dict__)
+            return
         if "reopen" in state:  # tiers or in place: reopen the same way (tiers/open.py)
             from stagefs.tiers.open import build_store
 
@@ -457,6 +520,15 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<stagefs.Store {self.pack_dir!r} ({len(self.manifest)} entries)>"
+
+
+def _first_up(hs: Sequence[ShardSource]) -> ShardSource:
+    """The first holder not known to be down (a peer after a failure), else the first."""
+    for h in hs:
+        down = getattr(h, "is_down", None)
+        if down is None or not down():
+            return h
+    return hs[0]
 
 
 def open(

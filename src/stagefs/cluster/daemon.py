@@ -31,16 +31,19 @@ from stagefs.cluster.bootstrap import (
     SingleBootstrap,
     StaticBootstrap,
 )
-from stagefs.cluster.cmap import ClusterMap, remove_runtime, write_map
+from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
 from stagefs.cluster.placement import place, shards_matching
-from stagefs.cluster.staging import NodeTiers, Stager
+from stagefs.cluster.staging import Stager
 from stagefs.cluster.world import detect, read_hosts, runtime_default, under_mpi
 from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.server import ShardServer
+from stagefs.runtime import Runtime
 from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.chain import TierChain
+from stagefs.tiers.origin import PackOrigin
 
 __all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
 
@@ -129,9 +132,12 @@ class Daemon:
         self.runtime = os.path.abspath(raw_rt.replace("{rank}", str(self.rank)))
         self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
         self.token = self.boot.token()
-        self.tiers = NodeTiers(self.tier_specs, self.manifest)
+        # the single-node tier layer: tiers, room, claims and copies (tiers/chain.py)
+        self.chain = TierChain(self.manifest, PackOrigin(self.pack, self.manifest),
+                               self.tier_specs, _tier_runtime(self.runtime),
+                               origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
-        self.server = ShardServer(self.manifest, self.token, self.tiers.locate, host, port,
+        self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
                                   status=self.status)
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(
@@ -143,8 +149,8 @@ class Daemon:
         self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
                                     name=f"node {n}", timeout=30.0)
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
-        self.stager = Stager(self.manifest, self.pack, self.placement.holders, self.rank,
-                             self.tiers, self.peers, self.stop, o.forward_timeout)
+        self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
+                             self.peers, self.stop, o.forward_timeout)
         self.progress_unreachable = 0
         self.staged_at = 0.0
 
@@ -157,12 +163,17 @@ class Daemon:
             "port": self.server.address[1], "pid": os.getpid(), "state": self.state,
             "staging": st, "staging_done": self.stager.done.is_set(),
             "staging_error": None if self.stager.error is None else str(self.stager.error),
-            "tiers": self.tiers.usage(), "pack": self.pack,
+            "tiers": self._tier_usage(), "pack": self.pack,
             "peers_unreachable": st["peers_unreachable"] + self.progress_unreachable + sum(
                 c.stats.failures for c in self.peers.values()),
             "checksum_failures": st["checksum_failures"],
             "bootstrap": self.boot.source,
         }
+
+    def _tier_usage(self) -> list[dict[str, Any]]:
+        sizes = [sh.size for sh in self.manifest.shards]
+        return [{"path": t.root, "capacity": t.capacity, "stopped": t.stopped,
+                 "used": sum(sizes[s] for s in t.held())} for t in self.chain.tiers]
 
     def cmap(self, staged: bool) -> ClusterMap:
         return ClusterMap(
@@ -214,6 +225,9 @@ class Daemon:
     def close(self) -> None:
         self.stop.set()
         self.server.close()
+        if self.state != "starting":  # the stager ran: let it end the shard it copies
+            self.stager.done.wait(30)
+        self.chain.close()
         for c in self.peers.values():
             c.close()
         remove_runtime(self.runtime)
@@ -267,6 +281,17 @@ class Daemon:
         _say(0, f"staged: {format_size(held)} on {len(ok)} nodes in {took:.1f} s; origin "
              f"read {format_size(origin)} ({origin / max(dataset, 1):.2f}x the dataset), "
              f"{format_size(fwd)} forwarded between nodes")
+
+
+def _tier_runtime(path: str) -> Runtime:
+    """The daemon's runtime directory as the tier layer uses it (claims, tier locks,
+    counters). The daemon does not register as one of the job's processes: its tier data
+    outlive it, for a restart (stale-job cleanup never judges a directory without them)."""
+    prepare_runtime(path)
+    rt = Runtime(path)
+    for sub in (rt.claims, rt.stats, rt.tiers):
+        os.makedirs(sub, mode=0o700, exist_ok=True)
+    return rt
 
 
 def _say(rank: int, msg: str) -> None:

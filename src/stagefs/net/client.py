@@ -292,5 +292,16 @@ class PeerSource:
             raise PeerUnavailable(f"{self.name}: does not hold shard {shard} (yet)")
         return data
 
+    def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        """Many ranges in one batched READ; None for each the peer cannot give (all of them
+        if it is down or fails mid-batch)."""
+        try:
+            return self.client.read(ranges)
+        except (SourceUnavailable, AuthenticationError):
+            return [None] * len(ranges)
+
+    def is_down(self) -> bool:
+        return self.client.is_down()
+
     def close(self) -> None:
         self.client.close()

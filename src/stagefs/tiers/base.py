@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol, runtime_checkable
 
-__all__ = ["OriginStats", "ShardSource", "SourceUnavailable", "pread_full"]
+__all__ = ["OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "pread_full"]
 
 
 _MAX_ONE_READ = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read
@@ -52,6 +53,12 @@ class ShardSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+PreadMany = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]
+"""``pread_many(ranges)``, offered by a remote holder (a peer) besides ``pread``: the bytes
+of each (shard, offset, length) in one exchange, None where it cannot give them (down, not
+held). Store.read_many sends each such holder all its ranges at once and verifies each."""
 
 
 @dataclass

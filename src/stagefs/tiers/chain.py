@@ -117,6 +117,7 @@ class TierChain:
         self._failed: set[int] = set()
         self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
         self.misses = 0
+        self.corrupt = 0  # files that failed their checksum while copied into a tier
         self.full = not self.tiers
         self._closing = False
         self._init_threading()
@@ -363,10 +364,14 @@ class TierChain:
                 self._busy = False
             self._maybe_flush()
 
-    def place(self, shard: int, progress: Callable[[int], None] | None = None) -> str:
-        """Place one shard now, in this thread. Returns what happened: ``held`` (already
-        there), ``placed``, ``elsewhere`` (another live process is placing it), ``full``
-        (no tier has room) or ``failed`` (the origin could not be read or was wrong)."""
+    def place(self, shard: int, progress: Callable[[int], None] | None = None,
+              source: ShardSource | None = None) -> str:
+        """Place one shard now, in this thread, copying it from ``source`` (default: the
+        origin). Returns what happened: ``held`` (already there), ``placed``, ``elsewhere``
+        (another live process is placing it), ``full`` (no tier has room) or ``failed``
+        (the origin could not be read or was wrong). From another source (a peer), what it
+        could not give is for the caller to fetch elsewhere, and the files it gave right stay
+        in the partial copy: ``corrupt`` (a file failed its checksum) or ``unavailable``."""
         if self._find(shard):
             return "held"
         if not self.claims.acquire(shard):
@@ -383,9 +388,39 @@ class TierChain:
                     log.warning("shard %d not placed: its files do not tile it", shard)
                     return "failed"
                 return "full"
-            return self._copy_rest(shard, *got, progress)
+            return self._copy_rest(shard, *got, progress, source or self.origin)
         finally:
             self.claims.release(shard)
+
+    def scan(self, shards: Iterable[int]) -> set[int]:
+        """Adopt the whole copies already in the tiers (a restarted process): a copy of the
+        right size whose header names this pack and shard is held; another file under a
+        shard's final name is deleted (nothing writes a final name but the rename of a
+        checked copy). Partial copies are left alone: the claim decides who may go on
+        filling them (``place``), never a scan."""
+        held: set[int] = set()
+        for shard in shards:
+            if not self._find(shard):
+                continue
+            t = self._route[shard][0]
+            assert isinstance(t, DirTier)
+            if t.header_ok(shard, self.manifest.pack_id):
+                held.add(shard)
+            else:
+                log.warning("%s: not a copy of shard %d of this pack; deleted", t.path(shard),
+                            shard)
+                self._route.pop(shard, None)
+                t.forget(shard)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(t.path(shard))
+        return held
+
+    def locate(self, shard: int) -> str | None:
+        """The path of the shard's whole copy in a tier, or None (never schedules a copy)."""
+        if not self._find(shard):
+            return None
+        t = self._route[shard][0]
+        return t.path(shard) if isinstance(t, DirTier) else None
 
     def _find(self, shard: int) -> bool:
         if shard in self._route:
@@ -422,18 +457,32 @@ class TierChain:
         return 1, min(placer.BUSY_CHUNK, placer.CHUNK)
 
     def _copy_rest(self, shard: int, f: ShardFill, t: DirTier,
-                   progress: Callable[[int], None] | None) -> str:
-        """Copy what the reads have not filled, then make the copy whole."""
+                   progress: Callable[[int], None] | None, src: ShardSource) -> str:
+        """Copy what the reads have not filled from ``src``, then make the copy whole."""
+        origin = src is self.origin
+        name = self.manifest.shards[shard].name
         try:
-            fill_gaps(f, read=lambda off, n: self.origin.pread(shard, off, n), m=self.manifest,
-                      check=self._check, where=f"shard {shard} from the origin",
+            fill_gaps(f, read=lambda off, n: src.pread(shard, off, n), m=self.manifest,
+                      check=self._checker(src), where=f"shard {shard} from {src.name}",
                       progress=progress, stop=lambda: self._closing, pace=self._pace)
         except CopyAborted:
             return "aborted"  # what was copied stays in the partial copy, for the next one
-        except (OriginFailed, CorruptShardError) as exc:
+        except CorruptShardError as exc:
+            self.corrupt += 1
+            if not origin:  # the files checked so far stay; the caller asks another holder
+                log.warning("shard %d (%s): %s; asking the next holder", shard, name, exc)
+                return "corrupt"
             self._failed.add(shard)
             self._drop_fill(shard, again=False)  # it cannot be completed: free its room
-            log.warning("shard %d not placed: %s", shard, exc)
+            log.warning("shard %d (%s) not placed: %s", shard, name, exc)
+            return "failed"
+        except OriginFailed as exc:
+            if not origin:
+                log.info("shard %d (%s): %s did not answer (%s)", shard, name, src.name, exc)
+                return "unavailable"
+            self._failed.add(shard)
+            self._drop_fill(shard, again=False)
+            log.warning("shard %d (%s) not placed: %s", shard, name, exc)
             return "failed"
         except OSError as exc:
             self._drop_fill(shard, again=False)
@@ -449,14 +498,21 @@ class TierChain:
         log.warning("%s: placement stopped (%s); reads go on", t.name, reason)
         return "next"
 
-    def _check(self, e: int, digest: int) -> None:
-        if self._record is not None:
-            self._record(e, digest)
-        elif digest != self.manifest.checksum[e]:
-            raise CorruptShardError(
-                f"{self.origin_path}: {os.fsdecode(self.manifest.path_of(e))} does not match "
-                "its checksum at the origin; the shard is not placed"
-            )
+    def _checker(self, src: ShardSource) -> Callable[[int, int], None]:
+        """Check each file copied from ``src`` against the manifest (in place: the origin's
+        checksums are learnt as it is copied)."""
+        origin = src is self.origin
+        where = self.origin_path if origin else src.name
+
+        def check(e: int, digest: int) -> None:
+            if origin and self._record is not None:
+                self._record(e, digest)
+            elif digest != self.manifest.checksum[e]:
+                raise CorruptShardError(
+                    f"{where}: {os.fsdecode(self.manifest.path_of(e))} does not match its "
+                    "checksum" + (" at the origin; the shard is not placed" if origin else ""))
+
+        return check
 
     @contextlib.contextmanager
     def _tier_lock(self, t: DirTier) -> Iterator[None]:
@@ -530,6 +586,7 @@ class TierChain:
             "misses": self.misses,
             "origin_stats": origin_stats.as_dict() if origin_stats is not None else {},
             "claims": self.claims.taken,
+            "corrupt": self.corrupt,
             "takeovers": self.claims.takeovers,
             "tiers": {t.root: t.stats.as_dict() for t in self.tiers},
         }
@@ -593,7 +650,7 @@ class TierChain:
         self._queue.clear()
         self._queued.clear()
         self._init_threading()
-        self.misses = 0
+        self.misses = self.corrupt = 0
         self.claims.reset_after_fork()
         for t in self.tiers:
             t.reset_after_fork()

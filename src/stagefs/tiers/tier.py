@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from stagefs.config import TierSpec, format_size
-from stagefs.errors import ConfigError
-from stagefs.format import Manifest
+from stagefs.errors import ConfigError, FormatError
+from stagefs.format import Manifest, ShardHeader
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import SourceUnavailable, pread_full
 
 __all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir"]
@@ -122,6 +123,19 @@ class DirTier:
                 os.close(fd)
             else:
                 self._fds[shard] = fd
+        return True
+
+    def header_ok(self, shard: int, pack_id: bytes) -> bool:
+        """Does the held copy's header name this pack and shard, with the right length?"""
+        fd = self._fds.get(shard)
+        if fd is None and not (self.holds(shard) and (fd := self._fds.get(shard)) is not None):
+            return False
+        try:
+            raw = os.pread(fd, SHARD_HEADER.size, 0)
+            ShardHeader.decode(raw, self.path(shard)).check(
+                self.path(shard), index=shard, pack_id=pack_id, file_size=self._sizes[shard])
+        except (OSError, FormatError):
+            return False
         return True
 
     def held(self) -> set[int]:
