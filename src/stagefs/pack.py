@@ -25,6 +25,7 @@ from typing import Any
 import xxhash
 from tqdm import tqdm
 
+from stagefs._fsutil import atomic_write
 from stagefs.config import format_size, parse_size
 from stagefs.errors import (
     CorruptManifestError,
@@ -294,9 +295,7 @@ def _write_shard(
 
 
 def _write_json(path: str, obj: Any) -> None:
-    with open(path + ".partial", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".partial", path)
+    atomic_write(path, json.dumps(obj))
 
 
 def _reusable(dest: str, index: int, files: list[_Source]) -> _ShardResult | None:

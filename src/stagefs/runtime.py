@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Any
 
+from stagefs._fsutil import atomic_write
 from stagefs.config import env
 from stagefs.errors import ConfigError
 
@@ -257,10 +258,7 @@ def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = froze
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj))
 
 
 def _read_jsons(folder: str) -> list[dict[str, Any]]:

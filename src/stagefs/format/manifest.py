@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 from xxhash import xxh3_64_intdigest
 
+from stagefs._fsutil import atomic_write
 from stagefs.errors import CorruptManifestError, UnsupportedVersionError
 from stagefs.format.spec import (
     ALIGN,
@@ -110,13 +111,7 @@ class ManifestBuilder:
         self.entries.append(entry)
 
     def write(self, path: str) -> None:
-        data = self.encode()
-        partial = path + ".partial"
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
+        atomic_write(path, self.encode())
 
     def encode(self) -> bytes:
         entries = self._ordered()
