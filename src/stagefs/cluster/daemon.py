@@ -40,6 +40,7 @@ from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.server import ShardServer
+from stagefs.runtime import Runtime
 from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
@@ -130,6 +131,9 @@ class Daemon:
         self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
         self.token = self.boot.token()
         self.tiers = NodeTiers(self.tier_specs, self.manifest)
+        # a lease (clean refuses while we run) and where our data goes (clean removes it)
+        self.lease = Runtime(self.runtime).open()
+        self.lease.record_tiers(self.manifest.pack_id.hex(), [s.path for s in self.tier_specs])
         host, port = _bind_address(o, self.boot)
         self.server = ShardServer(self.manifest, self.token, self.tiers.locate, host, port,
                                   status=self.status)
@@ -217,6 +221,7 @@ class Daemon:
         for c in self.peers.values():
             c.close()
         remove_runtime(self.runtime)
+        self.lease.unregister()
 
     def _gather(self) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []
