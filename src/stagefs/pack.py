@@ -544,10 +544,10 @@ def unpack(
     dest_s = os.path.abspath(os.fspath(dest))
     if os.path.lexists(dest_s) and not os.path.isdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not a directory; unpack into a new directory")
-    os.makedirs(dest_s, exist_ok=True)
-    if os.listdir(dest_s):
+    if os.path.isdir(dest_s) and os.listdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not empty; unpack into a new directory")
-    with open_store(pack_dir) as store:
+    with open_store(pack_dir) as store:  # a pack that cannot be opened leaves no DEST behind
+        os.makedirs(dest_s, exist_ok=True)
         m = store.manifest
         total = int(m.arrays["size"][m.arrays["kind"] == KIND_FILE].sum())
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="unpacking",
