@@ -244,10 +244,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
-    from stagefs.runtime import Runtime
+    from stagefs.runtime import Runtime, clean
 
     rt = Runtime(args.runtime)
-    removed = rt.remove() if rt.exists() else []
+    every = rt.jobs()
+    removed = clean(every if args.all_jobs else [rt], force=args.force, others=every)
     print("\n".join(f"removed {p}" for p in removed) or f"nothing to clean ({rt.path})")
     return 0
 
@@ -403,8 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,
                     help="use MPI to bootstrap (default: if an MPI launcher started us)")
 
-    sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory")
+    sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory (staged "
+             "data is otherwise kept for the next job); refused while a process uses them")
     sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--all", dest="all_jobs", action="store_true",
+                    help="every job of yours on this node (under the default runtime base)")
+    sp.add_argument("--force", action="store_true",
+                    help="clean even while live processes use the runtime")
 
     sp = add("bench", cmd_bench, "compare shuffled epochs: plain files, stagefs, and the peers")
     sp.add_argument("--dataset", choices=("imagenet-like", "npz"), default="imagenet-like")

@@ -27,7 +27,8 @@ the real file system would set it.
     ├── ConfigError (ValueError)               a size, a tier spec or a variable is malformed
     ├── ProtocolError (ValueError)             a peer sent bytes that are not the stagefs protocol
     ├── AuthenticationError (PermissionError)  a peer did not prove the job token
-    └── ClusterError                           no cluster runtime here, or it cannot be used
+    ├── ClusterError                           no cluster runtime here, or it cannot be used
+    └── RuntimeInUseError                      live processes use a job's runtime (clean refuses)
 
 Errors are raised at the boundary where stagefs knows what went wrong, with the path (and
 the shard, where one is involved) in the message, and ``from`` the low-level cause.
@@ -55,6 +56,7 @@ __all__ = [
     "PathError",
     "ProtocolError",
     "ReadOnlyError",
+    "RuntimeInUseError",
     "SourceChangedError",
     "StagefsError",
     "SymlinkLoopError",
@@ -177,3 +179,7 @@ class AuthenticationError(StagefsError, PermissionError):
 
 class ClusterError(StagefsError):
     """The cluster runtime (map, token) cannot be found or used; the message says what to do."""
+
+
+class RuntimeInUseError(StagefsError):
+    """Live processes hold leases on a job's runtime directory; the message names them."""

@@ -16,7 +16,6 @@ or the read fails with a ``SourceChangedError`` naming it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import stat as st
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 from xxhash import xxh3_64_hexdigest
 
+from stagefs._fsutil import file_lock
 from stagefs.errors import UnreadableSourceError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, Manifest, ManifestBuilder, shard_name
 from stagefs.format.manifest import Entry, ShardInfo
@@ -187,13 +187,8 @@ class InPlaceCache:
     def locked(self) -> Iterator[None]:
         """One process scans; the others wait and then reuse what it wrote."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        fd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with file_lock(os.path.join(self.dir, ".lock")):
             yield
-        finally:
-            os.close(fd)
 
 
 def is_stale(root: str, m: Manifest, stats: OriginStats | None = None) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any
 import xxhash
 from tqdm import tqdm
 
+from stagefs._fsutil import atomic_write
 from stagefs.config import format_size, parse_size
 from stagefs.errors import (
     CorruptManifestError,
@@ -45,7 +46,7 @@ from stagefs.format import (
     shard_name,
 )
 from stagefs.format.codecs import Codec, compress_auto
-from stagefs.format.manifest import Entry, Manifest, ShardInfo
+from stagefs.format.manifest import Entry, ShardInfo
 
 __all__ = ["PackReport", "pack", "unpack"]
 
@@ -294,9 +295,7 @@ def _write_shard(
 
 
 def _write_json(path: str, obj: Any) -> None:
-    with open(path + ".partial", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".partial", path)
+    atomic_write(path, json.dumps(obj))
 
 
 def _reusable(dest: str, index: int, files: list[_Source]) -> _ShardResult | None:
@@ -517,6 +516,17 @@ def _write_manifest(
 
 
 # ---------------------------------------------------------------------------------- unpack
+#
+# A pack is input from outside: a crafted manifest must not make unpack write, chmod or link
+# anything outside DEST. So every name is checked (no "/", "..", ".", NUL or empty part, a
+# path that is its directory's path plus one name), every directory is one this unpack made,
+# and everything is created relative to the file descriptor of its directory, opened one
+# name at a time with O_NOFOLLOW: no symlink is ever followed, whoever wrote it. Creation is
+# exclusive (O_EXCL, mkdir, symlink), so a repeated path fails instead of reusing what is
+# there. Set-user-id, set-group-id and sticky bits are never restored.
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def unpack(
@@ -524,66 +534,151 @@ def unpack(
 ) -> int:
     """Restore the tree of a pack at ``dest`` byte for byte, with modes and mtimes.
 
-    Every file is verified against its checksum. Returns the number of files written.
+    ``dest`` must be missing or an empty directory. Every file is verified against its
+    checksum. A pack whose manifest names a path that would leave ``dest`` is refused with a
+    CorruptManifestError naming the entry; what was written before stays inside ``dest``.
+    Returns the number of files written.
     """
     from stagefs.store import open as open_store
 
     dest_s = os.path.abspath(os.fspath(dest))
-    if os.path.exists(dest_s) and os.listdir(dest_s):
+    if os.path.lexists(dest_s) and not os.path.isdir(dest_s):
+        raise DestinationExistsError(f"{dest_s} is not a directory; unpack into a new directory")
+    if os.path.isdir(dest_s) and os.listdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not empty; unpack into a new directory")
-    os.makedirs(dest_s, exist_ok=True)
-    n = 0
-    with open_store(pack_dir) as store:
+    with open_store(pack_dir) as store:  # a pack that cannot be opened leaves no DEST behind
+        os.makedirs(dest_s, exist_ok=True)
         m = store.manifest
-        root = os.fsencode(dest_s)
-        dirs: list[int] = []
         total = int(m.arrays["size"][m.arrays["kind"] == KIND_FILE].sum())
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="unpacking",
                    disable=None if progress is None else not progress)
-        with bar:
-            for e in range(len(m)):
-                target = os.path.join(root, _plain_path(m, e)) if e else root
-                kind = m.kind[e]
-                if kind == KIND_DIR:
-                    os.makedirs(target, exist_ok=True)
-                    dirs.append(e)
-                elif kind == KIND_SYMLINK:
-                    os.symlink(m.link_target(e), target)
-                    ns = m.mtime_ns[e]
-                    os.utime(target, ns=(ns, ns), follow_symlinks=False)
-                else:
-                    _unpack_file(store, e, target)
-                    n += 1
-                    bar.update(m.size[e])
-        for e in reversed(dirs):  # deepest last-listed first: children change a dir's mtime
-            target = os.path.join(root, m.path_of(e)) if e else root
-            os.chmod(target, st.S_IMODE(m.mode[e]))
-            ns = m.mtime_ns[e]
-            os.utime(target, ns=(ns, ns))
-    return n
+        root = os.open(dest_s, _DIR_FLAGS & ~os.O_NOFOLLOW)  # DEST itself is the caller's
+        try:
+            with bar:
+                return _Unpacker(store, root, dest_s, bar.update).run()
+        finally:
+            os.close(root)
 
 
-def _plain_path(m: Manifest, e: int) -> bytes:
-    """The path of entry ``e``, checked to name a child of its directory entry, so that no
-    crafted manifest can make unpack write outside DEST (a "..", or a path through a symlink)."""
-    path, parent = m.path_of(e), m.parent[e]
-    head, _, name = path.rpartition(b"/")
-    if (name in (b"", b".", b"..") or b"\0" in name or m.kind[parent] != KIND_DIR
-            or m.path_of(parent) != head):
-        raise CorruptManifestError(
-            f"{m.path}: entry {os.fsdecode(path)!r} is not a name inside its directory; "
-            "refusing to unpack this pack"
+class _Unpacker:
+    def __init__(self, store: Any, root: int, dest: str, done: Callable[[int], object]) -> None:
+        self.store, self.m, self.root, self.dest, self.done = store, store.manifest, root, dest, done
+        self.dirs: dict[int, list[bytes]] = {0: []}  # directories made: entry -> path parts
+        self._open: tuple[int, int] | None = None  # (directory entry, its fd), the last used
+
+    def run(self) -> int:
+        m, n = self.m, 0
+        if len(m) == 0 or m.kind[0] != KIND_DIR or m.path_of(0) != b"":
+            raise CorruptManifestError(f"{m.path}: entry 0 is not the root directory; the "
+                                       "pack is corrupt, refusing to unpack it")
+        try:
+            for e in range(1, len(m)):
+                n += self._entry(e)
+            for e in reversed(self.dirs):  # children first: they change their directory's mtime
+                fd = self._walk(self.dirs[e]) if e else os.dup(self.root)
+                try:
+                    self._finish(e, fd)
+                finally:
+                    os.close(fd)
+        finally:
+            if self._open is not None:
+                os.close(self._open[1])
+        return n
+
+    def _entry(self, e: int) -> int:
+        m = self.m
+        parts = self._check(e)
+        fd, name = self._parent_fd(e), parts[-1]
+        try:
+            kind = m.kind[e]
+            if kind == KIND_DIR:
+                os.mkdir(name, 0o700, dir_fd=fd)
+                self.dirs[e] = parts
+            elif kind == KIND_SYMLINK:
+                os.symlink(m.link_target(e), name, dir_fd=fd)
+                ns = m.mtime_ns[e]
+                os.utime(name, ns=(ns, ns), dir_fd=fd, follow_symlinks=False)
+            elif kind == KIND_FILE:
+                self._file(e, fd, name)
+                return 1
+            else:
+                raise self._unsafe(e, f"has an unknown kind {kind}")
+        except FileExistsError:
+            raise self._unsafe(e, "repeats a path already unpacked") from None
+        except ValueError as exc:  # a NUL in a symlink's target
+            raise self._unsafe(e, f"cannot be created ({exc})") from None
+        return 0
+
+    def _check(self, e: int) -> list[bytes]:
+        """The path of ``e`` as parts, checked to be its directory's path plus one name."""
+        m = self.m
+        path: bytes = m.path_of(e)
+        if path.startswith(b"/"):
+            raise self._unsafe(e, "is an absolute path")
+        if b"\0" in path:
+            raise self._unsafe(e, "holds a NUL byte")
+        parts = path.split(b"/")
+        if any(p in (b"", b".", b"..") for p in parts):
+            raise self._unsafe(e, "has an empty, '.' or '..' part")
+        parent = int(m.parent[e])
+        if self.dirs.get(parent) != parts[:-1]:
+            raise self._unsafe(e, "is not inside a directory unpacked before it (its "
+                               "directory is missing, is not a directory, or is a symlink)")
+        return parts
+
+    def _parent_fd(self, e: int) -> int:
+        parent = int(self.m.parent[e])
+        if parent == 0:
+            return self.root
+        if self._open is not None and self._open[0] == parent:
+            return self._open[1]
+        fd = self._walk(self.dirs[parent])
+        if self._open is not None:
+            os.close(self._open[1])
+        self._open = (parent, fd)
+        return fd
+
+    def _walk(self, parts: list[bytes]) -> int:
+        """Open the directory DEST/parts one name at a time, never through a symlink."""
+        fd = os.dup(self.root)
+        for name in parts:
+            try:
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:  # ELOOP/ENOTDIR: replaced by a symlink under our feet
+                os.close(fd)
+                raise CorruptManifestError(
+                    f"{os.path.join(self.dest, os.fsdecode(b'/'.join(parts)))}: cannot open "
+                    f"the directory unpack made ({exc.strerror}); something changed DEST "
+                    "during the unpack. Unpack into a directory no other process writes to."
+                ) from exc
+            os.close(fd)
+            fd = nfd
+        return fd
+
+    def _file(self, e: int, dir_fd: int, name: bytes) -> None:
+        data = self.store.read_entry(e)
+        fd = os.open(name, _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+        try:
+            with os.fdopen(os.dup(fd), "wb") as out:
+                out.write(data)
+            self._finish(e, fd)
+        finally:
+            os.close(fd)
+        self.done(len(data))
+
+    def _finish(self, e: int, fd: int) -> None:
+        """Mode (less set-id and sticky bits) and mtime of entry ``e``, through its fd."""
+        os.fchmod(fd, st.S_IMODE(self.m.mode[e]) & 0o777)
+        ns = self.m.mtime_ns[e]
+        os.utime(fd, ns=(ns, ns))
+
+    def _unsafe(self, e: int, why: str) -> CorruptManifestError:
+        path = os.fsdecode(self.m.path_of(e))
+        return CorruptManifestError(
+            f"{self.m.path}: entry {path!r} {why}: the pack is corrupt or crafted to write "
+            f"outside {self.dest}; refusing to unpack it. Nothing was written outside "
+            f"{self.dest}; remove what was unpacked there."
         )
-    return path
-
-
-def _unpack_file(store: Any, e: int, target: bytes) -> None:
-    m = store.manifest
-    with open(target, "wb") as out:
-        out.write(store.read_entry(e))
-    os.chmod(target, st.S_IMODE(m.mode[e]))
-    ns = m.mtime_ns[e]
-    os.utime(target, ns=(ns, ns))
 
 
 def describe(report: PackReport) -> str:

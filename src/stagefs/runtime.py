@@ -8,14 +8,19 @@ the user. It must be node-local: claims hold process ids, which mean nothing els
 
 Layout::
 
-    <runtime>/procs/<pid>                  one file per live process using the job
+    <runtime>/procs/<pid>@<host>           a lease: one live process using the job
     <runtime>/claims/<pack id>.<shard>     a shard being placed, and by whom (pid, start time)
     <runtime>/stats/<pid>.<pack id>.<n>.json   the counters of one open store of a process
     <runtime>/tiers/<pack id>.json         the tier directories a dataset was placed into
     <runtime>/inplace/<key>/               cached manifests of in-place datasets
 
-A directory of another job whose registered processes are all dead is stale: it is removed
-(with the tier data it recorded) the next time a runtime is opened.
+A lease names its process by host, pid and start time (a reused pid is another process),
+and the command line, so that ``stagefs clean`` can say who uses the job. It is judged
+directly: on this host the process is alive or not; a lease of another host is taken as
+alive (it cannot be checked from here). Nothing decides by age. Tier data is removed only by
+``stagefs clean`` (docs/decisions/0008-runtime-leases.md): data a finished job staged stays
+for the next job of the same dataset, and data that a live process of another job records
+is never removed.
 """
 
 from __future__ import annotations
@@ -24,18 +29,21 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import stat as st
 import tempfile
-import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from stagefs._fsutil import atomic_write
 from stagefs.config import env
-from stagefs.errors import ConfigError
+from stagefs.errors import ConfigError, RuntimeInUseError
 
-__all__ = ["Runtime", "alive", "job_id", "proc_start"]
+__all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start"]
 
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
-_STALE_GRACE_S = 5.0  # a fresh directory whose creator has not registered yet is not stale
+HOST = socket.gethostname()
 _USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
 
@@ -74,6 +82,59 @@ def alive(pid: int, start: int = 0) -> bool:
             return f.read().rpartition(b")")[2].split()[0] != b"Z"
     except OSError:
         return True
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return ""
+    args = [" ".join(a.decode(errors="replace").split()) for a in raw.split(b"\0") if a]
+    return " ".join(a if len(a) <= 60 else a[:57] + "..." for a in args)[:300]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A process using a job's runtime: who it is (host, pid, start time) and its command."""
+
+    pid: int
+    host: str
+    start: int = 0
+    cmd: str = ""
+
+    @classmethod
+    def mine(cls, pid: int | None = None) -> Lease:
+        pid = os.getpid() if pid is None else pid
+        return cls(pid, HOST, proc_start(pid), _command(pid))
+
+    @property
+    def name(self) -> str:
+        return f"{self.pid}@{self.host}"
+
+    def alive(self) -> bool:
+        """On this host, whether the process runs; a lease of another host cannot be
+        checked from here and counts as alive."""
+        return self.host != HOST or alive(self.pid, self.start)
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.host}" + (f" ({self.cmd})" if self.cmd else "")
+
+
+def _read_lease(path: str) -> Lease | None:
+    """The lease in ``path`` (None if it is gone); an unreadable one names only the process
+    in its file name, so that it is still judged."""
+    name = os.path.basename(path)
+    pid_s, _, host = name.partition("@")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return Lease(int(doc["pid"]), str(doc["host"]), int(doc.get("start", 0)),
+                     str(doc.get("cmd", "")))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return Lease(int(pid_s), host or HOST) if pid_s.isdigit() else None
 
 
 def _default_base() -> str:
@@ -120,10 +181,10 @@ class Runtime:
         return f"Runtime({self.path!r}, job={self.job!r})"
 
     def open(self) -> Runtime:
-        """Create the directory (0700), register this process, and clear stale job dirs."""
+        """Create the directory (0700) and take a lease for this process. Nothing of another
+        job is touched: only ``clean`` removes data."""
         if self.base is not None:
             _private_dir(self.base)
-            self.cleanup_stale()
         _private_dir(self.path)
         for sub in (self.claims, self.stats, self.tiers, self.inplace, self.procs):
             os.makedirs(sub, mode=0o700, exist_ok=True)
@@ -136,15 +197,17 @@ class Runtime:
     # -- processes ------------------------------------------------------------------------
 
     def register(self, pid: int | None = None) -> None:
-        """Record that this process uses the job (once per open store; see unregister)."""
-        pid = os.getpid() if pid is None else pid
-        key = (pid, self.path)
+        """Take (or renew) this process's lease on the job (once per open store; see
+        unregister)."""
+        lease = Lease.mine(pid)
+        key = (lease.pid, self.path)
         _USERS[key] = _USERS.get(key, 0) + 1
-        with open(os.path.join(self.procs, str(pid)), "w") as f:
-            f.write(str(proc_start(pid)))
+        atomic_write(os.path.join(self.procs, lease.name),
+                     json.dumps({"pid": lease.pid, "host": lease.host, "start": lease.start,
+                                 "cmd": lease.cmd}), mode=0o600, fsync=False)
 
     def unregister(self) -> None:
-        """A store closed; the record goes when the process's last store of the job does."""
+        """A store closed; the lease goes when the process's last store of the job does."""
         key = (os.getpid(), self.path)
         left = _USERS.get(key, 1) - 1
         if left > 0:
@@ -152,10 +215,47 @@ class Runtime:
             return
         _USERS.pop(key, None)
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(self.procs, str(os.getpid())))
+            os.unlink(os.path.join(self.procs, f"{os.getpid()}@{HOST}"))
+
+    def leases(self) -> list[Lease]:
+        """The live processes using the job; the leases of dead ones are removed."""
+        out: list[Lease] = []
+        try:
+            names = sorted(os.listdir(self.procs))
+        except FileNotFoundError:
+            return out
+        for name in names:
+            if name.endswith(".partial"):
+                continue
+            lease = _read_lease(os.path.join(self.procs, name))
+            if lease is None:
+                continue
+            if lease.alive():
+                out.append(lease)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.procs, name))
+        return out
 
     def live_processes(self) -> list[int]:
-        return _live(self.procs)
+        return [lease.pid for lease in self.leases()]
+
+    def jobs(self) -> list[Runtime]:
+        """Every job runtime of this user on this node (the directories beside this one
+        under the default base); only this one when the path was given explicitly."""
+        if self.base is None:
+            return [self]
+        try:
+            names = sorted(os.listdir(self.base))
+        except FileNotFoundError:
+            return [self]
+        found: list[Runtime] = []
+        for name in names:
+            if os.path.isdir(os.path.join(self.base, name)):
+                job = self if name == self.job else Runtime(os.path.join(self.base, name))
+                job.job = name
+                found.append(job)
+        return found if self in found else [*found, self]
 
     # -- records --------------------------------------------------------------------------
 
@@ -183,63 +283,30 @@ class Runtime:
             removed.append(self.path)
         return removed
 
-    def cleanup_stale(self) -> list[str]:
-        """Remove the runtime dirs (and recorded tier data) of this user's dead jobs."""
-        removed: list[str] = []
-        if self.base is None or not os.path.isdir(self.base):
-            return removed
-        stale: list[Runtime] = []
-        keep: set[str] = set()
-        for name in sorted(os.listdir(self.base)):
-            path = os.path.join(self.base, name)
-            if not os.path.isdir(path):
-                continue
-            job = Runtime(path)
-            if name != self.job and _is_stale(path):
-                stale.append(job)
-            else:  # a live job may share a tier directory with a dead one: keep its data
-                keep.update(_tier_dirs(job.tier_records()))
-        for job in stale:
-            removed += job.remove(keep=frozenset(keep))
-        return removed
 
+def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runtime] = ()
+          ) -> list[str]:
+    """Remove the runtime directories of ``jobs`` and the tier data they recorded.
 
-def _is_stale(path: str) -> bool:
-    """A job dir is stale when it records its processes and none is alive. A dir without a
-    process record (a cluster daemon's map alone, anything else) is not ours to judge."""
-    procs = os.path.join(path, "procs")
-    if not os.path.isdir(procs) or os.path.exists(os.path.join(path, "cluster.json")):
-        return False
-    try:
-        age = time.time() - os.stat(procs).st_mtime
-        registered = bool(os.listdir(procs))
-    except FileNotFoundError:
-        return False
-    if _live(procs):
-        return False
-    return registered or age > _STALE_GRACE_S
-
-
-def _live(procs: str) -> list[int]:
-    out: list[int] = []
-    try:
-        names = os.listdir(procs)
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(os.path.join(procs, name)) as f:
-                start = int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            start = 0
-        if alive(int(name), start):
-            out.append(int(name))
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(procs, name))
-    return out
+    Refused (RuntimeInUseError, naming each process) while a live process holds a lease on
+    one of them, unless ``force``. Tier directories that a live process of one of ``others``
+    (the user's other jobs) also recorded are kept, even with ``force``.
+    """
+    users = [(rt, lease) for rt in jobs if rt.exists() for lease in rt.leases()]
+    if users and not force:
+        who = "; ".join(f"{lease} using {rt.path}" for rt, lease in users)
+        raise RuntimeInUseError(
+            f"{len(users)} live process(es) use the stagefs runtime: {who}. Stop them and "
+            "run 'stagefs clean' again, or pass --force to remove their data anyway."
+        )
+    targets = {rt.path for rt in jobs}
+    keep = frozenset(d for rt in others if rt.path not in targets and rt.leases()
+                     for d in _tier_dirs(rt.tier_records()))
+    removed: list[str] = []
+    for rt in jobs:
+        if rt.exists():
+            removed += rt.remove(keep=keep)
+    return removed
 
 
 def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:
@@ -257,10 +324,7 @@ def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = froze
 
 
 def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj))
 
 
 def _read_jsons(folder: str) -> list[dict[str, Any]]:

@@ -552,7 +552,8 @@ def open(
     if not os.path.exists(p):
         raise NotFoundError(p, "No such file or directory (no dataset here)")
     if not os.path.isdir(p):
-        raise ConfigError(f"{p}: a dataset is a directory (a pack, or raw files to use in place)")
+        raise ConfigError(f"{p}: a dataset is a directory (a pack, or raw files to use in "
+                          f"place), not a file; name the directory that holds {MANIFEST_NAME}")
     if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and os.path.isdir(
             os.path.join(p, ".stagefs-pack")):
         from stagefs.errors import CorruptManifestError

@@ -12,7 +12,8 @@ import pytest
 
 import stagefs
 from conftest import build_sample_tree, snapshot_tree
-from stagefs.format import shard_name
+from stagefs.errors import CorruptManifestError, CorruptShardError
+from stagefs.format import MANIFEST_NAME, shard_name
 
 pytestmark = pytest.mark.integration
 
@@ -261,3 +262,116 @@ def test_names_that_are_not_utf8(tmp_path: Path) -> None:
     assert b"File: d\xfe/in\xe9" in run("stat", pack, b"d\xfe/in\xe9", env=strict).stdout
     assert run("cat", pack, b"bad\xffname", env=strict).stdout == b"x"
     one_line_error(run("cat", pack, b"missing\xff", ok=False, env=strict), "missing")
+
+
+# ------------------------------------------------------------- bad input, clear errors
+
+ADVICE = "copy the pack again or re-pack"
+
+
+def test_a_manifest_that_is_a_directory(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    pack = tmp_path / "pack"
+    shutil.copytree(cli_pack[1], pack)
+    manifest = pack / MANIFEST_NAME
+    manifest.unlink()
+    manifest.mkdir()
+    for args in (["info", pack], ["ls", pack], ["cat", pack, "a.txt"], ["verify", pack],
+                 ["unpack", pack, tmp_path / "out"]):
+        one_line_error(run(*args, ok=False), str(manifest), "not a file", ADVICE)
+
+
+def test_a_pack_path_that_is_a_file(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    shard = cli_pack[1] / shard_name(0)
+    for args in (["info", shard], ["ls", shard], ["cat", shard, "a.txt"], ["verify", shard],
+                 ["unpack", shard, tmp_path / "out"]):
+        one_line_error(run(*args, ok=False), str(shard), "directory", MANIFEST_NAME)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_shard_is_named_with_what_to_do(cli_pack: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    src, pack = tmp_path / "src", tmp_path / "pack"
+    shutil.copytree(cli_pack[1], pack)
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        e = m.lookup(b"data/rand.bin")
+        shard = pack / m.shards[m.shard[e]].name
+    os.truncate(shard, shard.stat().st_size // 2)
+    line = one_line_error(run("cat", pack, "data/rand.bin", ok=False), str(shard), ADVICE)
+    assert "truncated" in line
+    proc = run("verify", pack, ok=False)
+    bad = [x for x in proc.stdout.decode().splitlines() if x.startswith("CORRUPT")]
+    assert bad and all(str(shard) in x and ADVICE in x for x in bad), proc.stdout
+    with stagefs.open(pack) as fs, pytest.raises(CorruptShardError, match=ADVICE):
+        fs.read("data/rand.bin")
+    os.truncate(shard, 10)  # not even a header
+    one_line_error(run("cat", pack, "data/rand.bin", ok=False), str(shard), "header", ADVICE)
+    del src
+
+
+def test_things_that_are_not_packs(tmp_path: Path) -> None:
+    notes = tmp_path / "notes"  # a directory whose manifest is something else
+    notes.mkdir()
+    (notes / MANIFEST_NAME).write_bytes(b"a shopping list, not a manifest" * 4)
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / MANIFEST_NAME).write_bytes(b"tiny")
+    for pack, why in ((notes, "not a stagefs manifest"), (short, "truncated manifest")):
+        manifest = str(pack / MANIFEST_NAME)
+        for args in (["info", pack], ["ls", pack], ["verify", pack]):
+            one_line_error(run(*args, ok=False), manifest, why, ADVICE)
+        with pytest.raises(CorruptManifestError, match=ADVICE):
+            stagefs.open(pack)
+    missing = tmp_path / "missing"
+    one_line_error(run("info", missing, ok=False), str(missing), "no dataset here")
+    with pytest.raises(FileNotFoundError):
+        stagefs.open(missing)
+
+
+def _serve(work: Path, pack: Path, tier: Path, rt: Path) -> subprocess.Popen[bytes]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (work / "hosts").write_text(f"127.0.0.1:{port}\n")
+    run("serve", "--new-token", work / "token")
+    cmd = [EXE or "stagefs", "serve", str(pack), "--tier", f"{tier}:256MiB",
+           "--runtime", str(rt), "--hosts", str(work / "hosts"), "--rank", "0",
+           "--token-file", str(work / "token"), "--progress", "0"]
+    log = open(work / "serve.log", "ab")  # noqa: SIM115 - the child's; closed below
+    try:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        log.close()
+
+
+def test_clean_refuses_while_serve_runs_and_removes_its_tier_data_after(
+        cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    import json
+    import signal
+    import time
+
+    pack, tier, rt = cli_pack[1], tmp_path / "tier", tmp_path / "rt"
+    daemon = _serve(tmp_path, pack, tier, rt)
+    try:
+        deadline = time.monotonic() + 90  # a bound on a wait, not a measurement
+        while not (rt / "cluster.json").exists() or not json.loads(
+                (rt / "cluster.json").read_text()).get("staged"):
+            assert daemon.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.05)
+        with stagefs.open(pack) as fs:
+            data = tier / fs.manifest.pack_id.hex()
+        assert os.listdir(data)
+        line = one_line_error(run("clean", "--runtime", rt, ok=False), f"pid {daemon.pid}",
+                              "serve", "--force")
+        assert str(rt) in line and os.listdir(data)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+    assert code == 0, (tmp_path / "serve.log").read_text()
+    proc = run("clean", "--runtime", rt)
+    assert f"removed {data}" in proc.stdout.decode()
+    assert not data.exists() and not rt.exists()

@@ -1,4 +1,4 @@
-"""The runtime directory (per user and job, 0700, stale dirs of dead jobs), in-place datasets
+"""The runtime directory (per user and job, 0700; leases: test_runtime_leases.py), in-place datasets
 (scan, cache, staleness, verification), and the stage/status/clean commands."""
 
 from __future__ import annotations
@@ -76,36 +76,6 @@ def test_two_jobs_do_not_collide(job: str, monkeypatch: pytest.MonkeyPatch) -> N
         assert Claims(b.claims, "p").acquire(0)  # the other job's claim is not seen
     finally:
         shutil.rmtree(b.path, ignore_errors=True)
-
-
-def test_stale_job_dirs_are_removed(job: str, monkeypatch: pytest.MonkeyPatch,
-                                    tmp_path: Path) -> None:
-    base = os.path.dirname(Runtime().path)
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    dead, live, foreign = (os.path.join(base, f"{job}-{k}") for k in ("dead", "live", "cl"))
-    for d in (dead, live, foreign):
-        os.makedirs(os.path.join(d, "procs"))
-    Path(dead, "procs", str(_dead_pid())).write_text("0")
-    Path(live, "procs", str(os.getpid())).write_text("0")
-    Path(foreign, "cluster.json").write_text("{}")  # a cluster daemon's dir: not ours
-    # the dead job placed a dataset into a tier; the live one shares another tier
-    tier = tmp_path / "tier"
-    (tier / "deadpack").mkdir(parents=True)
-    (tier / "livepack").mkdir(parents=True)
-    os.makedirs(os.path.join(dead, "tiers"))
-    os.makedirs(os.path.join(live, "tiers"))
-    Path(dead, "tiers", "x.json").write_text(json.dumps({"pack_id": "deadpack",
-                                                          "tiers": [str(tier)]}))
-    Path(live, "tiers", "y.json").write_text(json.dumps({"pack_id": "livepack",
-                                                          "tiers": [str(tier)]}))
-    try:
-        Runtime().open()
-        assert not os.path.exists(dead) and not (tier / "deadpack").exists()
-        assert os.path.exists(live) and (tier / "livepack").exists()
-        assert os.path.exists(foreign)
-    finally:
-        for d in (dead, live, foreign):
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def test_runtime_owned_by_another_user_is_refused(tmp_path: Path) -> None:

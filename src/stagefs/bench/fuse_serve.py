@@ -9,10 +9,11 @@ epoch.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 from typing import Any
+
+from stagefs._fsutil import atomic_write
 
 
 def _publish(store: Any, path: str, stop: threading.Event) -> None:
@@ -20,9 +21,7 @@ def _publish(store: Any, path: str, stop: threading.Event) -> None:
     while not stop.wait(0.05):
         now = store.origin.stats.as_dict()
         if now != last:
-            with open(path + ".partial", "w") as f:
-                json.dump(now, f)
-            os.replace(path + ".partial", path)
+            atomic_write(path, json.dumps(now), fsync=False)
             last = now
 
 

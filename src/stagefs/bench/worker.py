@@ -13,6 +13,7 @@ import time
 import traceback
 from typing import Any
 
+from stagefs._fsutil import atomic_write
 from stagefs.bench.measure import EpochFigures, OriginCounter, Proc, Tally
 
 
@@ -126,9 +127,7 @@ def main(argv: list[str]) -> int:
             result = _epochs(spec, ctx)
     except Exception as exc:
         result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    with open(out_path + ".partial", "w") as f:
-        json.dump(result, f)
-    os.replace(out_path + ".partial", out_path)
+    atomic_write(out_path, json.dumps(result))
     return 0
 
 

@@ -14,6 +14,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stagefs._fsutil import atomic_write
 from stagefs.errors import ClusterError
 from stagefs.net.auth import read_token, write_token
 
@@ -78,9 +79,7 @@ def write_map(path: str, cmap: ClusterMap, token: bytes | None = None) -> None:
     if token is not None:
         write_token(os.path.join(path, TOKEN_NAME), token)
     target = os.path.join(path, MAP_NAME)
-    with open(target + ".partial", "w") as f:
-        f.write(cmap.to_json())
-    os.replace(target + ".partial", target)
+    atomic_write(target, cmap.to_json())
 
 
 def load_runtime(path: str) -> tuple[ClusterMap, bytes]:

@@ -132,10 +132,13 @@ class Daemon:
         self.runtime = os.path.abspath(raw_rt.replace("{rank}", str(self.rank)))
         self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
         self.token = self.boot.token()
+        # a lease (clean refuses while we run) and where our data goes (clean removes it);
+        # the same runtime holds the tier layer's claims, tier locks and counters
+        self.lease = _tier_runtime(self.runtime)
+        self.lease.record_tiers(self.manifest.pack_id.hex(), [s.path for s in self.tier_specs])
         # the single-node tier layer: tiers, room, claims and copies (tiers/chain.py)
         self.chain = TierChain(self.manifest, PackOrigin(self.pack, self.manifest),
-                               self.tier_specs, _tier_runtime(self.runtime),
-                               origin_path=self.pack)
+                               self.tier_specs, self.lease, origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
                                   status=self.status)
@@ -231,6 +234,7 @@ class Daemon:
         for c in self.peers.values():
             c.close()
         remove_runtime(self.runtime)
+        self.lease.unregister()
 
     def _gather(self) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []
@@ -284,14 +288,10 @@ class Daemon:
 
 
 def _tier_runtime(path: str) -> Runtime:
-    """The daemon's runtime directory as the tier layer uses it (claims, tier locks,
-    counters). The daemon does not register as one of the job's processes: its tier data
-    outlive it, for a restart (stale-job cleanup never judges a directory without them)."""
+    """The daemon's runtime directory (refused if another user could enter it), with a lease
+    for the daemon: ``stagefs clean`` refuses while it runs and removes its tier data after."""
     prepare_runtime(path)
-    rt = Runtime(path)
-    for sub in (rt.claims, rt.stats, rt.tiers):
-        os.makedirs(sub, mode=0o700, exist_ok=True)
-    return rt
+    return Runtime(path).open()
 
 
 def _say(rank: int, msg: str) -> None:

@@ -13,6 +13,7 @@ import itertools
 import json
 import mmap
 import os
+import stat
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from xxhash import xxh3_64_intdigest
 
+from stagefs._fsutil import atomic_write
 from stagefs.errors import CorruptManifestError, UnsupportedVersionError
 from stagefs.format.spec import (
     ALIGN,
@@ -110,13 +112,7 @@ class ManifestBuilder:
         self.entries.append(entry)
 
     def write(self, path: str) -> None:
-        data = self.encode()
-        partial = path + ".partial"
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, path)
+        atomic_write(path, self.encode())
 
     def encode(self) -> bytes:
         entries = self._ordered()
@@ -217,10 +213,19 @@ class Manifest:
                 f"{path}: no manifest here; is this a pack made by 'stagefs pack'? "
                 "(an interrupted pack has no manifest: run 'stagefs pack' again)"
             ) from None
+        except NotADirectoryError:
+            pack, name = os.path.split(path)
+            raise CorruptManifestError(f"{pack}: a file, not a pack (a pack is a directory "
+                                       f"that holds {name}); name the pack's directory") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise CorruptManifestError(f"{path}: not a file, so this is not a pack; "
+                                           "copy the pack again or re-pack it")
+            size = info.st_size
             if size < MANIFEST_HEADER.size:
-                raise CorruptManifestError(f"{path}: truncated manifest ({size} bytes)")
+                raise CorruptManifestError(f"{path}: truncated manifest ({size} bytes); "
+                                           "copy the pack again or re-pack it")
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         finally:
             os.close(fd)
@@ -240,7 +245,8 @@ class Manifest:
         )
         where = self.path
         if magic != MANIFEST_MAGIC:
-            raise CorruptManifestError(f"{where}: not a stagefs manifest (bad magic {magic!r})")
+            raise CorruptManifestError(f"{where}: not a stagefs manifest (bad magic {magic!r}); "
+                                       "copy the pack again or re-pack it")
         if version != VERSION:
             raise UnsupportedVersionError(
                 f"{where}: manifest format version {version}; this stagefs reads version "

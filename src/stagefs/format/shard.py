@@ -33,7 +33,7 @@ class ShardHeader:
     @classmethod
     def decode(cls, raw: bytes, where: str) -> ShardHeader:
         if len(raw) < SHARD_HEADER.size:
-            raise CorruptShardError(f"{where}: truncated shard header ({len(raw)} bytes)")
+            raise CorruptShardError(f"{where}: truncated shard header ({len(raw)} bytes); copy the pack again or re-pack")
         magic, version, index, pack_id, length = SHARD_HEADER.unpack_from(raw)
         if magic != SHARD_MAGIC:
             raise CorruptShardError(f"{where}: not a stagefs shard (bad magic {magic!r})")
@@ -53,7 +53,7 @@ class ShardHeader:
         if file_size != SHARD_HEADER.size + self.data_length:
             raise CorruptShardError(
                 f"{where}: shard is {file_size} bytes, its header says "
-                f"{SHARD_HEADER.size + self.data_length}: truncated or overwritten; re-pack"
+                f"{SHARD_HEADER.size + self.data_length}: truncated or overwritten; copy the pack again or re-pack"
             )
 
 

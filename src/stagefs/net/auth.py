@@ -15,6 +15,7 @@ import os
 import secrets
 import stat
 
+from stagefs._fsutil import atomic_write
 from stagefs.errors import ClusterError
 from stagefs.net.protocol import NONCE_SIZE
 
@@ -57,14 +58,7 @@ def verify(expected: bytes, got: bytes) -> bool:
 
 def write_token(path: str, token: bytes) -> None:
     """Write the token (hex) readable by its owner only (0600), atomically."""
-    partial = path + ".partial"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, token.hex().encode() + b"\n")
-    finally:
-        os.close(fd)
-    os.replace(partial, path)
+    atomic_write(path, token.hex().encode() + b"\n", mode=0o600)
 
 
 def read_token(path: str) -> bytes:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import itertools
 import json
 import logging
@@ -34,6 +33,7 @@ from typing import Any
 
 from xxhash import xxh3_64_hexdigest
 
+from stagefs._fsutil import atomic_write, file_lock
 from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
@@ -522,14 +522,8 @@ class TierChain:
         inherit the locked file and hold the lock for as long as it lives.
         """
         name = f".tier-{xxh3_64_hexdigest(t.root.encode())}.lock"
-        with _FORK_GUARD:
-            fd = os.open(os.path.join(self.runtime.claims, name), os.O_RDWR | os.O_CREAT
-                         | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                yield
-            finally:
-                os.close(fd)
+        with _FORK_GUARD, file_lock(os.path.join(self.runtime.claims, name)):
+            yield
 
     # -- whole-dataset operations ---------------------------------------------------------
 
@@ -613,13 +607,9 @@ class TierChain:
     def flush_stats(self) -> None:
         """Write this process's counters where ``stagefs status`` sums them."""
         self._stats_at = time.monotonic()
-        tmp = self._stats_path + ".tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(self.counters(), f)
-            os.replace(tmp, self._stats_path)
-        except OSError:
-            pass  # the runtime dir was cleaned under us: counters are best effort
+        # counters are best effort: the runtime dir may have been cleaned under us
+        with contextlib.suppress(OSError):
+            atomic_write(self._stats_path, json.dumps(self.counters()), fsync=False)
 
     # -- lifecycle --------------------------------------------------------------------------
 

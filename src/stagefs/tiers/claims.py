@@ -9,11 +9,11 @@ one naming the new owner, so two processes never both take over the same claim.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import time
 from collections.abc import Iterator
 
+from stagefs._fsutil import atomic_write, file_lock
 from stagefs.runtime import alive, proc_start
 
 __all__ = ["Claims"]
@@ -73,23 +73,15 @@ class Claims:
                 return False  # its creator is writing it right now
             if owner is not None and alive(*owner):
                 return False
-            tmp = f"{path}.{self.pid}.tmp"
-            with open(tmp, "w") as f:
-                f.write(self.me)
-            os.replace(tmp, path)
+            atomic_write(path, self.me, mode=0o600)
         self.taken += 1
         self.takeovers += 1
         return True
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.folder, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with file_lock(os.path.join(self.folder, ".lock")):
             yield
-        finally:
-            os.close(fd)
 
 
 def _parse(text: str) -> tuple[int, int] | None:

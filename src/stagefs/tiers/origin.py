@@ -106,7 +106,7 @@ class PackOrigin:
         header.check(path, index=shard, pack_id=self.manifest.pack_id, file_size=size)
         if size_too and os.fstat(fd).st_size != size:
             raise CorruptShardError(f"{path}: shard is {os.fstat(fd).st_size} bytes, the "
-                                    f"manifest says {size}: truncated or overwritten; re-pack")
+                                    f"manifest says {size}: truncated or overwritten; copy the pack again or re-pack")
 
     def diagnose(self, shard: int) -> None:
         """A read of ``shard`` was wrong: raise a CorruptShardError naming the cause if the
@@ -132,7 +132,7 @@ class PackOrigin:
             self.diagnose(shard)
             raise CorruptShardError(
                 f"{self.path(shard)}: short read at offset {offset} ({len(data)} of {length} "
-                "bytes): the shard is truncated; re-pack"
+                "bytes): the shard is truncated; copy the pack again or re-pack"
             )
         return data
 

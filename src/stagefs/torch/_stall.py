@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
+from stagefs._fsutil import atomic_write
 from stagefs.runtime import Runtime
 
 __all__ = ["EpochStall", "StallMeter"]
@@ -120,10 +121,7 @@ class StallMeter(Generic[T]):
         doc = {"pid": os.getpid(), "rank": self.rank, "updated": time.time(),
                "epochs": [e.as_dict() for e in self.epochs]}
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        partial = path + ".partial"
-        with open(partial, "w") as f:
-            json.dump(doc, f, indent=1)
-        os.replace(partial, path)
+        atomic_write(path, json.dumps(doc, indent=1))
 
     def report(self) -> str:
         """A table of every finished epoch."""

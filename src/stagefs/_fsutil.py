@@ -1,0 +1,77 @@
+"""Two file-system habits every layer shares: an atomic write and a lock file.
+
+``atomic_write`` never leaves a half-written file under its final name: the bytes go to a
+partial file with a name of its own in the same directory, are flushed to disk, and the
+partial file is renamed over the final name; on any error the partial file is removed.
+Readers see the old file or the new one, never a mix (the rename is atomic).
+
+``file_lock`` serialises processes of one node on a lock file (``flock`` through the
+``filelock`` package), for a "look, then act" step that must not interleave.
+
+Shard copies into tiers are not written here: they are filled piece by piece by several
+processes under a fill map and renamed by their own protocol (tiers/fill.py).
+
+This module imports nothing of stagefs, so that every layer may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+import filelock
+
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock"]
+
+PARTIAL_SUFFIX = ".partial"
+
+Writer = Callable[[BinaryIO], None]
+
+
+def partial_name(path: str) -> str:
+    """A name for the partial file of ``path``, beside it, unique to this call."""
+    return f"{path}.{os.getpid()}-{secrets.token_hex(4)}{PARTIAL_SUFFIX}"
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
+                 mode: int = 0o666, fsync: bool = True) -> None:
+    """Make ``path`` hold ``data`` (bytes, text as UTF-8, or what ``data(f)`` writes to a
+    binary file), or leave it as it was.
+
+    ``mode`` is the new file's permission bits (less the umask), applied when it is created,
+    so a private file (0o600) is never readable by others, even for an instant.
+    ``fsync=False`` skips the flush to disk, for files that are cheap to lose on a crash
+    (counters); the rename still keeps readers from seeing a torn file.
+    """
+    final = os.fspath(path)
+    partial = partial_name(final)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if callable(data):
+                data(f)
+            else:
+                f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(partial, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``path`` (created 0600 if missing) while inside.
+
+    Blocks until the lock is free. The lock belongs to the open file: it goes when this
+    block ends or the process dies, so a killed holder never leaves it taken.
+    """
+    with filelock.FileLock(os.fspath(path), mode=0o600):
+        yield

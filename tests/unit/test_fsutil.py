@@ -1,0 +1,164 @@
+"""The atomic write and the file lock that every layer uses (stagefs._fsutil)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import BinaryIO
+
+import pytest
+
+from stagefs._fsutil import atomic_write, file_lock
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _python(code: str, **kw: object) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                            **kw)  # type: ignore[call-overload]
+
+
+def test_atomic_write_replaces_and_leaves_nothing_beside(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    target.write_bytes(b"old")
+    atomic_write(target, b"new bytes")
+    assert target.read_bytes() == b"new bytes"
+    atomic_write(target, "text é")
+    assert target.read_text() == "text é"
+    atomic_write(target, lambda f: f.write(b"from a writer"))
+    assert target.read_bytes() == b"from a writer"
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+def test_atomic_write_mode_is_private_from_the_start(tmp_path: Path) -> None:
+    atomic_write(tmp_path / "token", b"secret", mode=0o600)
+    assert os.stat(tmp_path / "token").st_mode & 0o777 == 0o600
+
+
+def test_an_error_mid_write_keeps_the_old_file_and_removes_the_partial(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+
+    def half(f: BinaryIO) -> None:
+        f.write(b"half of the new")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(target, half)
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["f"]
+    with pytest.raises(RuntimeError):
+        atomic_write(tmp_path / "new", half)
+    assert not (tmp_path / "new").exists() and os.listdir(tmp_path) == ["f"]
+
+
+def test_a_process_killed_mid_write_leaves_no_final_file(tmp_path: Path) -> None:
+    target = tmp_path / "f"
+    child = _python(f"""
+        import sys
+        from stagefs._fsutil import atomic_write
+        def writer(f):
+            f.write(b"x" * 4096)
+            f.flush()
+            sys.stdout.write("writing\\n"); sys.stdout.flush()
+            sys.stdin.read()  # killed here
+        atomic_write({str(target)!r}, writer)
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdin is not None
+    try:
+        assert child.stdout.readline() == b"writing\n"
+        (partial,) = os.listdir(tmp_path)  # the bytes are there, under another name
+        assert partial.startswith("f.") and partial.endswith(".partial")
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(60) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.stdin.close()
+        child.stdout.close()
+    assert not target.exists()
+
+
+def test_the_lock_excludes_another_process_until_it_is_released(tmp_path: Path) -> None:
+    lock = tmp_path / "x.lock"
+    child = _python(f"""
+        import sys
+        from stagefs._fsutil import file_lock
+        with file_lock({str(lock)!r}):
+            sys.stdout.write("locked\\n"); sys.stdout.flush()
+            sys.stdin.readline()
+        sys.stdout.write("released\\n"); sys.stdout.flush()
+        sys.stdin.readline()
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdin is not None
+
+    def try_lock() -> bool:
+        fd = os.open(lock, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+        return True
+
+    try:
+        assert child.stdout.readline() == b"locked\n"
+        assert not try_lock()
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"released\n"
+        assert try_lock()
+        child.stdin.write(b"go\n")
+        child.stdin.flush()
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+        child.stdin.close()
+        child.stdout.close()
+
+
+def test_two_processes_contending_never_interleave(tmp_path: Path) -> None:
+    """Each process adds 1 to a counter file 200 times by read, then write: a lost update
+    (both read the same value) would show as a total below 400."""
+    counter, lock = tmp_path / "n", tmp_path / "n.lock"
+    counter.write_text("0")
+    code = f"""
+        from stagefs._fsutil import file_lock
+        for _ in range(200):
+            with file_lock({str(lock)!r}):
+                with open({str(counter)!r}) as f:
+                    n = int(f.read())
+                with open({str(counter)!r}, "w") as f:
+                    f.write(str(n + 1))
+    """
+    procs = [_python(code) for _ in range(2)]
+    assert [p.wait(120) for p in procs] == [0, 0]
+    assert counter.read_text() == "400"
+
+
+def test_the_lock_is_freed_when_its_holder_is_killed(tmp_path: Path) -> None:
+    lock = tmp_path / "x.lock"
+    child = _python(f"""
+        import sys
+        from stagefs._fsutil import file_lock
+        with file_lock({str(lock)!r}):
+            sys.stdout.write("locked\\n"); sys.stdout.flush()
+            sys.stdin.read()
+    """, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdout is not None and child.stdin is not None
+    try:
+        assert child.stdout.readline() == b"locked\n"
+        child.send_signal(signal.SIGKILL)
+        child.wait(60)
+    finally:
+        child.kill()
+        child.stdin.close()
+        child.stdout.close()
+    with file_lock(lock):  # would block forever if the dead holder kept it
+        pass
