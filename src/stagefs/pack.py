@@ -46,8 +46,8 @@ from stagefs.format import (
 )
 from stagefs.format.checksum import StreamSum, piece_sums
 from stagefs.format.codecs import Codec, compress_auto
-from stagefs.format.spec import PIECE
 from stagefs.format.manifest import Entry, Manifest, ShardInfo
+from stagefs.format.spec import PIECE
 
 __all__ = ["PackReport", "pack", "unpack"]
 

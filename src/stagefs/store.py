@@ -337,7 +337,8 @@ class Store:
         elif size == 0:
             return b""
         tried: list[str] = []
-        for src in self._holders(shard):
+        holders = self._holders(shard)
+        for src in holders:
             try:
                 if derive:
                     sums = self._derive(src, e, path)
@@ -348,7 +349,7 @@ class Store:
                 log.debug("%s: %s unavailable (%s)", self._where(e), src.name, exc)
                 continue
             except CorruptShardError as exc:  # from _derive: the whole file is wrong here
-                self._bad(src, e, path, exc, tried)
+                self._bad(src, e, path, exc, tried, src is holders[-1])
                 continue
             try:
                 if sums is not None:
@@ -362,7 +363,7 @@ class Store:
                     data = check(codec, raw, size, self._checksum[e])
             except CorruptShardError as exc:
                 if sums is not None or not self._trust(src, e):
-                    self._bad(src, e, path, exc, tried)
+                    self._bad(src, e, path, exc, tried, src is holders[-1])
                     continue
                 # in place: the origin checked the file against the scan; its sum is learnt
                 # from this read, and what it wrote into a tier is checked against that sum
@@ -404,12 +405,14 @@ class Store:
         return h.pieces
 
     def _bad(self, src: ShardSource, e: int, path: PathArg | None, exc: Exception,
-             tried: list[str]) -> None:
-        """``src`` returned bad bytes for entry ``e``: count it, say so, let it drop them."""
+             tried: list[str], last: bool) -> None:
+        """``src`` returned bad bytes for entry ``e``: count it, say so (the error raised
+        says so when it was the last holder), let it drop them."""
         self.stats.checksum_failures += 1
         tried.append(src.name)
-        log.warning("%s, %s: bad bytes from %s (%s); trying the next holder",
-                    self._where(e), self._show(e, path), src.name, exc)
+        log.log(logging.DEBUG if last else logging.WARNING,
+                "%s, %s: bad bytes from %s (%s); trying the next holder",
+                self._where(e), self._show(e, path), src.name, exc)
         self._corrupt(src, self._shard[e])
 
     def _origin_holders(self, shard: int) -> Sequence[ShardSource]:

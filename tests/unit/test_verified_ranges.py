@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import random_bytes
 
 import stagefs
+from conftest import random_bytes
 from stagefs.errors import ChecksumError, CorruptManifestError
 from stagefs.format import KIND_FILE, MANIFEST_NAME, PIECE, Manifest, ManifestBuilder
 from stagefs.format.checksum import piece_sums
@@ -117,7 +117,7 @@ def test_piece_index_beyond_the_array_is_a_format_error(tmp_path: Path) -> None:
     bad.write_bytes(bytes(raw))
     m = Manifest(str(bad), verify=False)
     try:
-        with pytest.raises(CorruptManifestError, match="piece checksums 3..8"):
+        with pytest.raises(CorruptManifestError, match=r"piece checksums 3\.\.8"):
             m.piece_sums(1)
         assert m.piece[0] == NO_INDEX  # type: ignore[index]
     finally:
