@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import xxhash
 from tqdm import tqdm
 
 from stagefs._fsutil import atomic_write
@@ -40,13 +39,16 @@ from stagefs.format import (
     KIND_FILE,
     KIND_SYMLINK,
     MANIFEST_NAME,
+    VERSION,
     ManifestBuilder,
     ShardWriter,
     checksum,
     shard_name,
 )
+from stagefs.format.checksum import StreamSum, piece_sums
 from stagefs.format.codecs import Codec, compress_auto
 from stagefs.format.manifest import Entry, ShardInfo
+from stagefs.format.spec import PIECE
 
 __all__ = ["PackReport", "pack", "unpack"]
 
@@ -212,10 +214,14 @@ def _signature(files: list[_Source]) -> list[list[Any]]:
 # ---------------------------------------------------------------------------------- write
 
 
+_Record = tuple[int, int, int, int, list[int]]
+"""One file as written: offset, stored length, codec, checksum, piece checksums."""
+
+
 @dataclass
 class _ShardResult:
     index: int
-    records: list[tuple[int, int, int, int]]  # offset, stored, codec, checksum per file
+    records: list[_Record]
     size: int = 0
     changed: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
@@ -231,27 +237,28 @@ def _read_whole(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _write_one(
-    writer: ShardWriter, f: _Source, compress: str
-) -> tuple[int, int, int, int] | str:
-    """Append one file; return its record, or ``"changed"`` if it changed under us."""
+def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
+    """Append one file; return its record, or ``"changed"`` if it changed under us. A raw
+    file larger than one piece gets the checksum of each piece too (docs/FORMAT.md)."""
     fd = os.open(f.abspath, os.O_RDONLY)
     try:
         before = os.fstat(fd)
         if before.st_size != f.size or before.st_mtime_ns != f.mtime_ns:
             return "changed"
         if f.size > _STREAM_ABOVE:
-            offset, total, h = writer.position, 0, xxhash.xxh3_64()
+            offset, total, h = writer.position, 0, StreamSum(PIECE)
             while chunk := os.read(fd, _CHUNK):
                 writer.append(chunk)
                 h.update(chunk)
                 total += len(chunk)
-            record = (offset, total, int(Codec.NONE), h.intdigest())
+            digest = h.digest()
+            record = (offset, total, int(Codec.NONE), digest, h.pieces if total > PIECE else [])
         else:
             data = _read_whole(fd, f.size)
             total = len(data)
             codec, stored = compress_auto(data, compress)
-            record = (writer.append(stored), len(stored), int(codec), checksum(data))
+            pieces = piece_sums(data, PIECE) if codec == Codec.NONE and total > PIECE else []
+            record = (writer.append(stored), len(stored), int(codec), checksum(data), pieces)
         after = os.fstat(fd)
     finally:
         os.close(fd)
@@ -290,7 +297,7 @@ def _write_shard(
     result.size = writer.position
     record_path = os.path.join(dest, STATE_DIR, f"{index}.json")
     _write_json(record_path, {"files": _signature(files), "records": result.records,
-                              "size": result.size})
+                              "size": result.size, "version": VERSION})
     return result
 
 
@@ -305,9 +312,15 @@ def _reusable(dest: str, index: int, files: list[_Source]) -> _ShardResult | Non
         size = os.stat(os.path.join(dest, shard_name(index))).st_size
     except (OSError, ValueError):
         return None
-    if saved.get("files") != _signature(files) or saved.get("size") != size:
+    if (saved.get("files") != _signature(files) or saved.get("size") != size
+            or saved.get("version") != VERSION):  # written by another format: write it again
         return None
-    return _ShardResult(index, [tuple(r) for r in saved["records"]], size)
+    try:
+        records = [(int(o), int(n), int(c), int(h), [int(p) for p in ps])
+                   for o, n, c, h, ps in saved["records"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return _ShardResult(index, records, size)
 
 
 # ---------------------------------------------------------------------------------- pack
@@ -501,9 +514,9 @@ def _write_manifest(
     for i, files in enumerate(plan):
         res = results[i]
         builder.shards.append(ShardInfo(shard_name(i), res.size))
-        for f, (offset, stored, codec, digest) in zip(files, res.records, strict=True):
+        for f, (offset, stored, codec, digest, pieces) in zip(files, res.records, strict=True):
             builder.add(Entry(f.rel, KIND_FILE, f.mode, f.mtime_ns, f.size, i, offset, stored,
-                              codec, digest))
+                              codec, digest, pieces=pieces))
             report.files += 1
             report.raw_bytes += f.size
             report.stored_bytes += stored

@@ -8,6 +8,7 @@ only decides the order to ask them in and verifies what they return.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from stagefs.errors import (
     ReadOnlyError,
 )
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
+from stagefs.format.checksum import StreamSum, bad_piece, check
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg
 from stagefs.runtime import Runtime
@@ -44,6 +46,10 @@ _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
 READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
 SLOW_READ_S = 0.001  # a read slower than this waited on a remote file system's latency
 _Unit = tuple[int, int, int, int, int]  # read_many: order[i:j], shard, start, span
+_STREAM = 8 * 2**20  # bytes per read while a file without piece checksums is verified whole
+_V1_NOTICED: set[str] = set()  # manifests whose version 1 notice was logged (once each)
+
+log = logging.getLogger("stagefs")
 
 
 _STORES: weakref.WeakSet[Store] = weakref.WeakSet()
@@ -135,7 +141,9 @@ class Store:
         m = self.manifest
         self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
+        self._codec = m.codec
         self._checksum = m.checksum if sums is None else sums.sums
+        self._derived: dict[int, Sequence[int]] = {}  # piece sums learnt by _derive
         tune_malloc()
         self.stats = ReadStats()
         self._closed = False
@@ -336,65 +344,132 @@ class Store:
             data = None
             if blob is not None:
                 rel = m.offset[e] - start
+                stored = blob[rel : rel + m.stored[e]]
                 try:
-                    raw = decode(m.codec[e], bytes(blob[rel : rel + m.stored[e]]), m.size[e],
-                                 self._where(e))
-                except CorruptShardError:  # undecodable: as a checksum mismatch, below
-                    raw = None
-                if raw is not None and (not self.verify or checksum(raw) == self._checksum[e]):
-                    data = raw
+                    data = (check(m.codec[e], bytes(stored), m.size[e], self._checksum[e])
+                            if self.verify else decode(m.codec[e], bytes(stored), m.size[e], ""))
+                except CorruptShardError:
+                    pass  # read_entry, below, tries every holder, counts and logs it
+                else:
                     self.stats.reads += 1
-                    self.stats.bytes += len(raw)
+                    self.stats.bytes += len(data)
                     if fill is not None:
-                        fill(shard, m.offset[e], blob[rel : rel + m.stored[e]], self.verify)
+                        fill(shard, m.offset[e], stored, self.verify)
             # a bad or missing span falls back to the per-entry path, which tries every holder
             out[i] = data if data is not None else self.read_entry(e, paths[i])
 
-    def read_entry(self, e: int, path: PathArg | None = None) -> bytes:
-        """The verified content of entry ``e``: each holder in turn until one is right."""
-        m = self.manifest
+    def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
+                   length: int = -1) -> bytes:
+        """The verified bytes of entry ``e``: the whole file, or ``length`` bytes from
+        ``start`` (to the end if ``length`` is negative).
+
+        The one read path: each holder of the shard in turn (the tiers, then the origin)
+        until one returns bytes that pass the checksum: the file's for a whole file, the
+        pieces' for a range of a large raw file (only the pieces covering the range are
+        read). A holder with bad bytes is counted, logged, and told to drop its copy.
+        """
         if self._kind[e] != KIND_FILE:
             raise IsADirectoryError_(self._show(e, path))
         size = self._size[e]
-        if size == 0:
+        shard, offset, stored, codec = self._shard[e], self._offset[e], self._stored[e], \
+            self._codec[e]
+        sums: Sequence[int] | None = None  # a range's piece checksums
+        derive = False
+        if start or 0 <= length < size:  # a range
+            end = size if length < 0 else min(size, start + length)
+            if start >= end:
+                return b""
+            piece = self.manifest.piece_size
+            if codec or size <= piece:
+                return self.read_entry(e, path)[start:end]  # one piece: the whole file
+            if self.verify:
+                sums = self.manifest.piece_sums(e) or self._derived.get(e)
+                derive = sums is None
+                lo, first = start - start % piece, start // piece
+                hi = min(size, end + (-end) % piece)
+            else:
+                lo, hi, first = start, end, 0
+            offset, stored = offset + lo, hi - lo
+        elif size == 0:
             return b""
-        shard, offset, stored, codec = self._shard[e], self._offset[e], self._stored[e], m.codec[e]
         tried: list[str] = []
-        for src in self._holders(shard):
+        holders = self._holders(shard)
+        for src in holders:
             try:
-                data = raw = src.pread(shard, offset, stored)
-            except SourceUnavailable:
+                if derive:
+                    sums = self._derive(src, e, path)
+                raw = src.pread(shard, offset, stored)
+            except SourceUnavailable as exc:
                 self.stats.unavailable += 1
-                tried.append(src.name + " (unavailable)")
+                tried.append(f"{src.name} (unavailable)")
+                log.debug("%s: %s unavailable (%s)", self._where(e), src.name, exc)
                 continue
-            if codec:
-                try:
-                    data = decode(codec, data, size, self._where(e))
-                except CorruptShardError:
-                    data = b""
-            digest = checksum(data) if self.verify else 0
-            good = self.verify and digest == self._checksum[e]
-            if good or not self.verify or self._trust(src, e):
-                stats = self.stats
-                stats.reads += 1
-                stats.bytes += size
-                if src is self.origin and self._from_origin is not None:
-                    if not good and self.verify and self._sums is not None:
-                        # in place: the origin checked the file against the scan; its sum is
-                        # learnt from this read, and what it wrote into a tier is checked
-                        # against that sum from now on
-                        self._sums.record(e, digest)
-                        good = True
-                    self._from_origin(shard, offset, raw, good)
-                return data
-            self.stats.checksum_failures += 1
-            tried.append(src.name)
-            self._corrupt(src, shard)
+            except CorruptShardError as exc:  # from _derive: the whole file is wrong here
+                self._bad(src, e, path, exc, tried, src is holders[-1])
+                continue
+            try:
+                if sums is not None:
+                    k = bad_piece(raw, piece, sums, first)
+                    if k >= 0:
+                        raise CorruptShardError(f"piece {k} does not match its checksum")
+                    data = raw if start == lo and end == hi else raw[start - lo : end - lo]
+                elif not self.verify:
+                    data = decode(codec, raw, size, self._where(e)) if codec else raw
+                else:
+                    data = check(codec, raw, size, self._checksum[e])
+            except CorruptShardError as exc:
+                if sums is not None or not self._trust(src, e):
+                    self._bad(src, e, path, exc, tried, src is holders[-1])
+                    continue
+                # in place: the origin checked the file against the scan; its sum is learnt
+                # from this read, and what it wrote into a tier is checked against that sum
+                data = raw
+                self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
+            stats = self.stats
+            stats.reads += 1
+            stats.bytes += len(data)
+            if src is self.origin and self._from_origin is not None and stored == \
+                    self._stored[e]:
+                self._from_origin(shard, offset, raw, self.verify)
+            return data
         if not tried:
             raise ConfigError(f"no source can serve shard {shard}")
         if all(t.endswith("(unavailable)") for t in tried):
             raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
+
+    def _derive(self, src: ShardSource, e: int, path: PathArg | None) -> Sequence[int]:
+        """Piece checksums for a file that has none in its manifest (a version 1 pack, an
+        in-place dataset): read the whole file from ``src`` once, in parts, and keep the
+        checksum of each piece if the whole file matches its checksum."""
+        m = self.manifest
+        shard, offset, size = m.shard[e], m.offset[e], m.size[e]
+        h = StreamSum(m.piece_size)
+        for pos in range(0, size, _STREAM):
+            h.update(src.pread(shard, offset + pos, min(_STREAM, size - pos)))
+        digest = h.digest()
+        if digest != self._checksum[e]:
+            if not self._trust(src, e):
+                raise CorruptShardError("checksum mismatch")
+            self._sums.record(e, digest)  # type: ignore[union-attr]
+        if m.piece is None and m.path not in _V1_NOTICED:
+            _V1_NOTICED.add(m.path)
+            log.warning("%s: a version 1 pack has no piece checksums: the first range read "
+                        "of a large file reads and verifies the whole file. Re-pack the "
+                        "dataset with this stagefs to verify ranges by piece.", m.path)
+        self._derived[e] = h.pieces
+        return h.pieces
+
+    def _bad(self, src: ShardSource, e: int, path: PathArg | None, exc: Exception,
+             tried: list[str], last: bool) -> None:
+        """``src`` returned bad bytes for entry ``e``: count it, say so (the error raised
+        says so when it was the last holder), let it drop them."""
+        self.stats.checksum_failures += 1
+        tried.append(src.name)
+        log.log(logging.DEBUG if last else logging.WARNING,
+                "%s, %s: bad bytes from %s (%s); trying the next holder",
+                self._where(e), self._show(e, path), src.name, exc)
+        self._corrupt(src, self._shard[e])
 
     def _origin_holders(self, shard: int) -> Sequence[ShardSource]:
         return self._origin_only
@@ -406,9 +481,6 @@ class Store:
 
     def _origin_name(self) -> str:
         return str(getattr(self.origin, "root", None) or self.pack_dir)
-
-    def _fetch(self, shard: int, offset: int, length: int) -> bytes:
-        return self._fetch_from(shard, offset, length)[1]
 
     def _fetch_from(self, shard: int, offset: int, length: int) -> tuple[ShardSource, bytes]:
         """The first holder that answers, and its bytes (not verified here)."""

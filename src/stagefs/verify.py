@@ -6,12 +6,11 @@ import concurrent.futures as cf
 import os
 from dataclasses import dataclass, field
 
-import xxhash
 from tqdm import tqdm
 
-from stagefs.errors import ConfigError, FormatError, StagefsError
-from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
-from stagefs.format.codecs import decode
+from stagefs.errors import ConfigError, CorruptShardError, FormatError, StagefsError
+from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest
+from stagefs.format.checksum import StreamSum, bad_piece, check
 from stagefs.tiers.origin import PackOrigin
 
 __all__ = ["Corrupt", "VerifyReport", "verify_pack"]
@@ -41,27 +40,32 @@ _WINDOW = 64 * 2**20
 
 
 def _check(raw: bytes, e: int, m: Manifest, name: str) -> Corrupt | None:
-    path = os.fsdecode(m.path_of(e))
+    """Decode and check one file (and its pieces) with the readers' own check."""
     try:
-        data = decode(m.codec[e], raw, m.size[e], name)
+        data = check(m.codec[e], raw, m.size[e], m.checksum[e])
+        sums = m.piece_sums(e)
+        if sums is not None and (k := bad_piece(data, m.piece_size, sums, 0)) >= 0:
+            raise CorruptShardError(f"piece {k} does not match its checksum")
     except FormatError as exc:
-        return Corrupt(path, name, str(exc))
-    if len(data) != m.size[e] or checksum(data) != m.checksum[e]:
-        return Corrupt(path, name, "checksum mismatch")
+        return Corrupt(os.fsdecode(m.path_of(e)), name, str(exc))
     return None
 
 
 def _check_streamed(origin: PackOrigin, shard: int, e: int, m: Manifest,
                     name: str) -> Corrupt | None:
-    """A raw entry larger than the window, hashed part by part."""
-    h = xxhash.xxh3_64()
+    """A raw entry larger than the window, hashed part by part (and piece by piece)."""
+    h = StreamSum(m.piece_size)
     off, left = int(m.offset[e]), int(m.stored[e])
     while left:
         n = min(left, _WINDOW)
         h.update(origin.pread(shard, off, n))
         off, left = off + n, left - n
-    if m.stored[e] != m.size[e] or h.intdigest() != m.checksum[e]:
-        return Corrupt(os.fsdecode(m.path_of(e)), name, "checksum mismatch")
+    path = os.fsdecode(m.path_of(e))
+    if m.stored[e] != m.size[e] or h.digest() != m.checksum[e]:
+        return Corrupt(path, name, "checksum mismatch")
+    sums = m.piece_sums(e)
+    if sums is not None and list(sums) != h.pieces:
+        return Corrupt(path, name, "piece checksums do not match the file")
     return None
 
 

@@ -28,6 +28,7 @@ from stagefs.format import (
     KIND_SYMLINK,
     MANIFEST_NAME,
     NO_INDEX,
+    SUPPORTED_VERSIONS,
     VERSION,
     Manifest,
     ManifestBuilder,
@@ -188,12 +189,14 @@ def _patch(path: Path, offset: int, data: bytes) -> None:
 
 
 def test_wrong_version_is_refused(small_manifest: Path) -> None:
-    _patch(small_manifest, 8, struct.pack("<I", VERSION + 41))
+    _patch(small_manifest, 8, struct.pack("<I", 99))
     with pytest.raises(UnsupportedVersionError) as info:
         Manifest(str(small_manifest))
     msg = str(info.value)
-    assert str(small_manifest) in msg
-    assert str(VERSION + 41) in msg and f"version {VERSION}" in msg
+    assert str(small_manifest) in msg  # the file
+    assert "version 99" in msg  # the version found
+    assert f"versions {', '.join(map(str, SUPPORTED_VERSIONS))}" in msg  # the ones read
+    assert "upgrade" in msg and "re-pack" in msg  # what to do
     assert isinstance(info.value, FormatError) and isinstance(info.value, StagefsError)
 
 

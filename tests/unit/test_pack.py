@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import shutil
 import socket
@@ -380,6 +381,24 @@ def test_interrupted_pack_resumes(tmp_path: Path, four_shard_src: Path,
         a = (dest / shard_name(i)).read_bytes()
         b = (tmp_path / "clean" / shard_name(i)).read_bytes()
         assert a[64:] == b[64:]
+
+
+def test_resume_rewrites_shards_recorded_for_another_format(
+        tmp_path: Path, four_shard_src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard record of an older stagefs (no piece checksums) is not reused."""
+    dest = tmp_path / "pack"
+    _failing_shard(monkeypatch, 2)
+    with pytest.raises(OSError, match="injected"):
+        _pack(four_shard_src, dest, shard_size=10_000, jobs=1)
+    monkeypatch.undo()
+    record = dest / packmod.STATE_DIR / "0.json"
+    old = json.loads(record.read_text())
+    old.pop("version")
+    old["records"] = [r[:4] for r in old["records"]]  # the version 1 record
+    record.write_text(json.dumps(old))
+    report = _pack(four_shard_src, dest, shard_size=10_000)
+    assert report.reused_shards == 1  # shard 1 only; shard 0 was written anew
+    _roundtrip(four_shard_src, dest, tmp_path / "out")
 
 
 def test_resume_after_source_changed(tmp_path: Path, four_shard_src: Path,

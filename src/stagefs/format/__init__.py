@@ -10,6 +10,8 @@ from stagefs.format.spec import (
     KIND_SYMLINK,
     MANIFEST_NAME,
     NO_INDEX,
+    PIECE,
+    SUPPORTED_VERSIONS,
     VERSION,
 )
 
@@ -21,6 +23,8 @@ __all__ = [
     "KIND_SYMLINK",
     "MANIFEST_NAME",
     "NO_INDEX",
+    "PIECE",
+    "SUPPORTED_VERSIONS",
     "VERSION",
     "Codec",
     "Manifest",

@@ -73,7 +73,9 @@ def compress_auto(data: bytes, mode: str) -> tuple[Codec, bytes]:
 
 
 def decode(codec: int, stored: bytes, size: int, where: str) -> bytes:
-    """Return the raw bytes of one file; a stored form that cannot be decoded is corrupt."""
+    """Return the raw bytes of one file; a stored form that cannot be decoded is corrupt.
+    ``where`` (a shard and file; may be empty) begins the error's message."""
+    at = f"{where}: " if where else ""
     if codec == Codec.NONE:
         return stored
     if codec == Codec.ZSTD:
@@ -82,8 +84,8 @@ def decode(codec: int, stored: bytes, size: int, where: str) -> bytes:
             declared = zstandard.frame_content_size(stored)
             if declared not in (-1, size):
                 raise CorruptShardError(
-                    f"{where}: zstd frame says {declared} bytes, the manifest says {size}")
+                    f"{at}zstd frame says {declared} bytes, the manifest says {size}")
             return _decompressor().decompress(stored, max_output_size=size)
         except zstandard.ZstdError as exc:
-            raise CorruptShardError(f"{where}: zstd data cannot be decoded ({exc})") from exc
-    raise CorruptShardError(f"{where}: unknown codec {codec}")
+            raise CorruptShardError(f"{at}zstd data cannot be decoded ({exc})") from exc
+    raise CorruptShardError(f"{at}unknown codec {codec}")

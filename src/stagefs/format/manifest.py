@@ -25,14 +25,20 @@ from xxhash import xxh3_64_intdigest
 
 from stagefs._fsutil import atomic_write
 from stagefs.errors import CorruptManifestError, UnsupportedVersionError
+from stagefs.format.checksum import piece_count
 from stagefs.format.spec import (
     ALIGN,
     ENTRY_ARRAYS,
     KIND_DIR,
+    KIND_FILE,
     KIND_SYMLINK,
     MANIFEST_HEADER,
     MANIFEST_MAGIC,
     NO_INDEX,
+    PIECE,
+    PIECE_ENTRY_ARRAY,
+    PIECES_ARRAY,
+    SUPPORTED_VERSIONS,
     VERSION,
 )
 
@@ -61,6 +67,7 @@ class Entry:
     checksum: int = 0
     link_target: bytes = b""  # a symlink's target, verbatim
     link_resolved: bytes | None = None  # the in-tree path it resolves to (None: dangling)
+    pieces: Sequence[int] = ()  # a large raw file: the checksum of each piece (version 2)
 
 
 def _split(path: bytes) -> tuple[bytes, bytes]:
@@ -102,8 +109,13 @@ def _hash_table(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint32]:
 class ManifestBuilder:
     """Collect entries, then ``write()`` the manifest atomically (``.partial``, rename)."""
 
-    def __init__(self, pack_id: bytes | None = None) -> None:
+    def __init__(self, pack_id: bytes | None = None, *, version: int = VERSION,
+                 piece_size: int = PIECE) -> None:
+        if version not in SUPPORTED_VERSIONS:
+            raise ValueError(f"cannot write manifest version {version}")
         self.pack_id = pack_id or uuid.uuid4().bytes
+        self.version = version  # 1 only to make test packs of the old layout
+        self.piece_size = piece_size
         self.entries: list[Entry] = []
         self.shards: list[ShardInfo] = []
         self.meta: dict[str, Any] = {}
@@ -155,9 +167,29 @@ class ManifestBuilder:
         cols["hash"][:] = [xxh3_64_intdigest(e.path) for e in entries]
         arrays: list[tuple[str, npt.NDArray[Any]]] = [("path_off", path_off)]
         arrays += list(cols.items())
+        if self.version >= 2:
+            arrays += self._pieces(entries)
         arrays += [("slots", _hash_table(cols["hash"]))]
         arrays += [("strings", np.frombuffer(bytes(strings), dtype="u1"))]
         return self._layout(arrays, n)
+
+    def _pieces(self, entries: list[Entry]) -> list[tuple[str, npt.NDArray[Any]]]:
+        """The ``piece`` entry array and the flat ``pieces`` array of checksums."""
+        first = np.full(len(entries), NO_INDEX, dtype=PIECE_ENTRY_ARRAY[1])
+        sums: list[int] = []
+        for i, e in enumerate(entries):
+            if not e.pieces:
+                continue
+            want = piece_count(e.size, self.piece_size)
+            if e.codec or e.kind != KIND_FILE or want < 2 or len(e.pieces) != want:
+                raise ValueError(f"entry {e.path!r}: {len(e.pieces)} piece checksums for "
+                                 f"{e.size} bytes (codec {e.codec}) at {self.piece_size}")
+            if len(sums) + len(e.pieces) >= NO_INDEX:
+                raise ValueError("more piece checksums than a manifest can index")
+            first[i] = len(sums)
+            sums += e.pieces
+        return [(PIECE_ENTRY_ARRAY[0], first),
+                (PIECES_ARRAY[0], np.array(sums, dtype=PIECES_ARRAY[1]))]
 
     def _ordered(self) -> list[Entry]:
         roots = [e for e in self.entries if e.path == b""]
@@ -179,6 +211,8 @@ class ManifestBuilder:
             chunks.append((pos, arr.tobytes()))
             pos += arr.nbytes
         meta = dict(self.meta)
+        if self.version >= 2:
+            meta["piece_size"] = self.piece_size
         meta.update(
             pack_id=self.pack_id.hex(),
             entries=n,
@@ -194,7 +228,7 @@ class ManifestBuilder:
         buf[meta_off:] = meta_bytes
         body_sum = xxh3_64_intdigest(memoryview(buf)[MANIFEST_HEADER.size :])
         header = MANIFEST_HEADER.pack(
-            MANIFEST_MAGIC, VERSION, 0, meta_off, len(meta_bytes), total, body_sum
+            MANIFEST_MAGIC, self.version, 0, meta_off, len(meta_bytes), total, body_sum
         )
         buf[: MANIFEST_HEADER.size] = header
         return bytes(buf)
@@ -247,11 +281,13 @@ class Manifest:
         if magic != MANIFEST_MAGIC:
             raise CorruptManifestError(f"{where}: not a stagefs manifest (bad magic {magic!r}); "
                                        "copy the pack again or re-pack it")
-        if version != VERSION:
+        if version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersionError(
-                f"{where}: manifest format version {version}; this stagefs reads version "
-                f"{VERSION}. Use a stagefs that matches, or re-pack the dataset."
+                f"{where}: manifest format version {version}; this stagefs reads versions "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))}. A newer stagefs wrote it: use "
+                "that stagefs (or upgrade this one), or re-pack the dataset with this one."
             )
+        self.version = version
         if total != size:
             raise CorruptManifestError(
                 f"{where}: manifest is {size} bytes but its header says {total}: "
@@ -272,7 +308,8 @@ class Manifest:
                     code = code.lower()
                 view = self._buf[off : off + arr.nbytes]
                 self._views[name] = view.cast(code)  # type: ignore[call-overload]
-            counts = {name: len(self.arrays[name]) for name in ENTRY_ARRAYS}
+            names = list(ENTRY_ARRAYS) + ([PIECE_ENTRY_ARRAY[0]] if version >= 2 else [])
+            counts = {name: len(self.arrays[name]) for name in names}
             if any(c != self.n for c in counts.values()) or len(self.arrays["path_off"]) != (
                 self.n + 1
             ):
@@ -287,6 +324,39 @@ class Manifest:
         self.checksum, self.first, self.count = a["checksum"], a["first"], a["count"]
         self.parent = a["parent"]
         self._mask = len(self.slots) - 1
+        self._parse_pieces(version)
+
+    def _parse_pieces(self, version: int) -> None:
+        """Version 2's piece checksums; a version 1 manifest has none (``piece`` is None)."""
+        self.piece: memoryview | None = None
+        self.pieces: memoryview = memoryview(b"").cast("Q")
+        self.piece_size = PIECE  # v1: the unit a reader derives piece sums in
+        if version < 2:
+            return
+        size = self.meta.get("piece_size")
+        if type(size) is not int or not 4096 <= size <= 1 << 30:
+            raise CorruptManifestError(f"{self.path}: piece_size {size!r} is not a whole number "
+                                       "of bytes from 4 KiB to 1 GiB; re-pack the dataset")
+        if PIECES_ARRAY[0] not in self._views:
+            raise CorruptManifestError(f"{self.path}: version 2 manifest without piece "
+                                       "checksums; re-pack the dataset")
+        self.piece_size = size
+        self.piece, self.pieces = self._views[PIECE_ENTRY_ARRAY[0]], self._views[PIECES_ARRAY[0]]
+
+    def piece_sums(self, e: int) -> memoryview | None:
+        """The checksums of entry ``e``'s pieces, or None if it has none (a small or
+        compressed file, a version 1 manifest)."""
+        if self.piece is None:
+            return None
+        k = self.piece[e]
+        if k == NO_INDEX:
+            return None
+        n = piece_count(self.size[e], self.piece_size)
+        if k + n > len(self.pieces):
+            raise CorruptManifestError(
+                f"{self.path}: entry {e} ({self.path_of(e)!r}) has piece checksums "
+                f"{k}..{k + n - 1}, beyond the {len(self.pieces)} stored; re-pack the dataset")
+        return self.pieces[k : k + n]
 
     def on_close(self, release: Callable[[], object]) -> None:
         """Call ``release`` before unmapping (for holders of buffers into the map)."""

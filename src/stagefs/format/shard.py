@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from stagefs.errors import CorruptShardError, UnsupportedVersionError
-from stagefs.format.spec import SHARD_HEADER, SHARD_MAGIC, VERSION
+from stagefs.format.spec import SHARD_HEADER, SHARD_MAGIC, SUPPORTED_VERSIONS, VERSION
 
 __all__ = ["ShardHeader", "ShardWriter", "shard_name"]
 
@@ -37,10 +37,11 @@ class ShardHeader:
         magic, version, index, pack_id, length = SHARD_HEADER.unpack_from(raw)
         if magic != SHARD_MAGIC:
             raise CorruptShardError(f"{where}: not a stagefs shard (bad magic {magic!r})")
-        if version != VERSION:
+        if version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersionError(
-                f"{where}: shard format version {version}, this stagefs reads version "
-                f"{VERSION}; re-pack the dataset or use a matching stagefs"
+                f"{where}: shard format version {version}; this stagefs reads versions "
+                f"{', '.join(map(str, SUPPORTED_VERSIONS))}. A newer stagefs wrote it: use "
+                "that stagefs (or upgrade this one), or re-pack the dataset with this one."
             )
         return cls(index, pack_id, length)
 

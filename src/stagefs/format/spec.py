@@ -1,11 +1,18 @@
-"""Constants of the pack format, version 1. docs/FORMAT.md is the prose of this file."""
+"""Constants of the pack format, version 2. docs/FORMAT.md is the prose of this file."""
 
 from __future__ import annotations
 
 import struct
 
-VERSION = 1
-"""The format version this stagefs writes; a reader refuses any other."""
+VERSION = 2
+"""The format version this stagefs writes (manifest and shard headers)."""
+
+SUPPORTED_VERSIONS = (1, 2)
+"""The versions this stagefs reads; a reader refuses any other, naming these."""
+
+PIECE = 1 << 20
+"""Bytes per checksummed piece of a large raw file (version 2). Written to the manifest's
+metadata as ``piece_size``: a reader uses the pack's value, not this one."""
 
 MANIFEST_NAME = "manifest.sfm"
 MANIFEST_MAGIC = b"STGFSMAN"
@@ -40,3 +47,7 @@ ENTRY_ARRAYS: dict[str, str] = {
     "first": "<u4",  # directory: first child; symlink: the entry it resolves to, or NO_INDEX
     "count": "<u4",  # directory: number of children
 }
+
+# Version 2 adds, per entry, the index of the file's first piece checksum in ``pieces``.
+PIECE_ENTRY_ARRAY = ("piece", "<u4")  # NO_INDEX: the file has no piece checksums
+PIECES_ARRAY = ("pieces", "<u8")  # xxh3_64 of each piece, the pieces of a file contiguous

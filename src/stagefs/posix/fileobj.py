@@ -1,9 +1,9 @@
 """Read-only file objects over stagefs entries.
 
 A small file (or any compressed one) is read whole and verified when opened, and served as
-an in-memory buffer. A large raw file is read by range on demand through a buffered reader;
-its checksum is verified when it is read from start to end in order (docs/decisions/
-0002-large-file-reads.md says why a range read alone cannot be verified).
+an in-memory buffer. A large raw file is read by range on demand through a buffered reader:
+each read asks the Store for the pieces that cover it, verified against their checksums
+(docs/decisions/0002-large-file-reads.md), and never returns a byte that was not verified.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
-from stagefs.errors import ChecksumError, ReadOnlyError
+from stagefs.errors import ReadOnlyError
 
 if TYPE_CHECKING:
     from stagefs.store import Store
@@ -58,16 +56,16 @@ class SmallFile(_Base, io.BytesIO):
 
 
 class _RangeRaw(io.RawIOBase):
-    """Raw reads of one large uncompressed file by range, hashed while read in order."""
+    """Raw reads of one large uncompressed file by range. Each read asks the Store for the
+    whole pieces that cover it (verified) and keeps that span, so a sequential reader reads
+    and verifies each piece once."""
 
     def __init__(self, store: Store, e: int, name: str) -> None:
         m = store.manifest
         self._store, self._e, self.name, self.mode = store, e, name, "rb"
-        self._shard, self._base, self._size = m.shard[e], m.offset[e], m.size[e]
-        self._expected = m.checksum[e]
+        self._size, self._piece = m.size[e], m.piece_size
         self._pos = 0
-        self._hash: Any = xxhash.xxh3_64() if store.verify else None
-        self._hashed = 0
+        self._span_at, self._span = 0, b""  # the last verified span read, and where it starts
 
     def readable(self) -> bool:
         return True
@@ -91,15 +89,22 @@ class _RangeRaw(io.RawIOBase):
         n = max(0, min(len(buf), self._size - self._pos))
         if n == 0:
             return 0
-        data = self._store._fetch(self._shard, self._base + self._pos, n)
-        if self._hash is not None and self._pos == self._hashed:
-            self._hash.update(data)
-            self._hashed += n
-            if self._hashed == self._size and self._hash.intdigest() != self._expected:
-                raise ChecksumError(self.name, self._store._where(self._e))
-        memoryview(buf)[:n] = data
+        pos = self._pos
+        rel = pos - self._span_at
+        if not 0 <= rel < len(self._span):
+            end, p = pos + n, self._piece
+            lo, hi = pos - pos % p, min(self._size, end + (-end) % p)
+            self._span = self._store.read_entry(self._e, self.name, lo, hi - lo)
+            self._span_at, rel = lo, pos - lo
+        n = min(n, len(self._span) - rel)  # the rest comes with the next call
+        memoryview(buf)[:n] = memoryview(self._span)[rel : rel + n]
         self._pos += n
         return n
+
+    def readall(self) -> bytes:
+        data = self._store.read_entry(self._e, self.name, self._pos, -1)
+        self._pos += len(data)
+        return data
 
 
 class LargeFile(_Base, io.BufferedReader):

@@ -6,7 +6,8 @@ long as the mount lives, since a dataset never changes under a job. Mounted read
 (``-o ro``), so the kernel answers every write, create, rename and delete with EROFS itself.
 
 Reads use the same readers as ``Store.open`` (small files read whole and verified, large
-ones by range, verified when read in order); reads of different files run in parallel.
+ones by range, each range verified by the pieces that cover it); reads of different files
+run in parallel.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def _operations(store: Any) -> Any:
             return data
 
         def _large(self, e: int, path: str) -> list[Any]:
-            """A reader of a large file (verified when read in order), kept while in use."""
+            """A reader of a large file (each range verified by piece), kept while in use."""
             with self._lock:
                 h = self._readers.pop(e, None)
                 if h is None:
