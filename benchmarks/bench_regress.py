@@ -1,0 +1,203 @@
+"""Two checkouts of stagefs side by side: warm reads, stat and verified range reads.
+
+Each round runs one child process per checkout, alternating, on the same data (a pack
+written by each checkout's own packer: the format may differ), and every figure is also
+given as a ratio to a limit measured in the same child: a raw ``os.pread`` loop plus xxh3
+of the same bytes (DESIGN.md, "What fast means"). Medians of --runs rounds.
+
+    python benchmarks/bench_regress.py --a /path/to/old/src --b src --runs 5
+
+Range reads: large raw files (--large-mib each) read through ``Store.open`` at random
+offsets in ranges of several sizes, against pread + xxh3 of exactly the bytes asked for
+(the limit of a reader that could verify any range for free) and against pread alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+_CHILD = r"""
+import json, os, random, sys, time
+from xxhash import xxh3_64_intdigest
+import stagefs
+
+raw, large, scratch, tag = sys.argv[1:5]
+def packed(src, name):
+    dest = os.path.join(scratch, name + '-' + tag)
+    if not os.path.exists(os.path.join(dest, 'manifest.sfm')):
+        stagefs.pack(src, dest, jobs=1, overwrite=True, progress=False)
+    return dest
+
+def best(fn, n=3):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+out = {}
+p = packed(raw, 'small')
+with stagefs.open(p) as fs:
+    order = [os.path.join(d, f) for d, _, fl in fs.walk('') for f in fl]
+    random.Random(1).shuffle(order)
+    m = fs.manifest
+    ents = [fs.namespace.file_entry(x) for x in order]
+    spans = [(int(m.shard[e]), int(m.offset[e]), int(m.stored[e])) for e in ents]
+    fds = [os.open(os.path.join(p, s.name), os.O_RDONLY) for s in m.shards]
+    def limit():
+        for s, o, k in spans:
+            xxh3_64_intdigest(os.pread(fds[s], k, o))
+    def read():
+        for x in order:
+            fs.read(x)
+    def read_many():
+        for i in range(0, len(order), 64):
+            fs.read_many(order[i:i + 64])
+    def stat():
+        st = fs.stat
+        for x in order:
+            st(x)
+    for fn in (limit, read, read_many, stat):
+        fn()
+    t_lim = best(limit)
+    out['warm'] = {'limit_samples_per_s': len(order) / t_lim}
+    for name, fn in (('read', read), ('read_many', read_many)):
+        t = best(fn)
+        out['warm'][name + '_samples_per_s'] = len(order) / t
+        out['warm'][name + '_vs_limit'] = t_lim / t
+    out['warm']['stat_per_s'] = len(order) / best(stat)
+    for fd in fds:
+        os.close(fd)
+
+p = packed(large, 'large')
+with stagefs.open(p) as fs:
+    m = fs.manifest
+    files = [os.path.join(d, f) for d, _, fl in fs.walk('') for f in fl if f.endswith('.bin')]
+    ents = [fs.namespace.file_entry(x) for x in files]
+    fds = [os.open(os.path.join(p, s.name), os.O_RDONLY) for s in m.shards]
+    handles = [fs.open(x) for x in files]
+    out['ranges'] = {}
+    for size in (4096, 65536, 1 << 20, 8 << 20):
+        rng = random.Random(size)
+        picks = []
+        for _ in range(max(64, (256 << 20) // size // 4)):
+            i = rng.randrange(len(files))
+            off = rng.randrange(0, int(m.size[ents[i]]) - size)
+            picks.append((i, off))
+        nbytes = size * len(picks)
+        def ours():
+            for i, off in picks:
+                f = handles[i]; f.seek(off); f.read(size)
+        def pread_only():
+            for i, off in picks:
+                e = ents[i]
+                os.pread(fds[int(m.shard[e])], size, int(m.offset[e]) + off)
+        def pread_xxh3():
+            for i, off in picks:
+                e = ents[i]
+                xxh3_64_intdigest(os.pread(fds[int(m.shard[e])], size, int(m.offset[e]) + off))
+        for fn in (ours, pread_only, pread_xxh3):
+            fn()
+        t, t_p, t_px = best(ours), best(pread_only), best(pread_xxh3)
+        out['ranges'][str(size)] = {'MB_per_s': nbytes / t / 1e6,
+                                    'pread_MB_per_s': nbytes / t_p / 1e6,
+                                    'pread_xxh3_MB_per_s': nbytes / t_px / 1e6,
+                                    'vs_pread_xxh3': t_px / t, 'vs_pread': t_p / t}
+    for h in handles:
+        h.close()
+print(json.dumps(out))
+"""
+
+
+def _large_tree(root: str, files: int, mib: int) -> str:
+    marker = os.path.join(root, ".complete")
+    if not os.path.exists(marker):
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        for i in range(files):  # incompressible, and not a multiple of any piece size
+            with open(os.path.join(root, f"blob-{i:03d}.bin"), "wb") as f:
+                f.write(os.urandom(mib * 2**20 + 12345))
+        open(marker, "w").close()
+    return root
+
+
+def _run(src: str, raw: str, large: str, scratch: str, tag: str) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
+    proc = subprocess.run([sys.executable, "-c", _CHILD, raw, large, scratch, tag], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"the run of {src} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _median(runs: list[dict[str, Any]], *keys: str) -> float:
+    vals = []
+    for r in runs:
+        for k in keys:
+            r = r[k]
+        vals.append(float(r))  # type: ignore[arg-type]
+    return statistics.median(vals)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--a", required=True, help="src/ directory of the first checkout (before)")
+    ap.add_argument("--b", default="src", help="src/ directory of the second checkout (after)")
+    ap.add_argument("--files", type=int, default=10000)
+    ap.add_argument("--large-files", type=int, default=6)
+    ap.add_argument("--large-mib", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--scratch", default="/tmp/stagefs-bench-regress")
+    ap.add_argument("--out", default="benchmarks/results/regress.json")
+    args = ap.parse_args()
+
+    sys.path.insert(0, os.path.abspath(args.b))
+    from stagefs.bench.datasets import imagenet_like
+    from stagefs.bench.table import table
+
+    os.makedirs(args.scratch, exist_ok=True)
+    raw = os.path.join(args.scratch, "raw")
+    if not os.path.exists(os.path.join(raw, ".complete")):
+        shutil.rmtree(raw, ignore_errors=True)
+        imagenet_like(raw, files=args.files, classes=max(1, args.files // 200))
+        open(os.path.join(raw, ".complete"), "w").close()
+    large = _large_tree(os.path.join(args.scratch, "large"), args.large_files, args.large_mib)
+    runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
+    for _ in range(args.runs):
+        for tag, src in (("a", args.a), ("b", args.b)):
+            runs[tag].append(_run(src, raw, large, args.scratch, tag))
+    rows = []
+    for label, keys in (("warm read, vs limit", ("warm", "read_vs_limit")),
+                        ("warm read_many(64), vs limit", ("warm", "read_many_vs_limit")),
+                        ("warm read, samples/s", ("warm", "read_samples_per_s")),
+                        ("warm read_many(64), samples/s", ("warm", "read_many_samples_per_s")),
+                        ("stat/s", ("warm", "stat_per_s"))):
+        a, b = _median(runs["a"], *keys), _median(runs["b"], *keys)
+        rows.append([label, f"{a:,.3g}", f"{b:,.3g}", f"x{b / a:.3f}"])
+    print(table(["figure (median)", "a (before)", "b (after)", "b / a"], rows), "\n")
+    rrows = []
+    for size in ("4096", "65536", str(1 << 20), str(8 << 20)):
+        for tag in ("a", "b"):
+            got = [_median(runs[tag], "ranges", size, k) for k in
+                   ("MB_per_s", "pread_xxh3_MB_per_s", "vs_pread_xxh3", "vs_pread")]
+            rrows.append([f"{int(size) // 1024} KiB", tag, f"{got[0]:,.0f}", f"{got[1]:,.0f}",
+                          f"{got[2]:.2f}", f"{got[3]:.2f}"])
+    print(table(["range", "tree", "Store.open MB/s", "pread+xxh3 MB/s", "vs pread+xxh3",
+                 "vs pread"], rrows))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"a": os.path.abspath(args.a), "b": os.path.abspath(args.b),
+                   "load": os.getloadavg(), "runs": runs}, f, indent=1)
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
