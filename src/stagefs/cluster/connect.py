@@ -3,7 +3,7 @@
 It reads this node's runtime directory (``$STAGEFS_RUNTIME`` or the job's default), loads
 the cluster map and the token, recomputes the placement (pure, the same as the daemons'),
 and builds a Store whose holders for a shard are: this node's tier copy, then the peers
-holding it in placement order, then the origin. No MPI here: it works in forked and spawned
+holding it (one hedged holder over its replicas, in placement order), then the origin. No MPI here: it works in forked and spawned
 DataLoader workers (a pickled store re-connects in the child; a forked one opens new
 connections there). A peer that is down, slow or wrong is skipped and counted; the caller
 gets correct bytes or the Store's own errors, never a network exception.
@@ -26,6 +26,7 @@ from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.codecs import decode
 from stagefs.namespace import PathArg
 from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.hedge import HedgedPeers, ReplyTimes
 from stagefs.store import Store
 from stagefs.tiers.base import ShardSource, SourceUnavailable, pread_full
 
@@ -104,19 +105,30 @@ class ClusterStore(Store):
                                everywhere=cmap.everywhere, seed=cmap.seed)
         self.local = LocalTierSource([t for t, _ in cmap.tiers], cmap.pack_id, manifest)
         self.clients = {n: PeerClient(h, p, token, pack_id=manifest.pack_id, timeout=timeout,
-                                      name=f"node {n}")
+                                      connect_timeout=min(3.0, timeout), name=f"node {n}")
                         for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
         self.peer_sources = {n: PeerSource(c, f"node {n}") for n, c in self.clients.items()}
+        self.reply_times = ReplyTimes()  # of every peer: the hedging delay
+        self._hedged: dict[tuple[int, ...], HedgedPeers] = {}
         self._verify_arg = verify
         self._timeout = timeout
         super().__init__(cmap.pack, verify=verify, manifest=manifest, sources=self._holders_of)
+        self._holder_lists = [self._holder_list(s) for s in range(len(manifest.shards))]
 
     def _holders_of(self, shard: int) -> list[ShardSource]:
+        return self._holder_lists[shard]
+
+    def _holder_list(self, shard: int) -> list[ShardSource]:
         out: list[ShardSource] = []
         placed = self.placement.holders[shard]
         if self.rank in placed:
             out.append(self.local)
-        out += [self.peer_sources[n] for n in placed if n != self.rank]
+        peers = tuple(n for n in placed if n != self.rank)
+        if peers:
+            if peers not in self._hedged:
+                self._hedged[peers] = HedgedPeers([self.peer_sources[n] for n in peers],
+                                                  self.reply_times)
+            out.append(self._hedged[peers])
         out.append(self.origin)
         return out
 
