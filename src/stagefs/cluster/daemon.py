@@ -39,7 +39,7 @@ from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
-from stagefs.net.server import ShardServer
+from stagefs.net.server import ServerLimits, ShardServer
 from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
@@ -66,6 +66,7 @@ class ServeOptions:
     progress: float = 5.0
     mpi: bool | None = None  # None: use MPI if an MPI launcher started us
     forward_timeout: float = 600.0
+    limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,7 +133,7 @@ class Daemon:
         self.tiers = NodeTiers(self.tier_specs, self.manifest)
         host, port = _bind_address(o, self.boot)
         self.server = ShardServer(self.manifest, self.token, self.tiers.locate, host, port,
-                                  status=self.status)
+                                  limits=o.limits, status=self.status)
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),

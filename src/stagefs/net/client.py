@@ -32,7 +32,8 @@ from stagefs.net import protocol as P
 from stagefs.net.sockio import Deadline, recv_message, send_message, send_parts, set_timeouts
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["ClientStats", "PeerClient", "PeerSource", "PeerUnavailable"]
+__all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
+           "PeerUnavailable"]
 
 log = logging.getLogger("stagefs.client")
 
@@ -60,6 +61,11 @@ def _scratch(n: int) -> bytearray | None:
 
 class PeerUnavailable(SourceUnavailable):
     """The peer is down, timed out, refused us or spoke nonsense: try the next holder."""
+
+
+class PeerAuthenticationError(PeerUnavailable, AuthenticationError):
+    """The peer did not prove the job token (or serves another pack): to a reader, one
+    more unavailable holder; to ``except AuthenticationError``, what went wrong."""
 
 
 @dataclass
@@ -209,7 +215,7 @@ class PeerClient:
             raise
         except AuthenticationError as exc:
             self._failed(sock, exc)
-            raise PeerUnavailable(str(exc)) from exc
+            raise PeerAuthenticationError(str(exc)) from None
         except (OSError, ProtocolError) as exc:
             self._failed(sock, exc)
             raise PeerUnavailable(f"{self.name}: handshake failed ({exc})") from exc
