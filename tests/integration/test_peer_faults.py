@@ -26,6 +26,7 @@ from cluster_helpers import make_pack
 from stagefs.cluster.cmap import ClusterMap
 from stagefs.cluster.connect import ClusterStore
 from stagefs.format import Manifest
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.client import PeerClient, PeerSource
@@ -341,6 +342,7 @@ def test_a_peer_with_another_token_is_skipped(packed: Pack, tmp_path: object) ->
 SERVE = """
 import os, sys
 from stagefs.format import Manifest
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.net.server import ShardServer
 pack, token = sys.argv[1], bytes.fromhex(sys.argv[2])
 m = Manifest(os.path.join(pack, "manifest.sfm"))
@@ -434,3 +436,36 @@ def test_a_hedged_read_does_not_wait_for_a_stopped_replica(
         stopped.close()
         live.close()
         srv.close()
+
+
+_FLIP = bytes(range(255, -1, -1))
+
+
+def test_a_peer_serving_wrong_bytes_is_caught(packed: Pack, tmp_path: object) -> None:
+    """A peer with the token (a broken disk, a hostile node of the job) serves shard copies
+    with flipped bytes: every read still returns the origin's bytes, each mismatch counted."""
+    pack, content = packed
+    token = auth.new_token()
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    bad_dir = os.path.join(str(tmp_path), "bad")
+    os.makedirs(bad_dir)
+    for sh in m.shards:
+        with open(os.path.join(pack, sh.name), "rb") as f:
+            data = bytearray(f.read())
+        # every byte past the header flipped: every sample is hit
+        data[SHARD_HEADER.size :] = data[SHARD_HEADER.size :].translate(_FLIP)
+        with open(os.path.join(bad_dir, sh.name), "wb") as f:
+            f.write(data)
+    srv = ShardServer(m, token, lambda s: os.path.join(bad_dir, m.shards[s].name),
+                      "127.0.0.1").start()
+    store, _ = _cluster_store(str(tmp_path), pack, srv.address, token, timeout=5.0)
+    try:
+        paths = _on_peer(store, content)
+        assert [store.read(p) for p in paths] == [content[p] for p in paths]
+        assert store.read_many(paths) == [content[p] for p in paths]
+        assert srv.stats.bytes_served > 0  # the peer did answer, wrongly
+        assert store.stats.checksum_failures >= 2 * len(paths)
+    finally:
+        store.close()
+        srv.close()
+        m.close()
