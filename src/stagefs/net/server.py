@@ -34,6 +34,7 @@ from stagefs.net.sockio import (
     send_message,
     send_parts,
     sendfile_all,
+    set_recv_timeout,
     set_timeouts,
 )
 
@@ -204,7 +205,7 @@ class ShardServer:
                 return
             head = bytearray(P.HEADER.size)
             while not self._stop.is_set():
-                set_timeouts(conn, lim.idle_timeout)
+                set_recv_timeout(conn, lim.idle_timeout)
                 k = conn.recv_into(head)  # waits for a request to begin (or idle timeout)
                 if k == 0:
                     return

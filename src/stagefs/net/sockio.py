@@ -20,7 +20,7 @@ from collections.abc import Callable
 from stagefs.net import protocol as P
 
 __all__ = ["Deadline", "recv_exact", "recv_message", "send_message", "send_parts",
-           "sendfile_all", "set_timeouts"]
+           "sendfile_all", "set_recv_timeout", "set_timeouts"]
 
 _MIN_TIMEOUT = 1e-3  # a kernel timeout of 0 means "wait forever": never arm one
 
@@ -37,6 +37,11 @@ def set_timeouts(sock: socket.socket, seconds: float) -> None:
     tv = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """``seconds`` as the kernel timeout of each receive call (the socket already blocks)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
 
 
 class Deadline:
@@ -58,7 +63,7 @@ class Deadline:
         return left
 
     def arm_recv(self) -> None:
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.left()))
+        set_recv_timeout(self.sock, self.left())
 
     def arm_send(self) -> None:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.left()))
