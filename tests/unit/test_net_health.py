@@ -176,7 +176,11 @@ def test_the_hedging_delay_follows_the_replies_within_its_bounds() -> None:
     assert t.delay() == 0.2
 
 
-def test_peer_source_batched_read_is_the_clients() -> None:
+def test_batched_reads_of_an_unavailable_peer_are_none() -> None:
     c = PeerClient("127.0.0.1", _refused_port(), b"t" * 32)
-    with pytest.raises(PeerUnavailable):
-        PeerSource(c).pread_many([(0, 0, 1), (1, 0, 1)])
+    src = PeerSource(c)
+    assert src.pread_many([(0, 0, 1), (1, 0, 1)]) == [None, None]
+    assert src.is_down()
+    h = HedgedPeers([src, PeerSource(PeerClient("127.0.0.1", _refused_port(), b"t" * 32))])
+    assert h.pread_many([(0, 0, 1)]) == [None]  # neither answers: no exception
+    assert h.is_down()

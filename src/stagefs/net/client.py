@@ -395,9 +395,15 @@ class PeerSource:
         return data
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
-        """Many (shard, offset, length) in one request; None where the peer does not hold
-        the range."""
-        return self.client.read(ranges)
+        """Many ranges in one batched READ; None for each the peer cannot give (all of them
+        if it is suspect or fails mid-batch)."""
+        try:
+            return self.client.read(ranges)
+        except SourceUnavailable:
+            return [None] * len(ranges)
+
+    def is_down(self) -> bool:
+        return self.client.is_down()
 
     def close(self) -> None:
         self.client.close()

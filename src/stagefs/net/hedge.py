@@ -98,7 +98,16 @@ class HedgedPeers:
         return self._first(lambda r: r.pread(shard, offset, length))
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
-        return self._first(lambda r: r.pread_many(ranges))
+        """Many ranges in one request to a replica (hedged like ``pread``); None for each
+        that no replica gave (all of them if none answered)."""
+        try:
+            return self._first(lambda r: r.client.read(ranges))
+        except PeerUnavailable:
+            return [None] * len(ranges)
+
+    def is_down(self) -> bool:
+        """Every replica is suspect: a reader goes straight to the next holder."""
+        return all(r.client.suspect() for r in self.replicas)
 
     def close(self) -> None:
         """The replicas' connections belong to their clients, which the owner closes."""
