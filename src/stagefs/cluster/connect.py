@@ -4,7 +4,8 @@ It reads this node's runtime directory (``$STAGEFS_RUNTIME`` or the job's defaul
 the cluster map and the token, recomputes the placement (pure, the same as the daemons'),
 and builds a plain Store whose holders for a shard (``ClusterHolders``) are: this node's
 tier copy (read with the single-node tier reader, ``DirTier``: pread, no daemon hop), then
-the peers holding it in placement order, then the origin. The Store reads and verifies;
+the peers holding it (one hedged holder over its replicas, in placement order,
+net/hedge.py), then the origin. The Store reads and verifies;
 ``read_many`` sends each peer the ranges it is asked for in one batched request (the peer's
 ``pread_many``). No MPI here: it works in forked and spawned DataLoader workers (a pickled
 store connects again in the child; a forked one opens new connections there). A peer that
@@ -27,6 +28,7 @@ from stagefs.config import TierSpec, env
 from stagefs.errors import ClusterError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.hedge import HedgedPeers, ReplyTimes
 from stagefs.store import ReadStats, Store
 from stagefs.tiers.base import ShardSource
 from stagefs.tiers.origin import PackOrigin
@@ -51,18 +53,33 @@ class ClusterHolders:
                                everywhere=cmap.everywhere, seed=cmap.seed)
         self.tiers = [DirTier(TierSpec(path, cap), manifest) for path, cap in cmap.tiers]
         self.clients = {n: PeerClient(h, p, token, pack_id=manifest.pack_id, timeout=timeout,
-                                      name=f"node {n}")
+                                      connect_timeout=min(3.0, timeout), name=f"node {n}")
                         for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
         self.peer_sources = {n: PeerSource(c, f"node {n}") for n, c in self.clients.items()}
+        self.reply_times = ReplyTimes()  # of every peer: the hedging delay
+        self._hedged: dict[tuple[int, ...], HedgedPeers] = {}
+        self._peers = [self._hedged_of(s) for s in range(len(manifest.shards))]
         self._mine = set(self.placement.shards_of(self.rank))
         self.holders = self._holders_of
+
+    def _hedged_of(self, shard: int) -> HedgedPeers | None:
+        """One hedged holder per set of replicas on other nodes (None: only this node)."""
+        peers = tuple(n for n in self.placement.holders[shard] if n != self.rank)
+        if not peers:
+            return None
+        if peers not in self._hedged:
+            self._hedged[peers] = HedgedPeers([self.peer_sources[n] for n in peers],
+                                              self.reply_times)
+        return self._hedged[peers]
 
     def _holders_of(self, shard: int) -> list[ShardSource]:
         out: list[ShardSource] = []
         if shard in self._mine:
             # only a copy the tier holds now: read_many reads it in the calling thread
             out += [t for t in self.tiers if t.holds(shard)]
-        out += [self.peer_sources[n] for n in self.placement.holders[shard] if n != self.rank]
+        peers = self._peers[shard]
+        if peers is not None:
+            out.append(peers)
         out.append(self.origin)
         return out
 
