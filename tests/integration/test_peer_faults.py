@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 from cluster_helpers import make_pack
@@ -30,7 +30,7 @@ from stagefs.format.spec import SHARD_HEADER
 from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.client import PeerClient, PeerSource
-from stagefs.net.hedge import HedgedPeers, HedgePolicy, ReplyTimes
+from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.net.server import ServerLimits, ShardServer
 from stagefs.store import Store
 from stagefs.tiers.origin import PackOrigin
@@ -275,14 +275,15 @@ def _trickler(conn: socket.socket, stop: threading.Event) -> None:
 
 
 def _cluster_store(tmp: str, pack: str, peer: tuple[str, int], token: bytes,
-                   timeout: float = 0.5) -> tuple[Store, ClusterHolders, FakeClock]:
-    """The Store of connect() for this node (rank 0, tiers empty) and one peer (rank 1) at
-    ``peer``."""
+                   timeout: float = 0.5, *, others: Sequence[tuple[str, int]] = (),
+                   replicas: int = 1) -> tuple[Store, ClusterHolders, FakeClock]:
+    """The Store of connect() for this node (rank 0, tiers empty), one peer (rank 1) at
+    ``peer`` and ``others`` (ranks 2...)."""
     m = Manifest(os.path.join(pack, "manifest.sfm"))
     os.makedirs(os.path.join(tmp, "tier"), exist_ok=True)
     cmap = ClusterMap(pack=pack, pack_id=m.pack_id.hex(), rank=0,
-                      nodes=[("127.0.0.1", 9), peer], replicas=1, seed=0, everywhere=[],
-                      replicate_all=[], tiers=[(os.path.join(tmp, "tier"), None)])
+                      nodes=[("127.0.0.1", 9), peer, *others], replicas=replicas, seed=0,
+                      everywhere=[], replicate_all=[], tiers=[(os.path.join(tmp, "tier"), None)])
     origin = PackOrigin(pack, m)
     holders = ClusterHolders(os.path.join(tmp, "rt"), cmap, token, m, origin, verify=True,
                              timeout=timeout)
@@ -401,6 +402,7 @@ def test_a_stopped_daemon_costs_one_deadline_then_is_skipped(
         _sigstop(proc)
         assert store.read(paths[1]) == content[paths[1]]  # waited one deadline, then origin
         assert client.suspect() and client.stats.failures == 1
+        assert store.status()["suspect_peers"] == [1]
         sent, attempts = client.stats.sent, client.stats.attempts
         assert store.read(paths[2]) == content[paths[2]]
         assert store.read_many(paths[2:]) == [content[p] for p in paths[2:]]
@@ -424,6 +426,16 @@ def test_a_stopped_daemon_costs_one_deadline_then_is_skipped(
         store.close()
 
 
+def _hedged_pair(stopped: PeerClient, live: PeerClient) -> list[HedgedPeer]:
+    """Two peers holding every shard, one holder each (placement order: the stopped one
+    first), hedging after 0.2 s."""
+    times = ReplyTimes(HedgePolicy(floor=0.2, cap=0.2, initial=0.2))
+    peers: list[HedgedPeer] = []
+    peers += [HedgedPeer(PeerSource(c), lambda shard: peers, times, times)
+              for c in (stopped, live)]
+    return peers
+
+
 def test_a_hedged_read_does_not_wait_for_a_stopped_replica(
         daemon: tuple[subprocess.Popen[bytes], tuple[str, int], bytes], packed: Pack) -> None:
     proc, addr, token = daemon
@@ -431,29 +443,69 @@ def test_a_hedged_read_does_not_wait_for_a_stopped_replica(
     srv = _server(pack, token)
     stopped = PeerClient(*addr, token, name="stopped", timeout=10.0)
     live = PeerClient(*srv.address, token, name="live")
-    hedged = HedgedPeers([PeerSource(stopped), PeerSource(live)],
-                         ReplyTimes(HedgePolicy(floor=0.2, cap=0.2, initial=0.2)))
-    store = Store(pack, sources=lambda shard: [hedged, store.origin])
+    peers = _hedged_pair(stopped, live)
+    store = Store(pack, sources=lambda shard: [*peers, store.origin])
     try:
         assert stopped.probe() and live.probe()  # both answer: connections in the pools
         _sigstop(proc)
         paths = [p for p, d in sorted(content.items()) if d]
         assert store.read(paths[0]) == content[paths[0]]
         assert stopped.stats.sent == 1  # asked first (placement order)
-        assert hedged.hedged == 1 and live.stats.requests == 1  # then the second answered
+        assert peers[0].hedged == 1 and live.stats.requests == 1  # then the second answered
         assert store.origin.stats.reads == 0
         assert stopped.suspect()
         assert [store.read(p) for p in paths[1:6]] == [content[p] for p in paths[1:6]]
-        assert stopped.stats.sent == 1 and hedged.hedged == 1  # no delay paid again
-        assert live.stats.requests == 6
+        assert stopped.stats.sent == 1 and peers[0].hedged == 1  # no delay paid again
+        assert live.stats.requests == 6 and peers[1].hedged == 0
     finally:
         store.close()
-        stopped.close()
-        live.close()
+        srv.close()
+
+
+def test_a_batch_to_a_stopped_peer_is_hedged_to_the_other_in_one_request(
+        daemon: tuple[subprocess.Popen[bytes], tuple[str, int], bytes], packed: Pack) -> None:
+    proc, addr, token = daemon
+    pack, content = packed
+    srv = _server(pack, token)
+    stopped = PeerClient(*addr, token, name="stopped", timeout=10.0)
+    live = PeerClient(*srv.address, token, name="live")
+    peers = _hedged_pair(stopped, live)
+    store = Store(pack, sources=lambda shard: [*peers, store.origin])
+    try:
+        assert stopped.probe() and live.probe()
+        _sigstop(proc)
+        paths, size = [], 0
+        for p, d in sorted(content.items()):  # well below the bytes of one READ request
+            if d and size + len(d) < 2**20:
+                paths.append(p)
+                size += len(d)
+        assert len(paths) > 4
+        assert store.read_many(paths) == [content[p] for p in paths]
+        assert stopped.stats.sent == 1 and stopped.suspect()  # one batch, never answered
+        assert peers[0].hedged == 1 and live.stats.sent == 1  # the batch in one request
+        assert store.origin.stats.reads == 0 and store.stats.unavailable == 0
+        # the stopped peer is suspect: the next batch goes to the other peer at once
+        assert store.read_many(paths) == [content[p] for p in paths]
+        assert live.stats.sent == 2 and peers[0].hedged == 1 and peers[1].hedged == 0
+    finally:
+        store.close()
         srv.close()
 
 
 _FLIP = bytes(range(255, -1, -1))
+
+
+def _flipped_copies(m: Manifest, pack: str, where: str) -> str:
+    """Copies of the pack's shards with every byte past the header flipped (every sample is
+    hit), in ``where``."""
+    os.makedirs(where)
+    for sh in m.shards:
+        with open(os.path.join(pack, sh.name), "rb") as f:
+            data = bytearray(f.read())
+        data[SHARD_HEADER.size :] = data[SHARD_HEADER.size :].translate(_FLIP)
+        with open(os.path.join(where, sh.name), "wb") as f:
+            f.write(data)
+    return where
 
 
 def test_a_peer_serving_wrong_bytes_is_caught(packed: Pack, tmp_path: object) -> None:
@@ -462,15 +514,7 @@ def test_a_peer_serving_wrong_bytes_is_caught(packed: Pack, tmp_path: object) ->
     pack, content = packed
     token = auth.new_token()
     m = Manifest(os.path.join(pack, "manifest.sfm"))
-    bad_dir = os.path.join(str(tmp_path), "bad")
-    os.makedirs(bad_dir)
-    for sh in m.shards:
-        with open(os.path.join(pack, sh.name), "rb") as f:
-            data = bytearray(f.read())
-        # every byte past the header flipped: every sample is hit
-        data[SHARD_HEADER.size :] = data[SHARD_HEADER.size :].translate(_FLIP)
-        with open(os.path.join(bad_dir, sh.name), "wb") as f:
-            f.write(data)
+    bad_dir = _flipped_copies(m, pack, os.path.join(str(tmp_path), "bad"))
     srv = ShardServer(m, token, lambda s: os.path.join(bad_dir, m.shards[s].name),
                       "127.0.0.1").start()
     store, holders, _ = _cluster_store(str(tmp_path), pack, srv.address, token, timeout=5.0)
@@ -483,4 +527,35 @@ def test_a_peer_serving_wrong_bytes_is_caught(packed: Pack, tmp_path: object) ->
     finally:
         store.close()
         srv.close()
+        m.close()
+
+
+def test_wrong_bytes_from_one_replica_are_read_from_the_other(packed: Pack,
+                                                               tmp_path: object) -> None:
+    """Two replicas of a shard on other nodes, the first (node 1) serving flipped bytes:
+    the Store reads the shard from the second (node 2), not the origin."""
+    pack, content = packed
+    token = auth.new_token()
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    bad_dir = _flipped_copies(m, pack, os.path.join(str(tmp_path), "bad"))
+    bad = ShardServer(m, token, lambda s: os.path.join(bad_dir, m.shards[s].name),
+                      "127.0.0.1").start()
+    good = _server(pack, token)
+    store, holders, _ = _cluster_store(str(tmp_path), pack, bad.address, token, timeout=5.0,
+                                       others=[good.address], replicas=2)
+    try:
+        shard = {p: int(m.shard[store.namespace.file_entry(p)]) for p in content}
+        paths = [p for p, d in sorted(content.items()) if d and list(
+            holders.placement.holders[shard[p]]) == [1, 2]]
+        assert len(paths) >= 2
+        assert [h.name for h in holders.holders(shard[paths[0]])] == [
+            "node 1", "node 2", store.origin.name]
+        assert [store.read(p) for p in paths] == [content[p] for p in paths]
+        assert store.read_many(paths) == [content[p] for p in paths]
+        assert bad.stats.bytes_served > 0 and good.stats.bytes_served > 0
+        assert store.stats.checksum_failures >= 1 and store.origin.stats.reads == 0
+    finally:
+        store.close()
+        bad.close()
+        good.close()
         m.close()

@@ -12,7 +12,7 @@ import pytest
 
 from stagefs.net import protocol as P
 from stagefs.net.client import ClientStats, PeerClient, PeerSource, PeerUnavailable
-from stagefs.net.hedge import HedgedPeers, HedgePolicy, ReplyTimes
+from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.net.sockio import Deadline, recv_message, set_timeouts
 
 
@@ -98,16 +98,19 @@ def test_a_suspect_peer_is_probed_in_the_background_after_its_backoff() -> None:
 
 
 class StandIn:
-    """A replica whose answers the test releases (pure logic: the hedging decisions)."""
+    """A peer whose answers the test releases (pure logic: the hedging decisions). Like a
+    real client, it refuses at once while it is suspect."""
 
     def __init__(self, name: str, answer: bytes | None = b"data") -> None:
         self.name = name
         self.answer = answer
         self.release = threading.Event()
         self.calls = 0
+        self.batches: list[list[tuple[int, int, int]]] = []
         self.client = self
         self.stats = ClientStats()
         self.marked: list[str] = []
+        self.then: threading.Event | None = None  # set once this one has answered
 
     def suspect(self) -> bool:
         return bool(self.marked)
@@ -115,49 +118,104 @@ class StandIn:
     def mark_suspect(self, why: str) -> None:
         self.marked.append(why)
 
-    def pread(self, shard: int, offset: int, length: int) -> bytes:
-        self.calls += 1
+    def _answer(self) -> bytes:
         self.release.wait(30)
+        if self.then is not None:
+            self.then.set()
         if self.answer is None:
             raise PeerUnavailable(f"{self.name}: not held")
         return self.answer
 
+    def _send(self) -> None:
+        if self.marked:
+            raise PeerUnavailable(f"{self.name}: suspect; skipped")
 
-def _hedged(*replicas: StandIn, delay: float = 0.05) -> HedgedPeers:
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        self._send()
+        self.calls += 1
+        return self._answer()
+
+    def read(self, ranges: list[tuple[int, int, int]]) -> list[bytes | None]:
+        self._send()
+        self.batches.append(list(ranges))
+        return [self._answer() + b"%d" % s for s, _, _ in ranges]
+
+
+def _peers(placement: dict[int, list[StandIn]], delay: float = 0.05) -> dict[str, HedgedPeer]:
+    """One holder per stand-in, each told the replicas of every shard (``placement``)."""
     times = ReplyTimes(HedgePolicy(floor=delay, cap=delay, initial=delay))
-    return HedgedPeers(cast("list[PeerSource]", list(replicas)), times)
+    out: dict[str, HedgedPeer] = {}
+
+    def replicas(shard: int) -> list[HedgedPeer]:
+        return [out[p.name] for p in placement[shard]]
+
+    for p in {p.name: p for ps in placement.values() for p in ps}.values():
+        out[p.name] = HedgedPeer(cast("PeerSource", p), replicas, times, times)
+    return out
 
 
-def test_a_slow_replica_is_hedged_and_marked_suspect() -> None:
+def test_a_slow_peer_is_hedged_and_marked_suspect() -> None:
     slow, fast = StandIn("slow", b"late"), StandIn("fast", b"data")
     fast.release.set()
-    h = _hedged(slow, fast)
-    assert h.pread(0, 0, 4) == b"data"
-    assert h.hedged == 1 and slow.marked and not fast.marked
-    assert h.pread(0, 0, 4) == b"data"  # the suspect one is not asked again
-    assert slow.calls == 1 and fast.calls == 2 and h.hedged == 1
+    h = _peers({0: [slow, fast]})
+    assert h["slow"].pread(0, 0, 4) == b"data"
+    assert h["slow"].hedged == 1 and slow.marked and not fast.marked
+    # the Store's next read: the suspect peer refuses at once, its next holder answers
+    # from the caller's thread (no live replica left to hedge to)
+    with pytest.raises(PeerUnavailable, match="suspect"):
+        h["slow"].pread(0, 0, 4)
+    assert h["fast"].pread(0, 0, 4) == b"data"
+    assert slow.calls == 1 and fast.calls == 2 and h["fast"].hedged == 0
+    assert h["slow"].is_down() and not h["fast"].is_down()
     slow.release.set()
 
 
-def test_a_failing_replica_hands_over_at_once() -> None:
+def test_a_failing_peer_is_not_hedged() -> None:
     missing, other = StandIn("missing", None), StandIn("other")
     missing.release.set()
     other.release.set()
-    h = _hedged(missing, other, delay=30.0)  # a hedge would wait 30 s: a failure does not
-    assert h.pread(0, 0, 4) == b"data"
-    assert h.hedged == 0 and not missing.marked  # not held is no reason for suspicion
+    h = _peers({0: [missing, other]}, delay=30.0)  # a hedge would wait 30 s: no hedge here
+    with pytest.raises(PeerUnavailable, match="not held"):
+        h["missing"].pread(0, 0, 4)  # the Store goes to its next holder: the other replica
+    assert h["missing"].hedged == 0 and not missing.marked and other.calls == 0
+    assert h["missing"].pread_many([(0, 0, 4), (0, 4, 4)]) == [None, None]
+    assert h["missing"].hedged == 0 and other.batches == []
 
 
-def test_no_replica_answers() -> None:
-    a, b = StandIn("a", None), StandIn("b", None)
+def test_a_hedged_read_that_no_replica_answers_raises() -> None:
+    slow, gone = StandIn("slow", None), StandIn("gone", None)
+    gone.release.set()
+    gone.then = slow.release  # the slow one fails once the hedge has failed
+    h = _peers({0: [slow, gone]})
+    with pytest.raises(PeerUnavailable) as err:
+        h["slow"].pread(0, 0, 4)
+    assert "gone: not held" in str(err.value) and "slow: not held" in str(err.value)
+    assert h["slow"].hedged == 1 and slow.marked
+    with pytest.raises(PeerUnavailable, match="suspect"):
+        h["slow"].pread(0, 0, 4)
+
+
+def test_a_slow_batch_goes_range_by_range_to_each_shards_other_replica() -> None:
+    a, b, c = StandIn("a"), StandIn("b", b"B"), StandIn("c", b"C")
+    b.release.set()
+    c.release.set()
+    h = _peers({0: [a, b], 1: [c, a], 2: [a], 3: [a, b]})
+    ranges = [(0, 0, 1), (1, 0, 1), (2, 0, 1), (3, 0, 1)]
+    assert h["a"].pread_many(ranges) == [b"B0", b"C1", None, b"B3"]  # 2: only a holds it
+    assert b.batches == [[(0, 0, 1), (3, 0, 1)]] and c.batches == [[(1, 0, 1)]]
+    assert h["a"].hedged == 2 and a.marked and a.batches == [ranges]
+    a.release.set()
+    assert h["a"].pread_many(ranges) == [None] * 4  # suspect: the Store reads them one by one
+    assert len(a.batches) == 1
+
+
+def test_a_batch_answered_in_time_is_not_hedged() -> None:
+    a, b = StandIn("a", b"A"), StandIn("b", b"B")
     a.release.set()
     b.release.set()
-    with pytest.raises(PeerUnavailable, match="no replica answered"):
-        _hedged(a, b).pread(0, 0, 4)
-    a.marked.append("x")
-    b.marked.append("x")
-    with pytest.raises(PeerUnavailable, match="every replica is suspect"):
-        _hedged(a, b).pread(0, 0, 4)
+    h = _peers({0: [a, b]}, delay=30.0)
+    assert h["a"].pread_many([(0, 0, 1), (0, 5, 1)]) == [b"A0", b"A0"]
+    assert h["a"].hedged == 0 and b.batches == [] and not a.marked
 
 
 def test_the_hedging_delay_follows_the_replies_within_its_bounds() -> None:
@@ -181,6 +239,10 @@ def test_batched_reads_of_an_unavailable_peer_are_none() -> None:
     src = PeerSource(c)
     assert src.pread_many([(0, 0, 1), (1, 0, 1)]) == [None, None]
     assert src.is_down()
-    h = HedgedPeers([src, PeerSource(PeerClient("127.0.0.1", _refused_port(), b"t" * 32))])
-    assert h.pread_many([(0, 0, 1)]) == [None]  # neither answers: no exception
-    assert h.is_down()
+    other = PeerClient("127.0.0.1", _refused_port(), b"t" * 32)
+    peers: list[HedgedPeer] = []
+    peers += [HedgedPeer(PeerSource(other), lambda shard: peers), HedgedPeer(src)]
+    assert peers[0].pread_many([(0, 0, 1), (1, 0, 1)]) == [None, None]  # no exception
+    assert peers[0].is_down() and peers[1].is_down()
+    assert peers[1].pread_many([(0, 0, 1)]) == [None]  # suspect: not asked
+    assert other.stats.attempts == 1 and c.stats.attempts == 1 and c.stats.skipped == 1

@@ -140,6 +140,10 @@ class PeerClient:
     def is_down(self) -> bool:
         return self.suspect()
 
+    def is_suspect(self) -> bool:
+        """Suspect now, without starting a probe (for status reports)."""
+        return self._pid == os.getpid() and self._retry_at is not None
+
     def mark_suspect(self, why: str) -> None:
         """Skip this peer until it answers again (a hedged read found it slow)."""
         with self._lock:
