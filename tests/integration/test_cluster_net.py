@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -103,7 +102,7 @@ def test_wrong_token_refused(server: tuple[ShardServer, bytes, Manifest]) -> Non
     srv, _, _ = server
     c = PeerClient(*srv.address, auth.new_token())
     with pytest.raises(AuthenticationError, match="wrong job token"):
-        c.read([(0, 0, 10)])
+        c.read([(0, 0, 10)])  # also a PeerUnavailable: to a reader, the next holder
     assert srv.stats.auth_failures == 1 and srv.stats.bytes_served == 0
     with pytest.raises(SourceUnavailable):  # as a source: just unavailable
         PeerSource(PeerClient(*srv.address, auth.new_token())).pread(0, 0, 10)
@@ -118,18 +117,17 @@ def test_dead_peer_and_timeout(server: tuple[ShardServer, bytes, Manifest]) -> N
     c = PeerClient("127.0.0.1", port, token, connect_timeout=1.0)
     with pytest.raises(PeerUnavailable, match="cannot connect"):
         c.read([(0, 0, 1)])
-    with pytest.raises(PeerUnavailable, match="marked down"):
+    with pytest.raises(PeerUnavailable, match="suspect"):
         c.read([(0, 0, 1)])  # fails fast without another connect
-    # a listener that never answers: the client times out
+    assert c.stats.attempts == 1 and c.stats.skipped == 1
+    # a listener that never answers: the client gives up at its handshake deadline
     mute = socket.socket()
     mute.bind(("127.0.0.1", 0))
     mute.listen(1)
     try:
-        c = PeerClient(*mute.getsockname(), token, timeout=0.5)
-        t0 = time.monotonic()
-        with pytest.raises(PeerUnavailable):
+        c = PeerClient(*mute.getsockname(), token, connect_timeout=0.5)
+        with pytest.raises(PeerUnavailable, match="handshake failed"):
             c.read([(0, 0, 1)])
-        assert time.monotonic() - t0 < 5
     finally:
         mute.close()
 
@@ -154,14 +152,13 @@ def test_garbage_never_crashes_or_hangs_the_server(
                 pytest.fail(f"server hung on {data[:20]!r}")
             except OSError:
                 pass  # or it closed on us first (reset, broken pipe)
-    # a client that connects and says nothing is dropped after the handshake timeout
-    idle = socket.create_connection(srv.address, timeout=5)
-    idle.settimeout(5)
-    t0 = time.monotonic()
+    # a client that connects and says nothing is dropped at the handshake deadline
+    timeouts = srv.stats.handshake_timeouts
+    idle = socket.create_connection(srv.address, timeout=30)
     while idle.recv(65536):
         pass
-    assert time.monotonic() - t0 < 4
     idle.close()
+    assert srv.stats.handshake_timeouts == timeouts + 1
     assert srv.stats.protocol_errors > 0
     c = PeerClient(*srv.address, token)
     assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]  # still serving
@@ -173,7 +170,8 @@ def shared_server(packed: tuple[str, dict[str, bytes]]) -> Iterator[tuple[ShardS
     m = Manifest(os.path.join(pack, "manifest.sfm"))
     token = auth.new_token()
     srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
-                      limits=ServerLimits(handshake_timeout=0.25, idle_timeout=0.25)).start()
+                      limits=ServerLimits(handshake_timeout=0.25, frame_timeout=0.25,
+                                          idle_timeout=0.25)).start()
     yield srv, token
     srv.close()
     m.close()
@@ -201,11 +199,9 @@ def test_hypothesis_frames_never_crash_or_hang(
     s = _authed(srv, token) if authed else socket.create_connection(srv.address, timeout=5)
     try:
         s.sendall(data)
-        s.settimeout(5)
-        t0 = time.monotonic()
+        s.settimeout(30)
         while s.recv(65536):
-            pass  # the server answers and closes, or drops us at its timeout: never hangs
-        assert time.monotonic() - t0 < 4
+            pass  # the server answers and closes, or drops us at its deadline: never hangs
     except TimeoutError:
         pytest.fail("the server hung")
     except OSError:

@@ -322,6 +322,7 @@ def test_read_many_falls_back_per_item_when_a_peer_dies_mid_batch(
         assert fs.read_many(batch) == [content[p] for p in batch]
         assert fs.status()["unavailable"] > 0  # node 1's items went to the next holder
         assert cluster.servers[1].stats.requests == 1
+        assert fs.status()["suspect_peers"] == [1]
         # node 1 is down now: the next batch goes to node 2 in one request, the shards only
         # node 0 and node 1 hold come from the origin
         before = cluster.requests()[2]

@@ -4,19 +4,20 @@ It reads this node's runtime directory (``$STAGEFS_RUNTIME`` or the job's defaul
 the cluster map and the token, recomputes the placement (pure, the same as the daemons'),
 and builds a plain Store whose holders for a shard (``ClusterHolders``) are: this node's
 tier copy (read with the single-node tier reader, ``DirTier``: pread, no daemon hop), then
-the peers holding it in placement order, then the origin. The Store reads and verifies;
-``read_many`` sends each peer the ranges it is asked for in one batched request (the peer's
-``pread_many``). No MPI here: it works in forked and spawned DataLoader workers (a pickled
-store connects again in the child; a forked one opens new connections there). A peer that
-is down, slow or wrong is skipped and counted; the caller gets correct bytes or the Store's
-own errors, never a network exception.
+one holder per peer holding it, in placement order (``HedgedPeer``, net/hedge.py: a read a
+peer has not answered within the hedging delay goes to another replica too), then the
+origin. The Store reads and verifies; ``read_many`` sends each peer the ranges it is asked
+for in one batched request (the peer's ``pread_many``). No MPI here: it works in forked and
+spawned DataLoader workers (a pickled store connects again in the child; a forked one opens
+new connections there). A peer that is down, slow or wrong is skipped and counted; the
+caller gets correct bytes or the Store's own errors, never a network exception.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -27,6 +28,7 @@ from stagefs.config import TierSpec, env
 from stagefs.errors import ClusterError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.store import ReadStats, Store
 from stagefs.tiers.base import ShardSource
 from stagefs.tiers.origin import PackOrigin
@@ -51,20 +53,44 @@ class ClusterHolders:
                                everywhere=cmap.everywhere, seed=cmap.seed)
         self.tiers = [DirTier(TierSpec(path, cap), manifest) for path, cap in cmap.tiers]
         self.clients = {n: PeerClient(h, p, token, pack_id=manifest.pack_id, timeout=timeout,
-                                      name=f"node {n}")
+                                      connect_timeout=min(3.0, timeout), name=f"node {n}")
                         for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
-        self.peer_sources = {n: PeerSource(c, f"node {n}") for n, c in self.clients.items()}
+        # one holder per peer (Store.read_many sends each peer one batch), whose slow reads
+        # go to another replica of the shard too (net/hedge.py)
+        self.reply_times = ReplyTimes()
+        # a batch takes longer than one read: until its replies are timed, wait the cap
+        self.batch_times = ReplyTimes(HedgePolicy(initial=HedgePolicy().cap))
+        self.peers = {n: HedgedPeer(PeerSource(c, f"node {n}"), self._replicas,
+                                    self.reply_times, self.batch_times)
+                      for n, c in self.clients.items()}
+        # built once per set of replicas: its peers' holders (placement order), and the
+        # shard's holder list after this node's tier copies: those peers, then the origin
+        sets: dict[tuple[int, ...], tuple[tuple[HedgedPeer, ...], list[ShardSource]]] = {}
+        self._replica_holders: list[tuple[HedgedPeer, ...]] = []
+        self._after_tiers: list[list[ShardSource]] = []
+        for shard in range(len(manifest.shards)):
+            key = tuple(n for n in self.placement.holders[shard] if n != self.rank)
+            got = sets.get(key)
+            if got is None:
+                peers = tuple(self.peers[n] for n in key)
+                got = sets[key] = (peers, [*peers, origin])
+            self._replica_holders.append(got[0])
+            self._after_tiers.append(got[1])
         self._mine = set(self.placement.shards_of(self.rank))
         self.holders = self._holders_of
 
-    def _holders_of(self, shard: int) -> list[ShardSource]:
-        out: list[ShardSource] = []
+    def _replicas(self, shard: int) -> Sequence[HedgedPeer]:
+        """The holders of the shard's replicas on other nodes: where a hedge goes."""
+        return self._replica_holders[shard]
+
+    def _holders_of(self, shard: int) -> Sequence[ShardSource]:
+        after = self._after_tiers[shard]
         if shard in self._mine:
             # only a copy the tier holds now: read_many reads it in the calling thread
-            out += [t for t in self.tiers if t.holds(shard)]
-        out += [self.peer_sources[n] for n in self.placement.holders[shard] if n != self.rank]
-        out.append(self.origin)
-        return out
+            here: list[ShardSource] = [t for t in self.tiers if t.holds(shard)]
+            if here:
+                return here + after
+        return after
 
     def held_shards(self) -> set[int]:
         """The shards placed on this node (its daemon stages them)."""
@@ -81,6 +107,8 @@ class ClusterHolders:
             "local_hits": sum(t.stats.hits for t in self.tiers),
             "origin": self.origin.stats.as_dict(),
             "peers": {n: c.stats.as_dict() for n, c in self.clients.items()},
+            "hedged": sum(p.hedged for p in self.peers.values()),
+            "suspect_peers": sorted(n for n, c in self.clients.items() if c.is_suspect()),
         }
 
     def reopen(self) -> tuple[Callable[..., Store], tuple[Any, ...]]:

@@ -39,7 +39,7 @@ from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
-from stagefs.net.server import ShardServer
+from stagefs.net.server import ServerLimits, ShardServer
 from stagefs.runtime import Runtime
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
@@ -69,6 +69,7 @@ class ServeOptions:
     progress: float = 5.0
     mpi: bool | None = None  # None: use MPI if an MPI launcher started us
     forward_timeout: float = 600.0
+    limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -141,7 +142,7 @@ class Daemon:
                                self.tier_specs, self.lease, origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
-                                  status=self.status)
+                                  limits=o.limits, status=self.status)
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),

@@ -2,16 +2,21 @@
 
 ``PeerClient.read`` sends many (shard, offset, length) ranges in one READ and gets one DATA
 reply. Connections are kept in a small pool per peer and never shared between processes: a
-forked child finds the pool of its parent's pid and starts its own. A peer that fails is
-marked down for a short, growing while, so that readers go straight to the next holder
-instead of waiting for the same timeout again; ``PeerSource`` turns every failure into
-``SourceUnavailable`` for the Store.
+forked child finds the pool of its parent's pid and starts its own.
+
+Every exchange has a total deadline (connect and handshake together; each reply frame), so
+a peer that hangs, trickles bytes or speaks nonsense costs one deadline at most. Then it is
+*suspect*: reads skip it at once (``PeerUnavailable``, the next holder answers) until a
+probe in the background, after a growing back-off, finds it answering again. Every failure
+reaches the Store as ``PeerUnavailable``, a ``SourceUnavailable``: never an exception to the
+training job.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -24,16 +29,19 @@ from stagefs._malloc import tune_malloc
 from stagefs.errors import AuthenticationError, ProtocolError
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.sockio import recv_message, send_message, set_timeouts
+from stagefs.net.sockio import Deadline, recv_message, send_message, send_parts, set_timeouts
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["ClientStats", "PeerClient", "PeerSource", "PeerUnavailable"]
+__all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
+           "PeerUnavailable"]
+
+log = logging.getLogger("stagefs.client")
 
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
 _SCRATCH = 16 * 2**20  # replies up to this size are received into a reused buffer
 _BATCH_BYTES = 4 * 2**20  # data asked for in one READ; larger reads are pipelined requests
 _WINDOW = 32  # requests in flight on one connection
-_BACKOFF = (0.5, 30.0)
+BACKOFF = (0.5, 30.0)  # a suspect peer is probed again after this long, doubling
 
 
 _tls = threading.local()
@@ -55,24 +63,38 @@ class PeerUnavailable(SourceUnavailable):
     """The peer is down, timed out, refused us or spoke nonsense: try the next holder."""
 
 
+class PeerAuthenticationError(PeerUnavailable, AuthenticationError):
+    """The peer did not prove the job token (or serves another pack): to a reader, one
+    more unavailable holder; to ``except AuthenticationError``, what went wrong."""
+
+
 @dataclass
 class ClientStats:
-    requests: int = 0
+    requests: int = 0  # replies received
     ranges: int = 0
     bytes: int = 0
-    connects: int = 0
+    attempts: int = 0  # connections tried (reads and probes)
+    connects: int = 0  # connections made and authenticated
+    sent: int = 0  # requests sent
     failures: int = 0
+    skipped: int = 0  # reads that went straight to the next holder: the peer was suspect
+    probes: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class PeerClient:
-    """Talk to the daemon at ``host:port``, proving ``token``."""
+    """Talk to the daemon at ``host:port``, proving ``token``.
+
+    ``timeout``: the total deadline of each reply frame; ``connect_timeout``: of connecting
+    and the handshake together. ``clock`` (seconds, monotonic) times the back-off of a
+    suspect peer."""
 
     def __init__(self, host: str, port: int, token: bytes, *, pack_id: bytes | None = None,
                  timeout: float = 10.0, connect_timeout: float = 3.0, pool_size: int = 8,
-                 name: str | None = None) -> None:
+                 name: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 backoff: tuple[float, float] = BACKOFF) -> None:
         self.host, self.port = host, port
         self.name = name or f"{host}:{port}"
         self._token = token
@@ -80,6 +102,8 @@ class PeerClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.pool_size = pool_size
+        self.clock = clock
+        self.backoff_range = backoff
         self.stats = ClientStats()
         self._ids = itertools.count(1)
         tune_malloc()  # replies become sample-sized bytes: keep their memory for reuse
@@ -89,8 +113,9 @@ class PeerClient:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._idle: list[socket.socket] = []
-        self._down_until = 0.0
-        self._backoff = _BACKOFF[0]
+        self._retry_at: float | None = None  # suspect until then, and probed after it
+        self._backoff = self.backoff_range[0]
+        self._prober: threading.Thread | None = None
 
     def _check_pid(self) -> None:
         if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
@@ -99,26 +124,115 @@ class PeerClient:
                     s.detach()  # forget the fd without shutting the parent's connection
             self._reset()
 
+    # -- health ------------------------------------------------------------------------------
+
+    def suspect(self) -> bool:
+        """True while the peer is suspect (it failed or was slow lately): skip it. Once its
+        back-off has passed, a probe in the background (never the caller) checks it."""
+        self._check_pid()
+        retry_at = self._retry_at
+        if retry_at is None:
+            return False
+        if self.clock() >= retry_at:
+            self._start_probe()
+        return True
+
+    def is_down(self) -> bool:
+        return self.suspect()
+
+    def is_suspect(self) -> bool:
+        """Suspect now, without starting a probe (for status reports)."""
+        return self._pid == os.getpid() and self._retry_at is not None
+
+    def mark_suspect(self, why: str) -> None:
+        """Skip this peer until it answers again (a hedged read found it slow)."""
+        with self._lock:
+            if self._retry_at is not None:
+                return
+            self._retry_at = self.clock() + self._backoff
+        log.info("%s: %s; suspect until it answers again", self.name, why)
+
+    def probe(self) -> bool:
+        """Connect and prove the token now, within ``connect_timeout``: True if the peer
+        answered (it is no longer suspect; the connection joins the pool)."""
+        self._check_pid()
+        self.stats.probes += 1
+        try:
+            sock = self._connect()
+        except PeerUnavailable:
+            return False
+        self._answered()
+        self._give(sock)
+        return True
+
+    def wait_probe(self, timeout: float | None = None) -> None:
+        """Wait for the background probe, if one is running."""
+        prober = self._prober
+        if prober is not None:
+            prober.join(timeout)
+
+    def _start_probe(self) -> None:
+        with self._lock:
+            if self._prober is not None and self._prober.is_alive():
+                return
+            self._prober = threading.Thread(target=self.probe, daemon=True,
+                                            name=f"stagefs-probe-{self.name}")
+            self._prober.start()
+
+    def _answered(self) -> None:
+        if self._retry_at is not None or self._backoff != self.backoff_range[0]:
+            with self._lock:
+                if self._retry_at is not None:
+                    log.info("%s: answers again", self.name)
+                self._retry_at = None
+                self._backoff = self.backoff_range[0]
+
+    def _failed(self, sock: socket.socket | None, exc: BaseException) -> None:
+        self.stats.failures += 1
+        if sock is not None:
+            sock.close()
+        with self._lock:
+            self._retry_at = self.clock() + self._backoff
+            wait = self._backoff
+            self._backoff = min(self._backoff * 2, self.backoff_range[1])
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+        log.info("%s: %s; skipped, probed again in %g s", self.name, exc, wait)
+
     # -- connections ---------------------------------------------------------------------------
 
     def _connect(self) -> socket.socket:
+        """A new authenticated connection, or PeerUnavailable (the failure counted)."""
+        self.stats.attempts += 1
+        sock: socket.socket | None = None
         try:
-            sock = socket.create_connection((self.host, self.port), self.connect_timeout)
-        except OSError as exc:
-            self._failed(None)
-            raise PeerUnavailable(f"{self.name}: cannot connect ({exc})") from exc
-        try:
+            try:
+                sock = socket.create_connection((self.host, self.port), self.connect_timeout)
+            except OSError as exc:
+                raise PeerUnavailable(f"{self.name}: cannot connect ({exc})") from exc
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_timeouts(sock, self.timeout)
-            self._handshake(sock)
-        except BaseException:
-            sock.close()
+            set_timeouts(sock, self.connect_timeout)
+            self._handshake(sock, Deadline(sock, self.connect_timeout))
+        except PeerUnavailable as exc:
+            self._failed(sock, exc)
             raise
+        except AuthenticationError as exc:
+            self._failed(sock, exc)
+            raise PeerAuthenticationError(str(exc)) from None
+        except (OSError, ProtocolError) as exc:
+            self._failed(sock, exc)
+            raise PeerUnavailable(f"{self.name}: handshake failed ({exc})") from exc
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        set_timeouts(sock, self.timeout)
         self.stats.connects += 1
         return sock
 
-    def _handshake(self, sock: socket.socket) -> None:
-        msg = recv_message(sock, 4096)
+    def _handshake(self, sock: socket.socket, dl: Deadline) -> None:
+        msg = recv_message(sock, 4096, deadline=dl)
         if isinstance(msg, P.Error):
             raise PeerUnavailable(f"{self.name}: refused: {msg.message}")
         if not isinstance(msg, P.Challenge):
@@ -126,28 +240,26 @@ class PeerClient:
         if self.pack_id is not None and msg.pack_id != self.pack_id:
             raise AuthenticationError(f"{self.name}: serves another dataset (pack id differs)")
         nc = auth.new_nonce()
-        send_message(sock, P.Auth(nc, auth.client_proof(self._token, msg.nonce, nc)))
-        reply = recv_message(sock, 4096)
+        send_message(sock, P.Auth(nc, auth.client_proof(self._token, msg.nonce, nc)), dl)
+        reply = recv_message(sock, 4096, deadline=dl)
         if isinstance(reply, P.Error):
+            if reply.code != P.E_AUTH:
+                raise PeerUnavailable(f"{self.name}: refused: {reply.message}")
             raise AuthenticationError(f"{self.name}: {reply.message} (wrong job token?)")
         if not isinstance(reply, P.AuthOk):
             raise ProtocolError(f"{self.name}: expected AUTH_OK, got {type(reply).__name__}")
         if not auth.verify(auth.server_proof(self._token, msg.nonce, nc), reply.mac):
             raise AuthenticationError(f"{self.name}: the server could not prove the job token")
 
-    def is_down(self) -> bool:
-        """Marked down after a recent failure (for a growing while): skip it for now."""
-        self._check_pid()
-        return time.monotonic() < self._down_until
-
-    def _take(self) -> socket.socket:
-        self._check_pid()
-        if time.monotonic() < self._down_until:
-            raise PeerUnavailable(f"{self.name}: marked down after a recent failure")
+    def _take(self) -> tuple[socket.socket, bool]:
+        """A connection (from the pool: True), or PeerUnavailable if the peer is suspect."""
+        if self.suspect():
+            self.stats.skipped += 1
+            raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
         with self._lock:
             if self._idle:
-                return self._idle.pop()
-        return self._connect()
+                return self._idle.pop(), True
+        return self._connect(), False
 
     def _give(self, sock: socket.socket) -> None:
         with self._lock:
@@ -155,17 +267,6 @@ class PeerClient:
                 self._idle.append(sock)
                 return
         sock.close()
-
-    def _failed(self, sock: socket.socket | None) -> None:
-        self.stats.failures += 1
-        if sock is not None:
-            sock.close()
-        with self._lock:
-            self._down_until = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, _BACKOFF[1])
-            idle, self._idle = self._idle, []
-        for s in idle:
-            s.close()
 
     def _exchange(self, msg: P.Message) -> P.Message:
         replies: list[P.Message] = []
@@ -177,37 +278,45 @@ class PeerClient:
         """Send every request at once on one pooled connection, then take the replies in
         order, handing each to ``handle`` before the next is received (its DATA chunks are
         views of the reused receive buffer). The server works on request k+1 while we copy
-        reply k out."""
-        sock: socket.socket | None = None
+        reply k out. Each reply has its own total deadline."""
+        sock, pooled = self._take()
+        received = False
         try:
-            sock = self._take()
-            if len(msgs) == 1:
-                send_message(sock, msgs[0])
-            else:
-                sock.sendall(b"".join(P.encode(m) for m in msgs))
+            send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, self.timeout))
+            self.stats.sent += len(msgs)
             for i in range(len(msgs)):
-                reply = recv_message(sock, scratch=_scratch)
+                reply = recv_message(sock, scratch=_scratch,
+                                     deadline=Deadline(sock, self.timeout))
+                received = True
                 if isinstance(reply, P.Error):
                     raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
                 handle(i, reply)
-        except AuthenticationError:
-            self._failed(sock)
+        except PeerUnavailable as exc:
+            self._failed(sock, exc)
             raise
-        except PeerUnavailable:
-            if sock is not None:
-                self._failed(sock)
-            raise
-        except (OSError, ProtocolError) as exc:
-            self._failed(sock)
+        except ConnectionError as exc:
+            if pooled and not received:
+                # the peer closed this pooled connection while it sat idle (its idle
+                # timeout, a restart): not a failure of the peer; once more on a new one
+                sock.close()
+                self._pipeline(msgs, handle)
+                return
+            self._failed(sock, exc)
             raise PeerUnavailable(f"{self.name}: {exc}") from exc
-        self._backoff = _BACKOFF[0]
+        except (OSError, ProtocolError) as exc:
+            self._failed(sock, exc)
+            raise PeerUnavailable(f"{self.name}: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        self._answered()
         self._give(sock)
 
     # -- requests --------------------------------------------------------------------------
 
     def read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """The bytes of each (shard, offset, length), or None where the peer does not hold
-        it. Raises PeerUnavailable (or AuthenticationError) if the peer cannot answer.
+        it. Raises PeerUnavailable if the peer cannot answer.
 
         The ranges go in requests of about ``_BATCH_BYTES`` each, pipelined on one
         connection (a range over the reply limit is split and joined again)."""
@@ -284,20 +393,17 @@ class PeerSource:
         self.name = name or f"peer {client.name}"
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        try:
-            data = self.client.read([(shard, offset, length)])[0]
-        except AuthenticationError as exc:
-            raise PeerUnavailable(str(exc)) from exc
+        data = self.client.read([(shard, offset, length)])[0]
         if data is None:
             raise PeerUnavailable(f"{self.name}: does not hold shard {shard} (yet)")
         return data
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """Many ranges in one batched READ; None for each the peer cannot give (all of them
-        if it is down or fails mid-batch)."""
+        if it is suspect or fails mid-batch)."""
         try:
             return self.client.read(ranges)
-        except (SourceUnavailable, AuthenticationError):
+        except SourceUnavailable:
             return [None] * len(ranges)
 
     def is_down(self) -> bool:

@@ -1,8 +1,11 @@
-"""Blocking socket helpers shared by the server and the client: exact reads, frames, timeouts.
+"""Blocking socket helpers shared by the server and the client: exact reads, frames, deadlines.
 
 Sockets are kept in blocking mode with kernel-level timeouts (SO_RCVTIMEO/SO_SNDTIMEO), so
 ``os.sendfile`` can be used on them and no Python-level poll is paid per call; a timeout
-surfaces as ``TimeoutError``.
+surfaces as ``TimeoutError``. A kernel timeout bounds one system call, and a peer that sends
+one byte just before each timeout would stretch a frame forever; so every exchange with a
+peer has a ``Deadline``, a total time limit that re-arms the kernel timeout with the time
+left before each call.
 """
 
 from __future__ import annotations
@@ -11,20 +14,59 @@ import errno
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 from stagefs.net import protocol as P
 
-__all__ = ["recv_exact", "recv_message", "send_message", "send_parts", "sendfile_all",
-           "set_timeouts"]
+__all__ = ["Deadline", "recv_exact", "recv_message", "send_message", "send_parts",
+           "sendfile_all", "set_recv_timeout", "set_timeouts"]
+
+_MIN_TIMEOUT = 1e-3  # a kernel timeout of 0 means "wait forever": never arm one
+
+
+def _timeval(seconds: float) -> bytes:
+    seconds = max(seconds, _MIN_TIMEOUT)
+    sec = int(seconds)
+    return struct.pack("ll", sec, int((seconds - sec) * 1e6))
 
 
 def set_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Blocking mode, and ``seconds`` as the kernel timeout of each send and receive call."""
     sock.settimeout(None)
-    sec = int(seconds)
-    tv = struct.pack("ll", sec, int((seconds - sec) * 1e6))
+    tv = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def set_recv_timeout(sock: socket.socket, seconds: float) -> None:
+    """``seconds`` as the kernel timeout of each receive call (the socket already blocks)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+class Deadline:
+    """A total time limit for one exchange (a handshake, a frame, a reply) on a socket in
+    blocking mode (``set_timeouts``): each call made under it waits at most the time left."""
+
+    __slots__ = ("at", "seconds", "sock")
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock = sock
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(errno.ETIMEDOUT,
+                               f"peer did not complete the exchange within {self.seconds:g} s")
+        return left
+
+    def arm_recv(self) -> None:
+        set_recv_timeout(self.sock, self.left())
+
+    def arm_send(self) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.left()))
 
 
 def _timeout(exc: OSError) -> OSError:
@@ -33,15 +75,18 @@ def _timeout(exc: OSError) -> OSError:
     return exc
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None
-               ) -> bytearray | memoryview:
+def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
+               deadline: Deadline | None = None) -> bytearray | memoryview:
     """Exactly ``n`` bytes, or ConnectionError (closed), TimeoutError or OSError. With
-    ``into`` (at least ``n`` bytes), they are received there and a view of them returned."""
+    ``into`` (at least ``n`` bytes), they are received there and a view of them returned.
+    With ``deadline``, all of them arrive before it or TimeoutError."""
     buf: bytearray | memoryview = bytearray(n) if into is None else into[:n]
     view = memoryview(buf)
     got = 0
     try:
         while got < n:
+            if deadline is not None:
+                deadline.arm_recv()
             k = sock.recv_into(view[got:], n - got)
             if k == 0:
                 raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
@@ -52,39 +97,40 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None
 
 
 def recv_message(sock: socket.socket, max_frame: int = P.MAX_FRAME,
-                 scratch: Callable[[int], bytearray | None] | None = None) -> P.Message:
-    """The next message. With ``scratch`` (n -> a buffer of at least n bytes, or None), the
-    payload is received into that buffer (no allocation per message): the message's DATA
-    chunks are then views of it, valid until the buffer's next use."""
-    mtype, length = P.parse_header(recv_exact(sock, P.HEADER.size), max_frame)
+                 scratch: Callable[[int], bytearray | None] | None = None, *,
+                 deadline: Deadline | None = None,
+                 first: bytes | bytearray | memoryview = b"") -> P.Message:
+    """The next message, whole before ``deadline``. ``first``: bytes of its header already
+    received. With ``scratch`` (n -> a buffer of at least n bytes, or None), the payload is
+    received into that buffer (no allocation per message): the message's DATA chunks are
+    then views of it, valid until the buffer's next use."""
+    head = recv_exact(sock, P.HEADER.size - len(first), deadline=deadline)
+    mtype, length = P.parse_header(bytes(first) + bytes(head) if first else head, max_frame)
     if not length:
         return P.decode_payload(mtype, b"")
     buf = scratch(length) if scratch is not None else None
     into = memoryview(buf) if buf is not None else None
-    return P.decode_payload(mtype, recv_exact(sock, length, into))
+    return P.decode_payload(mtype, recv_exact(sock, length, into, deadline))
 
 
-def send_message(sock: socket.socket, msg: P.Message) -> None:
-    parts = P.encode_parts(msg)
+def send_message(sock: socket.socket, msg: P.Message, deadline: Deadline | None = None) -> None:
+    send_parts(sock, P.encode_parts(msg), deadline)
+
+
+def send_parts(sock: socket.socket, parts: list[bytes | memoryview],
+               deadline: Deadline | None = None) -> None:
     try:
-        if len(parts) == 1:
-            sock.sendall(parts[0])
-            return
-        _sendmsg_all(sock, [memoryview(p).cast("B") for p in parts if len(p)])
+        _sendmsg_all(sock, [memoryview(p).cast("B") for p in parts if len(p)], deadline)
     except BlockingIOError as exc:
         raise _timeout(exc) from None
 
 
-def send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    try:
-        _sendmsg_all(sock, [memoryview(p).cast("B") for p in parts if len(p)])
-    except BlockingIOError as exc:
-        raise _timeout(exc) from None
-
-
-def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+def _sendmsg_all(sock: socket.socket, views: list[memoryview],
+                 deadline: Deadline | None) -> None:
     i = 0
     while i < len(views):
+        if deadline is not None:
+            deadline.arm_send()
         sent = sock.sendmsg(views[i : i + 512])
         while i < len(views) and sent >= len(views[i]):
             sent -= len(views[i])
@@ -93,10 +139,13 @@ def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
             views[i] = views[i][sent:]
 
 
-def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int) -> None:
+def sendfile_all(sock: socket.socket, fd: int, offset: int, count: int,
+                 deadline: Deadline | None = None) -> None:
     out = sock.fileno()
     try:
         while count > 0:
+            if deadline is not None:
+                deadline.arm_send()
             n = os.sendfile(out, fd, offset, count)
             if n == 0:
                 raise ConnectionError(errno.EIO, "shard file shorter than the manifest says")

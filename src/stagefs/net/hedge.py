@@ -1,0 +1,249 @@
+"""Hedged reads: a peer as a holder for the Store, that does not let one slow peer stall a read.
+
+Each peer is one holder (so ``Store.read_many`` sends each peer one batch). A read that the
+peer has not answered within the hedging delay (the 99th percentile of recent reply times,
+between a floor and a cap) goes to another live replica of the shard too, and the first
+answer wins; the slow peer is marked suspect, so later reads skip it until it answers
+again. A peer that fails outright is not hedged: the Store goes to its next holder (the
+shard's next replica, then the origin). So a hung holder costs at most one short delay, not
+a timeout; the Store verifies what comes back and goes to its next holder if it is wrong.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from time import perf_counter
+
+from stagefs.net.client import PeerSource, PeerUnavailable
+
+__all__ = ["HedgePolicy", "HedgedPeer", "ReplyTimes"]
+
+
+@dataclass(frozen=True, slots=True)
+class HedgePolicy:
+    """When to send a read to another replica: after the ``quantile`` of the last ``window``
+    reply times, never sooner than ``floor`` nor later than ``cap`` seconds; ``initial``
+    until ``min_samples`` replies have been timed."""
+
+    floor: float = 0.005
+    cap: float = 0.5
+    initial: float = 0.1
+    quantile: float = 0.99
+    window: int = 512
+    min_samples: int = 20
+
+
+_ALL_TIMES: weakref.WeakSet[ReplyTimes] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A lock another thread held at the fork stays held in the child: make new ones."""
+    for t in list(_ALL_TIMES):
+        t._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class ReplyTimes:
+    """Recent reply times of the peers of one process, and the hedging delay they give."""
+
+    def __init__(self, policy: HedgePolicy | None = None) -> None:
+        self.policy = policy or HedgePolicy()
+        self._times: collections.deque[float] = collections.deque(maxlen=self.policy.window)
+        self._lock = threading.Lock()
+        _ALL_TIMES.add(self)
+        self._delay = self.policy.initial
+        self._new = 0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._times.append(seconds)
+            self._new += 1
+            if self._new >= 16 and len(self._times) >= self.policy.min_samples:
+                self._new = 0  # re-sorting a few hundred floats every 16 replies is cheap
+                ranked = sorted(self._times)
+                q = ranked[min(len(ranked) - 1, int(self.policy.quantile * len(ranked)))]
+                self._delay = min(max(q, self.policy.floor), self.policy.cap)
+
+    def delay(self) -> float:
+        return self._delay
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """This process's threads for hedged requests (a forked child makes its own)."""
+    global _pool
+    got = _pool
+    if got is None or got[0] != os.getpid():
+        with _pool_lock:
+            got = _pool
+            if got is None or got[0] != os.getpid():
+                got = _pool = (os.getpid(), ThreadPoolExecutor(
+                    32, thread_name_prefix="stagefs-hedge"))
+    return got[1]
+
+
+class HedgedPeer:
+    """One peer as a holder for the Store, whose slow reads are hedged.
+
+    A read this peer has not answered within the hedging delay goes to another live replica
+    of the shard too (``replicas(shard)``: the holders of the shard's replicas on other
+    nodes, in placement order), the first answer wins, and this peer is marked suspect. A
+    batch (``pread_many``) is hedged range by range: each range goes to the first other live
+    replica of its shard, one request per replica. A failure is not hedged: ``pread`` raises
+    PeerUnavailable (the Store's next holder is the shard's next replica) and ``pread_many``
+    gives None for what the peer did not give (the Store reads those items one by one).
+    With no other live replica there is nothing to hedge with: the read is sent from the
+    caller's thread, with the client's deadlines."""
+
+    def __init__(self, source: PeerSource,
+                 replicas: Callable[[int], Sequence[HedgedPeer]] | None = None,
+                 times: ReplyTimes | None = None, batch_times: ReplyTimes | None = None
+                 ) -> None:
+        self.source = source
+        self.client = source.client
+        self.name = source.name
+        self.replicas = replicas or _alone
+        self.times = times or ReplyTimes()  # of single reads
+        self.batch_times = batch_times or ReplyTimes()  # of batches: longer replies
+        self.hedged = 0  # requests also sent to another replica: this peer was slow
+
+    def is_down(self) -> bool:
+        """Suspect: a reader goes straight to the next holder."""
+        return self.client.suspect()
+
+    def close(self) -> None:
+        """The peer's connections belong to its client, which the owner closes."""
+
+    def __repr__(self) -> str:
+        return f"<HedgedPeer {self.name}>"
+
+    def _other(self, shard: int, asked: Sequence[HedgedPeer]) -> HedgedPeer | None:
+        """The first replica of ``shard`` not asked yet and not suspect."""
+        for h in self.replicas(shard):
+            if h is not self and h not in asked and not h.client.suspect():
+                return h
+        return None
+
+    def _slow(self, peers: Iterable[HedgedPeer], delay: float) -> None:
+        for h in peers:
+            h.client.mark_suspect(f"no answer within {delay:.3f} s; asked another replica")
+
+    # -- one range -----------------------------------------------------------------------
+
+    def _pread(self, shard: int, offset: int, length: int) -> bytes:
+        t0 = perf_counter()
+        out = self.source.pread(shard, offset, length)
+        self.times.add(perf_counter() - t0)
+        return out
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        if self.client.suspect() or self._other(shard, ()) is None:
+            return self._pread(shard, offset, length)  # skipped at once, or no one to hedge to
+        pool = _executor()
+        asked: list[HedgedPeer] = [self]
+        waiting = {pool.submit(self._pread, shard, offset, length): self}
+        errors: list[str] = []
+        while True:
+            nxt = self._other(shard, asked)
+            delay = self.times.delay()
+            done, _ = wait(waiting, delay if nxt is not None else None, FIRST_COMPLETED)
+            if not done:  # no answer within the delay: the ones asked are slow
+                assert nxt is not None
+                self._slow(waiting.values(), delay)
+                self.hedged += 1
+                asked.append(nxt)
+                waiting[pool.submit(nxt._pread, shard, offset, length)] = nxt
+                continue
+            for f in done:
+                waiting.pop(f)
+                exc = f.exception()
+                if exc is None:
+                    return f.result()
+                if not isinstance(exc, PeerUnavailable):
+                    raise exc
+                errors.append(str(exc))
+            if not waiting:  # the Store goes on to its next holder
+                raise PeerUnavailable("; ".join(errors))
+
+    # -- a batch -------------------------------------------------------------------------
+
+    def _read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        t0 = perf_counter()
+        out = self.client.read(ranges)
+        self.batch_times.add(perf_counter() - t0)
+        return out
+
+    def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        """Many ranges in one request to this peer; None for each it did not give (all of
+        them if it is suspect or fails). Ranges it has not answered within the delay come
+        from the other replicas of their shards, where they have one."""
+        n = len(ranges)
+        if self.client.suspect():
+            self.client.stats.skipped += 1
+            return [None] * n
+        if all(self._other(s, ()) is None for s, _, _ in ranges):
+            try:
+                return self._read(ranges)
+            except PeerUnavailable:
+                return [None] * n
+        pool = _executor()
+        first = pool.submit(self._read, ranges)
+        delay = self.batch_times.delay()
+        if not wait([first], delay).done:
+            # slow: each range to the first other live replica of its shard, one request each
+            groups: dict[HedgedPeer, list[int]] = {}
+            for i, (s, _, _) in enumerate(ranges):
+                h = self._other(s, ())
+                if h is not None:
+                    groups.setdefault(h, []).append(i)
+            if groups:
+                self._slow((self,), delay)
+                self.hedged += len(groups)
+                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]): idx
+                                          for h, idx in groups.items()}, n)
+        try:
+            return first.result()
+        except PeerUnavailable:
+            return [None] * n
+
+    @staticmethod
+    def _race(first: Future[list[bytes | None]],
+              hedges: dict[Future[list[bytes | None]], list[int]], n: int
+              ) -> list[bytes | None]:
+        """The slow peer's whole answer if it comes before every hedge has; else what the
+        hedges gave (None where they gave nothing)."""
+        out: list[bytes | None] = [None] * n
+        pending = set(hedges)
+        watch: set[Future[list[bytes | None]]] = pending | {first}
+        while pending:
+            done, _ = wait(watch, return_when=FIRST_COMPLETED)
+            for f in done:
+                watch.discard(f)
+                pending.discard(f)
+                exc = f.exception()
+                if exc is not None:
+                    if not isinstance(exc, PeerUnavailable):
+                        raise exc
+                    continue
+                got = f.result()
+                if f is first:
+                    return [a if a is not None else b for a, b in zip(got, out, strict=True)]
+                for i, data in zip(hedges[f], got, strict=True):
+                    if data is not None:
+                        out[i] = data
+        return out
+
+
+def _alone(shard: int) -> Sequence[HedgedPeer]:
+    return ()
