@@ -127,7 +127,7 @@ class StallMeter(Generic[T]):
 
     def report(self) -> str:
         """A table of every finished epoch."""
-        from stagefs.bench.table import table
+        from stagefs._table import table
 
         return table(["epoch", "steps", "wait s", "step s", "stall", "after 1st batch"],
                      [[e.epoch, e.steps, f"{e.wait_s:.2f}", f"{e.step_s:.2f}",
