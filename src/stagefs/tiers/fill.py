@@ -165,7 +165,10 @@ class ShardFill:
     def pread(self, offset: int, length: int) -> bytes:
         if not self.covered(offset, offset + length):
             raise SourceUnavailable("not filled yet")
-        data = pread_full(self.fd, length, offset)
+        try:
+            data = pread_full(self.fd, length, offset)
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.partial}: {exc.strerror}") from exc
         if len(data) != length:
             raise SourceUnavailable("short read of a partial copy")
         return data
