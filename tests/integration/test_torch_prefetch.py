@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
+from stagefs.runtime import proc_start
 from stagefs.torch import FileDataset, Prefetcher, Sampler
 
 pytestmark = pytest.mark.integration
@@ -238,7 +240,9 @@ def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> N
 def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
     """With tiers, the Sampler reads an epoch's first samples into them from the moment it
     knows the order until the loop starts (within the budget), then leaves the reading to
-    the DataLoader workers; the epoch leaves every shard whole in the tier."""
+    the DataLoader workers; the epoch leaves every shard whole in the tier. The placer is
+    another process's here (it holds every claim), so what is in the tier is what the reads
+    put there, however the threads are scheduled."""
     import torch
 
     import stagefs
@@ -248,6 +252,9 @@ def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
     stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
     store = stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
                          runtime=tmp_path / "rt")
+    owner = f"{os.getppid()} {proc_start(os.getppid())}"  # a live process, not this one
+    for k in range(len(store.manifest.shards)):
+        (tmp_path / "rt" / "claims" / f"{store.manifest.pack_id.hex()}.{k}").write_text(owner)
     ds = FileDataset(store, target=None)
     budget = 200_000
     s = Sampler(ds, seed=3, prefetch=budget, rank=0, world_size=1)
