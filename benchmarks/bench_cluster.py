@@ -37,9 +37,9 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 import stagefs
+from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
 from stagefs.bench.runner import drop_caches
-from stagefs.bench.table import table
 from stagefs.cluster.cmap import load_runtime
 from stagefs.format import Manifest
 from stagefs.net.client import PeerClient

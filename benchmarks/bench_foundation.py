@@ -27,9 +27,9 @@ from typing import Any
 from xxhash import xxh3_64_intdigest
 
 import stagefs
+from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
 from stagefs.bench.runner import drop_caches
-from stagefs.bench.table import table
 
 
 def median_time(fn: Callable[[], object], runs: int, before: Callable[[], object] | None = None

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 import stagefs
+from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
 from stagefs.bench.runner import drop_caches
-from stagefs.bench.table import table
 from stagefs.posix.fuse import fuse_available, is_mounted
 
 

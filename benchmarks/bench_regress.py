@@ -159,8 +159,8 @@ def main() -> int:
     args = ap.parse_args()
 
     sys.path.insert(0, os.path.abspath(args.b))
+    from stagefs._table import table
     from stagefs.bench.datasets import imagenet_like
-    from stagefs.bench.table import table
 
     os.makedirs(args.scratch, exist_ok=True)
     raw = os.path.join(args.scratch, "raw")

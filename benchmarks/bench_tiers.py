@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import stagefs
+from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
 from stagefs.bench.runner import drop_caches
-from stagefs.bench.table import table
 from stagefs.config import format_size
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

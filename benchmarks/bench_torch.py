@@ -58,9 +58,9 @@ import torch
 import torch.utils.data
 
 import stagefs
+from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
 from stagefs.bench.runner import drop_caches
-from stagefs.bench.table import table
 from stagefs.torch import FileDataset, Sampler, StallMeter
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-from stagefs.bench.table import table
+from stagefs._table import table
 
 ASSUMPTIONS: dict[str, Any] = {
     "dataset_bytes": 1.28e6 * 110e3,  # ImageNet-1k-like: 1.28 M samples of 110 KB (141 GB)

@@ -202,7 +202,7 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 def cmd_stage(args: argparse.Namespace) -> int:
     import stagefs
-    from stagefs.tiers.stage import stage_with_progress
+    from stagefs.stage import stage_with_progress
 
     with stagefs.open(args.origin, tiers=args.tier, runtime=args.runtime) as fs:
         counts, dt, nbytes = stage_with_progress(fs, progress=None if args.progress else False)
@@ -220,7 +220,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if has_cluster(args.runtime):  # a cluster daemon runs on this node: show the cluster
         return print_cluster_status(args.runtime, as_json=args.json,
                                     wait_staged=args.wait_staged)
-    from stagefs.tiers.stage import print_status
+    from stagefs.stage import print_status
 
     return print_status(args.runtime, as_json=args.json)
 

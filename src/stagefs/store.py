@@ -511,7 +511,7 @@ class Store:
 
     def open(self, path: PathArg, mode: str = "rb", buffering: int = -1) -> Any:
         """A read-only binary file object (read, readinto, seek, tell, readline, iteration)."""
-        from stagefs.posix.fileobj import open_entry
+        from stagefs.fileobj import open_entry
 
         if any(c in mode for c in "wax+"):
             raise ReadOnlyError(self._show(0, path))
@@ -583,8 +583,8 @@ class Store:
             fn, args = state["policy_reopen"]
             self.__dict__.update(fn(*args).__dict__)
             return
-        if "reopen" in state:  # tiers or in place: reopen the same way (tiers/open.py)
-            from stagefs.tiers.open import build_store
+        if "reopen" in state:  # tiers or in place: reopen the same way (_open.py)
+            from stagefs._open import build_store
 
             self.__dict__.update(build_store(**state["reopen"]).__dict__)
             return
@@ -618,7 +618,7 @@ def open(
     without them ``$STAGEFS_TIERS`` (comma-separated) is used, and without that the origin
     is read directly. ``runtime`` (or ``$STAGEFS_RUNTIME``) is the job's runtime directory.
     """
-    from stagefs.tiers.open import build_store
+    from stagefs._open import build_store
 
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):

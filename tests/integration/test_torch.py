@@ -8,7 +8,6 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 import warnings
 from collections import Counter
 from collections.abc import Iterator
@@ -370,25 +369,40 @@ def test_locality_and_prefetch_with_real_tiers(tree: tuple[Path, Path], tmp_path
 
 # -- data stall ------------------------------------------------------------------------------
 
-def slow_batches(n: int, delay: float) -> Iterator[int]:
+class Clock:
+    """Seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def batches_after(clock: Clock, n: int, wait: float) -> Iterator[int]:
+    """``n`` batches, each ``wait`` seconds after it is asked for."""
     for i in range(n):
-        time.sleep(delay)
+        clock.now += wait
         yield i
 
 
 def test_stall_meter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path))
-    meter = StallMeter(list(range(5)))
+    clock = Clock()
+    meter = StallMeter(batches_after(clock, 5, 0.0), clock=clock)
     for _ in meter:
-        time.sleep(0.02)
+        clock.now += 0.02  # a step
     fast = meter.last
-    assert fast is not None and fast.steps == 5 and fast.stall < 0.2
-    meter.loader = slow_batches(5, 0.03)
+    assert fast is not None and fast.steps == 5 and fast.stall == 0.0
+    assert fast.step_s == pytest.approx(0.1)
+    meter.loader = batches_after(clock, 5, 0.03)
     for _ in meter:
-        time.sleep(0.01)
+        clock.now += 0.01
     slow = meter.last
     assert slow is not None and slow.epoch == 1
-    assert 0.6 < slow.stall < 0.9  # waits 0.03 s for every 0.01 s step
+    assert slow.stall == pytest.approx(0.75)  # waits 0.03 s for every 0.01 s step
+    assert slow.first_wait_s == pytest.approx(0.03)
+    assert slow.steady_stall == pytest.approx(0.12 / 0.17)
     doc = json.loads((tmp_path / f"stall-{os.getpid()}.json").read_text())
     assert [e["steps"] for e in doc["epochs"]] == [5, 5]
     assert doc["epochs"][1]["stall"] == pytest.approx(slow.stall)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -12,24 +13,57 @@ import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
+from stagefs.runtime import proc_start
 from stagefs.torch import FileDataset, Prefetcher, Sampler
 
 pytestmark = pytest.mark.integration
 
 
-class SlowReader:
-    """Returns sample i as bytes of length sizes[i], after a delay; counts what it read."""
+WAIT_S = 60  # a wait for the read-ahead that has not ended by then fails: it hung
 
-    def __init__(self, sizes: np.ndarray, delay: float = 0.001, fail: int | None = None) -> None:
-        self.sizes, self.delay, self.fail = sizes, delay, fail
+
+class Reader:
+    """Returns sample i as bytes of length sizes[i]; records what it was asked for, so a
+    test can wait until the read-ahead has asked for a sample (no sleeps, no timing)."""
+
+    def __init__(self, sizes: np.ndarray, fail: int | None = None) -> None:
+        self.sizes, self.fail = sizes, fail
         self.calls: list[list[int]] = []
+        self._asked: set[int] = set()
+        self._cv = threading.Condition()
 
     def __call__(self, idx: Sequence[int]) -> list[bytes]:
-        self.calls.append(list(idx))
-        time.sleep(self.delay)
+        with self._cv:
+            self.calls.append(list(idx))
+            self._asked.update(idx)
+            self._cv.notify_all()
         if self.fail is not None and self.fail in idx:
             raise OSError("disk on fire")
         return [bytes([i % 251]) * int(self.sizes[i]) for i in idx]
+
+    def wait_asked(self, i: int) -> None:
+        with self._cv:
+            assert self._cv.wait_for(lambda: i in self._asked, WAIT_S), f"sample {i} never read"
+
+
+def wait_until(cond: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"the read-ahead never {what}"
+        time.sleep(0.001)
+
+
+def first_fill(sizes: np.ndarray, order: np.ndarray, budget: int) -> int:
+    """The bytes the read-ahead holds, nothing taken yet, once it can claim no more: the
+    samples in order that fit the budget (those larger than it are passed over)."""
+    used = 0
+    for i in order.tolist():
+        if sizes[i] > budget:
+            continue
+        if used + sizes[i] > budget:
+            break
+        used += int(sizes[i])
+    return used
 
 
 @pytest.mark.parametrize(("budget", "threads"), [(1000, 1), (5000, 4), (300, 3)])
@@ -37,7 +71,7 @@ def test_never_exceeds_budget(budget: int, threads: int) -> None:
     rng = np.random.default_rng(budget)
     sizes = rng.integers(1, 400, 500).astype(np.int64)
     order = rng.permutation(500).astype(np.int64)
-    reader = SlowReader(sizes)
+    reader = Reader(sizes)
     p = Prefetcher(reader, sizes, order, budget, chunk=8, threads=threads).start()
     peak = [0]
     stop = threading.Event()
@@ -48,10 +82,14 @@ def test_never_exceeds_budget(budget: int, threads: int) -> None:
 
     w = threading.Thread(target=watch)
     w.start()
+    waited = 0
     try:
-        for i in order.tolist():
-            if i % 7 == 0:
-                time.sleep(0.0005)  # a slow step lets the read-ahead fill the budget
+        full = first_fill(sizes, order, budget)
+        wait_until(lambda: p.used == full, f"filled its budget ({full} bytes)")
+        for k, i in enumerate(order.tolist()):
+            if k % 7 == 0 and sizes[i] <= budget:
+                reader.wait_asked(i)  # a slow step: the read-ahead reaches this sample
+                waited += 1
             data = p.take(i)
             if data is not None:
                 assert data == bytes([i % 251]) * int(sizes[i])
@@ -60,8 +98,8 @@ def test_never_exceeds_budget(budget: int, threads: int) -> None:
         w.join()
         p.close()
     assert peak[0] <= budget and p.stats.peak_bytes <= budget
-    assert p.stats.peak_bytes > budget // 3  # it did read ahead, up to near its budget
-    assert p.stats.hits >= 25  # it served from the read-ahead (how many depends on timing)
+    assert p.stats.peak_bytes >= full > budget // 3  # it read ahead, up to near its budget
+    assert p.stats.hits >= waited  # it served every sample it reached first
     assert p.stats.hits + p.stats.misses == 500
     # a sample bigger than the budget is never read ahead
     assert not any(sizes[i] > budget for call in reader.calls for i in call)
@@ -70,19 +108,21 @@ def test_never_exceeds_budget(budget: int, threads: int) -> None:
 def test_read_errors_fall_back_to_the_caller() -> None:
     sizes = np.full(50, 10, dtype=np.int64)
     order = np.arange(50, dtype=np.int64)
-    p = Prefetcher(SlowReader(sizes, fail=20), sizes, order, 100, chunk=4, threads=2).start()
+    reader = Reader(sizes, fail=20)
+    p = Prefetcher(reader, sizes, order, 100, chunk=4, threads=2).start()
     got = []
     for i in range(50):
-        time.sleep(0.003)  # slower than the reads: every chunk is read ahead of its take
+        reader.wait_asked(i)  # every chunk is read ahead of its take
         got.append(p.take(i))
     p.close()
     assert got[20] is None  # the caller reads it and sees the error itself
+    assert all(got[i] == bytes([i]) * 10 for i in range(50) if i // 4 != 20 // 4)
     assert p.stats.errors >= 1 and p.used == 0
 
 
 def test_prefetcher_refuses_a_zero_budget() -> None:
     with pytest.raises(ValueError, match="budget"):
-        Prefetcher(SlowReader(np.ones(1, np.int64)), np.ones(1, np.int64), np.arange(1), 0)
+        Prefetcher(Reader(np.ones(1, np.int64)), np.ones(1, np.int64), np.arange(1), 0)
 
 
 def test_sampler_prefetch_in_process(tmp_path: Path) -> None:
@@ -169,7 +209,6 @@ def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> N
     lock = threading.Lock()
 
     def read(idx: Sequence[int]) -> None:
-        time.sleep(0.0005)
         with lock:
             last = pos_of[int(idx[-1])]
             if cum[last + 1] - cum[consumer[0]] > budget:
@@ -178,11 +217,16 @@ def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> N
 
     ta = TierAhead(read, sizes, order, budget, chunk=8, threads=threads).start()
     try:
+        wait_until(lambda: ta.stats.read > 0, "read")
         for k in range(0, len(order) + 1, 10):
             with lock:
                 consumer[0] = k
             ta.advance(k)
-            time.sleep(0.002 if k < 300 else 0)  # then the consumer outruns it
+            if k < 300:  # a slow consumer: the read-ahead claims up to its budget
+                left = int(cum[-1] - cum[k])
+                wait_until(lambda k=k, left=left: ta.ahead_bytes() >= min(budget - 400, left),
+                           f"read ahead of position {k}")
+            # then the consumer outruns it
     finally:
         ta.close()
     assert not over
@@ -196,7 +240,9 @@ def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> N
 def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
     """With tiers, the Sampler reads an epoch's first samples into them from the moment it
     knows the order until the loop starts (within the budget), then leaves the reading to
-    the DataLoader workers; the epoch leaves every shard whole in the tier."""
+    the DataLoader workers; the epoch leaves every shard whole in the tier. The placer is
+    another process's here (it holds every claim), so what is in the tier is what the reads
+    put there, however the threads are scheduled."""
     import torch
 
     import stagefs
@@ -206,6 +252,9 @@ def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
     stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
     store = stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
                          runtime=tmp_path / "rt")
+    owner = f"{os.getppid()} {proc_start(os.getppid())}"  # a live process, not this one
+    for k in range(len(store.manifest.shards)):
+        (tmp_path / "rt" / "claims" / f"{store.manifest.pack_id.hex()}.{k}").write_text(owner)
     ds = FileDataset(store, target=None)
     budget = 200_000
     s = Sampler(ds, seed=3, prefetch=budget, rank=0, world_size=1)

@@ -288,31 +288,36 @@ def _pieces(parts: list[tuple[int, int]]) -> Callable[[int], tuple[int, int] | N
     return next_piece
 
 
-def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_copy_reads_as_its_pace_allows() -> None:
     """The copy's reads: none while the pace says wait, then the pieces and depth it says."""
+    import itertools
     import threading
-    import time
 
     from stagefs.tiers import placer
 
     calls: list[tuple[int, int]] = []
     in_flight, most = [0], [0]
     lock = threading.Lock()
+    two_at_once = threading.Event()  # set once a second read is under way beside the first
+    wait_for_two = [False]
 
     def read(off: int, n: int) -> bytes:
         with lock:
             calls.append((off, n))
             in_flight[0] += 1
             most[0] = max(most[0], in_flight[0])
-        time.sleep(0.002)
+            if in_flight[0] >= 2:
+                two_at_once.set()
+        if wait_for_two[0]:  # the copy sent a second read without waiting for this one?
+            two_at_once.wait(30)
         with lock:
             in_flight[0] -= 1
         return bytes(n)
 
     spans = [(0, 20000), (30000, 30500)]
-    t0 = time.monotonic()
+    polls = itertools.count()
     out = list(placer._read_ahead(read, _pieces(spans), pace=lambda: None,
-                                  stop=lambda: time.monotonic() - t0 > 0.1))
+                                  stop=lambda: next(polls) >= 3))
     assert out == [] and calls == []  # waited, then stopped
     got = list(placer._read_ahead(read, _pieces(spans), pace=lambda: (1, 1024)))
     assert max(n for _, n in calls) == 1024 and most[0] == 1
@@ -320,30 +325,40 @@ def test_the_copy_reads_as_its_pace_allows(monkeypatch: pytest.MonkeyPatch) -> N
     assert [p for p, _ in got] == sorted(p for p, _ in got)
     calls.clear()
     most[0] = 0
+    wait_for_two[0] = True
     got = list(placer._read_ahead(read, _pieces(spans), pace=lambda: (4, 4096)))
-    assert max(n for _, n in calls) == 4096 and most[0] > 1
+    assert max(n for _, n in calls) == 4096 and most[0] > 1 and two_at_once.is_set()
     assert sum(len(d) for _, d in got) == 20500
 
 
 def test_the_copy_gives_way_to_reads(pack: Path, runtime: Path, tmp_path: Path) -> None:
     """The chain's pace: full speed once reads stopped; while several threads read, nothing;
-    while one reads, nothing for the first GRACE_S, then one small piece at a time."""
+    while one reads, nothing for the first GRACE_S, then one small piece at a time. The
+    pace's clock is moved by hand."""
     import threading
-    import time
 
+    from stagefs.config import TierSpec
     from stagefs.tiers import chain as chainmod
     from stagefs.tiers import placer
+    from stagefs.tiers.origin import PackOrigin
 
-    with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
-        c = fs.chain
-        assert c is not None
-        slots = c.activity._slots
-        slots[:] = time.monotonic_ns() - int(2 * chainmod.CALM_S * 1e9)  # reads long ago
-        assert c._pace() == (placer.IN_FLIGHT, placer.CHUNK)
+    now = [10**15]  # ns
+
+    def seconds(s: float) -> int:
+        return int(s * 1e9)
+
+    m = Manifest(str(pack / MANIFEST_NAME))
+    origin = PackOrigin(str(pack), m)
+    rt = Runtime(runtime).open()
+    c = chainmod.TierChain(m, origin, [TierSpec(str(tmp_path / "t"), None)], rt,
+                           origin_path=str(pack), clock_ns=lambda: now[0])
+    try:
+        assert c._pace() == (placer.IN_FLIGHT, placer.CHUNK)  # no read ever
         c.activity.touch()  # one reader, just now
+        now[0] += seconds(chainmod.IDLE_S / 2)
         assert c.activity.readers(chainmod.READERS_S) == 1
         assert c._pace() is None  # the grace period begins
-        c._grace_until = time.monotonic() - 0.001  # ... and ends
+        now[0] += seconds(chainmod.GRACE_S)  # ... and ends
         c.activity.touch()
         assert c._pace() == (1, placer.BUSY_CHUNK)
         other = threading.Thread(target=c.activity.touch)  # a second reader
@@ -352,8 +367,15 @@ def test_the_copy_gives_way_to_reads(pack: Path, runtime: Path, tmp_path: Path) 
         c.activity.touch()
         assert c.activity.readers(chainmod.READERS_S) == 2
         assert c._pace() is None  # readers after the bandwidth: the copy waits
-        slots[:] = time.monotonic_ns() - int(0.5 * chainmod.CALM_S * 1e9)  # a pause
+        now[0] += seconds(0.5 * chainmod.CALM_S)  # a pause
         assert c._pace() == (1, placer.BUSY_CHUNK)
+        now[0] += seconds(chainmod.CALM_S)  # reads stopped
+        assert c._pace() == (placer.IN_FLIGHT, placer.CHUNK)
+    finally:
+        c.close()
+        origin.close()
+        rt.unregister()
+        m.close()
 
 
 def test_reads_fill_the_tiers_in_place_too(dataset: tuple[Path, dict[str, bytes]],
@@ -401,16 +423,18 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
         tier = chain.tiers[0]
         inside, leave = threading.Event(), threading.Event()
 
+        letting_go = threading.Event()  # set just before the lock is let go
+
         def hold() -> None:
             with chain._tier_lock(tier):
                 inside.set()
                 leave.wait(10)
+                letting_go.set()
 
         t = threading.Thread(target=hold)
         t.start()
         assert inside.wait(10)
         threading.Timer(0.3, leave.set).start()
-        start = time.monotonic()
         pid = os.fork()
         if pid == 0:  # the child: once the parent's thread is done, the lock is free
             code = 1
@@ -419,7 +443,7 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
                     code = 0
             finally:
                 os._exit(code)
-        waited = time.monotonic() - start
+        waited = letting_go.is_set()  # the fork returned only once the lock was let go
         t.join(10)
         deadline = time.monotonic() + 30
         while True:
@@ -431,7 +455,7 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
             os.kill(pid, 9)
             os.waitpid(pid, 0)
         assert got and os.waitstatus_to_exitcode(status) == 0
-        assert waited >= 0.25  # the fork waited for the lock to be let go
+        assert waited  # the fork waited for the lock to be let go
         # and this process can take it again
         name = next(n for n in os.listdir(chain.runtime.claims) if n.startswith(".tier-"))
         fd = os.open(os.path.join(chain.runtime.claims, name), os.O_RDWR)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import stagefs
-import stagefs.posix.fileobj as fileobj
+import stagefs.fileobj as fileobj
 from conftest import random_bytes, snapshot_tree, text_bytes
 
 SETTINGS = settings(max_examples=40, deadline=None,

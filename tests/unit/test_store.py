@@ -154,7 +154,7 @@ def test_corrupt_byte_gives_checksum_error(corruptible: tuple[Path, dict[str, by
 
 def test_corrupt_large_file_through_range_reads(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import stagefs.posix.fileobj as fileobj
+    import stagefs.fileobj as fileobj
 
     src = tmp_path / "src"
     src.mkdir()

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 
 import stagefs
+from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
-from stagefs.bench.table import table
 from stagefs.config import format_size
 
 __all__ = ["run_demo"]

@@ -20,7 +20,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from stagefs.bench.systems import Context, _Base
+from stagefs.bench.base import Context, _Base
 
 __all__ = ["LitDataSystem", "StreamingSystem", "WebDatasetSystem"]
 

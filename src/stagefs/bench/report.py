@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from stagefs.bench.table import table
+from stagefs._table import table
 
 __all__ = ["summarize", "summary_table", "write_report"]
 

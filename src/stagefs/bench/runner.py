@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagefs.bench.systems import Context, System, all_systems, serve_fuse, stop_fuse
+from stagefs.bench.base import Context, System
+from stagefs.bench.systems import all_systems, serve_fuse, stop_fuse
 from stagefs.errors import ConfigError
 
 __all__ = ["BenchConfig", "run_bench"]

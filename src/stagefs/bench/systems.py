@@ -6,7 +6,8 @@ path relative to the raw dataset, so that every system's epochs can be checked a
 the same set of samples and bytes. The runner times ``convert`` and measures each epoch in
 a separate process (see measure.py); it never looks inside a system.
 
-The peers (WebDataset, MosaicML Streaming, LitData) are in peers.py.
+The protocol and the shared context are in base.py; the peers (WebDataset, MosaicML
+Streaming, LitData) are in peers.py.
 """
 
 from __future__ import annotations
@@ -19,91 +20,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Context", "System", "all_systems"]
+from stagefs.bench.base import Context, System, _Base
+from stagefs.bench.peers import LitDataSystem, StreamingSystem, WebDatasetSystem
+
+__all__ = ["all_systems", "serve_fuse", "stop_fuse"]
 
 BATCH = 64  # samples per read_many call / DataLoader batch
 
 
-@dataclass(frozen=True, slots=True)
-class Context:
-    """Where everything is, the same for every system (plain JSON for the worker process)."""
-
-    raw: str  # the raw dataset (on the origin)
-    conv: str  # where conversions are written (next to the raw dataset: on the origin)
-    local: str  # node-local scratch: local copies, caches, tiers
-    index: str  # a file of "relative path<TAB>size" lines, sorted, written by the runner
-    fuse_mount: str = ""  # the mount point of a running 'stagefs mount' (FUSE only)
-
-    def out(self, system: str) -> str:
-        return os.path.join(self.conv, system)
-
-    def scratch(self, system: str) -> str:
-        return os.path.join(self.local, system)
-
-    def files(self) -> list[str]:
-        with open(self.index) as f:
-            return [line.split("\t", 1)[0] for line in f if line.strip()]
-
-
-class System(Protocol):
-    """One way of reading the dataset."""
-
-    name: str  # short id used in files and on the command line
-    title: str  # what the report calls it
-    interpreter: str  # "main" (this Python) or "peers" (the peers' Python)
-    settings: str  # the settings used for shuffled reading, and where they are documented
-    on_origin: bool  # reads its data from the origin (else from a node-local copy)
-
-    def missing(self) -> str | None:
-        """Why it cannot run here, or None. Called in the interpreter that runs it."""
-        ...
-
-    def convert(self, ctx: Context) -> str:
-        """Write this system's form of the dataset; return the directory it is in."""
-        ...
-
-    def open(self, ctx: Context, run: int) -> None:
-        """Get ready to read (run ``run`` starts from empty local caches)."""
-        ...
-
-    def epoch(self, ctx: Context, run: int, epoch: int) -> Iterator[tuple[str, Any]]:
-        """One shuffled epoch: every sample once, as (key, bytes-like)."""
-        ...
-
-    def origin_bytes(self) -> int | None:
-        """Bytes read from the origin so far, if the system counts them itself."""
-        ...
-
-    def close(self) -> None: ...
-
-
 def _order(n: int, run: int, epoch: int) -> np.ndarray[Any, np.dtype[np.int64]]:
     return np.random.default_rng(run * 1000 + epoch).permutation(n)
-
-
-class _Base:
-    name = ""
-    title = ""
-    interpreter = "main"
-    settings = ""
-    on_origin = True
-
-    def missing(self) -> str | None:
-        return None
-
-    def open(self, ctx: Context, run: int) -> None:
-        self.files = ctx.files()
-
-    def origin_bytes(self) -> int | None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 class _PlainReads(_Base):
@@ -378,8 +308,6 @@ def stop_fuse(ctx: Context, proc: subprocess.Popen[bytes]) -> None:
 
 def all_systems() -> Sequence[System]:
     """Every system, in the order the report lists them."""
-    from stagefs.bench.peers import LitDataSystem, StreamingSystem, WebDatasetSystem
-
     return (PlainLocal(), PlainOrigin(), StagefsNative(), StagefsTorch(), StagefsIntercept(),
             StagefsFuse(), StagefsTiers(), WebDatasetSystem(), StreamingSystem(),
             LitDataSystem())

@@ -112,7 +112,7 @@ def _server_stats(spec: dict[str, Any]) -> dict[str, int]:
 
 
 def main(argv: list[str]) -> int:
-    from stagefs.bench.systems import Context
+    from stagefs.bench.base import Context
 
     spec_path, out_path = argv
     with open(spec_path) as f:

@@ -393,6 +393,9 @@ class PeerSource:
         self.name = name or f"peer {client.name}"
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
+        if shard < 0 or offset < 0 or length < 0:
+            raise PeerUnavailable(f"{self.name}: no range [{offset}, {offset + length}) in "
+                                  f"shard {shard}")
         data = self.client.read([(shard, offset, length)])[0]
         if data is None:
             raise PeerUnavailable(f"{self.name}: does not hold shard {shard} (yet)")

@@ -1,1 +1,1 @@
-"""POSIX-like front ends: file objects, open()/os interception, FUSE."""
+"""POSIX-like front ends: open()/os interception and FUSE, over the Store's file objects."""

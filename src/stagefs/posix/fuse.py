@@ -82,7 +82,7 @@ def is_mounted(mountpoint: str) -> bool:
 
 def _operations(store: Any) -> Any:
     fusepy = _binding()
-    from stagefs.posix.fileobj import WHOLE_READ_LIMIT, open_entry
+    from stagefs.fileobj import WHOLE_READ_LIMIT, open_entry
 
     ns = store.namespace
     m = store.manifest

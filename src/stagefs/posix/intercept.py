@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from stagefs.errors import ConfigError, ReadOnlyError
+from stagefs.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 from stagefs.format import KIND_FILE
 from stagefs.namespace import DirEntry
-from stagefs.posix.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept"]
 
@@ -484,12 +484,12 @@ def from_environment() -> Interceptor | None:
 
         store = pickle.loads(base64.b64decode(blob))
     else:
-        import stagefs
+        from stagefs.store import open as open_store
 
         dataset = os.environ.get(ENV_DATASET)
         if not dataset:
             raise ConfigError(f"{ENV_AT} is set but neither {ENV_STORE} nor {ENV_DATASET} is")
-        store = stagefs.open(dataset)
+        store = open_store(dataset)
     icpt = Interceptor(store, at)
     icpt.start()
     return icpt

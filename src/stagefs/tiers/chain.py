@@ -89,7 +89,8 @@ class TierChain:
     """Tiers in order for one dataset, and the placement of its shards into them."""
 
     def __init__(self, manifest: Manifest, origin: ShardSource, specs: Sequence[TierSpec],
-                 runtime: Runtime, *, origin_path: str, record: Record | None = None) -> None:
+                 runtime: Runtime, *, origin_path: str, record: Record | None = None,
+                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.manifest = manifest
         self.origin = origin
         self.runtime = runtime
@@ -100,7 +101,10 @@ class TierChain:
             t.on_drop = self._dropped
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
-        self.activity = Activity(os.path.join(runtime.claims, f"{self.pack_id}.activity"))
+        # the pace's clock (monotonic, shared by the node's processes); tests pass another
+        self._clock_ns = clock_ns
+        self.activity = Activity(os.path.join(runtime.claims, f"{self.pack_id}.activity"),
+                                 clock_ns)
         self._record = record
         self._sizes = [s.size for s in manifest.shards]
         self._layout: Layout | None = None
@@ -449,7 +453,7 @@ class TierChain:
             return placer.IN_FLIGHT, placer.CHUNK
         if q < IDLE_S and act.readers(READERS_S) > 1:
             return None
-        now = time.monotonic()
+        now = self._clock_ns() / 1e9
         if self._grace_until is None:
             self._grace_until = now + GRACE_S
         if q < IDLE_S and now < self._grace_until:

@@ -30,7 +30,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,12 +104,13 @@ class Activity:
 
     Each reading thread stamps one of SLOTS slots (by process and thread; the helper threads
     of a batched read as the thread that asked, ``reading_for``) with the monotonic clock
-    (the same for every process of the machine), in nanoseconds.
+    (the same for every process of the machine), in nanoseconds; ``clock`` (tests) replaces it.
     """
 
     SLOTS = 64
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, clock: Callable[[], int] = time.monotonic_ns) -> None:
+        self._clock = clock
         size = 8 * self.SLOTS
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -123,15 +124,15 @@ class Activity:
     def touch(self) -> None:
         slot = hash((os.getpid(), getattr(_reader, "ident", None) or threading.get_ident())
                     ) % self.SLOTS
-        self._slots[slot] = time.monotonic_ns()
+        self._slots[slot] = self._clock()
 
     def quiet_for(self) -> float:
         """Seconds since the last origin read of any of the job's processes on this node."""
-        return (time.monotonic_ns() - int(self._slots.max())) / 1e9
+        return (self._clock() - int(self._slots.max())) / 1e9
 
     def readers(self, within: float) -> int:
         """Threads (of any process) that read from the origin in the last ``within`` s."""
-        return int(np.count_nonzero(self._slots > time.monotonic_ns() - int(within * 1e9)))
+        return int(np.count_nonzero(self._slots > self._clock() - int(within * 1e9)))
 
     def close(self) -> None:
         self._slots = np.zeros(self.SLOTS, np.int64)
@@ -165,7 +166,10 @@ class ShardFill:
     def pread(self, offset: int, length: int) -> bytes:
         if not self.covered(offset, offset + length):
             raise SourceUnavailable("not filled yet")
-        data = pread_full(self.fd, length, offset)
+        try:
+            data = pread_full(self.fd, length, offset)
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.partial}: {exc.strerror}") from exc
         if len(data) != length:
             raise SourceUnavailable("short read of a partial copy")
         return data

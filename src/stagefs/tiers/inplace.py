@@ -82,6 +82,7 @@ class InPlaceOrigin:
         self._cache: dict[int, tuple[list[int], list[int]]] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0  # the process whose threads the pool has (a forked child has none)
 
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -98,8 +99,10 @@ class InPlaceOrigin:
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
         m = self.manifest
-        if shard >= len(m.shards) or offset + length > m.shards[shard].size:
-            raise SourceUnavailable(f"range beyond shard {shard}")
+        if (not 0 <= shard < len(m.shards) or offset < 0 or length < 0
+                or offset + length > m.shards[shard].size):
+            raise SourceUnavailable(f"{self.root}: no range [{offset}, {offset + length}) in "
+                                    f"shard {shard}")
         ents, offs = self._files(shard)
         end = offset + length
         parts: list[tuple[int, int, int, int]] = []  # (entry, start in file, length, out pos)
@@ -118,8 +121,9 @@ class InPlaceOrigin:
             out[:n] = head[offset : offset + n]
         if len(parts) > _PARALLEL_FILES:
             with self._lock:
-                if self._pool is None:
+                if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = ThreadPoolExecutor(_THREADS, thread_name_prefix="stagefs-inplace")
+                    self._pool_pid = os.getpid()
             pieces = list(self._pool.map(lambda p: self._read_file(p[0], p[1], p[2]), parts))
         else:
             pieces = [self._read_file(e, start, n) for e, start, n, _ in parts]

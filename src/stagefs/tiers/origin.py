@@ -77,6 +77,8 @@ class PackOrigin:
         return fd
 
     def _open(self, shard: int) -> int:
+        if not 0 <= shard < len(self.manifest.shards):
+            raise SourceUnavailable(f"{self.pack_dir}: no shard {shard} in this pack")
         path = self.path(shard)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -129,6 +131,9 @@ class PackOrigin:
         self.stats.reads += 1
         self.stats.bytes_read += len(data)
         if len(data) != length:
+            if offset + length > self.manifest.shards[shard].size:
+                raise SourceUnavailable(f"{self.path(shard)}: no range [{offset}, "
+                                        f"{offset + length}) in the shard")
             self.diagnose(shard)
             raise CorruptShardError(
                 f"{self.path(shard)}: short read at offset {offset} ({len(data)} of {length} "

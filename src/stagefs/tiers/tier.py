@@ -111,6 +111,8 @@ class DirTier:
         """Is the shard here? Opens (and keeps) its fd: one local syscall on a miss."""
         if shard in self._fds:
             return True
+        if not 0 <= shard < len(self._names):
+            return False
         try:
             fd = os.open(self.path(shard), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

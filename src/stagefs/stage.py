@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from stagefs.bench.table import table
+from stagefs._table import table
 from stagefs.config import format_size
 from stagefs.errors import ConfigError
 from stagefs.runtime import Runtime
