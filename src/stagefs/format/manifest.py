@@ -33,6 +33,7 @@ from stagefs.format.spec import (
     NO_INDEX,
     VERSION,
 )
+from stagefs.format.validate import check_arrays, corrupt, parse_meta
 
 __all__ = ["Entry", "Manifest", "ManifestBuilder", "ShardInfo"]
 
@@ -253,26 +254,18 @@ class Manifest:
             )
         if verify and xxh3_64_intdigest(self._buf[MANIFEST_HEADER.size :]) != body_sum:
             raise CorruptManifestError(f"{where}: manifest checksum mismatch: corrupt; re-pack")
-        try:
-            self.meta = json.loads(bytes(self._buf[meta_off : meta_off + meta_len]))
-            self.n = int(self.meta["entries"])
-            self.pack_id = bytes.fromhex(self.meta["pack_id"])
-            self.shards = [ShardInfo(str(a), int(b)) for a, b in self.meta["shards"]]
-            for name, (dtype, off, count) in self.meta["arrays"].items():
-                arr = np.frombuffer(self._mm, dtype=np.dtype(dtype), count=count, offset=off)
-                self.arrays[name] = arr
-                code = {1: "B", 4: "I", 8: "Q"}[arr.dtype.itemsize]
-                if arr.dtype.kind == "i":
-                    code = code.lower()
-                view = self._buf[off : off + arr.nbytes]
-                self._views[name] = view.cast(code)  # type: ignore[call-overload]
-            counts = {name: len(self.arrays[name]) for name in ENTRY_ARRAYS}
-            if any(c != self.n for c in counts.values()) or len(self.arrays["path_off"]) != (
-                self.n + 1
-            ):
-                raise ValueError(f"array lengths {counts} do not match {self.n} entries")
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptManifestError(f"{where}: malformed manifest metadata ({exc})") from exc
+        if not MANIFEST_HEADER.size <= meta_off <= size - meta_len:
+            raise corrupt(where, f"the metadata ({meta_len} bytes at {meta_off}) is not inside "
+                          f"the file ({size} bytes)")
+        layout = parse_meta(bytes(self._buf[meta_off : meta_off + meta_len]), where, meta_off)
+        self.meta, self.n, self.pack_id = layout.meta, layout.n, layout.pack_id
+        self.shards = [ShardInfo(name, length) for name, length in layout.shards]
+        for name, (dtype, off, count) in layout.arrays.items():
+            self.arrays[name] = np.frombuffer(self._mm, dtype=dtype, count=count, offset=off)
+            code = {1: "B", 4: "I", 8: "Q"}[dtype.itemsize]
+            view = self._buf[off : off + count * dtype.itemsize]
+            self._views[name] = view.cast(code.lower() if dtype.kind == "i" else code)
+        check_arrays(self.arrays, self.n, [s.size for s in self.shards], where)
         a = self._views
         self.path_off, self.strings, self.slots = a["path_off"], a["strings"], a["slots"]
         self.hash, self.kind, self.mode = a["hash"], a["kind"], a["mode"]
@@ -281,6 +274,7 @@ class Manifest:
         self.checksum, self.first, self.count = a["checksum"], a["first"], a["count"]
         self.parent = a["parent"]
         self._mask = len(self.slots) - 1
+        self._probes = range(len(self.slots))
 
     def on_close(self, release: Callable[[], object]) -> None:
         """Call ``release`` before unmapping (for holders of buffers into the map)."""
@@ -307,7 +301,7 @@ class Manifest:
         h = xxh3_64_intdigest(path)
         slots, hashes, off, strings = self.slots, self.hash, self.path_off, self.strings
         i = h & self._mask
-        while True:
+        for _ in self._probes:  # bounded: the table was checked to hold an empty slot
             e = slots[i]
             if e == 0:
                 return -1
@@ -315,6 +309,7 @@ class Manifest:
             if hashes[e] == h and strings[off[e] : off[e + 1]] == path:
                 return e
             i = (i + 1) & self._mask
+        return -1
 
     def path_of(self, e: int) -> bytes:
         return bytes(self.strings[self.path_off[e] : self.path_off[e + 1]])
