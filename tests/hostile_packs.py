@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import select
 import shutil
+import signal
 import stat as st
 import sys
+import time
+import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -108,6 +114,67 @@ class ManifestBytes:
         body[:MANIFEST_HEADER.size] = MANIFEST_HEADER.pack(
             magic, version, flags, self.meta_off, len(meta), total, body_sum)
         return bytes(body)
+
+
+# -- running a reader that may never return ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How ``run_bounded`` saw ``fn`` end: ``value``, an exception, or a hang."""
+
+    value: Any = None
+    error: str | None = None  # the exception's type name
+    message: str = ""
+    trace: str = ""
+    hung: bool = False
+
+    def __str__(self) -> str:
+        if self.hung:
+            return "still running at the time limit (a hang)"
+        return self.trace or f"returned {self.value!r}"
+
+
+def run_bounded(fn: Callable[[], Any], limit: float) -> Outcome:
+    """Run ``fn`` in a forked child and say how it ended; a child still running after
+    ``limit`` seconds is killed and reported as hung. A fork, not a thread or an alarm: a
+    loop in C code never returns to the interpreter to see a signal."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the test runner
+        os.close(r)
+        try:
+            out = Outcome(value=fn())
+        except BaseException as exc:
+            out = Outcome(error=type(exc).__name__, message=str(exc),
+                          trace="".join(traceback.format_exception(exc)))
+        try:
+            data = pickle.dumps(out)
+        except Exception as exc:  # a value that does not pickle
+            data = pickle.dumps(Outcome(error="PicklingError", message=str(exc)))
+        with os.fdopen(w, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    deadline = time.monotonic() + limit
+    try:
+        while True:
+            ready, _, _ = select.select([r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                return Outcome(hung=True)
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    if not chunks:
+        return Outcome(error="died", message="the child died without a word")
+    out: Outcome = pickle.loads(b"".join(chunks))
+    return out
 
 
 # -- the cases: what each changes, and a fragment of the message the reader must give ---------
