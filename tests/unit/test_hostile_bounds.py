@@ -137,5 +137,5 @@ def test_plain_shard_names_are_accepted(name: str) -> None:
                                   "s.partial", "s.fill", "x" * 250, "\ud800", 5, None,
                                   ["a"]])
 def test_shard_names_that_could_leave_the_directory_are_refused(name: Any) -> None:
-    with pytest.raises(CorruptManifestError, match="shard name .* re-pack the dataset"):
+    with pytest.raises(CorruptManifestError, match=r"shard name .* re-pack the dataset"):
         check_shard_name(name, "m", 0)

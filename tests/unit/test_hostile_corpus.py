@@ -58,10 +58,9 @@ def test_readers_and_cli_give_the_error(case: str) -> None:
     def readers() -> list[str]:
         seen = []
         for path in ("nope", "a.txt", "img/up"):  # "nope" first: a full table hung it
-            with pytest.raises(CorruptManifestError) as info:
-                with stagefs.open(pack) as fs:
-                    fs.stat(path)
-                    fs.read(path)
+            with pytest.raises(CorruptManifestError) as info, stagefs.open(pack) as fs:
+                fs.stat(path)
+                fs.read(path)
             seen.append(str(info.value))
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):

@@ -264,7 +264,8 @@ class Manifest:
             self.arrays[name] = np.frombuffer(self._mm, dtype=dtype, count=count, offset=off)
             code = {1: "B", 4: "I", 8: "Q"}[dtype.itemsize]
             view = self._buf[off : off + count * dtype.itemsize]
-            self._views[name] = view.cast(code.lower() if dtype.kind == "i" else code)
+            code = code.lower() if dtype.kind == "i" else code
+            self._views[name] = view.cast(code)  # type: ignore[call-overload]
         check_arrays(self.arrays, self.n, [s.size for s in self.shards], where)
         a = self._views
         self.path_off, self.strings, self.slots = a["path_off"], a["strings"], a["slots"]

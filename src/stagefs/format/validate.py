@@ -156,11 +156,10 @@ def _arrays(table: Any, n: int, where: str, end: int
     for name in ARRAY_DTYPES:
         if name not in out:
             raise corrupt(where, f"array {name!r} is missing")
-        want_n = n + 1 if name == "path_off" else n
-        if name in ENTRY_ARRAYS or name == "path_off":
-            if out[name][2] != want_n:
-                raise corrupt(where, f"array {name!r} has {out[name][2]} items, not {want_n} "
-                              f"({n} entries)")
+        want_n = {"path_off": n + 1, "slots": None, "strings": None}.get(name, n)
+        if want_n is not None and out[name][2] != want_n:
+            raise corrupt(where, f"array {name!r} has {out[name][2]} items, not {want_n} "
+                          f"({n} entries)")
     return out
 
 
@@ -249,36 +248,31 @@ def _check_tree(a: Mapping[str, Arr], n: int, where: str) -> None:
 def _check_files(a: Mapping[str, Arr], shard_sizes: Arr, where: str) -> None:
     kind, shard = a["kind"], a["shard"]
     files = kind == KIND_FILE
-    e = _first(~files & (shard != NO_INDEX))
+    count = len(shard_sizes)
+    e = _first(np.where(files, shard >= count, shard != NO_INDEX))
     if e is not None:
-        raise corrupt(where, f"{_entry(a, e)} is not a file but has shard {shard[e]}")
-    e = _first(files & (shard >= len(shard_sizes)))
-    if e is not None:
-        raise corrupt(where, f"{_entry(a, e)} is in shard {shard[e]}, and there are "
-                      f"{len(shard_sizes)} shards")
-    fi = np.flatnonzero(files)
-    sh, off, stored = shard[fi], a["offset"][fi], a["stored"][fi]
-    size, codec = a["size"][fi], a["codec"][fi]
-    end = shard_sizes[sh]
+        raise corrupt(where, f"{_entry(a, e)} is in shard {shard[e]}, and there are {count} "
+                      "shards" if files[e] else f"{_entry(a, e)} is not a file but has shard "
+                      f"{shard[e]}")
+    # over whole arrays, masked, not gathered: the files are most of the entries
+    off, stored, size, codec = a["offset"], a["stored"], a["size"], a["codec"]
+    end = np.append(shard_sizes, SHARD_HEADER.size).take(np.where(files, shard, count))
     # offset + stored may wrap around 2**64: compare stored with what is left instead
     bad = (off < SHARD_HEADER.size) | (off > end) | (stored > end - np.minimum(off, end))
-    e = _first(bad)
+    e = _first(files & bad)
     if e is not None:
-        e = int(fi[e])
-        raise corrupt(where, f"{_entry(a, e)} (bytes {a['offset'][e]}+{a['stored'][e]}) is "
-                      f"past the end of shard {shard[e]} ({shard_sizes[shard[e]]} bytes)")
-    e = _first(codec > int(max(Codec)))
+        raise corrupt(where, f"{_entry(a, e)} (bytes {off[e]}+{stored[e]}) is past the end "
+                      f"of shard {shard[e]} ({shard_sizes[shard[e]]} bytes)")
+    e = _first(files & (codec > int(max(Codec))))
     if e is not None:
-        e = int(fi[e])
-        raise corrupt(where, f"{_entry(a, e)} has codec {a['codec'][e]} (0 raw, 1 zstd)")
+        raise corrupt(where, f"{_entry(a, e)} has codec {codec[e]} (0 raw, 1 zstd)")
     raw_bad = (codec == Codec.NONE) & (stored != size)
     zstd_bad = (codec == Codec.ZSTD) & (size // np.uint64(ZSTD_MAX_RATIO) > stored)
-    e = _first(raw_bad | zstd_bad)
+    e = _first(files & (raw_bad | zstd_bad))
     if e is not None:
-        e = int(fi[e])
-        raise corrupt(where, f"{_entry(a, e)} has size {a['size'][e]} for {a['stored'][e]} "
-                      f"stored bytes, which codec {a['codec'][e]} cannot give (raw: the same; "
-                      f"zstd: at most {ZSTD_MAX_RATIO} times more)")
+        raise corrupt(where, f"{_entry(a, e)} has size {size[e]} for {stored[e]} stored bytes, "
+                      f"which codec {codec[e]} cannot give (raw: the same; zstd: at most "
+                      f"{ZSTD_MAX_RATIO} times more)")
 
 
 def _check_symlinks(a: Mapping[str, Arr], n: int, where: str) -> None:
@@ -314,7 +308,7 @@ def _check_paths(a: Mapping[str, Arr], n: int, where: str) -> None:
     if e is not None or lens[0] != 0:
         raise corrupt(where, f"the path of entry {e or 0} is out of order or empty "
                       "(path_off is not increasing, or the root's path is not empty)")
-    if (strings == 0).any():
+    if len(strings) and strings.min() == 0:  # a reduction: no temporary array
         raise corrupt(where, "strings holds a NUL byte (no path or symlink target can)")
     if n == 1:
         return
@@ -352,10 +346,12 @@ def _check_dot_names(region: Arr, starts: Arr, slashes: Arr, where: str) -> None
 
     def is_start(i: Arr) -> Arr:  # a path starts at i (or the last one ends there)
         at = np.searchsorted(starts, i)
-        return (i >= size) | (starts.take(np.minimum(at, len(starts) - 1)) == i)
+        found: Arr = (i >= size) | (starts.take(np.minimum(at, len(starts) - 1)) == i)
+        return found
 
     def ends_at(i: Arr) -> Arr:  # the name ends just before position i
-        return is_start(i) | (region.take(np.minimum(i, size - 1)) == _SLASH)
+        found: Arr = is_start(i) | (region.take(np.minimum(i, size - 1)) == _SLASH)
+        return found
 
     if ends_at(begin + 1).any():
         raise corrupt(where, "a path holds a name '.'")
