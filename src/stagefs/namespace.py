@@ -306,14 +306,14 @@ class Namespace:
             return
         top_s = os.fsdecode(top) if not isinstance(top, str) else top
         # a directory still to list, or (bottom-up) a listing to yield once its subtree is
-        stack: list[str | tuple[str, list[str], list[str]]] = [top_s]
+        stack: list[tuple[str, tuple[list[str], list[str]] | None]] = [(top_s, None)]
         while stack:
-            item = stack.pop()
-            if isinstance(item, tuple):
-                yield item
+            path, listed = stack.pop()
+            if listed is not None:
+                yield path, *listed
                 continue
             try:
-                entries = list(self.scandir(item))
+                entries = list(self.scandir(path))
             except OSError:
                 continue
             dirs: list[str] = []
@@ -327,12 +327,12 @@ class Namespace:
                 else:
                     files.append(d.name)
             if topdown:
-                yield item, dirs, files
+                yield path, dirs, files
             else:
-                stack.append((item, dirs, files))
+                stack.append((path, (dirs, files)))
             for name in reversed(dirs):  # popped in listing order
                 if name not in links or followlinks:
-                    stack.append(os.path.join(item, name) if item else name)
+                    stack.append((os.path.join(path, name) if path else name, None))
 
     def summary(self) -> dict[str, Any]:
         a = self.manifest.arrays

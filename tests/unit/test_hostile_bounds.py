@@ -139,3 +139,4 @@ def test_plain_shard_names_are_accepted(name: str) -> None:
 def test_shard_names_that_could_leave_the_directory_are_refused(name: Any) -> None:
     with pytest.raises(CorruptManifestError, match=r"shard name .* re-pack the dataset"):
         check_shard_name(name, "m", 0)
+

@@ -103,7 +103,8 @@ def _apply_meta(m: ManifestBytes, what: str, i: int, value: Any) -> None:
 
 def mutate(pack: Path, manifest: bytes, mutations: list[Mutation]) -> None:
     m = ManifestBytes(manifest)
-    for mut in mutations:
+    # the metadata last: the other changes find the arrays where the metadata says they are
+    for mut in sorted(mutations, key=lambda mut: mut[0] == "meta"):
         kind = mut[0]
         if kind == "array":
             arr = m.array(mut[1])

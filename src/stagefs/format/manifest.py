@@ -207,7 +207,11 @@ class ManifestBuilder:
 
 class Manifest:
     """A read-only, memory-mapped manifest. Scalar access goes through memoryviews (fast for
-    one entry), vector access through numpy views (``.arrays``) of the same pages."""
+    one entry), vector access through numpy views (``.arrays``) of the same pages.
+
+    Opening checks the body checksum (unless ``verify=False``: a caller that has just
+    checked it) and then, always, every array and name (format/validate.py): after a
+    successful open every index in the manifest is in range and every lookup ends."""
 
     def __init__(self, path: str, *, verify: bool = True) -> None:
         self.path = path
