@@ -256,7 +256,8 @@ def _check_files(a: Mapping[str, Arr], shard_sizes: Arr, where: str) -> None:
                       f"{shard[e]}")
     # over whole arrays, masked, not gathered: the files are most of the entries
     off, stored, size, codec = a["offset"], a["stored"], a["size"], a["codec"]
-    end = np.append(shard_sizes, SHARD_HEADER.size).take(np.where(files, shard, count))
+    end = np.append(shard_sizes, SHARD_HEADER.size).take(
+        np.where(files, shard.astype(np.intp), count))
     # offset + stored may wrap around 2**64: compare stored with what is left instead
     bad = (off < SHARD_HEADER.size) | (off > end) | (stored > end - np.minimum(off, end))
     e = _first(files & bad)
@@ -326,7 +327,7 @@ def _check_paths(a: Mapping[str, Arr], n: int, where: str) -> None:
     last = np.searchsorted(slashes, ends, side="left") - 1
     last_at = np.append(slashes, -1).take(last)  # -1: no "/" at all
     has = last_at >= starts
-    parent = a["parent"][1:]
+    parent = a["parent"][1:].astype(np.intp)  # take() with uint32 indices is 20x slower
     want = np.where(parent == 0, 0, lens.take(parent))  # the parent's path length
     got = np.where(has, last_at - starts, 0)
     e = _first((has != (parent != 0)) | (got != want), 1)
