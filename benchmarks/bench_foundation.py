@@ -213,7 +213,7 @@ def bench_manifest(scratch: str, n: int, runs: int) -> dict[str, Any]:
         c = i % classes
         b.add(Entry(b"train/n%08d/img_%07d.JPEG" % (c, i), KIND_FILE, 0o100644, 0, 110_000,
                     i // 600, 64 + (i % 600) * 110_000, 110_000, 0, i))
-    b.shards = [ShardInfo(f"shard-{s:06d}.sfs", 64) for s in range(n // 600 + 1)]
+    b.shards = [ShardInfo(f"shard-{s:06d}.sfs", 64 + 600 * 110_000) for s in range(n // 600 + 1)]
     b.write(path)
     build = time.perf_counter() - t0
     del per

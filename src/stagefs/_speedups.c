@@ -4,6 +4,11 @@
  * the reference). The C path handles only the common case — an already normalised path to
  * a regular file — and hands everything else (missing paths, directories, symlinks, paths
  * with "." or "//") to a Python fallback, so error handling lives in one place.
+ *
+ * It obeys the bounds the Python reader checks (format/validate.py): the arrays' lengths
+ * agree at construction, a probe of the hash table stops after one pass over it, and an
+ * entry index or a path's bytes outside the arrays end the lookup as "not found" (the
+ * Python path then says what is wrong), never a read outside a buffer.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,6 +24,7 @@ typedef struct {
     Py_buffer slots, hashes, path_off, strings, kind, mode, size, mtime;
     int held;
     uint64_t mask;
+    Py_ssize_t n;  /* entries */
     PyTypeObject *stat_type;
     PyObject *fallback_stat;
     long long dev, uid, gid;
@@ -60,11 +66,19 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
         get(mtime, &self->mtime))
         return -1;
     self->held = 1;
-    Py_ssize_t nslots = self->slots.len / 4;
-    if (nslots == 0 || (nslots & (nslots - 1))) {
-        PyErr_SetString(PyExc_ValueError, "slot table size is not a power of two");
+    Py_ssize_t nslots = self->slots.len / 4, n = self->hashes.len / 8;
+    if (nslots == 0 || (nslots & (nslots - 1)) || nslots <= n) {
+        PyErr_SetString(PyExc_ValueError, "slot table size is not a power of two above the "
+                        "number of entries");
         return -1;
     }
+    if (self->slots.len != nslots * 4 || self->hashes.len != n * 8 ||
+        self->path_off.len != (n + 1) * 8 || self->kind.len != n || self->mode.len != n * 4 ||
+        self->size.len != n * 8 || self->mtime.len != n * 8) {
+        PyErr_SetString(PyExc_ValueError, "the manifest's arrays do not have one item per entry");
+        return -1;
+    }
+    self->n = n;
     self->mask = (uint64_t)nslots - 1;
     Py_INCREF(stat_type); self->stat_type = (PyTypeObject *)stat_type;
     Py_INCREF(fallback); self->fallback_stat = fallback;
@@ -76,22 +90,26 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
-/* The entry of an exact key, or -1. */
+/* The entry of an exact key, or -1. At most one pass over the table, and no read outside
+ * the arrays, whatever they hold. */
 static Py_ssize_t find_key(Index *self, const char *key, Py_ssize_t len) {
     const uint32_t *slots = self->slots.buf;
     const uint64_t *hashes = self->hashes.buf, *off = self->path_off.buf;
     const char *strings = self->strings.buf;
+    const uint64_t nstrings = (uint64_t)self->strings.len;
     uint64_t h = XXH3_64bits(key, (size_t)len);
     uint64_t i = h & self->mask;
-    for (;;) {
+    for (uint64_t probe = 0; probe <= self->mask; probe++) {
         uint32_t e = slots[i];
-        if (e == 0) return -1;
+        if (e == 0 || (Py_ssize_t)e > self->n) return -1;
         e -= 1;
-        if (hashes[e] == h && (Py_ssize_t)(off[e + 1] - off[e]) == len &&
+        if (hashes[e] == h && off[e] <= off[e + 1] && off[e + 1] <= nstrings &&
+            off[e + 1] - off[e] == (uint64_t)len &&
             memcmp(strings + off[e], key, (size_t)len) == 0)
             return (Py_ssize_t)e;
         i = (i + 1) & self->mask;
     }
+    return -1;
 }
 
 /* The key of a path that needs no normalisation, or NULL (not an error) if it does. */
@@ -148,8 +166,8 @@ static PyObject *Index_stat(Index *self, PyObject *path) {
     uint64_t size = ((const uint64_t *)self->size.buf)[e];
     int64_t ns = ((const int64_t *)self->mtime.buf)[e];
     uint32_t mode = ((const uint32_t *)self->mode.buf)[e];
-    int64_t sec = ns >= 0 ? ns / 1000000000 : -((-ns + 999999999) / 1000000000);
-    int64_t nsec = ns - sec * 1000000000;
+    int64_t sec = ns / 1000000000, nsec = ns % 1000000000;  /* floored, as Python's // */
+    if (nsec < 0) { sec -= 1; nsec += 1000000000; }
     double fsec = (double)sec + (double)nsec * 1e-9;
     PyObject *r = PyStructSequence_New(self->stat_type);
     if (r == NULL) return NULL;

@@ -297,36 +297,42 @@ class Namespace:
         self, top: PathArg = "", topdown: bool = True, followlinks: bool = False
     ) -> Iterator[tuple[Any, list[Any], list[Any]]]:
         """Like ``os.walk``: symlinks to directories are listed as directories and descended
-        only with ``followlinks``."""
+        only with ``followlinks``; with ``topdown``, pruning ``dirs`` in place prunes the
+        walk. A loop, not recursion: a tree of any depth is walked."""
         if isinstance(top, bytes):  # bytes in, bytes out, as os.walk
             for d, dirs_, files_ in self.walk(os.fsdecode(top), topdown, followlinks):
                 yield (os.fsencode(d), [os.fsencode(x) for x in dirs_],
                        [os.fsencode(x) for x in files_])
             return
         top_s = os.fsdecode(top) if not isinstance(top, str) else top
-        try:
-            entries = list(self.scandir(top_s))
-        except OSError:
-            return
-        dirs: list[str] = []
-        files: list[str] = []
-        links: set[str] = set()
-        for d in entries:
-            if d.is_dir():
-                dirs.append(d.name)
-                if d.is_symlink():
-                    links.add(d.name)
-            else:
-                files.append(d.name)
-        if topdown:
-            yield top_s, dirs, files
-        for name in dirs:
-            if name in links and not followlinks:
+        # a directory still to list, or (bottom-up) a listing to yield once its subtree is
+        stack: list[tuple[str, tuple[list[str], list[str]] | None]] = [(top_s, None)]
+        while stack:
+            path, listed = stack.pop()
+            if listed is not None:
+                yield path, *listed
                 continue
-            yield from self.walk(os.path.join(top_s, name) if top_s else name, topdown,
-                                 followlinks)
-        if not topdown:
-            yield top_s, dirs, files
+            try:
+                entries = list(self.scandir(path))
+            except OSError:
+                continue
+            dirs: list[str] = []
+            files: list[str] = []
+            links: set[str] = set()
+            for d in entries:
+                if d.is_dir():
+                    dirs.append(d.name)
+                    if d.is_symlink():
+                        links.add(d.name)
+                else:
+                    files.append(d.name)
+            if topdown:
+                yield path, dirs, files
+            else:
+                stack.append((path, (dirs, files)))
+            for name in reversed(dirs):  # popped in listing order
+                if name not in links or followlinks:
+                    stack.append((os.path.join(path, name) if path else name, None))
 
     def summary(self) -> dict[str, Any]:
         a = self.manifest.arrays

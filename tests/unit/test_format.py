@@ -37,7 +37,7 @@ from stagefs.format import (
     shard_name,
 )
 from stagefs.format.codecs import Codec, compress_auto, decode
-from stagefs.format.manifest import Entry
+from stagefs.format.manifest import Entry, ShardInfo
 from stagefs.format.spec import MANIFEST_HEADER, SHARD_HEADER
 from stagefs.verify import verify_pack
 
@@ -54,19 +54,24 @@ def _tree_entries() -> list[Entry]:
         Entry(b"a/x.txt", f, 0o100644, 4, size=10, shard=0, offset=64, stored=10, checksum=7),
         Entry(b"a/y", f, 0o100600, 5, size=3, shard=1, offset=64, stored=2, codec=1, checksum=9),
         Entry(b"a/sub", d, 0o40755, 6),
-        Entry(b"a/sub/z", f, 0o100644, 7),
+        Entry(b"a/sub/z", f, 0o100644, 7, shard=0, offset=79),
         Entry(b"top", f, 0o100644, 8, size=5, shard=0, offset=74, stored=5, checksum=11),
         Entry(b"ln", s, 0o120777, 9, link_target=b"a/x.txt", link_resolved=b"a/x.txt"),
         Entry(b"a/dead", s, 0o120777, 10, link_target=b"../nope", link_resolved=None),
-        Entry("b/é n\nx".encode(), f, 0o100644, 11),
-        Entry(b"b/\xff\xfe-raw", f, 0o100644, 12),
+        Entry("b/é n\nx".encode(), f, 0o100644, 11, shard=1, offset=66),
+        Entry(b"b/\xff\xfe-raw", f, 0o100644, 12, shard=1, offset=66),
     ]
 
 
 def _write(path: Path, entries: list[Entry], pack_id: bytes | None = None) -> Path:
     b = ManifestBuilder(pack_id)
+    ends: dict[int, int] = {}  # each shard ends where the last of its files does
     for e in entries:
         b.add(e)
+        if e.kind == KIND_FILE and e.shard != NO_INDEX:
+            ends[e.shard] = max(ends.get(e.shard, 0), e.offset + e.stored)
+    b.shards = [ShardInfo(shard_name(i), ends.get(i, SHARD_HEADER.size))
+                for i in range(max(ends, default=-1) + 1)]
     b.write(str(path))
     return path
 
@@ -146,7 +151,8 @@ def test_hash_table_with_many_entries(tmp_path: Path) -> None:
     names = set()
     while len(names) < 30_000:
         names.add(rng.choice(dirs) + b"/" + rng.randbytes(rng.randint(1, 12)).hex().encode())
-    entries += [Entry(n, KIND_FILE, 0o100644, i) for i, n in enumerate(sorted(names))]
+    entries += [Entry(n, KIND_FILE, 0o100644, i, shard=0, offset=64)
+                for i, n in enumerate(sorted(names))]
     m = Manifest(str(_write(tmp_path / MANIFEST_NAME, entries)))
     try:
         assert len(m) == len(entries)

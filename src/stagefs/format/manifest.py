@@ -41,6 +41,7 @@ from stagefs.format.spec import (
     SUPPORTED_VERSIONS,
     VERSION,
 )
+from stagefs.format.validate import check_arrays, check_pieces, corrupt, parse_meta
 
 __all__ = ["Entry", "Manifest", "ManifestBuilder", "ShardInfo"]
 
@@ -236,7 +237,11 @@ class ManifestBuilder:
 
 class Manifest:
     """A read-only, memory-mapped manifest. Scalar access goes through memoryviews (fast for
-    one entry), vector access through numpy views (``.arrays``) of the same pages."""
+    one entry), vector access through numpy views (``.arrays``) of the same pages.
+
+    Opening checks the body checksum (unless ``verify=False``: a caller that has just
+    checked it) and then, always, every array and name (format/validate.py): after a
+    successful open every index in the manifest is in range and every lookup ends."""
 
     def __init__(self, path: str, *, verify: bool = True) -> None:
         self.path = path
@@ -295,27 +300,19 @@ class Manifest:
             )
         if verify and xxh3_64_intdigest(self._buf[MANIFEST_HEADER.size :]) != body_sum:
             raise CorruptManifestError(f"{where}: manifest checksum mismatch: corrupt; re-pack")
-        try:
-            self.meta = json.loads(bytes(self._buf[meta_off : meta_off + meta_len]))
-            self.n = int(self.meta["entries"])
-            self.pack_id = bytes.fromhex(self.meta["pack_id"])
-            self.shards = [ShardInfo(str(a), int(b)) for a, b in self.meta["shards"]]
-            for name, (dtype, off, count) in self.meta["arrays"].items():
-                arr = np.frombuffer(self._mm, dtype=np.dtype(dtype), count=count, offset=off)
-                self.arrays[name] = arr
-                code = {1: "B", 4: "I", 8: "Q"}[arr.dtype.itemsize]
-                if arr.dtype.kind == "i":
-                    code = code.lower()
-                view = self._buf[off : off + arr.nbytes]
-                self._views[name] = view.cast(code)  # type: ignore[call-overload]
-            names = list(ENTRY_ARRAYS) + ([PIECE_ENTRY_ARRAY[0]] if version >= 2 else [])
-            counts = {name: len(self.arrays[name]) for name in names}
-            if any(c != self.n for c in counts.values()) or len(self.arrays["path_off"]) != (
-                self.n + 1
-            ):
-                raise ValueError(f"array lengths {counts} do not match {self.n} entries")
-        except (KeyError, ValueError, TypeError) as exc:
-            raise CorruptManifestError(f"{where}: malformed manifest metadata ({exc})") from exc
+        if not MANIFEST_HEADER.size <= meta_off <= size - meta_len:
+            raise corrupt(where, f"the metadata ({meta_len} bytes at {meta_off}) is not inside "
+                          f"the file ({size} bytes)")
+        layout = parse_meta(bytes(self._buf[meta_off : meta_off + meta_len]), where, meta_off)
+        self.meta, self.n, self.pack_id = layout.meta, layout.n, layout.pack_id
+        self.shards = [ShardInfo(name, length) for name, length in layout.shards]
+        for name, (dtype, off, count) in layout.arrays.items():
+            self.arrays[name] = np.frombuffer(self._mm, dtype=dtype, count=count, offset=off)
+            code = {1: "B", 4: "I", 8: "Q"}[dtype.itemsize]
+            view = self._buf[off : off + count * dtype.itemsize]
+            code = code.lower() if dtype.kind == "i" else code
+            self._views[name] = view.cast(code)  # type: ignore[call-overload]
+        check_arrays(self.arrays, self.n, [s.size for s in self.shards], where)
         a = self._views
         self.path_off, self.strings, self.slots = a["path_off"], a["strings"], a["slots"]
         self.hash, self.kind, self.mode = a["hash"], a["kind"], a["mode"]
@@ -324,6 +321,7 @@ class Manifest:
         self.checksum, self.first, self.count = a["checksum"], a["first"], a["count"]
         self.parent = a["parent"]
         self._mask = len(self.slots) - 1
+        self._probes = range(len(self.slots))
         self._parse_pieces(version)
 
     def _parse_pieces(self, version: int) -> None:
@@ -337,9 +335,7 @@ class Manifest:
         if type(size) is not int or not 4096 <= size <= 1 << 30:
             raise CorruptManifestError(f"{self.path}: piece_size {size!r} is not a whole number "
                                        "of bytes from 4 KiB to 1 GiB; re-pack the dataset")
-        if PIECES_ARRAY[0] not in self._views:
-            raise CorruptManifestError(f"{self.path}: version 2 manifest without piece "
-                                       "checksums; re-pack the dataset")
+        check_pieces(self.arrays, self.n, size, self.path)
         self.piece_size = size
         self.piece, self.pieces = self._views[PIECE_ENTRY_ARRAY[0]], self._views[PIECES_ARRAY[0]]
 
@@ -383,7 +379,7 @@ class Manifest:
         h = xxh3_64_intdigest(path)
         slots, hashes, off, strings = self.slots, self.hash, self.path_off, self.strings
         i = h & self._mask
-        while True:
+        for _ in self._probes:  # bounded: the table was checked to hold an empty slot
             e = slots[i]
             if e == 0:
                 return -1
@@ -391,6 +387,7 @@ class Manifest:
             if hashes[e] == h and strings[off[e] : off[e + 1]] == path:
                 return e
             i = (i + 1) & self._mask
+        return -1
 
     def path_of(self, e: int) -> bytes:
         return bytes(self.strings[self.path_off[e] : self.path_off[e + 1]])
