@@ -18,7 +18,7 @@ from stagefs.errors import ChecksumError, CorruptManifestError
 from stagefs.format import KIND_FILE, MANIFEST_NAME, PIECE, Manifest, ManifestBuilder
 from stagefs.format.checksum import piece_sums
 from stagefs.format.manifest import Entry, ShardInfo
-from stagefs.format.spec import NO_INDEX, SHARD_HEADER
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.verify import verify_pack
 
 MiB = 2**20
