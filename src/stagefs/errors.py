@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Any, cast
 
 __all__ = [
     "AuthenticationError",
@@ -68,6 +69,19 @@ __all__ = [
 
 class StagefsError(Exception):
     """Base of every error stagefs raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled as it is (a worker process's error sent to its parent), not rebuilt by
+        # calling the class with its args: the subclasses' __init__ take other arguments,
+        # and a pool's result thread died unpickling one (the caller waited out its timeout)
+        cls, args, *state = cast(tuple[Any, ...], super().__reduce__())
+        return (_rebuild, (cls, args), *state)
+
+
+def _rebuild(cls: type[StagefsError], args: tuple[Any, ...]) -> StagefsError:
+    err = cls.__new__(cls, *args)
+    (OSError if issubclass(cls, OSError) else Exception).__init__(err, *args)
+    return err
 
 
 class PathError(StagefsError, OSError):

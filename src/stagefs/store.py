@@ -395,6 +395,8 @@ class Store:
         tried: list[str] = []
         holders = self._holders(shard)
         for src in holders:
+            # before the check reads the sum: in place, another process may learn it meanwhile
+            trust = self._trust(src, e)
             try:
                 if derive:
                     sums = self._derive(src, e, path)
@@ -418,7 +420,7 @@ class Store:
                 else:
                     data = check(codec, raw, size, self._checksum[e])
             except CorruptShardError as exc:
-                if sums is not None or not self._trust(src, e):
+                if sums is not None or not trust:
                     self._bad(src, e, path, exc, tried, src is holders[-1])
                     continue
                 # in place: the origin checked the file against the scan; its sum is learnt
@@ -444,12 +446,13 @@ class Store:
         checksum of each piece if the whole file matches its checksum."""
         m = self.manifest
         shard, offset, size = m.shard[e], m.offset[e], m.size[e]
+        trust = self._trust(src, e)  # before the sum is read (see _trust)
         h = StreamSum(m.piece_size)
         for pos in range(0, size, _STREAM):
             h.update(src.pread(shard, offset + pos, min(_STREAM, size - pos)))
         digest = h.digest()
         if digest != self._checksum[e]:
-            if not self._trust(src, e):
+            if not trust:
                 raise CorruptShardError("checksum mismatch")
             self._sums.record(e, digest)  # type: ignore[union-attr]
         if m.piece is None and m.path not in _V1_NOTICED:
@@ -476,7 +479,11 @@ class Store:
 
     def _trust(self, src: ShardSource, e: int) -> bool:
         """In place, before a file's shard is placed its checksum is unknown: only the
-        origin (which checked the file's size and mtime against the scan) is believed."""
+        origin (which checked the file's size and mtime against the scan) is believed.
+
+        Asked before the bytes are checked against the sum: another process may learn the
+        sum in between (it writes the sum, then marks it known), and origin bytes checked
+        against the sum not yet written must still be believed, not called corrupt."""
         return self._sums is not None and src is self.origin and not self._sums.known(e)
 
     def _origin_name(self) -> str:

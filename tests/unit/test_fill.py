@@ -420,13 +420,12 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
     with stagefs.open(pack, tiers=[str(tmp_path / "t")]) as fs:
         chain = fs.chain
         assert chain is not None
-        tier = chain.tiers[0]
         inside, leave = threading.Event(), threading.Event()
 
         letting_go = threading.Event()  # set just before the lock is let go
 
         def hold() -> None:
-            with chain._tier_lock(tier):
+            with chain._tier_lock():
                 inside.set()
                 leave.wait(10)
                 letting_go.set()
@@ -439,7 +438,7 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
         if pid == 0:  # the child: once the parent's thread is done, the lock is free
             code = 1
             try:
-                with chain._tier_lock(tier):
+                with chain._tier_lock():
                     code = 0
             finally:
                 os._exit(code)
@@ -457,8 +456,7 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
         assert got and os.waitstatus_to_exitcode(status) == 0
         assert waited  # the fork waited for the lock to be let go
         # and this process can take it again
-        name = next(n for n in os.listdir(chain.runtime.claims) if n.startswith(".tier-"))
-        fd = os.open(os.path.join(chain.runtime.claims, name), os.O_RDWR)
+        fd = os.open(os.path.join(chain.runtime.claims, ".tiers.lock"), os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:
@@ -513,3 +511,38 @@ def test_a_complete_copy_left_unfinished_is_made_whole_by_the_next_read(
         name = m.shards[shard].name
         assert (tier / pid / name).read_bytes() == (pack / name).read_bytes()
         assert not [p for p in leftovers(tier) if p.name.startswith(name)]
+
+
+def test_one_copy_of_a_shard_across_tiers(pack: Path, files: dict[str, bytes], runtime: Path,
+                                          tmp_path: Path, placer_elsewhere: None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes start a shard's partial copy at once; one (b) counts the first tier
+    full, having found no room there for an earlier shard. b looked for a copy in every tier
+    just before the other (a) made one in the first tier: b takes a's copy rather than make
+    a second one in the next tier (both would be filled and placed: the shard made whole
+    twice, and the room of one copy lost)."""
+    from stagefs.tiers import chain as chain_mod
+
+    mem, disk = tmp_path / "mem", tmp_path / "disk"
+    with stagefs.open(pack, tiers=[str(mem), str(disk)]) as a, \
+            stagefs.open(pack, tiers=[str(mem), str(disk)]) as b:
+        assert a.chain is not None and b.chain is not None
+        shard = 0
+        b.chain.tiers[0].stopped = "full"
+        real = chain_mod.open_fill
+        made: list[object] = []
+
+        def open_fill(final: str, size: int, ext: Extents) -> object:
+            got = real(final, size, ext)
+            if not made and final == b.chain.tiers[-1].path(shard):  # b looked everywhere
+                made.append(None)
+                made[0] = a.chain._get_fill(shard, create=True)  # a makes its copy now
+            return got
+
+        monkeypatch.setattr(chain_mod, "open_fill", open_fill)
+        got_b = b.chain._get_fill(shard, create=True)
+        got_a = made[0]
+        assert isinstance(got_a, tuple) and got_a[1] is a.chain.tiers[0]  # in mem
+        assert got_b is not None and got_b[1] is b.chain.tiers[0]  # a's copy, in mem too
+        assert got_b[0].ino == got_a[0].ino
+        assert leftovers(disk) == []  # no second copy

@@ -14,7 +14,14 @@ import pytest
 
 import stagefs
 from conftest import random_bytes, text_bytes
-from stagefs.errors import ChecksumError, ReadOnlyError, StagefsError
+from stagefs.errors import (
+    ChecksumError,
+    CorruptShardError,
+    NotFoundError,
+    OriginUnavailableError,
+    ReadOnlyError,
+    StagefsError,
+)
 from stagefs.format import shard_name
 
 # --------------------------------------------------------------------------- a busy pack
@@ -150,6 +157,25 @@ def test_corrupt_byte_gives_checksum_error(corruptible: tuple[Path, dict[str, by
             if p != victim:
                 assert fs.read(p) == files[p]
         assert fs.stats.checksum_failures >= 4
+
+
+@pytest.mark.parametrize("err", [
+    ChecksumError("c0/f1.bin", "shard shard-000001.sfs via origin"),
+    OriginUnavailableError("/pfs/ds", "shard shard-000002.sfs", "origin (unavailable)"),
+    NotFoundError("a/missing"), ReadOnlyError("a/file"), CorruptShardError("bad header")],
+    ids=lambda e: type(e).__name__)
+def test_errors_cross_processes_as_they_are(err: StagefsError) -> None:
+    """An error raised in a worker process reaches its parent pickled: it must come back the
+    same (class, message, errno, path). Errors whose __init__ takes other arguments than
+    OSError's could not be unpickled, and a multiprocessing pool's result thread died on one,
+    leaving the caller waiting for its result until its timeout."""
+    got = pickle.loads(pickle.dumps(err))
+    assert type(got) is type(err)
+    assert str(got) == str(err) and got.args == err.args and vars(got) == vars(err)
+    if isinstance(err, OSError):
+        assert isinstance(got, OSError)
+        assert (got.errno, got.strerror, got.filename) == (err.errno, err.strerror,
+                                                           err.filename)
 
 
 def test_corrupt_large_file_through_range_reads(tmp_path: Path,

@@ -163,6 +163,34 @@ def test_in_place_tier_copy_is_verified(raw: tuple[Path, dict[str, bytes]],
         assert fs.chain.tiers[0].stats.dropped == 1
 
 
+def test_in_place_sum_learnt_elsewhere_during_a_check(raw: tuple[Path, dict[str, bytes]],
+                                                     tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two stores of one job (as two processes) read a file of an in-place dataset from the
+    origin at once, its sum not known yet: one checks the bytes it read against the sum
+    table just as the other records the sum and marks it known. The origin's bytes are
+    right and are returned; before, they were called corrupt (ChecksumError), having been
+    checked against the sum not yet written and then judged as if it had been known."""
+    from stagefs import store as store_mod
+
+    root, files = raw
+    rt = tmp_path / "rt"
+    path = next(p for p in sorted(files) if files[p])
+    with stagefs.open(root, runtime=rt) as a, stagefs.open(root, runtime=rt) as b:
+        real = store_mod.check
+        learnt: list[bool] = []
+
+        def check(codec: int, stored: bytes, size: int, expected: int) -> bytes:
+            if not learnt:  # b checks its bytes now: a learns the sum first
+                learnt.append(True)
+                assert a.read(path) == files[path]
+            return real(codec, stored, size, expected)
+
+        monkeypatch.setattr(store_mod, "check", check)
+        assert b.read(path) == files[path]
+        assert learnt and b.stats.checksum_failures == 0
+
+
 # ------------------------------------------------------------------------ the commands
 
 

@@ -31,8 +31,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from xxhash import xxh3_64_hexdigest
-
 from stagefs._fsutil import atomic_write, file_lock
 from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
@@ -232,49 +230,61 @@ class TierChain:
         if not ext.tiles:
             self._no_fill.add(shard)
             return None
+        got = self._open_fill(shard, ext)
+        if got is not None or not create:
+            return got
         size = self._sizes[shard]
-        for t in self.tiers:
-            final = t.path(shard)
-            f = open_fill(final, size, ext)
-            if f is not None:
-                self._fills[shard] = (f, t)
-                return f, t
-        if not create:
-            return None
-        for t in self.tiers:
-            if t.stopped is not None:
-                continue
-            final = t.path(shard)
-            try:
-                with self._tier_lock(t):
-                    if os.path.exists(final):
-                        return None  # whole already: the next look finds it
-                    f = open_fill(final, size, ext)  # made while we waited for the lock
-                    if f is None:
+        try:
+            with self._tier_lock():
+                # looked for again under the lock, in every tier: another process may have
+                # made (or finished) this shard's copy since, in a tier this one counts as
+                # full; a second copy in another tier would be placed twice
+                got = self._open_fill(shard, ext)
+                if got is not None:
+                    return got
+                if any(os.path.exists(t.path(shard)) for t in self.tiers):
+                    return None  # whole already: the next look finds it
+                for t in self.tiers:
+                    if t.stopped is not None:
+                        continue
+                    try:
                         why = t.no_room(size)
                         if why is not None:
                             t.stopped = why
                             log.info("%s: %s; it takes no more shards", t.name, why)
                             continue
-                        f = create_fill(final, size, ext, shard, self.manifest.pack_id,
+                        f = create_fill(t.path(shard), size, ext, shard, self.manifest.pack_id,
                                         reserve=t.kind != "memory")
-            except OSError as exc:
-                self._tier_failed(t, exc)
-                continue
-            self._fills[shard] = (f, t)
-            return f, t
+                    except OSError as exc:
+                        self._tier_failed(t, exc)
+                        continue
+                    self._fills[shard] = (f, t)
+                    return f, t
+        except OSError as exc:  # the lock file cannot be had (the runtime dir was removed)
+            for t in self.tiers:
+                if t.stopped is None:
+                    self._tier_failed(t, exc)
         self.full = True
         with self._cond:
             self._queue.clear()
         return None
 
+    def _open_fill(self, shard: int, ext: Extents) -> tuple[ShardFill, DirTier] | None:
+        """The shard's partial copy that some process made, in whichever tier it is."""
+        for t in self.tiers:
+            f = open_fill(t.path(shard), self._sizes[shard], ext)
+            if f is not None:
+                self._fills[shard] = (f, t)
+                return f, t
+        return None
+
     def _finish(self, shard: int) -> bool:
-        """A complete partial copy becomes the shard's copy (once, under the tier lock)."""
+        """A complete partial copy becomes the shard's copy (once, under the tiers' lock)."""
         got = self._fills.get(shard)
         if got is None:
             return False
         f, t = got
-        with self._tier_lock(t):
+        with self._tier_lock():
             if not f.linked() or not f.complete():
                 return False
             try:
@@ -302,7 +312,7 @@ class TierChain:
         got = self._fills.get(shard)
         if got is not None:
             f, t = got
-            with contextlib.suppress(OSError), self._tier_lock(t):
+            with contextlib.suppress(OSError), self._tier_lock():
                 if f.linked():
                     remove_fill(f.final)
             t.stats.dropped += again
@@ -519,14 +529,17 @@ class TierChain:
         return check
 
     @contextlib.contextmanager
-    def _tier_lock(self, t: DirTier) -> Iterator[None]:
-        """Serialise 'is there room? reserve it' for one tier across the node's processes.
+    def _tier_lock(self) -> Iterator[None]:
+        """Serialise, across the node's processes, every change of which copy of a shard the
+        tiers hold: 'is there a copy of it in any tier? is there room? make one', making a
+        copy whole, dropping one. One lock for all the tiers of the runtime, so that looking
+        in every tier and making the copy are one step: a shard never gets copies in two
+        tiers (both would be placed).
 
         A fork waits until no thread of this process is inside (_FORK_GUARD): a child would
         inherit the locked file and hold the lock for as long as it lives.
         """
-        name = f".tier-{xxh3_64_hexdigest(t.root.encode())}.lock"
-        with _FORK_GUARD, file_lock(os.path.join(self.runtime.claims, name)):
+        with _FORK_GUARD, file_lock(os.path.join(self.runtime.claims, ".tiers.lock")):
             yield
 
     # -- whole-dataset operations ---------------------------------------------------------
@@ -659,7 +672,7 @@ _CHAINS: weakref.WeakSet[TierChain] = weakref.WeakSet()
 _OPENED = itertools.count()
 
 
-_FORK_GUARD = threading.Lock()  # held while a tier's lock file is locked (_tier_lock)
+_FORK_GUARD = threading.Lock()  # held while the tiers' lock file is locked (_tier_lock)
 
 
 def _after_fork_in_child() -> None:

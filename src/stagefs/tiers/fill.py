@@ -14,7 +14,7 @@ Files beside the shard's final name in the tier, shared by every process of the 
   the manifest's checksum. A byte is set only after its bytes are written.
 
 The copy is complete when every byte is 1; whoever sets the last one (a reader or the
-placer) renames ``NAME.partial`` to ``NAME`` and deletes ``NAME.fill``, under the tier's
+placer) renames ``NAME.partial`` to ``NAME`` and deletes ``NAME.fill``, under the tiers'
 lock. Every read of a copy, partial or whole, is still verified by the Store, so a torn or
 stale byte never reaches a caller: it falls through to the origin.
 
@@ -238,7 +238,7 @@ def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
 def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes, *,
                 reserve: bool = True) -> ShardFill:
     """Create (replacing any leftover) the partial copy and its fill map; the caller holds
-    the tier's lock and checked the room. With ``reserve`` the space is allocated now
+    the tiers' lock and checked the room. With ``reserve`` the space is allocated now
     (``fallocate``: a disk tier), and ENOSPC shows up here with nothing left behind; in
     memory the file is left sparse (allocating would zero pages the reads are about to
     write: 4 ms per 16 MiB on the critical path), and a full file system shows up as the

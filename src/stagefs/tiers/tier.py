@@ -153,7 +153,7 @@ class DirTier:
         return dir_bytes(self.root)
 
     def no_room(self, size: int) -> str | None:
-        """Why a new copy of ``size`` bytes does not fit (the caller holds the tier's lock):
+        """Why a new copy of ``size`` bytes does not fit (the caller holds the tiers' lock):
         ``"full"`` (the tier's capacity), ``"no space left on device"`` (its file system,
         counting what sparse partial copies will still take), or None: it fits."""
         used, unwritten = dir_usage(self.root)
