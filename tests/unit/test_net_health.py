@@ -211,7 +211,7 @@ def test_a_slow_sole_replica_gives_way_to_the_next_holder() -> None:
     slow = StandIn("slow", b"late")
     slow.then = threading.Event()
     h = _peers({0: [slow], 1: [slow]})  # no other replica to hedge with
-    with pytest.raises(PeerUnavailable, match="no answer within 0.050 s"):
+    with pytest.raises(PeerUnavailable, match=r"no answer within 0\.050 s"):
         h["slow"].pread(0, 0, 4)  # the Store reads it from its next holder, the origin
     assert slow.marked and slow.calls == 1 and h["slow"].hedged == 0
     # suspect: refused at once, without a request
