@@ -156,7 +156,8 @@ class Delays(ReplyTimes):
 def _peers(placement: dict[int, list[StandIn]], delay: float = 0.05,
            times: ReplyTimes | None = None) -> dict[str, HedgedPeer]:
     """One holder per stand-in, each told the replicas of every shard (``placement``)."""
-    times = times or ReplyTimes(HedgePolicy(floor=delay, cap=delay, initial=delay))
+    times = times or ReplyTimes(HedgePolicy(floor=delay, cap=delay, initial=delay,
+                                            to_origin=2 * delay))
     out: dict[str, HedgedPeer] = {}
 
     def replicas(shard: int) -> list[HedgedPeer]:
@@ -211,7 +212,7 @@ def test_a_slow_sole_replica_gives_way_to_the_next_holder() -> None:
     slow = StandIn("slow", b"late")
     slow.then = threading.Event()
     h = _peers({0: [slow], 1: [slow]})  # no other replica to hedge with
-    with pytest.raises(PeerUnavailable, match=r"no answer within 0\.050 s"):
+    with pytest.raises(PeerUnavailable, match=r"no answer within 0\.100 s"):
         h["slow"].pread(0, 0, 4)  # the Store reads it from its next holder, the origin
     assert slow.marked and slow.calls == 1 and h["slow"].hedged == 0
     # suspect: refused at once, without a request
@@ -242,6 +243,18 @@ def test_a_sole_replica_that_answers_in_time_is_read() -> None:
     a = StandIn("a", b"A")
     a.release.set()
     h = _peers({0: [a]}, delay=30.0)
+    assert h["a"].pread(0, 0, 1) == b"A"
+    assert h["a"].pread_many([(0, 0, 1), (0, 5, 1)]) == [b"A0", b"A0"]
+    assert not a.marked and a.calls == 1 and len(a.batches) == 1
+
+
+def test_a_sole_replica_has_the_longer_origin_delay_to_answer() -> None:
+    """The origin is dearer than a replica: a sole replica slower than the hedging delay
+    (here 0) but within the origin's delay is read, and not marked."""
+    times = ReplyTimes(HedgePolicy(floor=0.0, cap=0.0, initial=0.0, to_origin=30.0))
+    a = StandIn("a", b"A")
+    a.release.set()
+    h = _peers({0: [a]}, times=times)
     assert h["a"].pread(0, 0, 1) == b"A"
     assert h["a"].pread_many([(0, 0, 1), (0, 5, 1)]) == [b"A0", b"A0"]
     assert not a.marked and a.calls == 1 and len(a.batches) == 1

@@ -40,6 +40,10 @@ class HedgePolicy:
     floor: float = 0.005
     cap: float = 0.5
     initial: float = 0.1
+    to_origin: float = 0.5
+    """At least this long before a read with no other live replica gives way to the origin:
+    the shared file system that every node falls back on is the dearest place to hedge to
+    (about 1% of replies are slower than a p99 delay)."""
     quantile: float = 0.99
     window: int = 512
     min_samples: int = 20
@@ -80,6 +84,10 @@ class ReplyTimes:
 
     def delay(self) -> float:
         return self._delay
+
+    def origin_delay(self) -> float:
+        """How long to wait before giving up on a peer for the origin."""
+        return max(self._delay, self.policy.to_origin)
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
@@ -169,8 +177,13 @@ class HedgedPeer:
         while True:
             delay = self.times.delay()
             done, _ = wait(waiting, delay, FIRST_COMPLETED)
+            nxt = None if done else self._other(shard, asked)
+            if not done and nxt is None:  # the origin is dearer than a replica: wait longer
+                more = self.times.origin_delay() - delay
+                if more > 0:
+                    done, _ = wait(waiting, more, FIRST_COMPLETED)
+                    delay += more
             if not done:  # no answer within the delay: the ones asked are slow
-                nxt = self._other(shard, asked)
                 if nxt is None:  # no one else to ask: the Store's next holder (the origin)
                     self._slow(waiting.values(), delay, "read from the next holder")
                     raise PeerUnavailable(
@@ -219,12 +232,17 @@ class HedgedPeer:
                 if h is not None:
                     groups.setdefault(h, []).append(i)
             if not groups:  # no one else to ask: the Store reads them from its next holder
-                self._slow((self,), delay, "read from the next holder")
-                return [None] * n
-            self._slow((self,), delay, "asked another replica")
-            self.hedged += len(groups)
-            return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]): idx
-                                      for h, idx in groups.items()}, n)
+                wait_more = self.batch_times.origin_delay() - delay  # the origin is dearer
+                if wait_more <= 0 or not wait([first], wait_more).done:
+                    self._slow((self,), delay + max(0.0, wait_more),
+                               "read from the next holder")
+                    return [None] * n
+                groups = {}
+            else:
+                self._slow((self,), delay, "asked another replica")
+                self.hedged += len(groups)
+                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]):
+                                          idx for h, idx in groups.items()}, n)
         try:
             return first.result()
         except PeerUnavailable:
