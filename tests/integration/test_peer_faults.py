@@ -388,25 +388,49 @@ def daemon(packed: Pack) -> Iterator[tuple[subprocess.Popen[bytes], tuple[str, i
                 f.close()
 
 
-def test_a_stopped_daemon_costs_one_deadline_then_is_skipped(
+def _polled(cond: Callable[[], bool], what: str) -> None:
+    """Wait until ``cond()`` holds (a counter another thread moves), at most a minute."""
+    for _ in range(6000):
+        if cond():
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError(f"never {what}")
+
+
+def _hedge_after(holders: ClusterHolders, seconds: float) -> None:
+    """Every peer's reads and batches hedged after ``seconds``."""
+    times = ReplyTimes(HedgePolicy(floor=seconds, cap=seconds, initial=seconds))
+    for h in holders.peers.values():
+        h.times = h.batch_times = times
+
+
+def test_a_stopped_daemon_costs_one_hedging_delay_then_is_skipped(
         daemon: tuple[subprocess.Popen[bytes], tuple[str, int], bytes], packed: Pack,
         tmp_path: object) -> None:
     proc, addr, token = daemon
     pack, content = packed
-    store, holders, clock = _cluster_store(str(tmp_path), pack, addr, token, timeout=4.0)
+    # one copy per shard: no replica to hedge with, so the hedge goes to the origin after
+    # 0.2 s, far below the client's 10 s reply deadline
+    store, holders, clock = _cluster_store(str(tmp_path), pack, addr, token, timeout=10.0)
     try:
         client = holders.clients[1]
         paths = _on_peer(store, holders, content)
+        _hedge_after(holders, 30.0)  # the first read connects: no hedge while it does
         assert store.read(paths[0]) == content[paths[0]]
         assert client.stats.requests == 1 and store.origin.stats.reads == 0  # the peer served
+        _hedge_after(holders, 0.2)
         _sigstop(proc)
-        assert store.read(paths[1]) == content[paths[1]]  # waited one deadline, then origin
-        assert client.suspect() and client.stats.failures == 1
-        assert store.status()["suspect_peers"] == [1]
+        assert store.read(paths[1]) == content[paths[1]]  # one hedging delay, then origin
+        assert client.stats.failures == 0  # returned before the request's deadline failed
+        assert client.stats.sent == 2 and store.origin.stats.reads > 0
+        assert client.is_suspect() and store.status()["suspect_peers"] == [1]
         sent, attempts = client.stats.sent, client.stats.attempts
         assert store.read(paths[2]) == content[paths[2]]
         assert store.read_many(paths[2:]) == [content[p] for p in paths[2:]]
         assert (client.stats.sent, client.stats.attempts) == (sent, attempts)  # not asked
+        # the request left in flight ends at its deadline, counted as a failure
+        _polled(lambda: client.stats.failures == 1, "failed the request left in flight")
+        assert client.is_suspect() and client.stats.requests == 1
         # after its back-off a probe checks it in the background; the reader never waits
         clock.now += 60
         assert store.read(paths[3]) == content[paths[3]]
@@ -422,6 +446,35 @@ def test_a_stopped_daemon_costs_one_deadline_then_is_skipped(
         served = client.stats.requests
         assert store.read(paths[0]) == content[paths[0]]
         assert client.stats.requests == served + 1
+    finally:
+        store.close()
+
+
+def test_a_late_answer_of_a_stopped_daemon_clears_its_suspicion(
+        daemon: tuple[subprocess.Popen[bytes], tuple[str, int], bytes], packed: Pack,
+        tmp_path: object) -> None:
+    proc, addr, token = daemon
+    pack, content = packed
+    store, holders, _clock = _cluster_store(str(tmp_path), pack, addr, token, timeout=60.0)
+    try:
+        client = holders.clients[1]
+        paths = _on_peer(store, holders, content)
+        _hedge_after(holders, 30.0)
+        assert store.read(paths[0]) == content[paths[0]]
+        _hedge_after(holders, 0.2)
+        _sigstop(proc)
+        assert store.read(paths[1]) == content[paths[1]]  # from the origin
+        assert client.is_suspect() and client.stats.requests == 1
+        # it wakes up before the deadline: the request left in flight is answered, and that
+        # answer clears the suspicion (the clock stands still: no probe did it)
+        proc.send_signal(signal.SIGCONT)
+        _polled(lambda: client.stats.requests == 2, "answered the request left in flight")
+        _polled(lambda: not client.is_suspect(), "cleared the suspicion")
+        assert client.stats.failures == 0 and client.stats.probes == 0
+        served = store.origin.stats.reads
+        _hedge_after(holders, 30.0)
+        assert store.read(paths[2]) == content[paths[2]]
+        assert client.stats.requests == 3 and store.origin.stats.reads == served
     finally:
         store.close()
 

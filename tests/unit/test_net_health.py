@@ -141,9 +141,23 @@ class StandIn:
         return [self._answer() + b"%d" % s for s, _, _ in ranges]
 
 
-def _peers(placement: dict[int, list[StandIn]], delay: float = 0.05) -> dict[str, HedgedPeer]:
+class Delays(ReplyTimes):
+    """Hedging delays given in order, the last one for good (pure logic: a short delay for
+    a peer that never answers in time, then a long one for a peer that answers at once)."""
+
+    def __init__(self, *delays: float) -> None:
+        super().__init__()
+        self.delays = list(delays)
+
+    def delay(self) -> float:
+        return self.delays.pop(0) if len(self.delays) > 1 else self.delays[0]
+
+
+def _peers(placement: dict[int, list[StandIn]], delay: float = 0.05,
+           times: ReplyTimes | None = None) -> dict[str, HedgedPeer]:
     """One holder per stand-in, each told the replicas of every shard (``placement``)."""
-    times = ReplyTimes(HedgePolicy(floor=delay, cap=delay, initial=delay))
+    times = times or ReplyTimes(HedgePolicy(floor=delay, cap=delay, initial=delay,
+                                            to_origin=2 * delay))
     out: dict[str, HedgedPeer] = {}
 
     def replicas(shard: int) -> list[HedgedPeer]:
@@ -157,11 +171,10 @@ def _peers(placement: dict[int, list[StandIn]], delay: float = 0.05) -> dict[str
 def test_a_slow_peer_is_hedged_and_marked_suspect() -> None:
     slow, fast = StandIn("slow", b"late"), StandIn("fast", b"data")
     fast.release.set()
-    h = _peers({0: [slow, fast]})
+    h = _peers({0: [slow, fast]}, times=Delays(0.05, 30.0))
     assert h["slow"].pread(0, 0, 4) == b"data"
     assert h["slow"].hedged == 1 and slow.marked and not fast.marked
     # the Store's next read: the suspect peer refuses at once, its next holder answers
-    # from the caller's thread (no live replica left to hedge to)
     with pytest.raises(PeerUnavailable, match="suspect"):
         h["slow"].pread(0, 0, 4)
     assert h["fast"].pread(0, 0, 4) == b"data"
@@ -186,13 +199,65 @@ def test_a_hedged_read_that_no_replica_answers_raises() -> None:
     slow, gone = StandIn("slow", None), StandIn("gone", None)
     gone.release.set()
     gone.then = slow.release  # the slow one fails once the hedge has failed
-    h = _peers({0: [slow, gone]})
+    h = _peers({0: [slow, gone]}, times=Delays(0.05, 30.0))
     with pytest.raises(PeerUnavailable) as err:
         h["slow"].pread(0, 0, 4)
     assert "gone: not held" in str(err.value) and "slow: not held" in str(err.value)
     assert h["slow"].hedged == 1 and slow.marked
     with pytest.raises(PeerUnavailable, match="suspect"):
         h["slow"].pread(0, 0, 4)
+
+
+def test_a_slow_sole_replica_gives_way_to_the_next_holder() -> None:
+    slow = StandIn("slow", b"late")
+    slow.then = threading.Event()
+    h = _peers({0: [slow], 1: [slow]})  # no other replica to hedge with
+    with pytest.raises(PeerUnavailable, match=r"no answer within 0\.100 s"):
+        h["slow"].pread(0, 0, 4)  # the Store reads it from its next holder, the origin
+    assert slow.marked and slow.calls == 1 and h["slow"].hedged == 0
+    # suspect: refused at once, without a request
+    with pytest.raises(PeerUnavailable, match="suspect"):
+        h["slow"].pread(0, 0, 4)
+    assert h["slow"].pread_many([(0, 0, 1), (1, 0, 1)]) == [None, None]
+    assert slow.calls == 1 and slow.batches == [] and slow.stats.skipped == 2
+    slow.release.set()  # the request left in flight runs on to its end
+    assert slow.then.wait(30)
+
+
+def test_a_slow_batch_to_a_sole_replica_gives_way_to_the_next_holder() -> None:
+    slow = StandIn("slow")
+    slow.then = threading.Event()
+    h = _peers({0: [slow], 1: [slow]})
+    ranges = [(0, 0, 1), (1, 0, 1)]
+    assert h["slow"].pread_many(ranges) == [None, None]  # the Store reads them one by one
+    assert slow.marked and slow.batches == [ranges] and h["slow"].hedged == 0
+    with pytest.raises(PeerUnavailable, match="suspect"):
+        h["slow"].pread(0, 0, 1)  # ... and this peer, suspect, refuses each at once
+    assert h["slow"].pread_many(ranges) == [None, None]
+    assert slow.batches == [ranges] and slow.calls == 0 and slow.stats.skipped == 2
+    slow.release.set()
+    assert slow.then.wait(30)
+
+
+def test_a_sole_replica_that_answers_in_time_is_read() -> None:
+    a = StandIn("a", b"A")
+    a.release.set()
+    h = _peers({0: [a]}, delay=30.0)
+    assert h["a"].pread(0, 0, 1) == b"A"
+    assert h["a"].pread_many([(0, 0, 1), (0, 5, 1)]) == [b"A0", b"A0"]
+    assert not a.marked and a.calls == 1 and len(a.batches) == 1
+
+
+def test_a_sole_replica_has_the_longer_origin_delay_to_answer() -> None:
+    """The origin is dearer than a replica: a sole replica slower than the hedging delay
+    (here 0) but within the origin's delay is read, and not marked."""
+    times = ReplyTimes(HedgePolicy(floor=0.0, cap=0.0, initial=0.0, to_origin=30.0))
+    a = StandIn("a", b"A")
+    a.release.set()
+    h = _peers({0: [a]}, times=times)
+    assert h["a"].pread(0, 0, 1) == b"A"
+    assert h["a"].pread_many([(0, 0, 1), (0, 5, 1)]) == [b"A0", b"A0"]
+    assert not a.marked and a.calls == 1 and len(a.batches) == 1
 
 
 def test_a_slow_batch_goes_range_by_range_to_each_shards_other_replica() -> None:

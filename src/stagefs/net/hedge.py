@@ -4,9 +4,15 @@ Each peer is one holder (so ``Store.read_many`` sends each peer one batch). A re
 peer has not answered within the hedging delay (the 99th percentile of recent reply times,
 between a floor and a cap) goes to another live replica of the shard too, and the first
 answer wins; the slow peer is marked suspect, so later reads skip it until it answers
-again. A peer that fails outright is not hedged: the Store goes to its next holder (the
-shard's next replica, then the origin). So a hung holder costs at most one short delay, not
-a timeout; the Store verifies what comes back and goes to its next holder if it is wrong.
+again. With no other live replica to ask (one copy per shard, the default), the read goes
+to the Store's next holder (the origin) instead: the peer is marked suspect, ``pread``
+raises PeerUnavailable and ``pread_many`` gives None for every range. The request left in
+flight runs on to the client's deadline: a late answer clears the suspicion, a late failure
+counts as one. A peer that fails outright is not hedged: the Store goes to its next holder
+(the shard's next replica, then the origin). So a hung holder costs at most one short delay,
+not a timeout; the Store verifies what comes back and goes to its next holder if it is
+wrong. Each request to a peer that is not suspect is sent from a pool thread (one hop); a
+suspect peer refuses at once, from the caller's thread.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ class HedgePolicy:
     floor: float = 0.005
     cap: float = 0.5
     initial: float = 0.1
+    to_origin: float = 0.5
+    """At least this long before a read with no other live replica gives way to the origin:
+    the shared file system that every node falls back on is the dearest place to hedge to
+    (about 1% of replies are slower than a p99 delay)."""
     quantile: float = 0.99
     window: int = 512
     min_samples: int = 20
@@ -75,6 +85,10 @@ class ReplyTimes:
     def delay(self) -> float:
         return self._delay
 
+    def origin_delay(self) -> float:
+        """How long to wait before giving up on a peer for the origin."""
+        return max(self._delay, self.policy.to_origin)
+
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
@@ -100,11 +114,12 @@ class HedgedPeer:
     of the shard too (``replicas(shard)``: the holders of the shard's replicas on other
     nodes, in placement order), the first answer wins, and this peer is marked suspect. A
     batch (``pread_many``) is hedged range by range: each range goes to the first other live
-    replica of its shard, one request per replica. A failure is not hedged: ``pread`` raises
-    PeerUnavailable (the Store's next holder is the shard's next replica) and ``pread_many``
-    gives None for what the peer did not give (the Store reads those items one by one).
-    With no other live replica there is nothing to hedge with: the read is sent from the
-    caller's thread, with the client's deadlines."""
+    replica of its shard, one request per replica. When no one else is left to ask, the
+    read goes to the Store's next holder after the delay: the peers asked are marked
+    suspect, ``pread`` raises PeerUnavailable and ``pread_many`` gives None for every range
+    (the Store reads those items one by one; this peer, suspect, refuses them at once). A
+    failure is not hedged: ``pread`` raises PeerUnavailable (the Store's next holder is the
+    shard's next replica) and ``pread_many`` gives None for what the peer did not give."""
 
     def __init__(self, source: PeerSource,
                  replicas: Callable[[int], Sequence[HedgedPeer]] | None = None,
@@ -135,9 +150,14 @@ class HedgedPeer:
                 return h
         return None
 
-    def _slow(self, peers: Iterable[HedgedPeer], delay: float) -> None:
+    def _slow(self, peers: Iterable[HedgedPeer], delay: float, then: str) -> None:
         for h in peers:
-            h.client.mark_suspect(f"no answer within {delay:.3f} s; asked another replica")
+            h.client.mark_suspect(f"no answer within {delay:.3f} s; {then}")
+
+    def _refuse(self) -> PeerUnavailable:
+        """This peer is suspect: the Store's next holder answers, with no request sent."""
+        self.client.stats.skipped += 1
+        return PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
 
     # -- one range -----------------------------------------------------------------------
 
@@ -148,19 +168,28 @@ class HedgedPeer:
         return out
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        if self.client.suspect() or self._other(shard, ()) is None:
-            return self._pread(shard, offset, length)  # skipped at once, or no one to hedge to
+        if self.client.suspect():
+            raise self._refuse()
         pool = _executor()
         asked: list[HedgedPeer] = [self]
         waiting = {pool.submit(self._pread, shard, offset, length): self}
         errors: list[str] = []
         while True:
-            nxt = self._other(shard, asked)
             delay = self.times.delay()
-            done, _ = wait(waiting, delay if nxt is not None else None, FIRST_COMPLETED)
+            done, _ = wait(waiting, delay, FIRST_COMPLETED)
+            nxt = None if done else self._other(shard, asked)
+            if not done and nxt is None:  # the origin is dearer than a replica: wait longer
+                more = self.times.origin_delay() - delay
+                if more > 0:
+                    done, _ = wait(waiting, more, FIRST_COMPLETED)
+                    delay += more
             if not done:  # no answer within the delay: the ones asked are slow
-                assert nxt is not None
-                self._slow(waiting.values(), delay)
+                if nxt is None:  # no one else to ask: the Store's next holder (the origin)
+                    self._slow(waiting.values(), delay, "read from the next holder")
+                    raise PeerUnavailable(
+                        f"{self.name}: no answer within {delay:.3f} s and no other live "
+                        f"replica of shard {shard}; read from the next holder")
+                self._slow(waiting.values(), delay, "asked another replica")
                 self.hedged += 1
                 asked.append(nxt)
                 waiting[pool.submit(nxt._pread, shard, offset, length)] = nxt
@@ -192,11 +221,6 @@ class HedgedPeer:
         if self.client.suspect():
             self.client.stats.skipped += 1
             return [None] * n
-        if all(self._other(s, ()) is None for s, _, _ in ranges):
-            try:
-                return self._read(ranges)
-            except PeerUnavailable:
-                return [None] * n
         pool = _executor()
         first = pool.submit(self._read, ranges)
         delay = self.batch_times.delay()
@@ -207,11 +231,18 @@ class HedgedPeer:
                 h = self._other(s, ())
                 if h is not None:
                     groups.setdefault(h, []).append(i)
-            if groups:
-                self._slow((self,), delay)
+            if not groups:  # no one else to ask: the Store reads them from its next holder
+                wait_more = self.batch_times.origin_delay() - delay  # the origin is dearer
+                if wait_more <= 0 or not wait([first], wait_more).done:
+                    self._slow((self,), delay + max(0.0, wait_more),
+                               "read from the next holder")
+                    return [None] * n
+                groups = {}
+            else:
+                self._slow((self,), delay, "asked another replica")
                 self.hedged += len(groups)
-                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]): idx
-                                          for h, idx in groups.items()}, n)
+                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]):
+                                          idx for h, idx in groups.items()}, n)
         try:
             return first.result()
         except PeerUnavailable:
