@@ -66,6 +66,9 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
         raise
 
 
+_POLL_S = 0.001
+
+
 @contextlib.contextmanager
 def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (created 0600 if missing) while inside.
@@ -73,5 +76,7 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     Blocks until the lock is free. The lock belongs to the open file: it goes when this
     block ends or the process dies, so a killed holder never leaves it taken.
     """
-    with filelock.FileLock(os.fspath(path), mode=0o600):
+    # filelock polls a non-blocking flock; its default of 50 ms between tries made a
+    # contended tier lock cost at least 50 ms, where the holder keeps it for microseconds
+    with filelock.FileLock(os.fspath(path), mode=0o600).acquire(poll_interval=_POLL_S):
         yield
