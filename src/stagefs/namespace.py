@@ -358,7 +358,7 @@ NOT_BUILT = (
     "To build it, install a C compiler and Python's headers (Debian/Ubuntu: apt-get install "
     "gcc python3-dev), then reinstall stagefs from its source without pip's cache: pip "
     "install --force-reinstall --no-deps --no-cache-dir SOURCE (the checkout or sdist it came "
-    "from). STAGEFS_SPEEDUPS=0 silences this"
+    "from). STAGEFS_SPEEDUPS=0 turns this notice off"
 )
 _noticed = False  # NOT_BUILT is logged once per process
 
