@@ -1,8 +1,9 @@
 """Build the optional C accelerator; everything else is in pyproject.toml.
 
-``stagefs._speedups`` needs a C compiler, the Python headers and xxhash.h (Debian/Ubuntu:
-``apt-get install libxxhash-dev``). If any is missing the build goes on without it and
-stagefs uses its pure-Python path (same results, slower metadata calls).
+``stagefs._speedups`` needs only a C compiler and the Python headers (it carries the one
+hash it uses, XXH3-64, itself). If either is missing the build goes on without it and
+stagefs uses its pure-Python path (same results, metadata calls about 6x slower);
+``stagefs info`` says which one runs, and stagefs logs a notice once per process.
 """
 
 from setuptools import Extension, setup

@@ -105,6 +105,8 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from stagefs.namespace import accelerator
+
     with _open(args) as fs:
         info = fs.info()
     ratio = info["raw_bytes"] / info["stored_bytes"] if info["stored_bytes"] else 1.0
@@ -117,6 +119,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("bytes stored", f"{format_size(info['stored_bytes'])} ({info['stored_bytes']:,})"),
         ("compression", f"x{ratio:.2f} ({info['compressed_files']:,} files compressed)"),
         ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
+        ("C accelerator", accelerator()),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -6,6 +6,7 @@ PathLike); a leading "/" is ignored, so "train/a.jpg" and "/train/a.jpg" are the
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -23,7 +24,9 @@ from stagefs.errors import (
 )
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
 
-__all__ = ["DirEntry", "Namespace", "PathArg", "normalize"]
+__all__ = ["DirEntry", "Namespace", "PathArg", "accelerator", "normalize"]
+
+log = logging.getLogger("stagefs")
 
 _stat_result = os.stat_result
 
@@ -350,20 +353,51 @@ class Namespace:
         }
 
 
+NOT_BUILT = (
+    "not built: path lookups and stat run in Python, about 6x slower. "
+    "To build it, install a C compiler and Python's headers (Debian/Ubuntu: apt-get install "
+    "gcc python3-dev), then reinstall stagefs from its source without pip's cache: pip "
+    "install --force-reinstall --no-deps --no-cache-dir SOURCE (the checkout or sdist it came "
+    "from). STAGEFS_SPEEDUPS=0 turns this notice off"
+)
+_noticed = False  # NOT_BUILT is logged once per process
+
+
+def _index_type() -> tuple[Any, str]:
+    """The C accelerator's Index class and "active", or None and why it is not used."""
+    if env("SPEEDUPS", "1") == "0":
+        return None, "off (STAGEFS_SPEEDUPS=0)"
+    if os.stat_result.n_fields != 19:
+        return None, "not used: this platform's os.stat_result has another layout"
+    try:
+        from stagefs._speedups import Index  # type: ignore[import-not-found]
+    except ImportError:
+        return None, NOT_BUILT
+    return Index, "active"
+
+
+def accelerator() -> str:
+    """"active", or why the C accelerator is not used and what that costs."""
+    return _index_type()[1]
+
+
 def _accelerated(
     manifest: Manifest, fallback: Callable[[PathArg], os.stat_result], dev: int, uid: int,
     gid: int,
 ) -> Any:
-    """The C index over this manifest, or None (not built, or STAGEFS_SPEEDUPS=0)."""
-    if env("SPEEDUPS", "1") == "0" or os.stat_result.n_fields != 19:
-        return None
-    try:
-        from stagefs._speedups import Index  # type: ignore[import-not-found]
-    except ImportError:
+    """The C index over this manifest, or None (not built, or STAGEFS_SPEEDUPS=0); the first
+    time it is not built, a notice that says what that costs and how to build it."""
+    global _noticed
+    index_type, state = _index_type()
+    if index_type is None:
+        if state == NOT_BUILT and not _noticed:
+            _noticed = True
+            log.warning("the C accelerator is %s", NOT_BUILT)
         return None
     a = manifest.arrays
-    index = Index(a["slots"], a["hash"], a["path_off"], a["strings"], a["kind"], a["mode"],
-                  a["size"], a["mtime_ns"], os.stat_result, fallback, dev, uid, gid)
+    index = index_type(a["slots"], a["hash"], a["path_off"], a["strings"], a["kind"],
+                       a["mode"], a["size"], a["mtime_ns"], os.stat_result, fallback, dev,
+                       uid, gid)
     manifest.on_close(index.release)
     return index
 

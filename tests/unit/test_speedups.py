@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
+import xxhash
 
 import stagefs
 from stagefs.namespace import Namespace
 
 speedups = pytest.importorskip(
-    "stagefs._speedups", reason="the C accelerator is not built (needs cc and libxxhash-dev)"
+    "stagefs._speedups", reason="the C accelerator is not built (needs a C compiler)"
 )
 
 
@@ -77,3 +79,54 @@ def test_index_released_on_close(pack_dir):
     find = ns.find
     fs.close()
     assert find("a/x.txt") == -1  # released: no access to the unmapped manifest
+
+
+# every length where XXH3 switches branch, and the stripe/block edges of the long loop
+_EDGES = [0, 1, 3, 4, 8, 9, 16, 17, 32, 33, 64, 65, 96, 97, 128, 129, 144, 239, 240, 241, 255,
+          256, 1023, 1024, 1025, 1088, 2047, 2048, 2049, 3072, 4096 + 63, 65536, 100_003]
+
+
+def test_hash_equals_xxhash_at_every_length():
+    rnd = random.Random(19)
+    lengths = list(range(1025)) + _EDGES + [rnd.randrange(1025, 50_000) for _ in range(40)]
+    for n in lengths:
+        for _ in range(3):
+            data = rnd.randbytes(n)
+            assert speedups.xxh3_64(data) == xxhash.xxh3_64_intdigest(data), n
+    for n in _EDGES:  # bytes that are all 0x00 or all 0xff: carries and overflows at the limit
+        for fill in (b"\x00", b"\xff"):
+            assert speedups.xxh3_64(fill * n) == xxhash.xxh3_64_intdigest(fill * n), (n, fill)
+
+
+def test_hash_takes_any_buffer():
+    data = bytearray(os.urandom(300))
+    assert speedups.xxh3_64(memoryview(data)[7:]) == xxhash.xxh3_64_intdigest(bytes(data[7:]))
+    with pytest.raises(TypeError):
+        speedups.xxh3_64("text")
+
+
+def test_lookups_of_paths_of_every_length_match_the_python_path(tmp_path):
+    """Names of 1..255 bytes and paths past 1024 bytes: each found by the C index (whose hash
+    must equal the one the manifest was written with) at the entry the Python path finds."""
+    src = tmp_path / "src"
+    rnd = random.Random(5)
+    names = ["n" * k for k in range(1, 256)]
+    flat = src / "flat"
+    flat.mkdir(parents=True)
+    for name in names:
+        (flat / name).write_bytes(name.encode()[:3])
+    deep = src.joinpath(*[f"{k:02d}" + "d" * 200 for k in range(6)])  # about 1230 bytes
+    deep.mkdir(parents=True)
+    for k in range(20):
+        (deep / ("f" * rnd.randrange(1, 255) + str(k))).write_bytes(b"x")
+    stagefs.pack(src, tmp_path / "pack", progress=False)
+    with stagefs.open(tmp_path / "pack") as fs:
+        ns = fs.namespace
+        assert ns.accelerated
+        paths = [os.path.join(d, f) if d else f for d, _, files in fs.walk("") for f in files]
+        assert len(paths) == 255 + 20 and max(len(p) for p in paths) > 1024
+        for p in paths:
+            e = ns.find(p)
+            assert e != -1 and e == ns._find_py(p), p
+            assert ns.stat(p) == ns._stat_py(p), p
+            assert ns.find(p + "x") == -1 == ns._find_py(p + "x")
