@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "generated there when it is empty or missing, and kept (default: a temp "
                     "dir on the test PFS at /tmp/pfs if mounted, else a local temp dir)")
     sp.add_argument("--size", default=None, metavar="N",
-                    help="bytes to generate, e.g. 300MiB or 1GB (default 160MiB: about a "
+                    help="bytes to generate, e.g. 300MiB or 1GB (default 768MiB: about a "
                     "minute on 2 cores)")
     sp.add_argument("--out", default="stagefs-demo", metavar="DIR",
                     help="where the PNG chart goes (default ./stagefs-demo)")
