@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -236,12 +237,13 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
     root, why, temp = choose_origin(origin)
     print(f"origin: {root} ({why})")
     print(f"C accelerator: {accelerator()}")
-    generated = False
+    generated, partial = False, not (os.path.isdir(root) and os.listdir(root))
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     scratch = tempfile.mkdtemp(prefix="stagefs-demo-", dir=shm)
     try:
         t_gen = time.perf_counter()
         generated = ensure_dataset(root, size)
+        partial = False
         t_gen = time.perf_counter() - t_gen
         paths, _ = _raw_files(root)
         total = sum(os.path.getsize(os.path.join(root, p)) for p in paths)
@@ -283,6 +285,9 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
         shutil.rmtree(scratch, ignore_errors=True)
         if temp:
             shutil.rmtree(root, ignore_errors=True)
+        elif partial and os.path.isdir(root) and os.listdir(root):
+            print(f"the dataset in {root} is incomplete (its generation was interrupted): "
+                  "remove it before running the demo on it again", file=sys.stderr)
         elif generated:
             print(f"dataset kept in {root}")
         print(f"demo took {time.perf_counter() - t_start:.0f} s")
