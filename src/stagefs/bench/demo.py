@@ -58,15 +58,6 @@ class EpochResult:
         return self.bytes / self.seconds / 1e6 if self.seconds else 0.0
 
 
-def accelerator() -> str:
-    """``"active"`` when the C accelerator is importable, else what to do about it."""
-    try:
-        import stagefs._speedups  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        return "not built (stat and lookups run in pure Python)"
-    return "active"
-
-
 def choose_origin(origin: str | None) -> tuple[str, str, bool]:
     """The origin directory, why it was chosen, and whether it is a temp dir to remove."""
     if origin is not None:
@@ -153,9 +144,10 @@ def plain_epochs(root: str, epochs: int, before: Callable[[], None]) -> list[Epo
 
 
 def stagefs_epochs(root: str, tier: str, runtime: str, epochs: int,
-                   before: Callable[[], None]) -> list[EpochResult]:
-    """Epochs of read_many over the raw tree in place with a RAM tier; the first epoch
-    includes opening it (the scan that builds its manifest)."""
+                   before: Callable[[], None]) -> tuple[list[EpochResult], bool]:
+    """Epochs of read_many over the raw tree in place with a RAM tier, and whether the C
+    accelerator served its lookups; the first epoch includes opening it (the scan that
+    builds its manifest)."""
     results: list[EpochResult] = []
     before()
     t_open = time.perf_counter()
@@ -178,7 +170,7 @@ def stagefs_epochs(root: str, tier: str, runtime: str, epochs: int,
             meta = (o1["opens"] - o0["opens"]) + (o1["stats"] - o0["stats"])
             results.append(EpochResult("stagefs", epoch, dt, len(paths), n,
                                        o1["bytes_read"] - o0["bytes_read"], meta))
-    return results
+        return results, fs.namespace.accelerated
 
 
 def result_table(plain: Sequence[EpochResult], fast: Sequence[EpochResult]) -> str:
@@ -236,7 +228,6 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
     t_start = time.perf_counter()
     root, why, temp = choose_origin(origin)
     print(f"origin: {root} ({why})")
-    print(f"C accelerator: {accelerator()}")
     generated, partial = False, not (os.path.isdir(root) and os.listdir(root))
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     scratch = tempfile.mkdtemp(prefix="stagefs-demo-", dir=shm)
@@ -265,8 +256,8 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
         print(f"stagefs: the raw tree in place, a RAM tier in {scratch}, read_many "
               f"in batches of {BATCH}\n")
         plain = plain_epochs(root, epochs, before)
-        fast = stagefs_epochs(root, os.path.join(scratch, "tier"), os.path.join(scratch, "rt"),
-                              epochs, before)
+        fast, accelerated = stagefs_epochs(root, os.path.join(scratch, "tier"),
+                                           os.path.join(scratch, "rt"), epochs, before)
         print(result_table(plain, fast))
         print("\nEach first epoch includes listing the dataset. Metadata ops: opens, stats and "
               "directory\nlistings on the origin. Plain files read every byte every epoch; "
@@ -274,6 +265,8 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
               "in the RAM tier (the scan, the samples, the copy), then never\nagain, and "
               "verifies the checksum of every sample it returns.\n")
         print(bar_chart(plain, fast))
+        print("\nC accelerator: " + ("active" if accelerated else
+                                     "not used ('stagefs info PACK' says why and how to get it)"))
         os.makedirs(out, exist_ok=True)
         png = os.path.abspath(os.path.join(out, "demo.png"))
         if write_png(plain, fast, png):
