@@ -140,8 +140,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from stagefs.bench.demo import run_demo
+    from stagefs.config import parse_size
 
-    return run_demo(files=args.files, workdir=args.workdir, keep=args.keep)
+    size = parse_size(args.size) if args.size is not None else None
+    return run_demo(origin=args.origin, size=size, out=args.out)
 
 
 def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[no-untyped-def]
@@ -338,10 +340,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("pack")
     sp.add_argument("-j", "--jobs", type=int, default=None)
 
-    sp = add("demo", cmd_demo, "generate an ImageNet-like dataset, pack it, read it, compare")
-    sp.add_argument("--files", type=int, default=3000, help="files to generate (default 3000)")
-    sp.add_argument("--workdir", default=None, help="where to put it (default: a temp dir)")
-    sp.add_argument("--keep", action="store_true", help="keep the generated data")
+    sp = add("demo", cmd_demo, "plain files against stagefs, three epochs on the same data")
+    sp.add_argument("--origin", default=None, metavar="DIR",
+                    help="the dataset's directory: its files are used, or a dataset is "
+                    "generated there when it is empty or missing, and kept (default: a temp "
+                    "dir on the test PFS at /tmp/pfs if mounted, else a local temp dir)")
+    sp.add_argument("--size", default=None, metavar="N",
+                    help="bytes to generate, e.g. 300MiB or 1GB (default 768MiB: about a "
+                    "minute on 2 cores)")
+    sp.add_argument("--out", default="stagefs-demo", metavar="DIR",
+                    help="where the PNG chart goes (default ./stagefs-demo)")
 
     sp = add("run", cmd_run, "run a command with Python file access under --at served by stagefs")
     sp.add_argument("--dataset", help="the pack (or origin) to serve")

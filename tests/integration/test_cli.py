@@ -237,14 +237,6 @@ def test_usage_errors_exit_2() -> None:
     assert proc.returncode == 2 and b"lz4" in proc.stderr
 
 
-def test_demo() -> None:
-    proc = run("demo", "--files", "200", timeout=300)
-    out = proc.stdout.decode()
-    assert "| how" in out and "samples/s" in out
-    assert "stagefs: fs.read " in out and "plain files: open + read" in out
-    assert "200 files" in out
-
-
 def test_names_that_are_not_utf8(tmp_path: Path) -> None:
     """Names are bytes: listed and accepted as they are, even where stdout is strict UTF-8."""
     src = os.fsencode(tmp_path / "src")

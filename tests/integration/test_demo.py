@@ -1,0 +1,89 @@
+"""``stagefs demo`` as a user runs it: the console script, in a subprocess, on a small dataset."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from conftest import build_sample_tree
+from stagefs.bench.demo import EpochResult, bar_chart
+
+pytestmark = pytest.mark.integration
+
+EXE = shutil.which("stagefs")
+
+
+def run(*args: str | Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    if EXE is None:
+        pytest.skip("the stagefs console script is not on PATH (pip install -e .)")
+    proc = subprocess.run([EXE, "demo", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, "COLUMNS": "120"})
+    assert "Traceback" not in proc.stderr
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def rows(out: str) -> list[tuple[int, str]]:
+    """(epoch, system) of each row of the result table."""
+    found = []
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].isdigit():
+            found.append((int(cells[0]), cells[1]))
+    return found
+
+
+def test_demo_on_a_given_origin(tmp_path: Path) -> None:
+    origin, out = tmp_path / "origin", tmp_path / "out"
+    proc = run("--origin", origin, "--size", "8MiB", "--out", out)
+    text = proc.stdout
+    assert rows(text) == [(e, s) for e in (1, 2, 3) for s in ("plain files", "stagefs")]
+    assert f"origin: {origin} (given with --origin)" in text
+    assert "C accelerator: active" in text or "C accelerator: not used" in text
+    assert "samples/s, per epoch" in text and "█" in text  # the terminal chart
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "demo.png").stat().st_size > 0
+        assert f"chart: {out / 'demo.png'}" in text
+    else:
+        assert "pip install 'stagefs[plot]'" in text
+    assert f"dataset kept in {origin}" in text  # generated where asked, so kept
+    jpegs = list(origin.rglob("*.JPEG"))
+    assert 8 * 2**20 * 0.8 < sum(p.stat().st_size for p in jpegs) < 8 * 2**20 * 1.25
+
+    again = run("--origin", origin, "--out", out).stdout  # the files there are used
+    assert f"using the {len(jpegs):,} files" in again and "generated" not in again
+    assert len(rows(again)) == 6
+
+
+def test_origin_errors_name_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    proc = run("--origin", missing, ok=False)
+    assert proc.returncode == 1 and str(tmp_path / "no") in proc.stderr
+    assert "parent of --origin" in proc.stderr
+
+    afile = tmp_path / "f"
+    afile.write_bytes(b"x")
+    proc = run("--origin", afile, ok=False)
+    assert proc.returncode == 1 and str(afile) in proc.stderr and "not a file" in proc.stderr
+
+    src, pack = tmp_path / "src", tmp_path / "pack"
+    build_sample_tree(src)
+    stagefs.pack(src, pack)
+    proc = run("--origin", pack, ok=False)
+    assert proc.returncode == 1 and f"{pack} is a pack" in proc.stderr
+    assert "stagefs unpack" in proc.stderr
+
+
+def test_bar_chart_scales_to_the_fastest() -> None:
+    plain = [EpochResult("plain files", e, 1.0, 100, 0, 0, 0) for e in (1, 2)]
+    fast = [EpochResult("stagefs", 1, 1.0, 100, 0, 0, 0), EpochResult("stagefs", 2, 0.1, 100,
+                                                                      0, 0, 0)]
+    bars = [line.count("█") for line in bar_chart(plain, fast, width=40).splitlines()[1:]]
+    assert bars == [4, 4, 4, 40]
