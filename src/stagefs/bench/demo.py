@@ -28,6 +28,7 @@ from stagefs.bench.runner import drop_caches
 from stagefs.config import format_size
 from stagefs.errors import ConfigError, NotADirectoryError_, NotFoundError
 from stagefs.format import MANIFEST_NAME
+from stagefs.namespace import accelerator
 
 __all__ = ["DEFAULT_SIZE", "EpochResult", "bar_chart", "run_demo"]
 
@@ -265,8 +266,7 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
               "in the RAM tier (the scan, the samples, the copy), then never\nagain, and "
               "verifies the checksum of every sample it returns.\n")
         print(bar_chart(plain, fast))
-        print("\nC accelerator: " + ("active" if accelerated else
-                                     "not used ('stagefs info PACK' says why and how to get it)"))
+        print("\nC accelerator: " + ("active" if accelerated else accelerator()))
         os.makedirs(out, exist_ok=True)
         png = os.path.abspath(os.path.join(out, "demo.png"))
         if write_png(plain, fast, png):
