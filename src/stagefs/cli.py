@@ -105,22 +105,34 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from stagefs.format import MANIFEST_NAME
+
+    raw = os.path.isdir(args.pack) and not os.path.exists(os.path.join(args.pack,
+                                                                        MANIFEST_NAME))
     with _open(args) as fs:
         info = fs.info()
     ratio = info["raw_bytes"] / info["stored_bytes"] if info["stored_bytes"] else 1.0
     rows = [
-        ("pack", info["pack"]),
+        ("raw directory", f"{info['pack']} (not a pack: its files are read in place)")
+        if raw else ("pack", info["pack"]),
         ("files", f"{info['files']:,}"),
         ("directories", f"{info['directories']:,}"),
         ("symlinks", f"{info['symlinks']:,}"),
         ("bytes raw", f"{format_size(info['raw_bytes'])} ({info['raw_bytes']:,})"),
-        ("bytes stored", f"{format_size(info['stored_bytes'])} ({info['stored_bytes']:,})"),
-        ("compression", f"x{ratio:.2f} ({info['compressed_files']:,} files compressed)"),
-        ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
     ]
+    if not raw:
+        rows += [
+            ("bytes stored", f"{format_size(info['stored_bytes'])} "
+                             f"({info['stored_bytes']:,})"),
+            ("compression", f"x{ratio:.2f} ({info['compressed_files']:,} files compressed)"),
+            ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
+        ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if raw:
+        print(f"to pack it ({info['files']:,} files into a few shards, read with fewer "
+              f"metadata operations): stagefs pack {args.pack} DEST")
     return 0
 
 

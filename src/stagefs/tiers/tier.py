@@ -58,18 +58,31 @@ def fs_type(path: str) -> str:
 
 
 def prepare_tier_dir(path: str) -> None:
-    """Create a tier directory if its parent allows, else raise a ConfigError naming it."""
+    """Create a tier directory whose parent exists, else raise a ConfigError naming it.
+
+    Only the last component is created (``/dev/shm/<name>`` is the usual tier): a tier whose
+    parent is missing is most likely a typo, and creating the whole chain would silently
+    stage into a directory nobody meant (and that may sit on the wrong file system).
+    """
     if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.exists(path):
+            raise ConfigError(f"tier {path} is not a directory; name a directory")
+        if os.path.exists(parent) and not os.path.isdir(parent):
+            raise ConfigError(f"tier {path}: {parent} is a file, not a directory; correct "
+                              "the path")
+        if not os.path.isdir(parent):
+            raise ConfigError(
+                f"tier {path}: its parent directory {parent} does not exist (a typo?); "
+                f"correct the path, or create it first: mkdir -p {parent}")
         try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
+            os.mkdir(path, mode=0o700)
+        except FileExistsError:
+            pass  # another process of the job created it first
         except OSError as exc:
             raise ConfigError(
-                f"tier {path} does not exist and cannot be created ({exc.strerror}; nearest "
-                f"existing parent: {parent or '/'}); create it or name a writable directory"
-            ) from None
+                f"tier {path} does not exist and cannot be created in {parent} "
+                f"({exc.strerror}); create it or name a writable directory") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"tier {path} is not writable by this user; name a writable directory")
 
