@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from stagefs import __version__
 from stagefs.config import format_size
-from stagefs.errors import StagefsError
+from stagefs.errors import ConfigError, StagefsError
 
 __all__ = ["main"]
 
@@ -176,11 +176,22 @@ def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[n
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from stagefs.posix.intercept import Interceptor, _env_for
+    from stagefs.posix.intercept import Interceptor, _env_for, program_kind
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
+    kind = program_kind(cmd)
+    if kind == "native":
+        raise ConfigError(
+            f"{cmd[0]} is not a Python program: 'stagefs run' serves {args.at} to Python's "
+            f"file calls only (there is no preload library for other programs yet), so "
+            f"{cmd[0]} would see {args.at} as it is on disk. To serve any program, mount "
+            f"the dataset with FUSE: stagefs mount DATASET {args.at}")
+    if kind == "launcher":
+        print(f"stagefs run: warning: {cmd[0]} is not a Python program: only the Python "
+              f"processes it starts read {args.at} through stagefs; other programs see it "
+              f"as it is on disk (use 'stagefs mount' to serve them)", file=sys.stderr)
     store = _open_dataset(args.dataset, args.tier, args.connect, args.runtime)
     env = dict(os.environ, **_env_for(store, Interceptor(store, args.at).root))
     store.close()
@@ -193,16 +204,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_mount(args: argparse.Namespace) -> int:
     from stagefs.posix import fuse
 
+    # a non-empty mount point (or a bad one) is refused before the dataset is opened
+    fuse.check_mountpoint(args.mountpoint, nonempty=args.force_nonempty)
     if args.foreground:
         with _open_dataset(args.dataset, args.tier, args.connect, args.runtime) as store:
-            fuse.mount(store, args.mountpoint, allow_other=args.allow_other)
+            fuse.mount(store, args.mountpoint, allow_other=args.allow_other,
+                       nonempty=args.force_nonempty)
         fuse.remove_own_log()  # a detached server that ended cleanly leaves no log behind
         return 0
     # a bad dataset (or no cluster) is reported here, before anything is started
     _open_dataset(args.dataset, args.tier, args.connect, args.runtime).close()
     return fuse.mount_background(args.dataset, args.mountpoint, args.tier,
-                                 allow_other=args.allow_other, connect=args.connect,
-                                 runtime=args.runtime)
+                                 allow_other=args.allow_other, nonempty=args.force_nonempty,
+                                 connect=args.connect, runtime=args.runtime)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -371,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground until unmounted or interrupted")
     sp.add_argument("--allow-other", action="store_true", help="let other users read it")
+    sp.add_argument("--force-nonempty", action="store_true",
+                    help="mount over a directory that holds files (they are hidden until "
+                         "unmounted)")
 
     sp = add("umount", cmd_umount, "unmount a 'stagefs mount'")
     sp.add_argument("mountpoint")
