@@ -279,6 +279,17 @@ def cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from stagefs.doctor import check_node, render
+
+    findings = check_node(args.tier)
+    print(render(findings))
+    bad = [f.check for f in findings if f.status == "error"]
+    if bad:
+        print(f"stagefs doctor: unusable: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def _bench_command(args: argparse.Namespace) -> str:
     """The command line that reproduces this bench (every option spelled out)."""
     parts = ["stagefs bench", f"--dataset {args.dataset}", f"--files {args.files}",
@@ -440,6 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every job of yours on this node (under the default runtime base)")
     sp.add_argument("--force", action="store_true",
                     help="clean even while live processes use the runtime")
+
+    sp = add("doctor", cmd_doctor, "check this node (FUSE, /dev/shm, tiers, accelerator, MPI, "
+             "Slurm, memory) and say what each finding means")
+    sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
+                    help="a tier to check: free space, write and read speed (repeat; "
+                         "default: $STAGEFS_TIERS)")
 
     sp = add("bench", cmd_bench, "compare shuffled epochs: plain files, stagefs, and the peers")
     sp.add_argument("--dataset", choices=("imagenet-like", "npz"), default="imagenet-like")
