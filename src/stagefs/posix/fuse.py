@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import stat as st
@@ -199,7 +200,7 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
         raise ConfigError(f"{mp} is already a mount point: 'stagefs umount {mp}' first")
     if not nonempty:
         with os.scandir(mp) as it:
-            held = sorted(e.name for _, e in zip(range(3), it))
+            held = sorted(itertools.islice((e.name for e in it), 3))
         if held:
             raise ConfigError(
                 f"mount point {mp} is not empty (it holds {', '.join(held)}"
