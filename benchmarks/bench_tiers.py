@@ -93,6 +93,8 @@ class Tiers:
             share = int(total * fraction / 2)
             self.specs = [f"{self.mem}:{share}", f"{self.disk}:{share}"]
         self.clean()
+        for d in (self.mem, self.disk):  # a tier's parent must exist; the tier is created
+            os.makedirs(os.path.dirname(d), exist_ok=True)
 
     def clean(self) -> None:
         for d in (self.mem, self.disk, self.runtime):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from stagefs import __version__
 from stagefs.config import format_size
-from stagefs.errors import StagefsError
+from stagefs.errors import ConfigError, StagefsError
 
 __all__ = ["main"]
 
@@ -105,25 +105,36 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    from stagefs.format import MANIFEST_NAME
     from stagefs.namespace import accelerator
 
+    raw = os.path.isdir(args.pack) and not os.path.exists(os.path.join(args.pack,
+                                                                        MANIFEST_NAME))
     with _open(args) as fs:
         info = fs.info()
     ratio = info["raw_bytes"] / info["stored_bytes"] if info["stored_bytes"] else 1.0
     rows = [
-        ("pack", info["pack"]),
+        ("raw directory", f"{info['pack']} (not a pack: its files are read in place)")
+        if raw else ("pack", info["pack"]),
         ("files", f"{info['files']:,}"),
         ("directories", f"{info['directories']:,}"),
         ("symlinks", f"{info['symlinks']:,}"),
         ("bytes raw", f"{format_size(info['raw_bytes'])} ({info['raw_bytes']:,})"),
-        ("bytes stored", f"{format_size(info['stored_bytes'])} ({info['stored_bytes']:,})"),
-        ("compression", f"x{ratio:.2f} ({info['compressed_files']:,} files compressed)"),
-        ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
-        ("C accelerator", accelerator()),
     ]
+    if not raw:
+        rows += [
+            ("bytes stored", f"{format_size(info['stored_bytes'])} "
+                             f"({info['stored_bytes']:,})"),
+            ("compression", f"x{ratio:.2f} ({info['compressed_files']:,} files compressed)"),
+            ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
+        ]
+    rows.append(("C accelerator", accelerator()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if raw:
+        print(f"to pack it ({info['files']:,} files into a few shards, read with fewer "
+              f"metadata operations): stagefs pack {args.pack} DEST")
     return 0
 
 
@@ -169,11 +180,22 @@ def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[n
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from stagefs.posix.intercept import Interceptor, _env_for
+    from stagefs.posix.intercept import Interceptor, _env_for, program_kind
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
+    kind = program_kind(cmd)
+    if kind == "native":
+        raise ConfigError(
+            f"{cmd[0]} is not a Python program: 'stagefs run' serves {args.at} to Python's "
+            f"file calls only (there is no preload library for other programs yet), so "
+            f"{cmd[0]} would see {args.at} as it is on disk. To serve any program, mount "
+            f"the dataset with FUSE: stagefs mount DATASET {args.at}")
+    if kind == "launcher":
+        print(f"stagefs run: warning: {cmd[0]} is not a Python program: only the Python "
+              f"processes it starts read {args.at} through stagefs; other programs see it "
+              f"as it is on disk (use 'stagefs mount' to serve them)", file=sys.stderr)
     store = _open_dataset(args.dataset, args.tier, args.connect, args.runtime)
     env = dict(os.environ, **_env_for(store, Interceptor(store, args.at).root))
     store.close()
@@ -186,16 +208,19 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_mount(args: argparse.Namespace) -> int:
     from stagefs.posix import fuse
 
+    # a non-empty mount point (or a bad one) is refused before the dataset is opened
+    fuse.check_mountpoint(args.mountpoint, nonempty=args.force_nonempty)
     if args.foreground:
         with _open_dataset(args.dataset, args.tier, args.connect, args.runtime) as store:
-            fuse.mount(store, args.mountpoint, allow_other=args.allow_other)
+            fuse.mount(store, args.mountpoint, allow_other=args.allow_other,
+                       nonempty=args.force_nonempty)
         fuse.remove_own_log()  # a detached server that ended cleanly leaves no log behind
         return 0
     # a bad dataset (or no cluster) is reported here, before anything is started
     _open_dataset(args.dataset, args.tier, args.connect, args.runtime).close()
     return fuse.mount_background(args.dataset, args.mountpoint, args.tier,
-                                 allow_other=args.allow_other, connect=args.connect,
-                                 runtime=args.runtime)
+                                 allow_other=args.allow_other, nonempty=args.force_nonempty,
+                                 connect=args.connect, runtime=args.runtime)
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
@@ -256,6 +281,17 @@ def cmd_clean(args: argparse.Namespace) -> int:
     removed = clean(every if args.all_jobs else [rt], force=args.force, others=every)
     print("\n".join(f"removed {p}" for p in removed) or f"nothing to clean ({rt.path})")
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from stagefs.doctor import check_node, render
+
+    findings = check_node(args.tier)
+    print(render(findings))
+    bad = [f.check for f in findings if f.status == "error"]
+    if bad:
+        print(f"stagefs doctor: unusable: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _bench_command(args: argparse.Namespace) -> str:
@@ -370,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground until unmounted or interrupted")
     sp.add_argument("--allow-other", action="store_true", help="let other users read it")
+    sp.add_argument("--force-nonempty", action="store_true",
+                    help="mount over a directory that holds files (they are hidden until "
+                         "unmounted)")
 
     sp = add("umount", cmd_umount, "unmount a 'stagefs mount'")
     sp.add_argument("mountpoint")
@@ -422,6 +461,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every job of yours on this node (under the default runtime base)")
     sp.add_argument("--force", action="store_true",
                     help="clean even while live processes use the runtime")
+
+    sp = add("doctor", cmd_doctor, "check this node (FUSE, /dev/shm, tiers, accelerator, MPI, "
+             "Slurm, memory) and say what each finding means")
+    sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
+                    help="a tier to check: free space, write and read speed (repeat; "
+                         "default: $STAGEFS_TIERS)")
 
     sp = add("bench", cmd_bench, "compare shuffled epochs: plain files, stagefs, and the peers")
     sp.add_argument("--dataset", choices=("imagenet-like", "npz"), default="imagenet-like")

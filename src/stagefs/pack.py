@@ -380,6 +380,9 @@ def pack(
     if compress not in COMPRESS_MODES:
         raise PackError(f"unknown --compress {compress!r}: use one of {', '.join(COMPRESS_MODES)}")
     if not os.path.isdir(src_s):
+        if os.path.exists(src_s):
+            raise PackError(f"{src_s} is a file, not a directory: pack takes the directory "
+                            "that holds the dataset's files (stagefs pack SRC_DIR DEST)")
         raise PackError(f"{src_s}: no such directory to pack")
     real_dest, real_src = os.path.realpath(dest_s).encode(), os.path.realpath(src_s).encode()
     if _within(real_src, real_dest):  # --force would delete the source with the old DEST

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import stagefs
 from conftest import build_sample_tree, snapshot_tree
 from stagefs.errors import CorruptManifestError, CorruptShardError
 from stagefs.format import MANIFEST_NAME, shard_name
+from stagefs.posix.fuse import fuse_available, is_mounted
 
 pytestmark = pytest.mark.integration
 
@@ -367,3 +369,137 @@ def test_clean_refuses_while_serve_runs_and_removes_its_tier_data_after(
     proc = run("clean", "--runtime", rt)
     assert f"removed {data}" in proc.stdout.decode()
     assert not data.exists() and not rt.exists()
+
+
+# -- mistakes that used to pass silently: each is an error naming the path and what to do --
+
+
+def test_a_tier_whose_parent_is_missing_is_an_error(cli_pack: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    pack, rt = cli_pack[1], tmp_path / "rt"
+    typo = tmp_path / "sratch" / "tier"
+    one_line_error(run("stage", pack, "--tier", typo, "--runtime", rt, "--no-progress",
+                       ok=False), str(typo.parent), "does not exist", "mkdir -p")
+    assert not typo.parent.exists()
+    # the tier itself is created when its parent exists (the usual /dev/shm/<name>)
+    run("stage", pack, "--tier", tmp_path / "tier", "--runtime", rt, "--no-progress")
+    assert (tmp_path / "tier").is_dir()
+
+
+def test_run_refuses_a_program_it_cannot_serve(cli_pack: tuple[Path, Path],
+                                               tmp_path: Path) -> None:
+    src, pack = cli_pack
+    at = tmp_path / "at"
+    at.mkdir()  # empty on disk: ls would list nothing and exit 0
+    one_line_error(run("run", "--dataset", pack, "--at", at, "--", "ls", at, ok=False),
+                   "ls is not a Python program", str(at), f"stagefs mount DATASET {at}")
+    # a shell is let through with a warning: the Python it starts is served
+    py = f"{sys.executable} -c 'import os; print(sorted(os.listdir(\"{at}\")))'"
+    proc = run("run", "--dataset", pack, "--at", at, "--", "sh", "-c", py)
+    assert proc.stdout.decode().strip() == str(sorted(os.listdir(src)))
+    err = proc.stderr.decode()
+    assert "warning: sh is not a Python program" in err and "stagefs mount" in err
+
+
+def test_mount_refuses_a_directory_that_holds_files(cli_pack: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    (mp / "mine.txt").write_bytes(b"mine")
+    try:
+        one_line_error(run("mount", cli_pack[1], mp, ok=False), str(mp), "not empty",
+                       "mine.txt", "--force-nonempty")
+    finally:  # a regression mounts: leave no mount behind
+        if is_mounted(str(mp)):
+            run("umount", mp)
+    assert os.listdir(mp) == ["mine.txt"]
+
+
+@pytest.mark.skipif(fuse_available() is not None, reason=str(fuse_available()))
+def test_mount_force_nonempty_hides_then_gives_back(cli_pack: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    src, pack = cli_pack
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    (mp / "mine.txt").write_bytes(b"mine")
+    run("mount", pack, mp, "--force-nonempty")
+    try:
+        assert sorted(os.listdir(mp)) == sorted(os.listdir(src))
+    finally:
+        run("umount", mp)
+    assert os.listdir(mp) == ["mine.txt"]
+
+
+def test_pack_of_a_file_says_it_is_a_file(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    f = cli_pack[0] / "a.txt"
+    one_line_error(run("pack", f, tmp_path / "p", ok=False), str(f),
+                   "is a file, not a directory", "stagefs pack SRC_DIR DEST")
+    assert not (tmp_path / "p").exists()
+
+
+def test_info_on_a_raw_directory_says_so(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    src = cli_pack[0]
+    proc = run("info", src, env={"STAGEFS_RUNTIME": str(tmp_path / "rt")})
+    lines = proc.stdout.decode().splitlines()
+    assert lines[0].startswith("raw directory") and str(src) in lines[0], lines
+    assert "not a pack" in lines[0] and "in place" in lines[0]
+    assert any(x.split() == ["files", "10"] for x in lines), lines
+    assert not any(x.startswith(("pack ", "shards")) for x in lines), lines
+    assert lines[-1].endswith(f"stagefs pack {src} DEST")
+
+
+def test_serve_mpi_without_mpi4py_says_how_to_install(cli_pack: tuple[Path, Path],
+                                                      tmp_path: Path) -> None:
+    fake = tmp_path / "site" / "mpi4py"  # shadows the real one: as if it were not installed
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named mpi4py')\n")
+    path = os.pathsep.join([str(fake.parent), os.environ.get("PYTHONPATH", "")])
+    proc = run("serve", cli_pack[1], "--mpi", "--tier", tmp_path / "tier", "--runtime",
+               tmp_path / "rt", ok=False, env={"PYTHONPATH": path})
+    one_line_error(proc, "--mpi was given", "mpi4py", "pip install 'stagefs[mpi]'",
+                   "--hosts FILE")
+
+
+# -- stagefs doctor ------------------------------------------------------------------------
+
+DOCTOR_CHECKS = ("FUSE: fusermount3", "FUSE: /dev/fuse", "FUSE: mfusepy", "/dev/shm",
+                 "C accelerator", "MPI: mpi4py", "MPI: mpiexec", "Slurm: job", "Slurm: srun",
+                 "page size", "memory")
+
+
+def _doctor_rows(proc: subprocess.CompletedProcess[bytes]) -> dict[str, tuple[str, str]]:
+    rows = {}
+    for line in proc.stdout.decode().splitlines()[2:]:
+        check, status, meaning = (c.strip() for c in line.strip("|").split("|"))
+        rows[check] = (status, meaning)
+    return rows
+
+
+def test_doctor_prints_every_check_and_measures_a_tier(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    good.mkdir()
+    rows = _doctor_rows(run("doctor", "--tier", f"{good}:1MiB", "--tier", tmp_path / "new"))
+    for check in DOCTOR_CHECKS:
+        assert check in rows and rows[check][0] in ("ok", "warn", "missing"), (check, rows)
+    status, meaning = rows[f"tier {good}:1MiB"]
+    assert status == "ok" and "free of" in meaning and meaning.count("MiB/s") == 2, meaning
+    assert rows[f"tier {tmp_path / 'new'}"][0] == "ok"  # created on first use
+    assert os.listdir(good) == [] and not (tmp_path / "new").exists()  # doctor changes nothing
+    # the tiers of $STAGEFS_TIERS when no --tier is given
+    rows = _doctor_rows(run("doctor", env={"STAGEFS_TIERS": str(good)}))
+    assert rows[f"tier {good}"][0] == "ok"
+
+
+def test_doctor_reports_a_tier_that_cannot_be_used(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    typo = tmp_path / "sratch" / "tier"
+    proc = run("doctor", "--tier", blocker / "tier", "--tier", typo, ok=False)
+    assert proc.returncode == 1 and b"Traceback" not in proc.stderr
+    rows = _doctor_rows(proc)
+    assert rows[f"tier {blocker / 'tier'}"] == (
+        "error", f"tier {blocker / 'tier'}: {blocker} is a file, not a directory; "
+                 "correct the path")
+    status, meaning = rows[f"tier {typo}"]
+    assert status == "error" and f"mkdir -p {typo.parent}" in meaning
+    assert str(typo) in proc.stderr.decode()

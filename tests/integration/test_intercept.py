@@ -271,7 +271,7 @@ def test_stagefs_run_reaches_grandchildren_and_keeps_exit_codes(tree: Any,
 
 def test_stagefs_run_errors_are_clear(tree: Any, tmp_path: Path) -> None:
     r = _run([sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(tmp_path / "no"),
-              "--at", str(tmp_path), "--", "true"])
+              "--at", str(tmp_path), "--", sys.executable, "-c", "pass"])
     assert r.returncode == 1 and "no dataset here" in r.stderr
     r = _run([sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(tree[1]),
               "--at", str(tmp_path / "a"), "--", "no-such-command-x"])

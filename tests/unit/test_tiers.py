@@ -317,10 +317,15 @@ def test_tier_errors(pack: Path, runtime: Path, tmp_path: Path) -> None:
         stagefs.open(pack, tiers=[f"{tmp_path}/t:1000TiB"])
     with pytest.raises(ConfigError, match="twice"):
         stagefs.open(pack, tiers=[str(tmp_path / "t"), str(tmp_path / "t")])
-    # created when its parent is writable
-    with stagefs.open(pack, tiers=[str(tmp_path / "new" / "deeper")]) as fs:
+    # a missing parent is most likely a typo: an error naming it, and nothing is created
+    with pytest.raises(ConfigError, match=f"parent directory {tmp_path / 'new'} does not "
+                                          "exist.*mkdir -p"):
+        stagefs.open(pack, tiers=[str(tmp_path / "new" / "deeper")])
+    assert not (tmp_path / "new").exists()
+    # the tier itself is created when its parent exists (/dev/shm/<name>)
+    with stagefs.open(pack, tiers=[str(tmp_path / "new")]) as fs:
         assert fs.chain is not None
-    assert (tmp_path / "new" / "deeper").is_dir()
+    assert (tmp_path / "new").is_dir()
 
 
 def test_tier_not_writable(pack: Path) -> None:

@@ -64,16 +64,21 @@ class MpiBootstrap:
 
     source = "mpi"
 
-    def __init__(self) -> None:
+    def __init__(self, asked: bool = False) -> None:
+        """``asked``: --mpi was given (else an MPI launcher's variables were seen)."""
         try:
             import mpi4py
 
             mpi4py.rc.thread_level = "funneled"  # only the main thread calls MPI
             from mpi4py import MPI
-        except ImportError as exc:
+        except (ImportError, RuntimeError, OSError) as exc:  # no mpi4py, or no libmpi
+            why = "--mpi was given" if asked else "an MPI launcher started this process"
             raise ClusterError(
-                "launched by an MPI launcher but mpi4py cannot be imported "
-                f"({exc}); install it with: pip install 'stagefs[mpi]'"
+                f"{why} but MPI cannot be used: mpi4py or the MPI library it loads "
+                f"(MPICH) is missing ({exc}). Install both with: pip install "
+                "'stagefs[mpi]'; or bootstrap without MPI: --hosts FILE --rank N "
+                "--token-file FILE (static; under Slurm, the hosts from 'scontrol show "
+                "hostnames' and the rank from $SLURM_NODEID, see docs/cluster.md)"
             ) from None
         self._mpi: Any = MPI
         self.comm: Any = MPI.COMM_WORLD

@@ -79,7 +79,7 @@ def _bootstrap(o: ServeOptions) -> Bootstrap:
         return StaticBootstrap(read_hosts(o.hosts), rank, o.token_file,
                                o.port if o.port is not None else DEFAULT_PORT)
     if o.mpi or (o.mpi is None and under_mpi()):
-        return MpiBootstrap()
+        return MpiBootstrap(asked=bool(o.mpi))
     return SingleBootstrap(o.token_file)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import stat as st
@@ -25,7 +26,7 @@ from typing import Any
 
 from stagefs.errors import ConfigError
 
-__all__ = ["CACHE_TIMEOUT", "fuse_available", "is_mounted", "mount", "unmount"]
+__all__ = ["CACHE_TIMEOUT", "check_mountpoint", "fuse_available", "is_mounted", "mount", "unmount"]
 
 log = logging.getLogger("stagefs.fuse")
 
@@ -189,16 +190,31 @@ def _operations(store: Any) -> Any:
     return Operations()
 
 
-def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
-          debug: bool = False) -> None:
-    """Serve ``store`` at ``mountpoint`` until it is unmounted or a signal (SIGINT,
-    SIGTERM, SIGHUP) ends it; then the mount is gone. Runs in the foreground."""
-    fusepy = _binding()
+def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
+    """The absolute mount point, once it is an existing directory, not mounted, and empty
+    (unless ``nonempty``: a mount hides what the directory holds until it is unmounted)."""
     mp = os.path.abspath(mountpoint)
     if not os.path.isdir(mp):
         raise ConfigError(f"mount point {mp} is not a directory: create it first (mkdir -p)")
     if is_mounted(mp):
         raise ConfigError(f"{mp} is already a mount point: 'stagefs umount {mp}' first")
+    if not nonempty:
+        with os.scandir(mp) as it:
+            held = sorted(itertools.islice((e.name for e in it), 3))
+        if held:
+            raise ConfigError(
+                f"mount point {mp} is not empty (it holds {', '.join(held)}"
+                f"{', ...' if len(held) == 3 else ''}): the mount would hide those files "
+                "until it is unmounted; name an empty directory, or pass --force-nonempty")
+    return mp
+
+
+def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
+          debug: bool = False, nonempty: bool = False) -> None:
+    """Serve ``store`` at ``mountpoint`` until it is unmounted or a signal (SIGINT,
+    SIGTERM, SIGHUP) ends it; then the mount is gone. Runs in the foreground."""
+    fusepy = _binding()
+    mp = check_mountpoint(mountpoint, nonempty=nonempty)
     opts: dict[str, Any] = {"ro": True, "fsname": f"stagefs:{store.pack_dir}",
                             "subtype": "stagefs", "default_permissions": True}
     if allow_other:
@@ -254,7 +270,8 @@ def remove_own_log() -> None:
 
 
 def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | None, *,
-                     allow_other: bool = False, connect: bool = False,
+                     allow_other: bool = False, nonempty: bool = False,
+                     connect: bool = False,
                      runtime: str | None = None, timeout: float = 60.0) -> int:
     """Start ``stagefs mount --foreground`` as a detached process; return once mounted.
 
@@ -265,14 +282,10 @@ def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | No
     import sys
     import tempfile
 
+    mp = check_mountpoint(mountpoint, nonempty=nonempty)
     reason = fuse_available()
     if reason:
         raise ConfigError(reason)
-    mp = os.path.abspath(mountpoint)
-    if not os.path.isdir(mp):
-        raise ConfigError(f"mount point {mp} is not a directory: create it first (mkdir -p)")
-    if is_mounted(mp):
-        raise ConfigError(f"{mp} is already a mount point: 'stagefs umount {mp}' first")
     cmd = [sys.executable, "-m", "stagefs.cli", "mount", mp, "--foreground"]
     if dataset:
         cmd.insert(4, os.path.abspath(dataset))
@@ -284,6 +297,8 @@ def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | No
         cmd += ["--tier", t]
     if allow_other:
         cmd.append("--allow-other")
+    if nonempty:
+        cmd.append("--force-nonempty")
     with tempfile.NamedTemporaryFile(prefix="stagefs-mount-", suffix=".log",
                                      delete=False) as logf:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,

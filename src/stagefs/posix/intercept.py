@@ -41,7 +41,8 @@ from stagefs.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 from stagefs.format import KIND_FILE
 from stagefs.namespace import DirEntry
 
-__all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept"]
+__all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept",
+           "program_kind"]
 
 ENV_DATASET = "STAGEFS_INTERCEPT_DATASET"
 ENV_AT = "STAGEFS_INTERCEPT_AT"
@@ -427,6 +428,49 @@ class Interceptor:
     def __repr__(self) -> str:
         state = "active" if self._active else "inactive"
         return f"<stagefs.Interceptor {self.root!r} → {self.store!r} ({state})>"
+
+
+# programs that are not Python but commonly start it: their Python children are served
+_LAUNCHERS = frozenset({
+    "sh", "bash", "dash", "zsh", "ksh", "env", "time", "nice", "nohup", "stdbuf", "numactl",
+    "taskset", "srun", "mpirun", "mpiexec", "mpiexec.hydra", "orterun", "prterun", "jsrun",
+    "flux", "apptainer", "singularity", "uv", "conda", "pixi", "timeout",
+})
+
+
+def _is_python_name(word: str) -> bool:
+    name = os.path.basename(word)
+    return (name.startswith(("python", "pypy")) and name.rstrip("0123456789.").endswith(
+        ("python", "pypy"))) or name.endswith(".py")
+
+
+def program_kind(cmd: list[str]) -> str:
+    """How much of ``cmd`` the interception can serve (it reaches Python processes only):
+
+    ``python`` (a Python interpreter, or a script run by one: ``torchrun``, ``train.py``),
+    ``launcher`` (a shell or launcher, or a program whose arguments name Python: its Python
+    children are served, nothing else), ``native`` (a program that reads with libc, like
+    ``ls``: it sees the directory as it is on disk), or ``missing`` (not found).
+    """
+    import shutil
+
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        return "missing"
+    if _is_python_name(os.path.realpath(exe)) or _is_python_name(exe):
+        return "python"
+    try:
+        with open(exe, "rb") as f:
+            head = f.read(256).split(b"\n", 1)[0]
+    except OSError:
+        head = b""
+    if head.startswith(b"#!") and b"python" in head:
+        return "python"
+    words = [w for arg in cmd[1:] for w in arg.split()]
+    if (head.startswith(b"#!") or os.path.basename(exe) in _LAUNCHERS
+            or any(_is_python_name(w) for w in words)):
+        return "launcher"
+    return "native"
 
 
 def _env_for(store: Any, root: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import SourceUnavailable, pread_full
 
-__all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir"]
+__all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir", "tier_dir_problem"]
 
 
 @dataclass
@@ -57,21 +57,41 @@ def fs_type(path: str) -> str:
     return kind
 
 
+def tier_dir_problem(path: str) -> str | None:
+    """Why the tier directory ``path`` cannot be used, or created in its parent (None: it
+    can). Only the last component is ever created (``/dev/shm/<name>`` is the usual tier): a
+    tier whose parent is missing is most likely a typo, and creating the whole chain would
+    silently stage into a directory nobody meant, perhaps on the wrong file system."""
+    if os.path.isdir(path):
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"tier {path} is not writable by this user; name a writable directory"
+        return None
+    if os.path.exists(path):
+        return f"tier {path} is a file, not a directory; name a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        return f"tier {path}: {parent} is a file, not a directory; correct the path"
+    if not os.path.isdir(parent):
+        return (f"tier {path}: its parent directory {parent} does not exist (a typo?); "
+                f"correct the path, or create it first: mkdir -p {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return (f"tier {path} does not exist and cannot be created: {parent} is not "
+                "writable by this user; create it, or name a writable directory")
+    return None
+
+
 def prepare_tier_dir(path: str) -> None:
-    """Create a tier directory if its parent allows, else raise a ConfigError naming it."""
-    if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        while parent and not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        try:
-            os.makedirs(path, mode=0o700, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"tier {path} does not exist and cannot be created ({exc.strerror}; nearest "
-                f"existing parent: {parent or '/'}); create it or name a writable directory"
-            ) from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"tier {path} is not writable by this user; name a writable directory")
+    """Create a tier directory whose parent exists, else raise a ConfigError naming it."""
+    problem = tier_dir_problem(path)
+    if problem:
+        raise ConfigError(problem)
+    try:
+        os.mkdir(path, mode=0o700)
+    except FileExistsError:
+        pass  # it was there, or another process of the job created it first
+    except OSError as exc:
+        raise ConfigError(f"tier {path} cannot be created ({exc.strerror}); create it or "
+                          "name a writable directory") from None
 
 
 class DirTier:

@@ -1,0 +1,223 @@
+"""``stagefs doctor``: check this node for what stagefs uses, and say what each finding means.
+
+Every check returns findings (check, status, what it means for the user); nothing is changed
+on the node except a probe file written in each tier and removed again. Statuses: ``ok``,
+``warn`` (works, at a cost the message names), ``missing`` (an optional part is absent: what
+needs it does not work), ``error`` (a tier that was named cannot be used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from stagefs._table import table
+from stagefs.config import env, format_size, parse_tier
+from stagefs.errors import ConfigError
+from stagefs.tiers.tier import tier_dir_problem
+
+__all__ = ["Finding", "check_node", "check_tier", "render"]
+
+PROBE_BYTES = 32 << 20  # written and read back in each tier: a quick estimate, not a benchmark
+SHM = "/dev/shm"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    check: str
+    status: str  # ok | warn | missing | error
+    meaning: str
+
+
+def check_fuse() -> list[Finding]:
+    """stagefs mount needs fusermount3, a usable /dev/fuse and the mfusepy binding."""
+    out = []
+    helper = shutil.which("fusermount3")
+    out.append(Finding("FUSE: fusermount3", "ok", f"{helper}: mounts can be made and undone")
+               if helper else Finding("FUSE: fusermount3", "missing",
+                                      "not on PATH: 'stagefs mount' cannot mount "
+                                      "(apt-get install fuse3); 'stagefs run' still works"))
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+        os.close(fd)
+        out.append(Finding("FUSE: /dev/fuse", "ok", "usable by this user"))
+    except OSError as exc:
+        out.append(Finding("FUSE: /dev/fuse", "missing",
+                           f"cannot be opened ({exc.strerror}): 'stagefs mount' cannot work on "
+                           "this node (in a container: --device /dev/fuse); use 'stagefs run' "
+                           "or the Python API"))
+    try:
+        importlib.import_module("mfusepy")
+        out.append(Finding("FUSE: mfusepy", "ok", "the Python binding loads libfuse"))
+    except (ImportError, OSError) as exc:
+        out.append(Finding("FUSE: mfusepy", "missing",
+                           f"cannot be imported ({exc}): pip install 'stagefs[fuse]' "
+                           "for 'stagefs mount'"))
+    return out
+
+
+def _space(path: str) -> tuple[int, int]:
+    s = os.statvfs(path)
+    return s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize
+
+
+def check_shm() -> list[Finding]:
+    """/dev/shm is the fastest tier and holds the runtime directory."""
+    if not os.path.isdir(SHM):
+        return [Finding("/dev/shm", "missing", "no /dev/shm: the runtime dir goes to /tmp, "
+                                               "and there is no memory tier by default")]
+    total, free = _space(SHM)
+    mem = _meminfo().get("MemTotal", 0)
+    what = f"{format_size(total)}, {format_size(free)} free"
+    if mem and total < mem // 4:
+        return [Finding("/dev/shm", "warn", f"{what}: under a quarter of the memory "
+                        f"({format_size(mem)}); a memory tier there holds little of a dataset")]
+    return [Finding("/dev/shm", "ok", f"{what}: a memory tier can hold up to this much "
+                    "(it counts against the job's memory)")]
+
+
+def _speed(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / max(seconds, 1e-9) / 2**20:,.0f} MiB/s"
+
+
+def _probe(path: str, clock: Callable[[], float]) -> tuple[float, float]:
+    """Seconds to write PROBE_BYTES (fsync'd) in ``path``, then to read them back."""
+    name = os.path.join(path, f".stagefs-doctor-{os.getpid()}")
+    block = os.urandom(1 << 20)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            t0 = clock()
+            for _ in range(PROBE_BYTES // len(block)):
+                os.write(fd, block)
+            os.fsync(fd)
+            wrote = clock() - t0
+            with contextlib.suppress(OSError):  # read from the device, not the page cache
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            t0 = clock()
+            while os.read(fd, 1 << 20):
+                pass
+            read = clock() - t0
+        finally:
+            os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+    return wrote, read
+
+
+def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> list[Finding]:
+    """A tier named by the user: its directory, free space and speed; ``error`` if unusable."""
+    label = f"tier {spec}"
+    try:
+        path = parse_tier(spec).path
+    except ConfigError as exc:
+        return [Finding(label, "error", str(exc))]
+    problem = tier_dir_problem(path)
+    if problem:
+        return [Finding(label, "error", problem)]
+    if not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        total, free = _space(parent)
+        return [Finding(label, "ok", f"{path} does not exist yet (stagefs creates it in "
+                        f"{parent}); {format_size(free)} free of {format_size(total)}")]
+    try:
+        wrote, read = _probe(path, clock)
+    except OSError as exc:
+        return [Finding(label, "error", f"cannot write in {path} ({exc.strerror}): stagefs "
+                        "cannot stage there; name a writable directory with free space")]
+    total, free = _space(path)
+    return [Finding(label, "ok", f"{format_size(free)} free of {format_size(total)}; write "
+                    f"{_speed(PROBE_BYTES, wrote)}, read {_speed(PROBE_BYTES, read)} "
+                    f"({format_size(PROBE_BYTES)} probe)")]
+
+
+def check_accelerator() -> list[Finding]:
+    try:
+        importlib.import_module("stagefs._speedups")
+    except ImportError as exc:
+        return [Finding("C accelerator", "warn",
+                        f"not built ({exc}): stat and open run in pure Python, several "
+                        "times slower per file; reinstall with a C compiler present")]
+    return [Finding("C accelerator", "ok", "stagefs._speedups loaded: the fast metadata path")]
+
+
+def check_mpi() -> list[Finding]:
+    # find_spec, not import: importing mpi4py.MPI initialises MPI
+    has_mpi4py = importlib.util.find_spec("mpi4py") is not None
+    mpiexec = shutil.which("mpiexec")
+    out = [Finding("MPI: mpi4py", "ok", "installed: 'stagefs serve' can bootstrap over MPI")
+           if has_mpi4py else Finding("MPI: mpi4py", "missing",
+                                      "'stagefs serve --mpi' cannot work: pip install "
+                                      "'stagefs[mpi]', or use --hosts (static bootstrap)")]
+    out.append(Finding("MPI: mpiexec", "ok", f"{mpiexec}: launches one daemon per node")
+               if mpiexec else Finding("MPI: mpiexec", "missing",
+                                       "not on PATH: launch 'stagefs serve' with srun or "
+                                       "--hosts instead"))
+    return out
+
+
+def check_slurm() -> list[Finding]:
+    job, srun = os.environ.get("SLURM_JOB_ID"), shutil.which("srun")
+    out = [Finding("Slurm: job", "ok", f"SLURM_JOB_ID={job}: the runtime dir is per job")
+           if job else Finding("Slurm: job", "missing",
+                               "not inside a Slurm job: the job id comes from $STAGEFS_JOB "
+                               "or the launching process")]
+    out.append(Finding("Slurm: srun", "ok", f"{srun}: launches one daemon per node")
+               if srun else Finding("Slurm: srun", "missing", "not on PATH: no Slurm launcher "
+                                    "(mpiexec or --hosts work instead)"))
+    return out
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+def check_memory() -> list[Finding]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    out = [Finding("page size", "ok" if page == 4096 else "warn",
+                   f"{page:,} bytes" + ("" if page == 4096 else
+                                        ": small files each take a whole page in a "
+                                        "memory tier and in the page cache"))]
+    mem = _meminfo()
+    if "MemTotal" in mem:
+        out.append(Finding("memory", "ok", f"{format_size(mem['MemTotal'])} in all, "
+                           f"{format_size(mem.get('MemAvailable', 0))} available: a memory "
+                           "tier and the training job share it"))
+    return out
+
+
+def tier_specs(tiers: Sequence[str] | None) -> list[str]:
+    """The tiers named with --tier, else those of $STAGEFS_TIERS (comma-separated)."""
+    if tiers:
+        return list(tiers)
+    return [t.strip() for t in (env("TIERS") or "").split(",") if t.strip()]
+
+
+def check_node(tiers: Sequence[str] | None = None) -> list[Finding]:
+    findings = check_fuse() + check_shm()
+    for spec in tier_specs(tiers):
+        findings += check_tier(spec)
+    return findings + check_accelerator() + check_mpi() + check_slurm() + check_memory()
+
+
+def render(findings: Sequence[Finding]) -> str:
+    return table(("check", "status", "what it means"),
+                 [(f.check, f.status, f.meaning) for f in findings])
