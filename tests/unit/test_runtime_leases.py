@@ -23,7 +23,8 @@ import stagefs
 from stagefs.cli import main
 from stagefs.runtime import HOST, Lease, Runtime
 
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+# the children import the stagefs this test imported (a source tree or an installed package)
+STAGEFS_ROOT = str(Path(stagefs.__file__).resolve().parents[1])
 CHILD = textwrap.dedent("""
     import sys
     import stagefs
@@ -41,7 +42,7 @@ class Job:
     def __init__(self, base: Path, name: str, pack: Path, tier: Path) -> None:
         self.runtime = base / name
         env = dict(os.environ, STAGEFS_RUNTIME=str(self.runtime), STAGEFS_JOB=name,
-                   PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+                   PYTHONPATH=STAGEFS_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, str(pack), str(tier),
                                       f"lease-test-{name}"], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
