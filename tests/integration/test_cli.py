@@ -377,13 +377,14 @@ def test_clean_refuses_while_serve_runs_and_removes_its_tier_data_after(
 def test_a_tier_whose_parent_is_missing_is_an_error(cli_pack: tuple[Path, Path],
                                                     tmp_path: Path) -> None:
     pack, rt = cli_pack[1], tmp_path / "rt"
-    typo = tmp_path / "sratch" / "tier"
+    typo = Path(f"/sratch-{os.getpid()}") / "me" / "tier"  # /scratch misspelt
     one_line_error(run("stage", pack, "--tier", typo, "--runtime", rt, "--no-progress",
-                       ok=False), str(typo.parent), "does not exist", "mkdir -p")
-    assert not typo.parent.exists()
-    # the tier itself is created when its parent exists (the usual /dev/shm/<name>)
-    run("stage", pack, "--tier", tmp_path / "tier", "--runtime", rt, "--no-progress")
-    assert (tmp_path / "tier").is_dir()
+                       ok=False), str(typo.parent.parent), "does not exist", "mkdir -p")
+    assert not typo.parent.parent.exists()
+    # deeper down (a job's own directory), missing parents are created, and it says so
+    deep = tmp_path / "job" / "tier"
+    proc = run("stage", pack, "--tier", deep, "--runtime", rt, "--no-progress")
+    assert deep.is_dir() and "created its parent directories" in proc.stderr.decode()
 
 
 def test_run_refuses_a_program_it_cannot_serve(cli_pack: tuple[Path, Path],

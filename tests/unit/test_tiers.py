@@ -3,6 +3,7 @@ placement (claims, capacity, ENOSPC, corruption), the origins as ShardSources, b
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import shutil
@@ -308,7 +309,8 @@ def test_claims_one_owner_and_dead_owner_taken_over(tmp_path: Path) -> None:
     assert a.owner(7) == (os.getpid(), int(a.me.split()[1]))
 
 
-def test_tier_errors(pack: Path, runtime: Path, tmp_path: Path) -> None:
+def test_tier_errors(pack: Path, runtime: Path, tmp_path: Path,
+                     caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match=str(blocker / "tier")):
@@ -317,15 +319,19 @@ def test_tier_errors(pack: Path, runtime: Path, tmp_path: Path) -> None:
         stagefs.open(pack, tiers=[f"{tmp_path}/t:1000TiB"])
     with pytest.raises(ConfigError, match="twice"):
         stagefs.open(pack, tiers=[str(tmp_path / "t"), str(tmp_path / "t")])
-    # a missing parent is most likely a typo: an error naming it, and nothing is created
-    with pytest.raises(ConfigError, match=f"parent directory {tmp_path / 'new'} does not "
-                                          "exist.*mkdir -p"):
-        stagefs.open(pack, tiers=[str(tmp_path / "new" / "deeper")])
-    assert not (tmp_path / "new").exists()
-    # the tier itself is created when its parent exists (/dev/shm/<name>)
-    with stagefs.open(pack, tiers=[str(tmp_path / "new")]) as fs:
+    # a missing directory right under / is most likely a typo: an error naming it, and
+    # nothing is created
+    typo = f"/stagefs-no-such-dir-{os.getpid()}"
+    with pytest.raises(ConfigError, match=f"{typo} does not exist.*mkdir -p {typo}/new"):
+        stagefs.open(pack, tiers=[f"{typo}/new/deeper"])
+    assert not os.path.exists(typo)
+    # deeper down, missing parents are created, and the log says so
+    with caplog.at_level(logging.WARNING, logger="stagefs"), \
+            stagefs.open(pack, tiers=[str(tmp_path / "new" / "deeper")]) as fs:
         assert fs.chain is not None
-    assert (tmp_path / "new").is_dir()
+    assert (tmp_path / "new" / "deeper").is_dir()
+    assert any("created its parent directories" in r.getMessage() and
+               str(tmp_path / "new") in r.getMessage() for r in caplog.records)
 
 
 def test_tier_not_writable(pack: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -19,6 +20,8 @@ from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import SourceUnavailable, pread_full
+
+log = logging.getLogger("stagefs")
 
 __all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir", "tier_dir_problem"]
 
@@ -57,35 +60,56 @@ def fs_type(path: str) -> str:
     return kind
 
 
+def _nearest_existing(path: str) -> str:
+    """``path`` itself or its nearest ancestor that exists."""
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
 def tier_dir_problem(path: str) -> str | None:
-    """Why the tier directory ``path`` cannot be used, or created in its parent (None: it
-    can). Only the last component is ever created (``/dev/shm/<name>`` is the usual tier): a
-    tier whose parent is missing is most likely a typo, and creating the whole chain would
-    silently stage into a directory nobody meant, perhaps on the wrong file system."""
+    """Why the tier directory ``path`` cannot be used or created (None: it can).
+
+    Missing directories are created below an existing one at least two levels deep
+    (``/dev/shm/me/t0``, ``/local/nvme/me/t1``, a job's scratch directory). Below ``/`` or a
+    directory right under it, a missing parent is most likely a typo (``/dev/shmm/t0``,
+    ``/scrach/t1``): creating it would silently stage into a directory nobody meant,
+    perhaps on the wrong file system, so it is an error naming it.
+    """
+    path = os.path.abspath(path)
     if os.path.isdir(path):
         if not os.access(path, os.W_OK | os.X_OK):
             return f"tier {path} is not writable by this user; name a writable directory"
         return None
     if os.path.exists(path):
         return f"tier {path} is a file, not a directory; name a directory"
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(parent) and not os.path.isdir(parent):
-        return f"tier {path}: {parent} is a file, not a directory; correct the path"
-    if not os.path.isdir(parent):
-        return (f"tier {path}: its parent directory {parent} does not exist (a typo?); "
-                f"correct the path, or create it first: mkdir -p {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return (f"tier {path} does not exist and cannot be created: {parent} is not "
+    parent = os.path.dirname(path)
+    base = _nearest_existing(parent)
+    if not os.path.isdir(base):
+        return f"tier {path}: {base} is a file, not a directory; correct the path"
+    missing = parent[len(base):].lstrip("/").split("/", 1)[0]
+    if base != parent and base.count("/") <= 1:
+        top = os.path.join(base, missing)
+        return (f"tier {path}: {top} does not exist (a typo?); correct the path, or create "
+                f"it first: mkdir -p {parent}")
+    if not os.access(base, os.W_OK | os.X_OK):
+        return (f"tier {path} does not exist and cannot be created: {base} is not "
                 "writable by this user; create it, or name a writable directory")
     return None
 
 
 def prepare_tier_dir(path: str) -> None:
-    """Create a tier directory whose parent exists, else raise a ConfigError naming it."""
+    """Create a tier directory (and its missing parents, where tier_dir_problem allows),
+    else raise a ConfigError naming it. Parents it had to create are said on the log."""
     problem = tier_dir_problem(path)
     if problem:
         raise ConfigError(problem)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        log.warning("tier %s: created its parent directories (%s did not exist)", path,
+                    parent)
     try:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
         os.mkdir(path, mode=0o700)
     except FileExistsError:
         pass  # it was there, or another process of the job created it first
