@@ -1,9 +1,10 @@
 """The runtime directory: node-local state of one job of one user (claims, stats, caches).
 
 Default: ``/dev/shm/stagefs-<uid>/<job id>``; ``$STAGEFS_RUNTIME`` (or the ``runtime``
-argument) names another directory. The job id comes from ``$STAGEFS_JOB``, else the batch
-system (Slurm, PBS, LSF, Flux), else ``local``. Two jobs of one user therefore use two
-directories and never see each other's claims. Both levels are mode 0700 and must belong to
+argument) names another directory. The job id comes from ``$STAGEFS_JOB`` (``--job``), else
+the batch system (Slurm, PBS, LSF, Flux), else the login session of the launching shell
+(``session-<sid>``, see job_id). Two jobs of one user therefore use two directories and never
+see each other's claims. Both levels are mode 0700 and must belong to
 the user. It must be node-local: claims hold process ids, which mean nothing elsewhere.
 
 Layout::
@@ -32,7 +33,7 @@ import shutil
 import socket
 import stat as st
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,17 +43,31 @@ from stagefs.errors import ConfigError, RuntimeInUseError
 
 __all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start"]
 
-_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
+_JOB_VARS = ("STAGEFS_JOB", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 HOST = socket.gethostname()
 _USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
 
-def job_id() -> str:
-    """The id of the job this process belongs to (``local`` outside a batch system)."""
-    job = env("JOB")
+def job_id(environ: Mapping[str, str] | None = None) -> str:
+    """The id of the job this process belongs to: ``$STAGEFS_JOB``, else the batch system's
+    job id (Slurm, PBS, LSF, Flux, Cobalt), else ``session-<sid>``: the login session of the
+    launching shell, which the processes a job starts (DataLoader workers, torchrun and
+    mpiexec ranks, ``stagefs`` commands typed in that shell) share and another terminal, ssh
+    command, cron job or ``setsid`` launch does not (docs/decisions/0010-job-identity.md)."""
+    environ = os.environ if environ is None else environ
+    job = next((environ[v] for v in _JOB_VARS if environ.get(v)), None)
     if job is None:
-        job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), "local")
+        sid = _session()
+        job = f"session-{sid}" if sid > 0 else "local"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "local"
+
+
+def _session() -> int:
+    """This process's session id (0 when the leader is outside our pid namespace)."""
+    try:
+        return os.getsid(0)
+    except OSError:
+        return 0
 
 
 def proc_start(pid: int) -> int:
