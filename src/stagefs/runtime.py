@@ -268,7 +268,7 @@ class Runtime:
         for name in names:
             if os.path.isdir(os.path.join(self.base, name)):
                 job = self if name == self.job else Runtime(os.path.join(self.base, name))
-                job.job = name
+                job.job, job.explicit = name, False  # the default runtime of job `name`
                 found.append(job)
         return found if self in found else [*found, self]
 
@@ -309,7 +309,8 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
     """
     users = [(rt, lease) for rt in jobs if rt.exists() for lease in rt.leases()]
     if users and not force:
-        who = "; ".join(f"{lease} using {rt.path}" for rt, lease in users)
+        who = "; ".join(f"{lease} using {rt.path}" + ("" if rt.explicit else f" (job {rt.job})")
+                        for rt, lease in users)
         raise RuntimeInUseError(
             f"{len(users)} live process(es) use the stagefs runtime: {who}. Stop them and "
             "run 'stagefs clean' again, or pass --force to remove their data anyway."

@@ -11,8 +11,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from stagefs import runtime as _runtime
 from stagefs.errors import ConfigError
-from stagefs.runtime import _default_base, job_id
+from stagefs.runtime import job_id
 
 __all__ = ["World", "detect", "job_id", "read_hosts", "runtime_default", "under_mpi"]
 
@@ -104,4 +105,4 @@ def runtime_default(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     if env.get("STAGEFS_RUNTIME"):
         return os.path.abspath(env["STAGEFS_RUNTIME"])
-    return os.path.join(_default_base(), job_id(env))
+    return os.path.join(_runtime._default_base(), job_id(env))
