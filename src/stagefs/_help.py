@@ -121,6 +121,16 @@ def _env_lines(names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def _wrap(example: str, width: int = _WIDTH - 4) -> str:
+    """A long command line broken before its options, shell style (`` \\`` newline)."""
+    lines = [""]
+    for word in example.replace(" --", "\0--").split("\0"):
+        if lines[-1] and len(lines[-1]) + len(word) + 7 > width:
+            lines.append("")
+        lines[-1] += (" " if lines[-1] else "") + word
+    return " \\\n    ".join(lines)
+
+
 def epilog(command: str | None) -> str:
     """The text after a command's options (or, for None, after the overview)."""
     if command is None:
@@ -128,7 +138,7 @@ def epilog(command: str | None) -> str:
         return "\n\n".join([OVERVIEW, textwrap.fill(SIZE_SYNTAX, _WIDTH),
                             "\n".join(_env_lines(public))])
     examples, names, sizes = COMMANDS[command]
-    parts = ["Examples:\n" + "\n".join(f"  {e}" for e in examples)]
+    parts = ["Examples:\n" + "\n".join(f"  {_wrap(e)}" for e in examples)]
     if sizes:
         parts.append(textwrap.fill(SIZE_SYNTAX, _WIDTH))
     parts.append("\n".join(_env_lines(names)))
@@ -228,7 +238,7 @@ def _command_md(name: str, sp: argparse.ArgumentParser) -> list[str]:
         d = _default(a)
         out.append(f"| `{_cell(_arg_name(a))}` | {f'`{_cell(d)}`' if d else ''} | "
                    f"{_cell(a.help or '')} |")
-    out += ["", "Examples:", "", "```bash", *examples, "```", ""]
+    out += ["", "Examples:", "", "```bash", *map(_wrap, examples), "```", ""]
     if sizes:
         out += ["Sizes: see [Sizes](#sizes).", ""]
     env = ", ".join(f"`{n}`" for n in names) or "none"

@@ -7,6 +7,7 @@ import logging
 import os
 import stat as st
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 
@@ -302,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help, formatter_class=Formatter,
-                            epilog=epilog(name))
+        sp = sub.add_parser(name, help=help, description=textwrap.fill(help, 88),
+                            formatter_class=Formatter, epilog=epilog(name))
         sp.set_defaults(handler=handler)
         return sp
 
@@ -357,7 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",
                     help="serve the cluster's dataset (this node's daemon) instead")
-    sp.add_argument("--runtime", default=None, help="the cluster's runtime dir (--connect)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the cluster's runtime dir (--connect)")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")
@@ -367,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",
                     help="serve the cluster's whole dataset (this node's daemon) instead")
-    sp.add_argument("--runtime", default=None, help="the cluster's runtime dir (--connect)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the cluster's runtime dir (--connect)")
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground until unmounted or interrupted")
     sp.add_argument("--allow-other", action="store_true", help="let other users read it")
@@ -378,12 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("origin", help="a pack, or a raw directory to use in place")
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
                     help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
-    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar")
 
     sp = add("status", cmd_status, "per tier: bytes, shards held, hits; origin operations")
-    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--json", action="store_true", help="print JSON")
     sp.add_argument("--wait-staged", type=float, default=None, metavar="SECONDS",
                     help="cluster: wait up to SECONDS until every node has staged")
@@ -396,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--replicas", type=int, default=1, help="copies of each shard")
     sp.add_argument("--replicate-all", action="extend", nargs="+", metavar="GLOB",
                     help="subtrees to place on every node (e.g. val)")
-    sp.add_argument("--runtime", default=None,
+    sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="this node's runtime dir ({rank} expanded; default: per user and job)")
     sp.add_argument("--wait", action="store_true",
                     help="publish the runtime dir only once every node has staged")
@@ -418,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory (staged "
              "data is otherwise kept for the next job); refused while a process uses them")
-    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--all", dest="all_jobs", action="store_true",
                     help="every job of yours on this node (under the default runtime base)")
     sp.add_argument("--force", action="store_true",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stagefs import cli
-from stagefs._help import COMMANDS, _default, commands, markdown
+from stagefs._help import COMMANDS, _default, _wrap, commands, markdown
 from stagefs.config import ENV_VARS, env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,8 @@ def test_every_command_help_has_examples_defaults_and_its_variables(
     out = capsys.readouterr().out
     examples, names, sizes = COMMANDS[name]
     assert "Examples:" in out and len(examples) >= 2
-    assert all(f"  {e}" in out for e in examples)
+    assert all(f"  {_wrap(e)}" in out for e in examples)
+    assert max(len(line) for line in out.split("Examples:")[1].splitlines()) <= 88
     assert all(n in out for n in names)
     assert ("Sizes:" in out) == sizes
     if not names:
