@@ -37,7 +37,9 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "verify": (("stagefs verify /data/imagenet.pack",
                 "stagefs verify -j 32 /data/imagenet.pack || echo 'some files are corrupt'"),
                ("STAGEFS_ORIGIN_READAHEAD",), False),
-    "demo": (("stagefs demo", "stagefs demo --keep"), _STORE, False),
+    "demo": (("stagefs demo",
+              "stagefs demo --origin /lustre/$USER/demo --size 2GiB   # on your file system"),
+             _STORE, True),
     "run": (("stagefs run --dataset /data/imagenet.pack --at /data/imagenet -- python train.py",
              "stagefs run --dataset /data/imagenet.pack --at /data/imagenet "
              "--tier /dev/shm/$USER/data:50% -- python train.py",

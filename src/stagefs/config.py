@@ -142,6 +142,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "the network interface 'stagefs serve' listens on (like --interface)"),
     EnvVar("STAGEFS_BENCH_PEER_PYTHON", "this Python",
            "the Python that has the compared systems installed, for 'stagefs bench'"),
+    EnvVar("STAGEFS_REQUIRE_SPEEDUPS", "0",
+           "read when installing (setup.py): 1 makes a failed build of the C accelerator an "
+           "error instead of a warning"),
     EnvVar("STAGEFS_INTERCEPT_AT", "", "set by 'stagefs run': the path served", True),
     EnvVar("STAGEFS_INTERCEPT_DATASET", "", "set by 'stagefs run': the dataset", True),
     EnvVar("STAGEFS_INTERCEPT_STORE", "", "set by 'stagefs run': the store, pickled", True),
