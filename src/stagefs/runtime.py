@@ -57,17 +57,35 @@ def job_id(environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     job = next((environ[v] for v in _JOB_VARS if environ.get(v)), None)
     if job is None:
-        sid = _session()
+        sid = _launch_session()
         job = f"session-{sid}" if sid > 0 else "local"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "local"
 
 
-def _session() -> int:
-    """This process's session id (0 when the leader is outside our pid namespace)."""
+# a rank a launcher started; mpiexec (Hydra) and torchrun start each in a session of its own
+_RANK_MARKS = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"TORCHELASTIC_RUN_ID=")
+
+
+def _launch_session() -> int:
+    """The session of the launching shell: this process's session, or, when its leader is a
+    rank that a launcher put in a session of its own, the launcher's session (0 when the
+    leader is outside our pid namespace)."""
     try:
-        return os.getsid(0)
+        sid = os.getsid(0)
     except OSError:
         return 0
+    if sid <= 0:
+        return 0
+    try:
+        with open(f"/proc/{sid}/environ", "rb") as f:
+            leader_env = f.read()
+        with open(f"/proc/{sid}/stat", "rb") as f:
+            ppid = int(f.read().rpartition(b")")[2].split()[1])
+        if ppid > 1 and any(b"\0" + m in b"\0" + leader_env for m in _RANK_MARKS):
+            return os.getsid(ppid)
+    except (OSError, ValueError, IndexError):
+        pass  # the leader is gone or not ours: its session is still the job's
+    return sid
 
 
 def proc_start(pid: int) -> int:
