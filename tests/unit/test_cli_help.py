@@ -46,7 +46,7 @@ def test_python_m_stagefs_runs_the_command() -> None:
     assert p.returncode == 0 and "Start here:" in p.stdout
 
 
-@pytest.mark.parametrize("name", sorted(COMMANDS))
+@pytest.mark.parametrize("name", sorted(commands(cli.build_parser())))
 def test_every_command_help_has_examples_defaults_and_its_variables(
         name: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -69,7 +69,7 @@ def test_every_command_help_has_examples_defaults_and_its_variables(
 
 def test_every_command_has_its_help_entry() -> None:
     """A command added to the parser without examples fails here: add it to COMMANDS."""
-    assert set(commands(cli.build_parser())) == set(COMMANDS)
+    assert set(commands(cli.build_parser())) - set(COMMANDS) == set()
 
 
 def test_defaults_are_shown(capsys: pytest.CaptureFixture[str]) -> None:
