@@ -7,10 +7,12 @@ import logging
 import os
 import stat as st
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 
 from stagefs import __version__
+from stagefs._help import Formatter, bash_completion, commands, epilog
 from stagefs.config import format_size
 from stagefs.errors import ConfigError, StagefsError
 
@@ -327,9 +329,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    print(bash_completion(build_parser()), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="stagefs",
+        prog="stagefs", formatter_class=Formatter, epilog=epilog(None),
         description="A transient, read-optimised file system for training data on clusters.",
     )
     p.add_argument("--version", action="version", version=f"stagefs {__version__}")
@@ -337,44 +344,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
-        sp = sub.add_parser(name, help=help, description=help)
+        sp = sub.add_parser(name, help=help, description=textwrap.fill(help, 88),
+                            formatter_class=Formatter, epilog=epilog(name))
         sp.set_defaults(handler=handler)
         return sp
 
     sp = add("pack", cmd_pack, "pack a directory tree into shards and a manifest")
     sp.add_argument("src", help="the directory to pack")
     sp.add_argument("dest", help="the pack directory to write")
-    sp.add_argument("--shard-size", default="64MiB", help="target shard size (default 64MiB)")
+    sp.add_argument("--shard-size", default="64MiB", metavar="SIZE", help="target shard size")
     sp.add_argument("--compress", choices=("auto", "zstd", "none"), default="auto",
-                    help="auto: keep zstd only where it saves space (default)")
-    sp.add_argument("-j", "--jobs", type=int, default=None, help="worker processes")
+                    help="auto: keep zstd only where it saves space")
+    sp.add_argument("-j", "--jobs", type=int, default=None,
+                    help="worker processes (default: one per core, at most 8)")
     sp.add_argument("--follow-symlinks", action="store_true",
                     help="pack what symlinks pointing out of the tree point to")
     sp.add_argument("--force", action="store_true", help="replace what is at DEST")
 
     sp = add("unpack", cmd_unpack, "restore the tree of a pack, byte for byte")
-    sp.add_argument("pack")
-    sp.add_argument("dest")
+    sp.add_argument("pack", help="the pack directory")
+    sp.add_argument("dest", help="the directory to write the tree into")
 
     sp = add("ls", cmd_ls, "list a directory of a pack")
-    sp.add_argument("pack")
-    sp.add_argument("path", nargs="?", default="")
+    sp.add_argument("pack", help="the pack directory")
+    sp.add_argument("path", nargs="?", default="",
+                    help="a path inside the pack (default: its root)")
     sp.add_argument("-l", "--long", action="store_true", help="mode, size, mtime")
 
     sp = add("stat", cmd_stat, "show the stat fields of a path, and where its bytes are")
-    sp.add_argument("pack")
-    sp.add_argument("path")
+    sp.add_argument("pack", help="the pack directory")
+    sp.add_argument("path", help="a path inside the pack")
 
     sp = add("cat", cmd_cat, "write files of a pack to standard output")
-    sp.add_argument("pack")
-    sp.add_argument("paths", nargs="+", metavar="path")
+    sp.add_argument("pack", help="the pack directory")
+    sp.add_argument("paths", nargs="+", metavar="path", help="paths inside the pack")
 
     sp = add("info", cmd_info, "files, directories, bytes raw and stored, shards")
-    sp.add_argument("pack")
+    sp.add_argument("pack", help="the pack directory")
 
     sp = add("verify", cmd_verify, "check every file against its checksum")
-    sp.add_argument("pack")
-    sp.add_argument("-j", "--jobs", type=int, default=None)
+    sp.add_argument("pack", help="the pack directory")
+    sp.add_argument("-j", "--jobs", type=int, default=None,
+                    help="worker processes (default: one per core, at most 8)")
 
     sp = add("demo", cmd_demo, "plain files against stagefs, three epochs on the same data")
     sp.add_argument("--origin", default=None, metavar="DIR",
@@ -390,19 +401,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "run a command with Python file access under --at served by stagefs")
     sp.add_argument("--dataset", help="the pack (or origin) to serve")
     sp.add_argument("--at", required=True, help="the path the program reads the data from")
-    sp.add_argument("--tier", action="append", default=None, help="a node-local tier (repeat)")
+    sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
+                    help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",
                     help="serve the cluster's dataset (this node's daemon) instead")
-    sp.add_argument("--runtime", default=None, help="the cluster's runtime dir (--connect)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the cluster's runtime dir (--connect)")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")
     sp.add_argument("dataset", nargs="?", help="the pack (or origin) to serve")
     sp.add_argument("mountpoint", help="an existing, empty directory")
-    sp.add_argument("--tier", action="append", default=None, help="a node-local tier (repeat)")
+    sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
+                    help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",
                     help="serve the cluster's whole dataset (this node's daemon) instead")
-    sp.add_argument("--runtime", default=None, help="the cluster's runtime dir (--connect)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the cluster's runtime dir (--connect)")
     sp.add_argument("-f", "--foreground", action="store_true",
                     help="stay in the foreground until unmounted or interrupted")
     sp.add_argument("--allow-other", action="store_true", help="let other users read it")
@@ -411,17 +426,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "unmounted)")
 
     sp = add("umount", cmd_umount, "unmount a 'stagefs mount'")
-    sp.add_argument("mountpoint")
+    sp.add_argument("mountpoint", help="where it is mounted")
     sp = add("stage", cmd_stage, "copy a dataset into the node-local tiers now (resumable)")
     sp.add_argument("origin", help="a pack, or a raw directory to use in place")
-    sp.add_argument("--tier", action="append", default=None,
-                    help="a tier DIR[:SIZE] (repeat; default: $STAGEFS_TIERS)")
-    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
+                    help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar")
 
     sp = add("status", cmd_status, "per tier: bytes, shards held, hits; origin operations")
-    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--json", action="store_true", help="print JSON")
     sp.add_argument("--wait-staged", type=float, default=None, metavar="SECONDS",
                     help="cluster: wait up to SECONDS until every node has staged")
@@ -431,10 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("origin", nargs="?", help="the pack to serve (on the shared file system)")
     sp.add_argument("--tier", action="append", metavar="DIR[:SIZE]",
                     help="a node-local tier, fastest first (repeat); {rank} is expanded")
-    sp.add_argument("--replicas", type=int, default=1, help="copies of each shard (default 1)")
+    sp.add_argument("--replicas", type=int, default=1, help="copies of each shard")
     sp.add_argument("--replicate-all", action="extend", nargs="+", metavar="GLOB",
                     help="subtrees to place on every node (e.g. val)")
-    sp.add_argument("--runtime", default=None,
+    sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="this node's runtime dir ({rank} expanded; default: per user and job)")
     sp.add_argument("--wait", action="store_true",
                     help="publish the runtime dir only once every node has staged")
@@ -448,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--interface", default=None, metavar="NAME",
                     help="listen on this interface's address ($STAGEFS_INTERFACE)")
     sp.add_argument("--port", type=int, default=None, help="port (default: any free one)")
-    sp.add_argument("--seed", type=int, default=0, help="placement seed (default 0)")
+    sp.add_argument("--seed", type=int, default=0, help="placement seed")
     sp.add_argument("--progress", type=float, default=5.0, metavar="SECONDS",
                     help="rank 0 reports staging progress this often (0: never)")
     sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,
@@ -456,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory (staged "
              "data is otherwise kept for the next job); refused while a process uses them")
-    sp.add_argument("--runtime", default=None, help="the job's runtime dir ($STAGEFS_RUNTIME)")
+    sp.add_argument("--runtime", default=None, metavar="DIR",
+                    help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--all", dest="all_jobs", action="store_true",
                     help="every job of yours on this node (under the default runtime base)")
     sp.add_argument("--force", action="store_true",
@@ -469,12 +487,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "default: $STAGEFS_TIERS)")
 
     sp = add("bench", cmd_bench, "compare shuffled epochs: plain files, stagefs, and the peers")
-    sp.add_argument("--dataset", choices=("imagenet-like", "npz"), default="imagenet-like")
-    sp.add_argument("--files", type=int, default=2000, help="files to generate (default 2000)")
+    sp.add_argument("--dataset", choices=("imagenet-like", "npz"), default="imagenet-like",
+                    help="what to generate: small JPEG-like files, or larger .npz arrays")
+    sp.add_argument("--files", type=int, default=2000, help="files to generate")
     sp.add_argument("--origin", default=None,
                     help="the dataset directory (on the shared FS); generated there if empty")
-    sp.add_argument("--epochs", type=int, default=3, help="epochs per run (default 3)")
-    sp.add_argument("--runs", type=int, default=3, help="runs; medians are reported (default 3)")
+    sp.add_argument("--epochs", type=int, default=3, help="epochs per run")
+    sp.add_argument("--runs", type=int, default=3, help="runs; medians are reported")
     sp.add_argument("--systems", nargs="+", default=None, metavar="SYSTEM",
                     help="only these (default: every one installed)")
     sp.add_argument("--out", default="bench-results", help="where the report goes")
@@ -488,12 +507,27 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--keep", action="store_true", help="keep conversions and local copies")
     sp.add_argument("--no-drop-caches", action="store_true",
                     help="do not drop the page cache before cold epochs (it needs root)")
+
+    sp = add("completion", cmd_completion, "print a shell completion script")
+    sp.add_argument("shell", choices=("bash",), help="bash (zsh too, with bashcompinit)")
+
+    for sp in commands(p).values():  # whatever uses a job's runtime can name the job
+        if any("--runtime" in a.option_strings for a in sp._actions):
+            sp.add_argument("--job", default=None, metavar="NAME",
+                            help="the job whose runtime to use ($STAGEFS_JOB; default: the "
+                                 "batch job, else this login session)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:  # bare `stagefs`: the overview, not an error
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
+    if getattr(args, "job", None):  # for this command and every process it starts
+        os.environ["STAGEFS_JOB"] = args.job
     reconfigure = getattr(sys.stdout, "reconfigure", None)
     if reconfigure is not None:  # names are bytes: write those that are not UTF-8 as they are
         reconfigure(errors="surrogateescape")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 from stagefs.errors import ConfigError
 
-__all__ = ["TierSpec", "env", "format_size", "parse_size", "parse_tier"]
+__all__ = ["ENV_VARS", "SIZE_SYNTAX", "EnvVar", "TierSpec", "env", "format_size", "parse_size",
+           "parse_tier"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -17,6 +18,11 @@ _UNITS = {
     "t": 10**12, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+SIZE_SYNTAX = (
+    "Sizes: a number of bytes with an optional unit, binary (KiB, MiB, GiB, TiB: powers of "
+    "1024) or decimal (KB, MB, GB, TB, or K, M, G, T: powers of 1000), e.g. 2GiB, 500MB, "
+    "1.5TB, 4096; for a tier, also a share of its file system's free space, e.g. 50%."
+)
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -104,7 +110,53 @@ def _existing_parent(path: str) -> str:
     return path
 
 
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One ``STAGEFS_*`` environment variable: what it does and its default."""
+
+    name: str
+    default: str
+    doc: str
+    internal: bool = False  # set by stagefs for its own child processes, not by users
+
+
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("STAGEFS_TIERS", "none: read from the origin",
+           "node-local tiers, fastest first, comma-separated DIR[:SIZE] "
+           "(e.g. /dev/shm/me/data:16GiB,/nvme/me/data:80%), used when no --tier is given"),
+    EnvVar("STAGEFS_RUNTIME", "/dev/shm/stagefs-<uid>/<job id>",
+           "the job's node-local runtime directory (claims, leases, stats, the cluster map)"),
+    EnvVar("STAGEFS_JOB", "the batch job id, else session-<sid> of the launching shell",
+           "names the job, and so the default runtime directory; processes with the same "
+           "name share it (--job sets it)"),
+    EnvVar("STAGEFS_READ_THREADS", "8", "origin reads in flight at once in read_many"),
+    EnvVar("STAGEFS_ORIGIN_READAHEAD", "off",
+           "'kernel' leaves the kernel's readahead on for shards read from the origin"),
+    EnvVar("STAGEFS_SPEEDUPS", "1", "0 turns the C accelerator off (for comparison)"),
+    EnvVar("STAGEFS_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are"),
+    EnvVar("STAGEFS_CONNECT_TIMEOUT", "0",
+           "seconds to wait for this node's daemon to publish the cluster (--connect)"),
+    EnvVar("STAGEFS_PEER_TIMEOUT", "10",
+           "seconds a peer may take to answer before a read goes elsewhere"),
+    EnvVar("STAGEFS_INTERFACE", "none: --bind, else the host name's address",
+           "the network interface 'stagefs serve' listens on (like --interface)"),
+    EnvVar("STAGEFS_BENCH_PEER_PYTHON", "this Python",
+           "the Python that has the compared systems installed, for 'stagefs bench'"),
+    EnvVar("STAGEFS_REQUIRE_SPEEDUPS", "0",
+           "read when installing (setup.py): 1 makes a failed build of the C accelerator an "
+           "error instead of a warning"),
+    EnvVar("STAGEFS_INTERCEPT_AT", "", "set by 'stagefs run': the path served", True),
+    EnvVar("STAGEFS_INTERCEPT_DATASET", "", "set by 'stagefs run': the dataset", True),
+    EnvVar("STAGEFS_INTERCEPT_STORE", "", "set by 'stagefs run': the store, pickled", True),
+    EnvVar("STAGEFS_MOUNT_LOG", "", "set by 'stagefs mount': the detached server's log", True),
+)}
+
+
 def env(name: str, default: str | None = None) -> str | None:
-    """Read ``STAGEFS_<NAME>``; the one place environment variables are looked at."""
-    value = os.environ.get(f"STAGEFS_{name.upper()}")
+    """Read ``STAGEFS_<NAME>``; the one place environment variables are looked at. Each is
+    listed in ENV_VARS (shown by ``--help`` and docs/cli.md)."""
+    key = f"STAGEFS_{name.upper()}"
+    if key not in ENV_VARS:
+        raise KeyError(f"{key} is not in stagefs.config.ENV_VARS: add it there")
+    value = os.environ.get(key)
     return default if value in (None, "") else value

@@ -1,9 +1,10 @@
 """The runtime directory: node-local state of one job of one user (claims, stats, caches).
 
 Default: ``/dev/shm/stagefs-<uid>/<job id>``; ``$STAGEFS_RUNTIME`` (or the ``runtime``
-argument) names another directory. The job id comes from ``$STAGEFS_JOB``, else the batch
-system (Slurm, PBS, LSF, Flux), else ``local``. Two jobs of one user therefore use two
-directories and never see each other's claims. Both levels are mode 0700 and must belong to
+argument) names another directory. The job id comes from ``$STAGEFS_JOB`` (``--job``), else
+the batch system (Slurm, PBS, LSF, Flux), else the login session of the launching shell
+(``session-<sid>``, see job_id). Two jobs of one user therefore use two directories and never
+see each other's claims. Both levels are mode 0700 and must belong to
 the user. It must be node-local: claims hold process ids, which mean nothing elsewhere.
 
 Layout::
@@ -32,7 +33,7 @@ import shutil
 import socket
 import stat as st
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,17 +43,49 @@ from stagefs.errors import ConfigError, RuntimeInUseError
 
 __all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start"]
 
-_JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
+_JOB_VARS = ("STAGEFS_JOB", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 HOST = socket.gethostname()
 _USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
 
-def job_id() -> str:
-    """The id of the job this process belongs to (``local`` outside a batch system)."""
-    job = env("JOB")
+def job_id(environ: Mapping[str, str] | None = None) -> str:
+    """The id of the job this process belongs to: ``$STAGEFS_JOB``, else the batch system's
+    job id (Slurm, PBS, LSF, Flux, Cobalt), else ``session-<sid>``: the login session of the
+    launching shell, which the processes a job starts (DataLoader workers, torchrun and
+    mpiexec ranks, ``stagefs`` commands typed in that shell) share and another terminal, ssh
+    command, cron job or ``setsid`` launch does not (docs/decisions/0010-job-identity.md)."""
+    environ = os.environ if environ is None else environ
+    job = next((environ[v] for v in _JOB_VARS if environ.get(v)), None)
     if job is None:
-        job = next((os.environ[v] for v in _JOB_VARS if os.environ.get(v)), "local")
+        sid = _launch_session()
+        job = f"session-{sid}" if sid > 0 else "local"
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "local"
+
+
+# a rank a launcher started; mpiexec (Hydra) and torchrun start each in a session of its own
+_RANK_MARKS = (b"PMI_RANK=", b"OMPI_COMM_WORLD_RANK=", b"PMIX_RANK=", b"TORCHELASTIC_RUN_ID=")
+
+
+def _launch_session() -> int:
+    """The session of the launching shell: this process's session, or, when its leader is a
+    rank that a launcher put in a session of its own, the launcher's session (0 when the
+    leader is outside our pid namespace)."""
+    try:
+        sid = os.getsid(0)
+    except OSError:
+        return 0
+    if sid <= 0:
+        return 0
+    try:
+        with open(f"/proc/{sid}/environ", "rb") as f:
+            leader_env = f.read()
+        with open(f"/proc/{sid}/stat", "rb") as f:
+            ppid = int(f.read().rpartition(b")")[2].split()[1])
+        if ppid > 1 and any(b"\0" + m in b"\0" + leader_env for m in _RANK_MARKS):
+            return os.getsid(ppid)
+    except (OSError, ValueError, IndexError):
+        pass  # the leader is gone or not ours: its session is still the job's
+    return sid
 
 
 def proc_start(pid: int) -> int:
@@ -253,7 +286,7 @@ class Runtime:
         for name in names:
             if os.path.isdir(os.path.join(self.base, name)):
                 job = self if name == self.job else Runtime(os.path.join(self.base, name))
-                job.job = name
+                job.job, job.explicit = name, False  # the default runtime of job `name`
                 found.append(job)
         return found if self in found else [*found, self]
 
@@ -294,7 +327,8 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
     """
     users = [(rt, lease) for rt in jobs if rt.exists() for lease in rt.leases()]
     if users and not force:
-        who = "; ".join(f"{lease} using {rt.path}" for rt, lease in users)
+        who = "; ".join(f"{lease} using {rt.path}" + ("" if rt.explicit else f" (job {rt.job})")
+                        for rt, lease in users)
         raise RuntimeInUseError(
             f"{len(users)} live process(es) use the stagefs runtime: {who}. Stop them and "
             "run 'stagefs clean' again, or pass --force to remove their data anyway."

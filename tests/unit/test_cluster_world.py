@@ -42,7 +42,7 @@ def test_hosts_file(tmp_path: Path) -> None:
 def test_runtime_default_is_per_user_and_job() -> None:
     assert job_id({"SLURM_JOB_ID": "123"}) == "123"
     assert job_id({"STAGEFS_JOB": "a/b", "SLURM_JOB_ID": "1"}) == "a_b"
-    assert job_id({}) == "local"
+    assert job_id({}) == f"session-{os.getsid(0)}"
     d = runtime_default({"SLURM_JOB_ID": "77"})
     assert d.endswith(os.path.join(f"stagefs-{os.getuid()}", "77"))
     assert runtime_default({"STAGEFS_RUNTIME": "/x/rt"}) == "/x/rt"

@@ -148,7 +148,8 @@ def test_clean_never_removes_what_a_live_job_uses(base: Path, pack: Path, tmp_pa
         assert not first.runtime.exists() and _staged(tier, pack)
         capsys.readouterr()
         assert main(["clean", "--all"]) == 1  # every job of the user: one is live
-        assert f"pid {second.proc.pid}" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"pid {second.proc.pid}" in err and "(job second)" in err, err
         assert _staged(tier, pack) and second.runtime.is_dir()
     finally:
         assert second.finish() == 0

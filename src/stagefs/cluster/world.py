@@ -11,7 +11,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from stagefs import runtime as _runtime
 from stagefs.errors import ConfigError
+from stagefs.runtime import job_id
 
 __all__ = ["World", "detect", "job_id", "read_hosts", "runtime_default", "under_mpi"]
 
@@ -23,9 +25,6 @@ _LAUNCHERS = (
     ("SLURM_PROCID", "SLURM_NTASKS", "slurm"),
     ("RANK", "WORLD_SIZE", "torchrun"),
 )
-_JOB_VARS = ("STAGEFS_JOB", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID",
-             "COBALT_JOBID")
-
 
 @dataclass(frozen=True, slots=True)
 class World:
@@ -100,18 +99,10 @@ def _port(text: str, path: str, no: int) -> int:
     return port
 
 
-def job_id(env: Mapping[str, str] | None = None) -> str:
-    """The batch job's id (``local`` outside one): scopes the default runtime directory."""
-    env = os.environ if env is None else env
-    job = next((env[v] for v in _JOB_VARS if env.get(v)), "local")
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in job) or "local"
-
-
 def runtime_default(env: Mapping[str, str] | None = None) -> str:
     """``$STAGEFS_RUNTIME``, else ``/dev/shm/stagefs-<uid>/<job id>`` (node-local, per user
     and job; the same rule as the single-node runtime)."""
     env = os.environ if env is None else env
     if env.get("STAGEFS_RUNTIME"):
         return os.path.abspath(env["STAGEFS_RUNTIME"])
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    return os.path.join(base, f"stagefs-{os.getuid()}", job_id(env))
+    return os.path.join(_runtime._default_base(), job_id(env))

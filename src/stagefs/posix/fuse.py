@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stagefs.errors import ConfigError
+from stagefs.runtime import job_id
 
 __all__ = ["CACHE_TIMEOUT", "check_mountpoint", "fuse_available", "is_mounted", "mount", "unmount"]
 
@@ -303,7 +304,9 @@ def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | No
                                      delete=False) as logf:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                  start_new_session=True, close_fds=True,
-                                 env={**os.environ, _LOG_VAR: logf.name})
+                                 env={**os.environ, _LOG_VAR: logf.name,
+                                      # its own session, the same job
+                                      "STAGEFS_JOB": job_id()})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if is_mounted(mp):
