@@ -494,7 +494,7 @@ def test_doctor_prints_every_check_and_measures_a_tier(tmp_path: Path) -> None:
 def test_doctor_reports_a_tier_that_cannot_be_used(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_bytes(b"x")
-    typo = tmp_path / "sratch" / "tier"
+    typo = Path(f"/sratch-{os.getpid()}") / "me" / "tier"  # /scratch misspelt
     proc = run("doctor", "--tier", blocker / "tier", "--tier", typo, ok=False)
     assert proc.returncode == 1 and b"Traceback" not in proc.stderr
     rows = _doctor_rows(proc)
