@@ -55,7 +55,7 @@ def write_expected(workdir: str, content: dict[str, bytes]) -> None:
 
 def serve_args(workdir: str, pack: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "stagefs.cli", "serve", pack,
-            "--tier", os.path.join(workdir, "mem{rank}") + ":256MiB",
+            "--tier", os.path.join(workdir, "node{rank}", "mem") + ":256MiB",
             "--runtime", os.path.join(workdir, "rt{rank}"), "--progress", "1", *extra]
 
 

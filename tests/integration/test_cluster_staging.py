@@ -106,7 +106,7 @@ def test_a_corrupt_file_at_the_origin_is_never_staged(tmp_path: Path) -> None:
         node = status_json(work, 0)["nodes"][0]
         assert node["checksum_failures"] == 1, node
         assert node["staging"]["shards_held"] == len(m.shards) - 1
-        held = os.listdir(os.path.join(work, "mem0", m.pack_id.hex()))
+        held = os.listdir(os.path.join(work, "node0", "mem", m.pack_id.hex()))
         assert name not in held and name + ".partial" not in held
         assert len(held) == len(m.shards) - 1
         text = tail(log, 100_000)
