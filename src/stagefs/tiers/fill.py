@@ -98,6 +98,33 @@ def reading_for(ident: int) -> Iterator[None]:
         _reader.ident = None
 
 
+_SLOT_OF: dict[int, int] = {}  # this process's reading threads -> their activity slot
+_SLOT_LOCK = threading.Lock()
+
+
+def _forget_slots() -> None:
+    global _SLOT_LOCK
+    _SLOT_OF.clear()  # a forked child is another process: its threads start anew
+    _SLOT_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_slots)
+
+
+def _slot(slots: int) -> int:
+    """This reading thread's slot: the threads of one process take consecutive slots from
+    one that depends on the process, so they never share one (up to ``slots`` threads) and
+    processes rarely do."""
+    ident = getattr(_reader, "ident", None) or threading.get_ident()
+    slot = _SLOT_OF.get(ident)
+    if slot is None:
+        with _SLOT_LOCK:
+            if len(_SLOT_OF) >= 4 * slots:  # threads come and go: start the count again
+                _SLOT_OF.clear()
+            slot = _SLOT_OF.setdefault(ident, (hash(os.getpid()) * 7 + len(_SLOT_OF)) % slots)
+    return slot
+
+
 class Activity:
     """When reads last went to the origin, and how many readers did, shared by the node's
     processes of one job (a small mapped file in the runtime dir): the placer gives way.
@@ -122,9 +149,7 @@ class Activity:
         self._slots = np.frombuffer(self._mm, dtype=np.int64, count=self.SLOTS)
 
     def touch(self) -> None:
-        slot = hash((os.getpid(), getattr(_reader, "ident", None) or threading.get_ident())
-                    ) % self.SLOTS
-        self._slots[slot] = self._clock()
+        self._slots[_slot(self.SLOTS)] = self._clock()
 
     def quiet_for(self) -> float:
         """Seconds since the last origin read of any of the job's processes on this node."""
