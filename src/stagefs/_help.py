@@ -146,10 +146,13 @@ def epilog(command: str | None) -> str:
         return ""
     examples, names, sizes = COMMANDS[command]
     parts = ["Examples:\n" + "\n".join(f"  {_wrap(e)}" for e in examples)]
-    if sizes:
-        parts.append(textwrap.fill(SIZE_SYNTAX, _WIDTH))
+    parts.append(textwrap.fill(SIZE_SYNTAX if sizes else SIZE_POINTER, _WIDTH))
     parts.append("\n".join(_env_lines(names)))
     return "\n\n".join(parts)
+
+
+SIZE_POINTER = ("Sizes, where stagefs takes them (--tier, $STAGEFS_TIERS, --shard-size): "
+                "2GiB, 500MB, 1.5TB, 4096, or 50% of a tier's free space (stagefs --help).")
 
 
 def commands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
