@@ -188,12 +188,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not cmd:
         raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
     kind = program_kind(cmd)
+    if kind == "native" and args.any_program:
+        kind = "launcher"
     if kind == "native":
         raise ConfigError(
             f"{cmd[0]} is not a Python program: 'stagefs run' serves {args.at} to Python's "
             f"file calls only (there is no preload library for other programs yet), so "
             f"{cmd[0]} would see {args.at} as it is on disk. To serve any program, mount "
-            f"the dataset with FUSE: stagefs mount DATASET {args.at}")
+            f"the dataset with FUSE: stagefs mount DATASET {args.at}; if {cmd[0]} starts "
+            f"Python that should be served, add --any-program")
     if kind == "launcher":
         print(f"stagefs run: warning: {cmd[0]} is not a Python program: only the Python "
               f"processes it starts read {args.at} through stagefs; other programs see it "
@@ -407,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serve the cluster's dataset (this node's daemon) instead")
     sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="the cluster's runtime dir (--connect)")
+    sp.add_argument("--any-program", action="store_true",
+                    help="run a program that is not Python anyway (a binary that starts "
+                         "Python): only the Python it starts is served, with a warning")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")

@@ -400,6 +400,10 @@ def test_run_refuses_a_program_it_cannot_serve(cli_pack: tuple[Path, Path],
     assert proc.stdout.decode().strip() == str(sorted(os.listdir(src)))
     err = proc.stderr.decode()
     assert "warning: sh is not a Python program" in err and "stagefs mount" in err
+    # --any-program: a program that is not Python runs anyway, with the same warning
+    proc = run("run", "--dataset", pack, "--at", at, "--any-program", "--", "ls", at)
+    assert proc.stdout.decode() == "" and "warning: ls is not a Python program" in \
+        proc.stderr.decode()
 
 
 def test_mount_refuses_a_directory_that_holds_files(cli_pack: tuple[Path, Path],
