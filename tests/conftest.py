@@ -173,3 +173,34 @@ def sample_pack_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
 def sample_store(sample_pack_session: tuple[Path, Path]) -> Iterator[stagefs.Store]:
     with stagefs.open(sample_pack_session[1]) as fs:
         yield fs
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A runtime dir of the test's own ($STAGEFS_RUNTIME), and no tiers from the caller's
+    environment."""
+    rt = tmp_path / "runtime"
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
+    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
+    return rt
+
+
+def reseal_manifest(raw: bytearray) -> bytes:
+    """A manifest's bytes with its body checksum made right again (a crafted manifest, as
+    an attacker who can write the pack would make it)."""
+    from xxhash import xxh3_64_intdigest
+
+    from stagefs.format.spec import MANIFEST_HEADER
+
+    raw[40:48] = xxh3_64_intdigest(bytes(raw[MANIFEST_HEADER.size :])).to_bytes(8, "little")
+    return bytes(raw)
+
+
+def patch_manifest(path: Path, old: bytes, new: bytes) -> None:
+    """Replace bytes in the manifest's string blob and re-seal its checksum."""
+    from stagefs.format.spec import MANIFEST_HEADER
+
+    raw = bytearray(path.read_bytes())
+    at = raw.index(old, MANIFEST_HEADER.size)
+    raw[at : at + len(old)] = new
+    path.write_bytes(reseal_manifest(raw))

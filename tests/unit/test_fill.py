@@ -40,14 +40,6 @@ def files(dataset: tuple[Path, dict[str, bytes]]) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    rt = tmp_path / "runtime"
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
-    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
-    return rt
-
-
-@pytest.fixture
 def placer_elsewhere(pack: Path, runtime: Path) -> Iterator[None]:
     """Every shard's claim held by another live process (the parent of this one), as when
     another process of the node is placing them: this process's placer copies nothing,

@@ -55,11 +55,8 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(autouse=True)
-def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    rt = tmp_path / "runtime"
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
-    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
-    return rt
+def _own_runtime(runtime: Path) -> Path:
+    return runtime
 
 
 class _PackCase(HolderCase):

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import stagefs
-from conftest import random_bytes, snapshot_tree, text_bytes
+from conftest import patch_manifest, random_bytes, snapshot_tree, text_bytes
 from stagefs.errors import (
     DestinationExistsError,
     PackError,
@@ -536,19 +536,6 @@ def _crafted_pack(pack: Path, entries: list[Any]) -> Path:
     return pack / MANIFEST_NAME
 
 
-def _patch_manifest(path: Path, old: bytes, new: bytes) -> None:
-    """Replace bytes in the manifest's string blob and re-seal its checksum."""
-    from xxhash import xxh3_64_intdigest
-
-    from stagefs.format.spec import MANIFEST_HEADER
-
-    raw = bytearray(path.read_bytes())
-    at = raw.index(old, MANIFEST_HEADER.size)
-    raw[at : at + len(old)] = new
-    raw[40:48] = xxh3_64_intdigest(bytes(raw[MANIFEST_HEADER.size :])).to_bytes(8, "little")
-    path.write_bytes(bytes(raw))
-
-
 def test_unpack_refuses_paths_that_leave_dest(tmp_path: Path) -> None:
     from stagefs.errors import CorruptManifestError
     from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
@@ -568,7 +555,7 @@ def test_unpack_refuses_paths_that_leave_dest(tmp_path: Path) -> None:
         Entry(b"", KIND_DIR, 0o40755, 0), Entry(b"D", KIND_DIR, 0o40755, 0),
         Entry(b"L", KIND_SYMLINK, 0o120777, 0, link_target=os.fsencode(outside)),
         Entry(b"D/evil", KIND_FILE, 0o100644, 0)])
-    _patch_manifest(m, b"D/evil", b"L/evil")
+    patch_manifest(m, b"D/evil", b"L/evil")
     with pytest.raises(CorruptManifestError, match="L/evil"):
         stagefs.unpack(tmp_path / "p2", tmp_path / "out2", progress=False)
     assert os.listdir(outside) == []

@@ -49,14 +49,6 @@ def files(dataset: tuple[Path, Path, dict[str, bytes]]) -> dict[str, bytes]:
     return dataset[2]
 
 
-@pytest.fixture
-def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    rt = tmp_path / "runtime"
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
-    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
-    return rt
-
-
 def shuffled(files: dict[str, bytes], seed: int = 0) -> list[str]:
     paths = sorted(files)
     random.Random(seed).shuffle(paths)

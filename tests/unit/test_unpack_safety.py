@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from xxhash import xxh3_64_intdigest
 
 import stagefs
-from conftest import BASE_NS, Node, snapshot_tree
+from conftest import BASE_NS, Node, patch_manifest, snapshot_tree
 from stagefs.cli import main
 from stagefs.errors import CorruptManifestError, DestinationExistsError
 from stagefs.format import (
@@ -31,7 +30,6 @@ from stagefs.format import (
     shard_name,
 )
 from stagefs.format.manifest import Entry, ShardInfo
-from stagefs.format.spec import MANIFEST_HEADER
 
 DIR, FILE = 0o40755, 0o100644
 
@@ -71,15 +69,6 @@ def _crafted(pack: Path, *entries: Entry) -> Path:
     b.shards.append(ShardInfo(shard_name(0), os.path.getsize(pack / shard_name(0))))
     b.write(str(pack / MANIFEST_NAME))
     return pack
-
-
-def _patch_manifest(path: Path, old: bytes, new: bytes) -> None:
-    """Replace bytes in the manifest's string blob and re-seal its checksum."""
-    raw = bytearray(path.read_bytes())
-    at = raw.index(old, MANIFEST_HEADER.size)
-    raw[at : at + len(old)] = new
-    raw[40:48] = xxh3_64_intdigest(bytes(raw[MANIFEST_HEADER.size :])).to_bytes(8, "little")
-    path.write_bytes(bytes(raw))
 
 
 def _listing(root: Path) -> set[str]:
@@ -155,7 +144,7 @@ def test_a_file_under_a_symlink_entry_is_refused(tmp_path: Path, area: Path) -> 
     """A file 'L/x' where 'L' is a symlink to outside (its path patched from 'D/x')."""
     outside = os.fsencode(area / "outside")
     pack = _crafted(tmp_path / "p", _d(b""), _d(b"D"), _l(b"L", outside), _f(b"D/x"))
-    _patch_manifest(pack / MANIFEST_NAME, b"D/x", b"L/x")
+    patch_manifest(pack / MANIFEST_NAME, b"D/x", b"L/x")
     _refused(pack, area, "L/x", "not inside a directory")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes
+from conftest import random_bytes, reseal_manifest
 from stagefs.errors import ChecksumError, CorruptManifestError
 from stagefs.format import KIND_FILE, MANIFEST_NAME, PIECE, Manifest, ManifestBuilder
 from stagefs.format.checksum import piece_sums
@@ -47,14 +47,6 @@ def clean_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pack(clean_pack: Path, tmp_path: Path) -> Path:
     shutil.copytree(clean_pack, tmp_path / "pack")
     return tmp_path / "pack"
-
-
-@pytest.fixture
-def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    rt = tmp_path / "runtime"
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
-    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
-    return rt
 
 
 def _where(pack: Path, rel: str) -> tuple[str, int]:
@@ -263,9 +255,7 @@ def test_verify_checks_the_piece_checksums(pack: Path) -> None:
     m.close()
     raw = bytearray((pack / MANIFEST_NAME).read_bytes())
     raw[off + 8 * 2] ^= 1  # the third piece checksum of the first large file
-    from xxhash import xxh3_64_intdigest
-
-    raw[40:48] = struct.pack("<Q", xxh3_64_intdigest(bytes(raw[64:])))
+    reseal_manifest(raw)
     (pack / MANIFEST_NAME).write_bytes(bytes(raw))
     report = verify_pack(str(pack), jobs=1, progress=False)
     assert [(c.path, c.reason) for c in report.corrupt] == [
