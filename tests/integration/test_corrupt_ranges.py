@@ -7,11 +7,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_fuse import _run, _stagefs
+from test_fuse import _run, mounted
 
 import stagefs
 from stagefs.format import MANIFEST_NAME, Manifest
-from stagefs.posix.fuse import fuse_available, is_mounted
+from stagefs.posix.fuse import fuse_available
 
 pytestmark = pytest.mark.integration
 
@@ -46,14 +46,8 @@ def mnt(corrupt_pack: Path, tmp_path: Path) -> Iterator[Path]:
         pytest.skip(str(fuse_available()))
     mp = tmp_path / "mnt"
     mp.mkdir()
-    r = _stagefs("mount", str(corrupt_pack), str(mp))
-    assert r.returncode == 0, r.stderr
-    try:
+    with mounted(corrupt_pack, mp):
         yield mp
-    finally:
-        r = _stagefs("umount", str(mp))
-        assert r.returncode == 0, r.stderr
-        assert not is_mounted(str(mp))
 
 
 def test_fuse_cat_of_the_corrupt_file_fails(mnt: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -36,6 +37,20 @@ def _stagefs(*args: str) -> subprocess.CompletedProcess[str]:
     return _run([sys.executable, "-m", "stagefs.cli", *args])
 
 
+@contextlib.contextmanager
+def mounted(pack: Path, mp: Path) -> Iterator[Path]:
+    """``pack`` mounted at ``mp`` by `stagefs mount` while inside; unmounted after."""
+    r = _stagefs("mount", str(pack), str(mp))
+    assert r.returncode == 0, r.stderr
+    assert is_mounted(str(mp))
+    try:
+        yield mp
+    finally:
+        r = _stagefs("umount", str(mp))
+        assert r.returncode == 0, r.stderr
+        assert not is_mounted(str(mp))
+
+
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
     base = tmp_path_factory.mktemp("fuse")
@@ -48,16 +63,8 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Any]:
 
 @pytest.fixture(scope="module")
 def mnt(tree: tuple[Path, Path, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    mp = tmp_path_factory.mktemp("mnt")
-    r = _stagefs("mount", str(tree[1]), str(mp))
-    assert r.returncode == 0, r.stderr
-    assert is_mounted(str(mp))
-    try:
+    with mounted(tree[1], tmp_path_factory.mktemp("mnt")) as mp:
         yield mp
-    finally:
-        r = _stagefs("umount", str(mp))
-        assert r.returncode == 0, r.stderr
-        assert not is_mounted(str(mp))
 
 
 def _diff(a: Any, b: Any, where: str = "") -> list[str]:
