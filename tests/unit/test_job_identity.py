@@ -8,33 +8,36 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-_SHOW = """
-import multiprocessing as mp, subprocess, sys
+# each process writes its runtime to a file of its own in $SHOW_OUT (the ranks' stdout
+# lines, forwarded by a launcher, can run into each other)
+_SHOW_FN = """
+import os
 from stagefs.runtime import Runtime
 
 def show(tag):
-    print(tag, Runtime().path, flush=True)
+    with open(os.path.join(os.environ["SHOW_OUT"], tag), "w") as f:
+        f.write(Runtime().path)
+"""
+_SHOW = _SHOW_FN + """
+import multiprocessing as mp, subprocess, sys
 
 if __name__ == "__main__":
     show("self")
-    subprocess.run([sys.executable, "-c",
-                    "from stagefs.runtime import Runtime; print('child', Runtime().path)"],
-                   check=True)
+    subprocess.run([sys.executable, "-c", "import os; from stagefs.runtime import Runtime; "
+                    "open(os.path.join(os.environ['SHOW_OUT'], 'child'), 'w')"
+                    ".write(Runtime().path)"], check=True)
     p = mp.get_context("fork").Process(target=show, args=("worker",))
     p.start(); p.join()
     p = mp.get_context("spawn").Process(target=show, args=("spawned",))
     p.start(); p.join()
 """
-_RANK = """
+_RANK = _SHOW_FN + """
 import multiprocessing as mp
-from stagefs.runtime import Runtime
-
-def show(tag):
-    print(tag, Runtime().path, flush=True)
 
 if __name__ == "__main__":
     import os
@@ -63,10 +66,11 @@ def _launch(tmp_path, *cmd: str, **extra: str) -> dict[str, str]:  # type: ignor
     env = {k: v for k, v in os.environ.items() if k not in _BATCH}
     src = Path(__file__).resolve().parents[2] / "src"
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
-    out = subprocess.run(list(cmd) or [sys.executable, "show.py"], env={**env, **extra},
-                         check=True, capture_output=True, text=True, start_new_session=True,
-                         cwd=tmp_path, timeout=300).stdout
-    return dict(line.split(" ", 1) for line in out.splitlines() if " /" in line)
+    out = Path(tempfile.mkdtemp(dir=tmp_path))
+    subprocess.run(list(cmd) or [sys.executable, "show.py"],
+                   env={**env, **extra, "SHOW_OUT": str(out)}, check=True, capture_output=True,
+                   start_new_session=True, cwd=tmp_path, timeout=300)
+    return {f.name: f.read_text() for f in out.iterdir()}
 
 
 def test_a_job_and_its_children_share_one_runtime(tmp_path) -> None:  # type: ignore[no-untyped-def]
