@@ -39,10 +39,16 @@ def test_hosts_file(tmp_path: Path) -> None:
         read_hosts(str(tmp_path / "missing"))
 
 
-def test_runtime_default_is_per_user_and_job() -> None:
+def test_runtime_default_is_per_user_and_job(monkeypatch: pytest.MonkeyPatch) -> None:
     assert job_id({"SLURM_JOB_ID": "123"}) == "123"
     assert job_id({"STAGEFS_JOB": "a/b", "SLURM_JOB_ID": "1"}) == "a_b"
-    assert job_id({}) == f"session-{os.getsid(0)}"
+    import stagefs.runtime as runtime
+    monkeypatch.setattr(runtime, "_launch_session", lambda: 4242)
+    assert job_id({}) == "session-4242"
+    # a session leader outside our pid namespace (getsid gives 0, as in some containers)
+    monkeypatch.setattr(runtime, "_launch_session", lambda: 0)
+    assert job_id({}) == "local"
+    monkeypatch.undo()
     d = runtime_default({"SLURM_JOB_ID": "77"})
     assert d.endswith(os.path.join(f"stagefs-{os.getuid()}", "77"))
     assert runtime_default({"STAGEFS_RUNTIME": "/x/rt"}) == "/x/rt"
