@@ -37,14 +37,17 @@ def partial_name(path: str) -> str:
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
-                 mode: int = 0o666, fsync: bool = True) -> None:
+                 mode: int = 0o666, fsync: bool = True, replace: bool = True) -> bool:
     """Make ``path`` hold ``data`` (bytes, text as UTF-8, or what ``data(f)`` writes to a
-    binary file), or leave it as it was.
+    binary file), or leave it as it was. Returns True if this call wrote ``path``.
 
     ``mode`` is the new file's permission bits (less the umask), applied when it is created,
     so a private file (0o600) is never readable by others, even for an instant.
     ``fsync=False`` skips the flush to disk, for files that are cheap to lose on a crash
     (counters); the rename still keeps readers from seeing a torn file.
+    ``replace=False`` never replaces an existing ``path`` (the partial file is linked to the
+    name, which fails if it exists, also on NFS): the first of several writers racing to
+    create it wins, the others return False and read the winner's file, never a torn one.
     """
     final = os.fspath(path)
     partial = partial_name(final)
@@ -59,11 +62,20 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(partial, final)
+        if replace:
+            os.replace(partial, final)
+        else:
+            try:
+                os.link(partial, final)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(partial)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(partial)
         raise
+    return True
 
 
 _POLL_S = 0.001

@@ -250,8 +250,10 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from stagefs.cluster.status import has_cluster, print_cluster_status
+    from stagefs.cluster.status import has_cluster, print_cluster_status, wait_for_cluster
 
+    if args.wait_staged is not None:  # the daemons may not have started yet
+        args.wait_staged = wait_for_cluster(args.runtime, args.wait_staged)
     if has_cluster(args.runtime):  # a cluster daemon runs on this node: show the cluster
         return print_cluster_status(args.runtime, as_json=args.json,
                                     wait_staged=args.wait_staged)
@@ -275,7 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         replicate_all=args.replicate_all or [], runtime=args.runtime, wait=args.wait,
         hosts=args.hosts, rank=args.rank, token_file=args.token_file, bind=args.bind,
         interface=args.interface, port=args.port, seed=args.seed, progress=args.progress,
-        mpi=args.mpi))
+        mpi=args.mpi, clean_on_exit=args.clean_on_exit))
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
@@ -461,6 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="this node's runtime dir ({rank} expanded; default: per user and job)")
     sp.add_argument("--wait", action="store_true",
                     help="publish the runtime dir only once every node has staged")
+    sp.add_argument("--clean-on-exit", action="store_true",
+                    help="remove this node's tier data when the daemon stops (SIGTERM from "
+                         "the job script, scancel or the time limit)")
     sp.add_argument("--hosts", default=None, metavar="FILE",
                     help="static bootstrap: one ADDR[:PORT] per line, rank 0 first (no MPI)")
     sp.add_argument("--rank", type=int, default=None, help="this node's line in --hosts")

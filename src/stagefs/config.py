@@ -129,6 +129,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("STAGEFS_JOB", "the batch job id, else session-<sid> of the launching shell",
            "names the job, and so the default runtime directory; processes with the same "
            "name share it (--job sets it)"),
+    EnvVar("STAGEFS_SECRET", "~/.config/stagefs/secret",
+           "your secret (0600, made on first use) from which daemons started by plain srun "
+           "derive the job token; must be the same file on every node"),
     EnvVar("STAGEFS_READ_THREADS", "8", "origin reads in flight at once in read_many"),
     EnvVar("STAGEFS_ORIGIN_READAHEAD", "off",
            "'kernel' leaves the kernel's readahead on for shards read from the origin"),

@@ -11,14 +11,19 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
+from xxhash import xxh3_64_intdigest
+
+from stagefs.cluster.world import SlurmStep
 from stagefs.errors import ClusterError
 from stagefs.net import auth
 from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "StaticBootstrap"]
+__all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "SlurmBootstrap", "StaticBootstrap",
+           "secret_path"]
 
 
 class Bootstrap(Protocol):
@@ -154,6 +159,39 @@ class StaticBootstrap:
 
     def finished(self) -> bool:
         return True
+
+
+def secret_path(env: Mapping[str, str] | None = None) -> str:
+    """Where the user's secret lives: ``$STAGEFS_SECRET``, else
+    ``~/.config/stagefs/secret`` (the home directory is shared by a cluster's nodes)."""
+    env = os.environ if env is None else env
+    return env.get("STAGEFS_SECRET") or os.path.join(
+        env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config"),
+        "stagefs", "secret")
+
+
+class SlurmBootstrap(StaticBootstrap):
+    """Slurm alone, neither MPI nor PMI: the daemons are the tasks of one ``srun`` step with
+    one task per node. The hosts are the step's nodes (SLURM_STEP_NODELIST, expanded), the
+    rank is SLURM_NODEID, the port is the same on every node (``--port``, else one derived
+    from the job id, so two jobs sharing a node do not collide), and the token is derived
+    from the job id and the user's secret (or read from ``--token-file``). The barrier is
+    the static one: ask every peer until each says it has staged."""
+
+    source = "slurm"
+
+    def __init__(self, step: SlurmStep, token_file: str | None, port: int | None) -> None:
+        port = port if port is not None else slurm_port(step.job)
+        path = token_file or secret_path()
+        self.rank, self.size = step.node, len(step.hosts)
+        self.hosts = [(h, port) for h in step.hosts]
+        self._token = auth.read_token(path) if token_file else auth.job_token(step.job, path)
+
+
+def slurm_port(job: str, base: int = 20000, span: int = 20000) -> int:
+    """The daemons' port for a job when none is given: the same on every node, and
+    different for most pairs of jobs (two jobs sharing a node would otherwise collide)."""
+    return base + xxh3_64_intdigest(job.encode()) % span
 
 
 def new_token_file(path: str) -> None:

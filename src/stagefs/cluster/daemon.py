@@ -29,18 +29,19 @@ from stagefs.cluster.bootstrap import (
     Bootstrap,
     MpiBootstrap,
     SingleBootstrap,
+    SlurmBootstrap,
     StaticBootstrap,
 )
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
 from stagefs.cluster.placement import place, shards_matching
 from stagefs.cluster.staging import Stager
-from stagefs.cluster.world import detect, read_hosts, runtime_default, under_mpi
+from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import format_size, parse_tier
-from stagefs.errors import ConfigError
+from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.server import ServerLimits, ShardServer
-from stagefs.runtime import Runtime
+from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.origin import PackOrigin
@@ -68,6 +69,7 @@ class ServeOptions:
     seed: int = 0
     progress: float = 5.0
     mpi: bool | None = None  # None: use MPI if an MPI launcher started us
+    clean_on_exit: bool = False  # remove this node's tier data when the daemon stops
     forward_timeout: float = 600.0
     limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
     extra: dict[str, Any] = field(default_factory=dict)
@@ -80,6 +82,9 @@ def _bootstrap(o: ServeOptions) -> Bootstrap:
                                o.port if o.port is not None else DEFAULT_PORT)
     if o.mpi or (o.mpi is None and under_mpi()):
         return MpiBootstrap(asked=bool(o.mpi))
+    step = slurm_step() if o.mpi is None else None
+    if step is not None:
+        return SlurmBootstrap(step, o.token_file, o.port)
     return SingleBootstrap(o.token_file)
 
 
@@ -236,6 +241,22 @@ class Daemon:
             c.close()
         remove_runtime(self.runtime)
         self.lease.unregister()
+        if self.o.clean_on_exit:
+            self._clean()
+
+    def _clean(self, tries: int = 20) -> None:
+        """What this job staged on this node goes with it: once the job's other processes
+        on the node (being stopped with us by scancel or the job's end) are gone."""
+        for k in range(tries):
+            try:
+                for path in clean([self.lease], others=self.lease.jobs()):
+                    log.info("removed %s", path)
+                return
+            except RuntimeInUseError as exc:
+                if k == tries - 1:
+                    log.warning("kept this node's tier data: %s", exc)
+                    return
+                time.sleep(0.25)
 
     def _gather(self) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []

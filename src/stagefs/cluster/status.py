@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,7 +16,7 @@ from stagefs.config import format_size
 from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["cluster_status", "has_cluster", "print_cluster_status"]
+__all__ = ["cluster_status", "has_cluster", "print_cluster_status", "wait_for_cluster"]
 
 
 def has_cluster(runtime: str | None) -> bool:
@@ -92,3 +93,14 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         print("not every node has staged yet", file=sys.stderr)
         return 1
     return 0 if not down else 1
+
+
+def wait_for_cluster(runtime: str | None, seconds: float,
+                     clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> float:
+    """Wait up to ``seconds`` for this node's daemon to write its runtime (a job script
+    that starts the daemons in the background asks at once); return the time left."""
+    deadline = clock() + seconds
+    while not has_cluster(runtime) and clock() < deadline:
+        sleep(min(0.5, max(deadline - clock(), 0.0)))
+    return max(deadline - clock(), 0.0)

@@ -15,7 +15,8 @@ from stagefs import runtime as _runtime
 from stagefs.errors import ConfigError
 from stagefs.runtime import job_id
 
-__all__ = ["World", "detect", "job_id", "read_hosts", "runtime_default", "under_mpi"]
+__all__ = ["SlurmStep", "World", "detect", "expand_hostlist", "job_id", "read_hosts",
+           "runtime_default", "slurm_step", "under_mpi"]
 
 # (rank variable, size variable, launcher), most specific first
 _LAUNCHERS = (
@@ -58,6 +59,102 @@ def under_mpi(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
     return any(k in env for k in ("PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_RANK", "PMIX_RANK",
                                   "HYDI_CONTROL_FD", "MPI_LOCALRANKID"))
+
+
+_HOSTLIST_MAX = 1 << 20  # names one hostlist may expand to (a typo like n[1-9999999999])
+
+
+def expand_hostlist(text: str, what: str = "hostlist") -> list[str]:
+    """Slurm's hostlist syntax, expanded in its order: ``n[01-03,7],gpu[1-2]-ib`` gives
+    n01 n02 n03 n07 gpu1-ib gpu2-ib. A range keeps the width of its first number
+    (``[08-10]``: 08 09 10); several brackets in one name give every combination, the
+    last varying fastest, as ``scontrol show hostnames`` does. Written here rather than
+    taken from python-hostlist, whose GPL does not mix with our Apache-2.0."""
+
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"{what} {text!r}: {why} (expected e.g. 'node[01-04,7],gpu1')")
+
+    def one(name: str) -> list[str]:
+        out = [""]
+        pos = 0
+        while pos < len(name):
+            lb = name.find("[", pos)
+            if lb < 0:
+                return [o + name[pos:] for o in out]
+            rb = name.find("]", lb)
+            if rb < 0 or "[" in name[lb + 1 : rb]:
+                raise fail("a '[' without its ']'")
+            values: list[str] = []
+            for part in name[lb + 1 : rb].split(","):
+                lo, dash, hi = part.strip().partition("-")
+                if not lo.isdigit() or (dash and not hi.isdigit()):
+                    raise fail(f"bad range {part!r}")
+                a, b = int(lo), int(hi) if dash else int(lo)
+                if b < a:
+                    raise fail(f"range {part!r} runs backwards")
+                if len(values) + b - a >= _HOSTLIST_MAX:
+                    raise fail(f"more than {_HOSTLIST_MAX} names")
+                values += [str(v).zfill(len(lo)) for v in range(a, b + 1)]
+            prefix = name[pos:lb]
+            out = [o + prefix + v for o in out for v in values]
+            if len(out) > _HOSTLIST_MAX:
+                raise fail(f"more than {_HOSTLIST_MAX} names")
+            pos = rb + 1
+        return out
+
+    names: list[str] = []
+    depth, start = 0, 0
+    for i, c in enumerate(text + ","):
+        if c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+            if depth < 0:
+                raise fail("a ']' without its '['")
+        elif c == "," and depth == 0:
+            item = text[start:i].strip()
+            start = i + 1
+            if item:
+                names += one(item)
+    if depth:
+        raise fail("a '[' without its ']'")
+    if not names:
+        raise fail("names no host")
+    return names
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmStep:
+    """This process's place in a Slurm job step launched with one task per node."""
+
+    job: str
+    node: int  # SLURM_NODEID: this node's index in the step
+    hosts: list[str]  # the step's nodes, in Slurm's order
+
+
+def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
+    """The Slurm step this process is a task of (``srun`` sets SLURM_STEP_NODELIST), or None
+    outside ``srun`` (a batch script itself, ``salloc``'s shell, no Slurm at all). Refuses a
+    step with several tasks on a node: the daemons need exactly one per node."""
+    env = os.environ if env is None else env
+    nodelist, job = env.get("SLURM_STEP_NODELIST"), env.get("SLURM_JOB_ID")
+    node = _int(env, "SLURM_NODEID")
+    if not nodelist or not job or node is None:
+        return None
+    hosts = expand_hostlist(nodelist, "SLURM_STEP_NODELIST")
+    nnodes = _int(env, "SLURM_STEP_NUM_NODES")
+    if nnodes is not None and nnodes != len(hosts):
+        raise ConfigError(f"SLURM_STEP_NODELIST {nodelist!r} names {len(hosts)} nodes but "
+                          f"SLURM_STEP_NUM_NODES is {nnodes}")
+    if not 0 <= node < len(hosts):
+        raise ConfigError(f"SLURM_NODEID {node} is not a node of the step ({len(hosts)} "
+                          "nodes)")
+    ntasks = _int(env, "SLURM_STEP_NUM_TASKS")
+    if ntasks is not None and ntasks != len(hosts):
+        raise ConfigError(
+            f"this srun step runs {ntasks} tasks on {len(hosts)} nodes; stagefs serve needs "
+            "one per node: srun --nodes=$SLURM_NNODES --ntasks-per-node=1 stagefs serve ...")
+    return SlurmStep(job, node, hosts)
 
 
 def read_hosts(path: str) -> list[tuple[str, int | None]]:

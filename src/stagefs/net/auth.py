@@ -21,6 +21,7 @@ from stagefs.net.protocol import NONCE_SIZE
 
 __all__ = [
     "client_proof",
+    "job_token",
     "new_nonce",
     "new_token",
     "read_token",
@@ -59,6 +60,25 @@ def verify(expected: bytes, got: bytes) -> bool:
 def write_token(path: str, token: bytes) -> None:
     """Write the token (hex) readable by its owner only (0600), atomically."""
     atomic_write(path, token.hex().encode() + b"\n", mode=0o600)
+
+
+def job_token(job: str, secret_path: str) -> bytes:
+    """The token of job ``job``, derived from the user's secret at ``secret_path`` (made on
+    first use, 0600): every node of the job computes the same token from the job id alone,
+    so a launcher without MPI (plain ``srun``) needs no exchange. The secret must be on a
+    file system every node sees (the home directory); the tokens of two jobs differ, and
+    one job's token tells nothing of another's or of the secret."""
+    parent = os.path.dirname(os.path.abspath(secret_path))
+    try:
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        atomic_write(secret_path, new_token().hex().encode() + b"\n", mode=0o600,
+                     replace=False)  # nodes racing to make it: the first wins, all read it
+    except OSError as exc:
+        raise ClusterError(f"{secret_path}: cannot make the user's stagefs secret "
+                           f"({exc.strerror}); set $STAGEFS_SECRET to a file in a directory "
+                           "every node can write, or give --token-file") from None
+    secret = read_token(secret_path)
+    return hmac.new(secret, b"stagefs-v1 job " + job.encode(), hashlib.sha256).digest()
 
 
 def read_token(path: str) -> bytes:
