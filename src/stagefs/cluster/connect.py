@@ -106,10 +106,8 @@ class ClusterHolders:
         after: list[ShardSource] = []
         down: list[ShardSource] = []
         live = 0  # live nodes of the ranking seen so far, this node included
-        local = False
         for n in nodes:
             if n == self.rank:
-                local = live < k
                 live += 1
                 continue
             peer = self.peers[n]
@@ -123,7 +121,9 @@ class ClusterHolders:
         if len(first) > 1:
             first = self._two_choices(first)
         out: list[ShardSource] = [*first, *after, *down, self.origin]
-        if local and shard not in self._mine:  # taken over by this node when a holder died
+        if self.rank in nodes and shard not in self._mine:
+            # a copy this node made when a holder died (whatever this reader knows of the
+            # dead: one open() when there is none)
             here = [t for t in self.tiers if t.holds(shard)]
             return here + out
         return out

@@ -211,15 +211,19 @@ class HedgedPeer:
                     raise PeerUnavailable(
                         f"{self.name}: no answer within {delay:.3f} s and no other live "
                         f"replica of shard {shard}; read from the next holder")
-                self._slow(waiting.values(), delay, "asked another replica")
+                # the slow ones are suspect once another answers first: a node that has
+                # not copied the shard yet (it takes over a dead one's) says so at once,
+                # which proves nothing against the slow one
                 self.hedged += 1
                 asked.append(nxt)
                 waiting[pool.submit(nxt._pread, shard, offset, length)] = nxt
                 continue
             for f in done:
-                waiting.pop(f)
+                who = waiting.pop(f)
                 exc = f.exception()
                 if exc is None:
+                    if who is not self and self in waiting.values():
+                        self._slow(waiting.values(), delay, "another replica answered first")
                     return f.result()
                 if not isinstance(exc, PeerUnavailable):
                     raise exc
