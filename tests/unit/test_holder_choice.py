@@ -82,7 +82,7 @@ def _file_of(store: Store, holders: ClusterHolders, content: dict[str, bytes],
 
 def test_reads_of_a_hot_shard_spread_over_its_holders(three: Cluster) -> None:
     store, holders, servers, content = three
-    path, shard = _file_of(store, holders, content, 3)
+    path, _ = _file_of(store, holders, content, 3)
     for _ in range(300):
         assert store.read(path) == content[path]
     served = [servers[n].stats.requests for n in (1, 2, 3)]
