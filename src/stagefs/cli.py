@@ -277,7 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         replicate_all=args.replicate_all or [], runtime=args.runtime, wait=args.wait,
         hosts=args.hosts, rank=args.rank, token_file=args.token_file, bind=args.bind,
         interface=args.interface, port=args.port, seed=args.seed, progress=args.progress,
-        mpi=args.mpi, clean_on_exit=args.clean_on_exit))
+        mpi=args.mpi, clean_on_exit=args.clean_on_exit, dead_after=args.dead_after))
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
@@ -477,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="listen on this interface's address ($STAGEFS_INTERFACE)")
     sp.add_argument("--port", type=int, default=None, help="port (default: any free one)")
     sp.add_argument("--seed", type=int, default=0, help="placement seed")
+    sp.add_argument("--dead-after", type=float, default=30.0, metavar="SECONDS",
+                    help="a node whose probes fail this long is dead: its shards are copied "
+                         "again from the survivors")
     sp.add_argument("--progress", type=float, default=5.0, metavar="SECONDS",
                     help="rank 0 reports staging progress this often (0: never)")
     sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,

@@ -601,6 +601,9 @@ def test_wrong_bytes_from_one_replica_are_read_from_the_other(packed: Pack,
         paths = [p for p, d in sorted(content.items()) if d and list(
             holders.placement.holders[shard[p]]) == [1, 2]]
         assert len(paths) >= 2
+        # node 2 looks busier (a request in flight): the power of two choices asks node 1
+        # first, every time
+        holders.peers[2].outstanding = 1
         assert [h.name for h in holders.holders(shard[paths[0]])] == [
             "node 1", "node 2", store.origin.name]
         assert [store.read(p) for p in paths] == [content[p] for p in paths]

@@ -84,8 +84,10 @@ def test_every_rank_reads_every_file(tmp_path: Path, n: int) -> None:
         # each origin byte read once although every shard is on 2 nodes (val/ on all)
         assert origin == dataset, (origin, dataset)
         assert forwarded >= dataset
+        # rendezvous placement: copies per node are a fair random draw, not equal to within
+        # one (docs/decisions/0011; tests/unit/test_placement.py checks the spread)
         counts = [s["staging"]["shards_assigned"] for s in nodes]
-        assert max(counts) - min(counts) <= 1
+        assert all(c > 0 for c in counts), counts
         # each rank's node directory holds its own shards in the agreed layout
         for r in range(n):
             d = os.path.join(work, f"node{r}", "mem")

@@ -203,9 +203,9 @@ def test_a_hedged_read_that_no_replica_answers_raises() -> None:
     with pytest.raises(PeerUnavailable) as err:
         h["slow"].pread(0, 0, 4)
     assert "gone: not held" in str(err.value) and "slow: not held" in str(err.value)
-    assert h["slow"].hedged == 1 and slow.marked
-    with pytest.raises(PeerUnavailable, match="suspect"):
-        h["slow"].pread(0, 0, 4)
+    # the hedge answered "not held" (a node yet to copy a dead one's shard): no proof that
+    # the slow one is slower than a replica, so it is not suspect for it
+    assert h["slow"].hedged == 1 and not slow.marked
 
 
 def test_a_slow_sole_replica_gives_way_to_the_next_holder() -> None:

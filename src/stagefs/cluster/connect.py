@@ -4,9 +4,10 @@ It reads this node's runtime directory (``$STAGEFS_RUNTIME`` or the job's defaul
 the cluster map and the token, recomputes the placement (pure, the same as the daemons'),
 and builds a plain Store whose holders for a shard (``ClusterHolders``) are: this node's
 tier copy (read with the single-node tier reader, ``DirTier``: pread, no daemon hop), then
-one holder per peer holding it, in placement order (``HedgedPeer``, net/hedge.py: a read a
-peer has not answered within the hedging delay goes to another replica too), then the
-origin. The Store reads and verifies; ``read_many`` sends each peer the ranges it is asked
+one holder per peer of the shard's ranking: its live holders, the less busy of two first,
+then the nodes that take over from dead ones (``ClusterHolders._holders_of``; each peer a
+``HedgedPeer``, net/hedge.py: a read a peer has not answered within the hedging delay goes
+to another replica too), then the origin. The Store reads and verifies; ``read_many`` sends each peer the ranges it is asked
 for in one batched request (the peer's ``pread_many``). No MPI here: it works in forked and
 spawned DataLoader workers (a pickled store connects again in the child; a forked one opens
 new connections there). A peer that is down, slow or wrong is skipped and counted; the
@@ -16,13 +17,14 @@ caller gets correct bytes or the Store's own errors, never a network exception.
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
 from typing import Any
 
 from stagefs.cluster.cmap import ClusterMap, load_runtime
-from stagefs.cluster.placement import place
+from stagefs.cluster.placement import SPARE, place
 from stagefs.cluster.world import runtime_default
 from stagefs.config import TierSpec, env
 from stagefs.errors import ClusterError
@@ -63,34 +65,78 @@ class ClusterHolders:
         self.peers = {n: HedgedPeer(PeerSource(c, f"node {n}"), self._replicas,
                                     self.reply_times, self.batch_times)
                       for n, c in self.clients.items()}
-        # built once per set of replicas: its peers' holders (placement order), and the
-        # shard's holder list after this node's tier copies: those peers, then the origin
-        sets: dict[tuple[int, ...], tuple[tuple[HedgedPeer, ...], list[ShardSource]]] = {}
-        self._replica_holders: list[tuple[HedgedPeer, ...]] = []
-        self._after_tiers: list[list[ShardSource]] = []
+        # each shard's ranking (placement.py): its K holders, then the SPARE nodes that
+        # take over when holders die; as peers (this node left out), built once per ranking
+        self.rng = random.Random()  # the power of two choices (a test seeds it)
+        sets: dict[tuple[int, ...], tuple[HedgedPeer, ...]] = {}
+        self._ranked: list[tuple[HedgedPeer, ...]] = []
+        self._ranked_nodes: list[tuple[int, ...]] = []
+        self._static_after: dict[tuple[int, ...], list[ShardSource]] = {}
         for shard in range(len(manifest.shards)):
-            key = tuple(n for n in self.placement.holders[shard] if n != self.rank)
-            got = sets.get(key)
+            nodes = tuple(self.placement.live(shard, (), SPARE))
+            got = sets.get(nodes)
             if got is None:
-                peers = tuple(self.peers[n] for n in key)
-                got = sets[key] = (peers, [*peers, origin])
-            self._replica_holders.append(got[0])
-            self._after_tiers.append(got[1])
+                got = sets[nodes] = tuple(self.peers[n] for n in nodes if n != self.rank)
+                self._static_after[nodes] = [*got, origin]
+            self._ranked.append(got)
+            self._ranked_nodes.append(nodes)
         self._mine = set(self.placement.shards_of(self.rank))
         self.holders = self._holders_of
 
     def _replicas(self, shard: int) -> Sequence[HedgedPeer]:
-        """The holders of the shard's replicas on other nodes: where a hedge goes."""
-        return self._replica_holders[shard]
+        """The peers of the shard's ranking, in order: where a hedge goes (HedgedPeer skips
+        the suspect ones and the ones asked)."""
+        return self._ranked[shard]
 
     def _holders_of(self, shard: int) -> Sequence[ShardSource]:
-        after = self._after_tiers[shard]
+        """The shard's holders, in the order to ask them: this node's tier copy, the first K
+        live nodes of the shard's ranking (the less busy of two first: the power of two
+        choices on requests in flight), the nodes that take over after them (a node that
+        has not copied the shard yet answers "not held" at once), the suspect peers last
+        (never chosen first), then the origin. Store.read_many sends each range to the
+        first of these that is not down (store.py ``_first_up``)."""
+        nodes = self._ranked_nodes[shard]
         if shard in self._mine:
             # only a copy the tier holds now: read_many reads it in the calling thread
             here: list[ShardSource] = [t for t in self.tiers if t.holds(shard)]
             if here:
-                return here + after
-        return after
+                return here + self._static_after[nodes]
+        k = len(self.placement.holders[shard])  # K, or every node (--replicate-all)
+        first: list[HedgedPeer] = []
+        after: list[ShardSource] = []
+        down: list[ShardSource] = []
+        live = 0  # live nodes of the ranking seen so far, this node included
+        for n in nodes:
+            if n == self.rank:
+                live += 1
+                continue
+            peer = self.peers[n]
+            if peer.is_down():
+                down.append(peer)
+            elif live < k:
+                first.append(peer)
+                live += 1
+            else:
+                after.append(peer)
+        if len(first) > 1:
+            first = self._two_choices(first)
+        out: list[ShardSource] = [*first, *after, *down, self.origin]
+        if self.rank in nodes and shard not in self._mine:
+            # a copy this node made when a holder died (whatever this reader knows of the
+            # dead: one open() when there is none)
+            here = [t for t in self.tiers if t.holds(shard)]
+            return here + out
+        return out
+
+    def _two_choices(self, first: list[HedgedPeer]) -> list[HedgedPeer]:
+        """Two of the live holders drawn at random, the one with fewer requests in flight
+        first, then the others in ranking order: reads of a shard spread over its holders,
+        and away from a busy one."""
+        i, j = self.rng.sample(range(len(first)), 2)
+        a, b = first[i], first[j]
+        if b.outstanding < a.outstanding:
+            a, b = b, a
+        return [a, b, *(p for p in first if p is not a and p is not b)]
 
     def held_shards(self) -> set[int]:
         """The shards placed on this node (its daemon stages them)."""

@@ -34,6 +34,7 @@ from stagefs.cluster.bootstrap import (
 )
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
 from stagefs.cluster.placement import place, shards_matching
+from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import format_size, parse_tier
@@ -71,6 +72,7 @@ class ServeOptions:
     mpi: bool | None = None  # None: use MPI if an MPI launcher started us
     clean_on_exit: bool = False  # remove this node's tier data when the daemon stops
     forward_timeout: float = 600.0
+    dead_after: float = 30.0  # a peer whose probes fail this long is dead: re-replicate
     limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -160,6 +162,17 @@ class Daemon:
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout)
+        # after a peer dies, its shards are copied again from survivors (rereplicate.py)
+        probes = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
+                                name=f"node {n}", timeout=min(5.0, o.dead_after),
+                                connect_timeout=min(3.0, o.dead_after), pool_size=1)
+                  for n, (h, p) in enumerate(self.nodes) if n != self.rank}
+        self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,
+                                         self.peers, probes, self.stop,
+                                         dead_after=o.dead_after,
+                                         every=min(1.0, o.dead_after / 4),
+                                         forward_timeout=o.forward_timeout)
+        self.monitor: threading.Thread | None = None
         self.progress_unreachable = 0
         self.staged_at = 0.0
 
@@ -170,7 +183,10 @@ class Daemon:
         return {
             "rank": self.rank, "size": self.size, "host": self.server.address[0],
             "port": self.server.address[1], "pid": os.getpid(), "state": self.state,
-            "staging": st, "staging_done": self.stager.done.is_set(),
+            "staging": st,
+            # with re-replication idle: a node copying from this one waits for it until then
+            "staging_done": self.stager.done.is_set() and self.rereplicator.idle(),
+            "rereplication": self.rereplicator.status(),
             "staging_error": None if self.stager.error is None else str(self.stager.error),
             "tiers": self._tier_usage(), "pack": self.pack,
             "peers_unreachable": st["peers_unreachable"] + self.progress_unreachable + sum(
@@ -199,6 +215,9 @@ class Daemon:
         self.state = "staging"
         stager = threading.Thread(target=self.stager.run, name="stagefs-stager", daemon=True)
         stager.start()
+        self.monitor = threading.Thread(target=self.rereplicator.run, name="stagefs-monitor",
+                                        daemon=True)
+        self.monitor.start()
         if not self.o.wait:
             write_map(self.runtime, self.cmap(False), self.token)
         reporter = None
@@ -236,6 +255,8 @@ class Daemon:
         self.server.close()
         if self.state != "starting":  # the stager ran: let it end the shard it copies
             self.stager.done.wait(30)
+        if self.monitor is not None:  # and re-replication, the shard it copies
+            self.monitor.join(60)
         self.chain.close()
         for c in self.peers.values():
             c.close()

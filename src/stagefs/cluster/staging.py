@@ -48,6 +48,8 @@ class StagingStats:
     forwarded_shards: int = 0  # pulled from a peer instead of the origin
     forwarded_bytes: int = 0
     forward_fallbacks: int = 0  # no peer could give it: read the origin instead
+    placed_from_origin: int = 0  # shards this stager copied from the origin
+    placed_from_origin_bytes: int = 0
     no_room: int = 0  # shards that did not fit in the tiers
     peers_unreachable: int = 0
     checksum_failures: int = 0  # files that failed their checksum while copied
@@ -186,6 +188,9 @@ class Stager:
             self.stats.bytes_held += self.manifest.shards[shard].size
             if outcome == "placed" and peer is not None:
                 self.stats.forwarded_shards += 1
+            elif outcome == "placed":
+                self.stats.placed_from_origin += 1
+                self.stats.placed_from_origin_bytes += self.manifest.shards[shard].size
         elif outcome == "full":
             self.stats.no_room += 1  # reads of it go to a peer or the origin
         return outcome

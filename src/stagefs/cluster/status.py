@@ -1,4 +1,5 @@
-"""``stagefs status`` for a cluster: ask every daemon (STATUS over the protocol), one table."""
+"""``stagefs status`` for a cluster: ask every daemon (STATUS over the protocol), one table,
+then a line per node that has seen a node die: its re-replication (cluster/rereplicate.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from stagefs.config import format_size
 from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["cluster_status", "has_cluster", "print_cluster_status", "wait_for_cluster"]
+__all__ = ["cluster_status", "has_cluster", "print_cluster_status", "rereplication_lines",
+           "wait_for_cluster"]
 
 
 def has_cluster(runtime: str | None) -> bool:
@@ -63,6 +65,26 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
             str(s["checksum_failures"])]
 
 
+def rereplication_lines(nodes: list[dict[str, Any] | None]) -> list[str]:
+    """What re-replication did: the dead nodes each node sees, the shards it copies again,
+    and where the bytes came from (peers, or the origin when no replica survived)."""
+    out = []
+    for n, s in enumerate(nodes):
+        r = s.get("rereplication") if s else None
+        if not r or not (r["dead"] or r["generation"]):
+            continue
+        state = "cut off: copies nothing" if r["isolated"] else (
+            "done" if r["done"] else "copying")
+        out.append(
+            f"node {n}: dead nodes {r['dead'] or 'none'} (generation {r['generation']}); "
+            f"re-replication {state}: {r['shards_copied']}/{r['shards_to_copy']} shards "
+            f"copied ({r['shards_held_already']} held already), "
+            f"{format_size(r['from_peers_bytes'])} from peers, "
+            f"{format_size(r['from_origin_bytes'])} from the origin"
+            + (f", {r['no_room']} without room" if r["no_room"] else ""))
+    return out
+
+
 def print_cluster_status(runtime: str | None, *, as_json: bool = False,
                          wait_staged: float | None = None) -> int:
     """Print the cluster's state; with ``wait_staged``, first wait (up to that many seconds)
@@ -85,6 +107,8 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
               f"(replicas {cmap.replicas}{', replicate-all ' + ' '.join(cmap.replicate_all) if cmap.replicate_all else ''})")
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        for line in rereplication_lines(nodes):
+            print(line)
     down = sum(s is None for s in nodes)
     if down:
         print(f"{down} node(s) unreachable: reads of their shards go to replicas or the "

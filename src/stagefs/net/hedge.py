@@ -12,7 +12,9 @@ counts as one. A peer that fails outright is not hedged: the Store goes to its n
 (the shard's next replica, then the origin). So a hung holder costs at most one short delay,
 not a timeout; the Store verifies what comes back and goes to its next holder if it is
 wrong. Each request to a peer that is not suspect is sent from a pool thread (one hop); a
-suspect peer refuses at once, from the caller's thread.
+suspect peer refuses at once, from the caller's thread. Each peer counts its requests in
+flight (``outstanding``): the cluster's holder choice sends a read to the less busy of two
+replicas (cluster/connect.py).
 """
 
 from __future__ import annotations
@@ -50,12 +52,17 @@ class HedgePolicy:
 
 
 _ALL_TIMES: weakref.WeakSet[ReplyTimes] = weakref.WeakSet()
+_ALL_PEERS: weakref.WeakSet[HedgedPeer] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    """A lock another thread held at the fork stays held in the child: make new ones."""
+    """A lock another thread held at the fork stays held in the child: make new ones (and
+    the parent's requests in flight are not the child's)."""
     for t in list(_ALL_TIMES):
         t._lock = threading.Lock()
+    for p in list(_ALL_PEERS):
+        p._count = threading.Lock()
+        p.outstanding = 0
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -132,6 +139,17 @@ class HedgedPeer:
         self.times = times or ReplyTimes()  # of single reads
         self.batch_times = batch_times or ReplyTimes()  # of batches: longer replies
         self.hedged = 0  # requests also sent to another replica: this peer was slow
+        self.outstanding = 0  # requests sent and not answered yet (the holder choice's load)
+        self._count = threading.Lock()
+        _ALL_PEERS.add(self)
+
+    def _begin(self) -> None:
+        with self._count:
+            self.outstanding += 1
+
+    def _end(self) -> None:
+        with self._count:
+            self.outstanding -= 1
 
     def is_down(self) -> bool:
         """Suspect: a reader goes straight to the next holder."""
@@ -162,9 +180,13 @@ class HedgedPeer:
     # -- one range -----------------------------------------------------------------------
 
     def _pread(self, shard: int, offset: int, length: int) -> bytes:
-        t0 = perf_counter()
-        out = self.source.pread(shard, offset, length)
-        self.times.add(perf_counter() - t0)
+        self._begin()
+        try:
+            t0 = perf_counter()
+            out = self.source.pread(shard, offset, length)
+            self.times.add(perf_counter() - t0)
+        finally:
+            self._end()
         return out
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
@@ -189,15 +211,19 @@ class HedgedPeer:
                     raise PeerUnavailable(
                         f"{self.name}: no answer within {delay:.3f} s and no other live "
                         f"replica of shard {shard}; read from the next holder")
-                self._slow(waiting.values(), delay, "asked another replica")
+                # the slow ones are suspect once another answers first: a node that has
+                # not copied the shard yet (it takes over a dead one's) says so at once,
+                # which proves nothing against the slow one
                 self.hedged += 1
                 asked.append(nxt)
                 waiting[pool.submit(nxt._pread, shard, offset, length)] = nxt
                 continue
             for f in done:
-                waiting.pop(f)
+                who = waiting.pop(f)
                 exc = f.exception()
                 if exc is None:
+                    if who is not self and self in waiting.values():
+                        self._slow(waiting.values(), delay, "another replica answered first")
                     return f.result()
                 if not isinstance(exc, PeerUnavailable):
                     raise exc
@@ -208,9 +234,13 @@ class HedgedPeer:
     # -- a batch -------------------------------------------------------------------------
 
     def _read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
-        t0 = perf_counter()
-        out = self.client.read(ranges)
-        self.batch_times.add(perf_counter() - t0)
+        self._begin()
+        try:
+            t0 = perf_counter()
+            out = self.client.read(ranges)
+            self.batch_times.add(perf_counter() - t0)
+        finally:
+            self._end()
         return out
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:

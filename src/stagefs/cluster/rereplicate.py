@@ -1,0 +1,230 @@
+"""Re-replication: after a node dies, copy its shards again from the surviving replicas.
+
+Each daemon probes its peers (``Health``: a peer is *dead* once its probes have failed for
+``dead_after`` seconds, by an injected clock; one answer makes it live again). When the set
+of dead nodes changes, each daemon works out, with no message to anyone, which shards it
+must now hold (``plan``): a shard's live holders are the first K live nodes of its ranking
+(placement.py ``Placement.live``), so the node after the dead one in each ranking takes the
+shard over. It copies each from a live node that holds it: a surviving holder of the
+placement, or a node ranked before it that took the shard over earlier (never one ranked
+after it: two takers never wait for each other). Only a shard with no surviving replica is
+read from the origin. The copy is the cluster stager's (staging.py), through the single-node
+tier layer (``TierChain.place(source=peer)``): claimed, verified file by file, renamed into
+place. Readers follow the same ranking (cluster/connect.py), so a reader that asks a taker
+before it has copied gets a quick "not held" and goes on.
+
+A node that reaches fewer than half of the nodes (itself included) is the one cut off, most
+likely: it re-replicates nothing (``isolated`` in its status), so a partitioned node does
+not read the whole dataset from the origin. When the partition heals, its probes answer,
+its dead set empties, and it serves what it held: whole copies of this pack (the handshake
+and each shard header carry the pack id; every byte is verified by the reader).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from stagefs.cluster.placement import Placement
+from stagefs.cluster.staging import Stager
+from stagefs.format import Manifest
+from stagefs.net.client import PeerClient
+from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.chain import TierChain
+
+__all__ = ["Health", "Rereplicator", "plan"]
+
+log = logging.getLogger("stagefs.rereplicate")
+
+
+class Health:
+    """Which peers are dead, from the outcomes of their probes (pure: the clock is given).
+
+    A peer is dead once its probes have failed for at least ``dead_after`` seconds (two
+    failures at least: one failure after a pause of this process, SIGSTOP, is not enough)
+    and live again at its first answer."""
+
+    def __init__(self, peers: Iterable[int], dead_after: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.dead_after = dead_after
+        self.clock = clock
+        self._failing: dict[int, tuple[float, int]] = {}  # peer -> (first failure, count)
+        self.peers = set(peers)
+
+    def record(self, peer: int, ok: bool) -> None:
+        if ok:
+            self._failing.pop(peer, None)
+            return
+        first, count = self._failing.get(peer, (self.clock(), 0))
+        self._failing[peer] = (first, count + 1)
+
+    def dead(self) -> frozenset[int]:
+        now = self.clock()
+        return frozenset(n for n, (first, count) in self._failing.items()
+                         if count >= 2 and now - first >= self.dead_after)
+
+
+def plan(placement: Placement, rank: int, dead: Iterable[int]) -> dict[int, list[int]]:
+    """The shards ``rank`` must copy now that ``dead`` are dead -> the nodes to copy each
+    from, best first (empty: no replica survives, read the origin)."""
+    gone = frozenset(dead)
+    out: dict[int, list[int]] = {}
+    if not gone or rank in gone:
+        return out
+    for s, h in enumerate(placement.holders):
+        if rank in h or gone.isdisjoint(h):
+            continue
+        live = placement.live(s, gone)
+        if rank not in live:
+            continue
+        mine = live.index(rank)
+        out[s] = [n for i, n in enumerate(live) if n != rank and (n in h or i < mine)]
+    return out
+
+
+class Rereplicator:
+    """The daemon's re-replication: probes peers every ``every`` seconds, and when the dead
+    set changes, copies the shards it must now hold (``plan``) with a Stager of their own.
+    ``status()`` is what ``stagefs status`` shows."""
+
+    def __init__(self, manifest: Manifest, placement: Placement, rank: int, chain: TierChain,
+                 peers: dict[int, PeerClient], probes: dict[int, PeerClient],
+                 stop: threading.Event, *, dead_after: float, every: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic,
+                 forward_timeout: float = 600.0) -> None:
+        self.manifest = manifest
+        self.placement = placement
+        self.rank = rank
+        self.chain = chain
+        self.peers = peers
+        self.probes = probes  # clients of their own: a probe never waits on a data copy
+        self.stop = stop
+        self.every = every
+        self.forward_timeout = forward_timeout
+        self.health = Health(probes, dead_after, clock)
+        self.dead: frozenset[int] = frozenset()
+        self.generation = 0  # changes of the dead set seen by this node
+        self.isolated = False
+        self._round: tuple[Stager, threading.Event, threading.Thread] | None = None
+        self._past = {"forwarded_bytes": 0, "origin_bytes": 0, "forwarded_shards": 0,
+                      "origin_shards": 0}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(min(16, max(1, len(probes))),
+                                        thread_name_prefix="stagefs-probe")
+
+    # -- probing -------------------------------------------------------------------------
+
+    def _probe(self, n: int) -> bool:
+        c = self.probes[n]
+        if c.is_suspect():
+            return c.probe()  # connects again now, whatever its back-off
+        try:
+            c.status()
+        except SourceUnavailable:
+            return False
+        return True
+
+    def step(self) -> None:
+        """One round: probe every peer (at once), then act on a changed dead set."""
+        peers = sorted(self.probes)
+        for n, ok in zip(peers, self._pool.map(self._probe, peers), strict=True):
+            self.health.record(n, ok)
+        self.update(self.health.dead())
+
+    def update(self, dead: frozenset[int]) -> None:
+        if dead == self.dead:
+            return
+        self.generation += 1
+        log.warning("node %d: dead nodes now %s (generation %d)", self.rank,
+                    sorted(dead) or "none", self.generation)
+        self.dead = dead
+        reachable = self.placement.nodes - len(dead)
+        self.isolated = 2 * reachable < self.placement.nodes
+        if self.isolated:
+            log.warning("node %d reaches %d of %d nodes: cut off, most likely; it copies "
+                        "nothing until they answer again", self.rank, reachable,
+                        self.placement.nodes)
+            self._end_round()
+            return
+        self._start_round(plan(self.placement, self.rank, dead))
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            try:
+                self.step()
+            except Exception:  # never let the monitor die silently: log and go on
+                log.exception("node %d: re-replication round failed", self.rank)
+        self._end_round()
+        self._pool.shutdown(wait=False)
+
+    # -- copying -------------------------------------------------------------------------
+
+    def _start_round(self, todo: dict[int, list[int]]) -> None:
+        self._end_round()
+        if not todo:
+            return
+        holders: list[tuple[int, ...]] = [()] * len(self.placement.holders)
+        for s, sources in todo.items():
+            holders[s] = (*sources, self.rank)  # no sources: this node reads the origin
+        stop = threading.Event()
+        stager = Stager(self.manifest, holders, self.rank, self.chain, self.peers, stop,
+                        self.forward_timeout)
+        t = threading.Thread(target=self._copy, args=(stager, stop),
+                             name="stagefs-rereplicate", daemon=True)
+        with self._lock:
+            self._round = (stager, stop, t)
+        log.warning("node %d: %d shards to copy again (%d with no surviving replica)",
+                    self.rank, len(todo), sum(not v for v in todo.values()))
+        t.start()
+
+    def _copy(self, stager: Stager, stop: threading.Event) -> None:
+        def watch() -> None:  # the daemon stopping ends the round too
+            while not stop.wait(0.2):
+                if self.stop.is_set() or stager.done.is_set():
+                    stop.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+        stager.run()
+
+    def _end_round(self) -> None:
+        with self._lock:
+            got, self._round = self._round, None
+        if got is None:
+            return
+        stager, stop, t = got
+        stop.set()
+        t.join(60)
+        st = stager.stats
+        self._past["forwarded_bytes"] += st.forwarded_bytes
+        self._past["forwarded_shards"] += st.forwarded_shards
+        self._past["origin_bytes"] += st.placed_from_origin_bytes
+        self._past["origin_shards"] += st.placed_from_origin
+
+    def idle(self) -> bool:
+        got = self._round
+        return got is None or got[0].done.is_set()
+
+    def status(self) -> dict[str, Any]:
+        got = self._round
+        st = got[0].stats if got is not None else None
+        return {
+            "dead": sorted(self.dead), "generation": self.generation,
+            "isolated": self.isolated, "done": self.idle(),
+            "shards_to_copy": st.shards_assigned if st else 0,
+            "shards_copied": (st.shards_held - st.shards_reused) if st else 0,
+            "shards_held_already": st.shards_reused if st else 0,
+            "bytes_to_copy": st.bytes_assigned if st else 0,
+            "from_peers_bytes": self._past["forwarded_bytes"] + (
+                st.forwarded_bytes if st else 0),
+            "from_peers_shards": self._past["forwarded_shards"] + (
+                st.forwarded_shards if st else 0),
+            "from_origin_bytes": self._past["origin_bytes"] + (
+                st.placed_from_origin_bytes if st else 0),
+            "from_origin_shards": self._past["origin_shards"] + (
+                st.placed_from_origin if st else 0),
+            "no_room": st.no_room if st else 0,
+        }

@@ -1,0 +1,75 @@
+"""Re-replication decisions, pure: when a peer is dead (an injected clock), and which shards
+a node copies again from whom."""
+
+from __future__ import annotations
+
+from stagefs.cluster.placement import place
+from stagefs.cluster.rereplicate import Health, plan
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_peer_is_dead_after_failing_for_dead_after_seconds() -> None:
+    clock = Clock()
+    h = Health([1, 2], dead_after=10.0, clock=clock)
+    h.record(1, False)
+    assert h.dead() == frozenset()
+    clock.now += 9.9
+    h.record(1, False)
+    assert h.dead() == frozenset()  # not long enough yet
+    clock.now += 0.1
+    assert h.dead() == frozenset({1})
+    h.record(1, True)  # one answer: live again
+    assert h.dead() == frozenset()
+
+
+def test_one_failure_after_a_long_pause_is_not_death() -> None:
+    """This process stopped (SIGSTOP) for longer than dead_after: the first probe after it
+    fails, but one failure is not enough; the next answer clears it."""
+    clock = Clock()
+    h = Health([1], dead_after=1.0, clock=clock)
+    h.record(1, True)
+    clock.now += 3600
+    h.record(1, False)
+    clock.now += 5
+    assert h.dead() == frozenset()
+    h.record(1, True)
+    assert h.dead() == frozenset()
+
+
+def test_the_next_node_of_each_ranking_copies_from_the_survivor() -> None:
+    nodes, k = 8, 2
+    p = place(500, nodes, k, seed=4)
+    dead = 3
+    todo = {r: plan(p, r, {dead}) for r in range(nodes)}
+    assert todo[dead] == {}
+    lost = p.shards_of(dead)
+    copied = sorted(s for r in todo for s in todo[r])
+    assert copied == lost  # each lost shard copied once, by one node
+    for r, shards in todo.items():
+        for s, sources in shards.items():
+            assert r == p.ranking(s)[k]  # the next node of the ranking
+            assert sources == [n for n in p.holders[s] if n != dead]  # from the survivor
+    assert len([r for r in todo if todo[r]]) == nodes - 1  # spread over every other node
+
+
+def test_a_second_death_copies_from_the_first_taker_not_the_origin() -> None:
+    nodes, k = 6, 2
+    p = place(300, nodes, k, seed=1)
+    s = 0
+    a, b = p.holders[s]
+    r = p.ranking(s)
+    # a died, r[2] copied the shard from b; then b dies: r[3] copies it from r[2]
+    assert plan(p, r[2], {a})[s] == [b]
+    assert plan(p, r[3], {a, b})[s] == [r[2]]
+    # both holders died at once: r[2] reads the origin (no replica survives), r[3] waits
+    # for r[2], ranked before it (never the other way round: no two takers wait on each
+    # other)
+    assert plan(p, r[2], {a, b})[s] == []
+    assert s not in plan(p, r[4], {a, b})
