@@ -15,8 +15,10 @@ A request with no ranges is a ping (a suspect peer is probed with one).
 
 MPICH's progress engine busy-polls: a blocking probe or wait spins a core for as long as it
 waits. The serving thread therefore probes without blocking and sleeps between probes, the
-sleep doubling up to ``MpiLimits.idle_poll`` while nothing comes (an idle daemon costs well
-under 1% of a core); it polls without sleeping only while its replies are in flight. A
+sleep doubling up to ``MpiLimits.idle_poll`` (2 ms) while nothing comes: an idle daemon
+makes about 500 probes a second, about 2% of one core measured here (a blocking probe: 100%),
+and the first request after a quiet spell waits up to 2 ms more. It polls without sleeping
+only while its replies are in flight. A
 reader waits for its reply the same way, within a total deadline: a peer rank that died,
 hangs or answers nonsense is ``PeerUnavailable`` (net/client.py), the Store's next holder
 answers, and the peer is skipped until a ping in the background finds it answering again.
@@ -53,6 +55,7 @@ NOT_HELD, INVALID = -1, -2  # a reply's length for a range it does not give
 _OK, _MALFORMED = 0, 1  # a reply's status
 _SCRATCH = 16 * 2**20  # replies of one window up to this size land in a reused buffer
 BACKOFF = (0.5, 30.0)  # a suspect peer is pinged again after this long, doubling
+_HOT = 1e-3  # a reader polls MPI without sleeping for this long, then sleeps between polls
 
 Locate = Callable[[int], str | None]
 
@@ -569,7 +572,7 @@ def _wait(mpi: Any, reqs: list[Any], statuses: list[Any] | None,
         now = clock()
         if now >= deadline:
             return False
-        if now - start < 1e-3:
+        if now - start < _HOT:
             time.sleep(0)
         else:
             pause = min(max(pause * 2, 2e-5), 5e-4)
