@@ -277,7 +277,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         replicate_all=args.replicate_all or [], runtime=args.runtime, wait=args.wait,
         hosts=args.hosts, rank=args.rank, token_file=args.token_file, bind=args.bind,
         interface=args.interface, port=args.port, seed=args.seed, progress=args.progress,
-        mpi=args.mpi, clean_on_exit=args.clean_on_exit, dead_after=args.dead_after))
+        mpi=args.mpi, clean_on_exit=args.clean_on_exit, dead_after=args.dead_after,
+        transport=args.transport))
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
@@ -484,6 +485,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rank 0 reports staging progress this often (0: never)")
     sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,
                     help="use MPI to bootstrap (default: if an MPI launcher started us)")
+    sp.add_argument("--transport", choices=("tcp", "mpi"), default="tcp",
+                    help="how daemons read each other's shards: tcp, or mpi (the daemons are "
+                         "MPI ranks; the MPI library's fabric, RDMA where it has one)")
 
     sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory (staged "
              "data is otherwise kept for the next job); refused while a process uses them")

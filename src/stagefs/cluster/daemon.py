@@ -33,9 +33,11 @@ from stagefs.cluster.bootstrap import (
     StaticBootstrap,
 )
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
+from stagefs.cluster.mpi_transport import mpi_library
 from stagefs.cluster.placement import place, shards_matching
 from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
+from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
@@ -71,6 +73,7 @@ class ServeOptions:
     progress: float = 5.0
     mpi: bool | None = None  # None: use MPI if an MPI launcher started us
     clean_on_exit: bool = False  # remove this node's tier data when the daemon stops
+    transport: str = "tcp"  # how this daemon reads its peers: "tcp" or "mpi" (MPI ranks)
     forward_timeout: float = 600.0
     dead_after: float = 30.0  # a peer whose probes fail this long is dead: re-replicate
     limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
@@ -78,6 +81,15 @@ class ServeOptions:
 
 
 def _bootstrap(o: ServeOptions) -> Bootstrap:
+    if o.transport not in TRANSPORTS:
+        raise ConfigError(f"--transport {o.transport!r}: use one of {', '.join(TRANSPORTS)}")
+    if o.transport == "mpi":
+        if o.hosts or o.mpi is False:
+            raise ConfigError("--transport mpi reads peers through MPI: launch the daemons as "
+                              "MPI ranks (mpiexec/srun), without --hosts or --no-mpi; or use "
+                              "--transport tcp")
+        mpi_library("--transport mpi was given")  # MPI_THREAD_MULTIPLE, before bootstrap
+        return MpiBootstrap(asked=True)
     if o.hosts:
         rank = o.rank if o.rank is not None else detect().rank
         return StaticBootstrap(read_hosts(o.hosts), rank, o.token_file,
@@ -160,8 +172,12 @@ class Daemon:
         self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
                                     name=f"node {n}", timeout=30.0)
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
+        # the peers' bytes come over TCP or MPI (--transport); status and the barrier over TCP
+        self.transport = open_transport(o.transport, getattr(self.boot, "comm", None),
+                                        self.manifest, self.chain)
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
-                             self.peers, self.stop, o.forward_timeout)
+                             self.peers, self.stop, o.forward_timeout,
+                             sources=peer_sources(self.transport, self.peers))
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
         probes = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
                                 name=f"node {n}", timeout=min(5.0, o.dead_after),
@@ -193,6 +209,8 @@ class Daemon:
                 c.stats.failures for c in self.peers.values()),
             "checksum_failures": st["checksum_failures"],
             "bootstrap": self.boot.source,
+            "transport": self.o.transport,
+            **({} if self.transport is None else {"mpi": self.transport.status()}),
         }
 
     def _tier_usage(self) -> list[dict[str, Any]]:
@@ -257,6 +275,8 @@ class Daemon:
             self.stager.done.wait(30)
         if self.monitor is not None:  # and re-replication, the shard it copies
             self.monitor.join(60)
+        if self.transport is not None:
+            self.transport.close()
         self.chain.close()
         for c in self.peers.values():
             c.close()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -83,7 +83,10 @@ class Stager:
 
     def __init__(self, manifest: Manifest, holders: Sequence[Sequence[int]], rank: int,
                  chain: TierChain, peers: dict[int, PeerClient], stop: threading.Event,
-                 forward_timeout: float = _FORWARD_TIMEOUT) -> None:
+                 forward_timeout: float = _FORWARD_TIMEOUT,
+                 sources: Mapping[int, ShardSource] | None = None) -> None:
+        """``sources``: what to copy each peer's shards from (default: over its client;
+        cluster/transport.py ``peer_sources`` gives the transport's)."""
         self.manifest = manifest
         self.holders = holders
         self.rank = rank
@@ -91,8 +94,9 @@ class Stager:
         self.peers = peers
         self.stop = stop
         self.forward_timeout = forward_timeout
-        self.sources = {n: _Counted(PeerSource(c, f"node {n}"), self._forwarded)
-                        for n, c in peers.items()}
+        if sources is None:
+            sources = {n: PeerSource(c, f"node {n}") for n, c in peers.items()}
+        self.sources = {n: _Counted(src, self._forwarded) for n, src in sources.items()}
         self.mine = [s for s, h in enumerate(holders) if rank in h]
         self.stats = StagingStats(shards_assigned=len(self.mine),
                                   bytes_assigned=sum(manifest.shards[s].size for s in self.mine))

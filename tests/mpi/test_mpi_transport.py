@@ -1,0 +1,143 @@
+"""The MPI transport (cluster/mpi_transport.py) in real MPI jobs on this machine: every rank
+reads the other ranks' shards through it, bad ranges are refused, a hung peer is
+PeerUnavailable and comes back; and ``stagefs serve --transport mpi`` stages through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stagefs.format import MANIFEST_NAME
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from cluster_helpers import (
+    make_pack,
+    mpiexec,
+    results,
+    serve_args,
+    start,
+    status_json,
+    stop,
+    tail,
+    wait_staged,
+    write_expected,
+)
+
+MPIEXEC = mpiexec()
+pytestmark = [
+    pytest.mark.mpi,
+    pytest.mark.integration,
+    pytest.mark.skipif(MPIEXEC is None, reason="mpiexec or mpi4py not installed "
+                       "(pip install 'stagefs[mpi]')"),
+]
+RANKS = str(Path(__file__).with_name("mpi_transport_ranks.py"))
+READER = str(Path(__file__).with_name("cluster_reader.py"))
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _ranks(work: Path, n: int, *mode: str) -> list[dict[str, object]]:
+    _, content = make_pack(str(work), files=120)
+    write_expected(str(work), content)
+    assert MPIEXEC is not None
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, RANKS, str(work), *mode],
+                         capture_output=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr.decode()[-4000:]
+    out = []
+    for r in range(n):
+        path = work / f"mpi{r}.json"
+        if path.exists():
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_rank_reads_the_other_ranks_shards_through_mpi(tmp_path: Path, n: int) -> None:
+    got = _ranks(tmp_path, n)
+    assert len(got) == n
+    for res in got:
+        assert res["threads"]  # MPI_THREAD_MULTIPLE
+        assert res["files"] > 0 and res["bad"] == 0  # every file, exactly its bytes
+        assert res["store_checksum_failures"] == 0 and res["store_unavailable"] == 0
+        peers = res["peers"]
+        assert isinstance(peers, dict) and sorted(peers) == sorted(
+            str(r) for r in range(n) if r != res["rank"])
+        assert all(p["bytes"] > 0 and p["failures"] == 0 for p in peers.values())
+        # 8 bad ranges, unknown shards and a shard the peer does not hold: all refused,
+        # in a batch too, and a refusal does not make the peer suspect
+        assert res["refused"] == 8 and res["many_ok"] and not res["suspect_after_refusals"]
+        served = res["served"]
+        assert isinstance(served, dict) and served["ranges_invalid"] > 0
+        assert served["ranges_not_held"] > 0 and served["bytes_served"] > 0
+    # the holder conformance suite, with rank 1 as the holder through MPI
+    assert got[0]["conformance"] == ["check_ranges", "check_out_of_bounds",
+                                     "check_missing_shard", "check_corrupt_copy",
+                                     "check_concurrent_readers"]
+
+
+def test_a_hung_peer_is_unavailable_and_comes_back(tmp_path: Path) -> None:
+    res = _ranks(tmp_path, 3, "hung")[0]
+    assert "no reply within" in str(res["first"]) and res["suspect"]
+    assert res["bad_while_hung"] == 0 and int(str(res["origin_bytes"])) > 0  # from the origin
+    assert res["probe"] and not res["suspect_after"]
+    assert res["bad_after"] == 0 and int(str(res["mpi_bytes_after"])) > 0  # through MPI again
+
+
+def test_daemons_stage_through_mpi(tmp_path: Path) -> None:
+    n = 4
+    work = str(tmp_path)
+    pack, content = make_pack(work, files=120)
+    write_expected(work, content)
+    log = os.path.join(work, "daemons.log")
+    assert MPIEXEC is not None
+    daemons = start([MPIEXEC, "-n", str(n), *serve_args(
+        work, pack, "--bind", "127.0.0.1", "--replicas", "2", "--transport", "mpi")], log)
+    try:
+        wait_staged(work, n, daemons, log=log)
+        nodes = status_json(work, 0)["nodes"]
+        assert isinstance(nodes, list) and len(nodes) == n and all(nodes)
+        assert all(s["transport"] == "mpi" for s in nodes)
+        forwarded = sum(s["staging"]["forwarded_bytes"] for s in nodes)
+        through_mpi = sum(p["bytes"] for s in nodes for p in s["mpi"]["peers"].values())
+        served = sum(s["mpi"]["server"]["bytes_served"] for s in nodes)
+        # each replica copied from its primary through MPI, the bytes the copies counted
+        assert forwarded > 0 and through_mpi == forwarded == served
+        assert all(s["staging"]["checksum_failures"] == 0 for s in nodes)
+        # training processes still read peers over TCP, and get every byte right
+        assert MPIEXEC is not None
+        readers = start([MPIEXEC, "-n", str(n), sys.executable, READER, work, "1"],
+                        os.path.join(work, "readers.log"))
+        assert readers.wait(240) == 0, tail(os.path.join(work, "readers.log"))
+        for res in results(work, n):
+            assert res["bad"] == 0 and res["origin_bytes"] == 0
+    finally:
+        code = stop(daemons)
+    assert code == 0, tail(log)
+
+
+def test_refused_without_thread_multiple(tmp_path: Path) -> None:
+    """MPI initialised with less than MPI_THREAD_MULTIPLE (by the program, before stagefs
+    asked): the transport refuses, naming the level it got and what to do."""
+    pack, _ = make_pack(str(tmp_path), files=10)
+    code = (
+        "import mpi4py; mpi4py.rc.thread_level = 'funneled'; from mpi4py import MPI\n"
+        "from stagefs.cluster.mpi_transport import MpiTransport\n"
+        "from stagefs.errors import ClusterError\n"
+        "from stagefs.format import Manifest\n"
+        f"m = Manifest({os.path.join(pack, MANIFEST_NAME)!r})\n"
+        "try:\n"
+        "    MpiTransport(MPI.COMM_WORLD, m, lambda s: None)\n"
+        "except ClusterError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert "needs MPI_THREAD_MULTIPLE" in run.stdout
+    assert "gave MPI_THREAD_FUNNELED" in run.stdout
