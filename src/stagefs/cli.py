@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 
 from stagefs import __version__
 from stagefs._help import Formatter, bash_completion, commands, epilog
-from stagefs.config import format_size
+from stagefs.config import format_size, parse_size
 from stagefs.errors import ConfigError, StagefsError
+from stagefs.format.spec import FILE_ALIGN_MIN
 
 __all__ = ["main"]
 
@@ -32,7 +33,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     report = pack(args.src, args.dest, shard_size=args.shard_size, compress=args.compress,
-                  jobs=args.jobs, follow_symlinks=args.follow_symlinks, overwrite=args.force)
+                  align=parse_size(args.align), jobs=args.jobs,
+                  follow_symlinks=args.follow_symlinks, overwrite=args.force)
     dt = time.perf_counter() - t0
     rate = report.raw_bytes / dt / 2**20 if dt else 0.0
     print(f"{describe(report)} in {dt:.1f} s ({rate:.0f} MiB/s) → {report.dest}")
@@ -361,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard-size", default="64MiB", metavar="SIZE", help="target shard size")
     sp.add_argument("--compress", choices=("auto", "zstd", "none"), default="auto",
                     help="auto: keep zstd only where it saves space")
+    sp.add_argument("--align", default="4096", metavar="SIZE",
+                    help=f"start each raw file of {FILE_ALIGN_MIN // 1024} KiB or more at a "
+                         "multiple of SIZE in its shard, so that it can be mapped from a tier "
+                         "copy with no copy (a power of two; 1 or 0: no padding)")
     sp.add_argument("-j", "--jobs", type=int, default=None,
                     help="worker processes (default: one per core, at most 8)")
     sp.add_argument("--follow-symlinks", action="store_true",

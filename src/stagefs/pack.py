@@ -48,7 +48,8 @@ from stagefs.format import (
 from stagefs.format.checksum import StreamSum, piece_sums
 from stagefs.format.codecs import Codec, compress_auto
 from stagefs.format.manifest import Entry, ShardInfo
-from stagefs.format.spec import PIECE
+from stagefs.format.spec import FILE_ALIGN, FILE_ALIGN_MIN, MAX_FILE_ALIGN, PIECE, SHARD_HEADER
+from stagefs.format.validate import NO_ALIGN, FileAlign
 
 __all__ = ["PackReport", "pack", "unpack"]
 
@@ -80,6 +81,7 @@ class PackReport:
     symlinks: int = 0
     raw_bytes: int = 0
     stored_bytes: int = 0
+    padding_bytes: int = 0  # zeros before aligned files (docs/FORMAT.md, "File alignment")
     shards: int = 0
     reused_shards: int = 0
     skipped: list[str] = field(default_factory=list)  # sockets, FIFOs, devices
@@ -239,13 +241,15 @@ def _read_whole(fd: int, size: int) -> bytes:
 
 def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
     """Append one file; return its record, or ``"changed"`` if it changed under us. A raw
-    file larger than one piece gets the checksum of each piece too (docs/FORMAT.md)."""
+    file larger than one piece gets the checksum of each piece too, and a raw file that the
+    writer's alignment names starts at a multiple of it (docs/FORMAT.md)."""
     fd = os.open(f.abspath, os.O_RDONLY)
     try:
         before = os.fstat(fd)
         if before.st_size != f.size or before.st_mtime_ns != f.mtime_ns:
             return "changed"
         if f.size > _STREAM_ABOVE:
+            writer.align_for(Codec.NONE, f.size)
             offset, total, h = writer.position, 0, StreamSum(PIECE)
             while chunk := os.read(fd, _CHUNK):
                 writer.append(chunk)
@@ -258,6 +262,7 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
             total = len(data)
             codec, stored = compress_auto(data, compress)
             pieces = piece_sums(data, PIECE) if codec == Codec.NONE and total > PIECE else []
+            writer.align_for(codec, total)
             record = (writer.append(stored), len(stored), int(codec), checksum(data), pieces)
         after = os.fstat(fd)
     finally:
@@ -268,11 +273,11 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
 
 
 def _write_shard(
-    dest: str, index: int, pack_id: bytes, files: list[_Source], compress: str
+    dest: str, index: int, pack_id: bytes, files: list[_Source], compress: str, align: FileAlign
 ) -> _ShardResult:
     """Worker: write shard ``index``; its record file makes it reusable by a later run."""
     result = _ShardResult(index, [])
-    writer = ShardWriter(os.path.join(dest, shard_name(index)), index, pack_id)
+    writer = ShardWriter(os.path.join(dest, shard_name(index)), index, pack_id, align)
     try:
         for f in files:
             try:
@@ -365,6 +370,8 @@ def pack(
     *,
     shard_size: int | str = DEFAULT_SHARD_SIZE,
     compress: str = "auto",
+    align: int = FILE_ALIGN,
+    align_min: int = FILE_ALIGN_MIN,
     jobs: int | None = None,
     follow_symlinks: bool = False,
     overwrite: bool = False,
@@ -373,7 +380,9 @@ def pack(
 ) -> PackReport:
     """Pack the tree at ``src`` into a pack at ``dest``; see the module docstring.
 
-    ``progress=None`` shows a progress bar only when stderr is a terminal.
+    Every raw (uncompressed) file of at least ``align_min`` bytes starts at a multiple of
+    ``align`` in its shard (0 or 1: none is aligned). ``progress=None`` shows a progress bar
+    only when stderr is a terminal.
     """
     say = echo or (lambda msg: print(msg, file=sys.stderr))
     src_s, dest_s = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dest))
@@ -397,6 +406,7 @@ def pack(
     if jobs is not None and jobs < 0:
         raise PackError(f"--jobs must be a number of processes (1 or more), not {jobs}")
     jobs = jobs or min(os.cpu_count() or 1, 8)
+    file_align = _file_align(align, align_min)
 
     scan = _scan(os.fsencode(src_s), follow_symlinks=follow_symlinks, exclude=dest_in_src)
     if scan.unsafe:
@@ -412,7 +422,8 @@ def pack(
         log.warning("skipped %d special files (sockets, FIFOs, devices): %s",
                     len(scan.skipped), ", ".join(scan.skipped[:10]))
 
-    options = {"shard_size": size, "compress": compress, "source": src_s}
+    options = {"shard_size": size, "compress": compress, "source": src_s,
+               "align": [file_align.to, file_align.min_size]}
     pack_id, resuming = _prepare_dest(dest_s, options, overwrite)
     plan = _plan(scan.files, size)
     results: dict[int, _ShardResult] = {}
@@ -424,7 +435,7 @@ def pack(
             f"{len(results)} of {len(plan)} shards already written")
     todo = [i for i in range(len(plan)) if i not in results]
     _clear_stale(dest_s, len(plan), keep=set(results))
-    _run_writers(dest_s, pack_id, plan, todo, compress, jobs, progress, results)
+    _run_writers(dest_s, pack_id, plan, todo, compress, file_align, jobs, progress, results)
 
     failures = [r for r in results.values() if r.changed or r.unreadable]
     unreadable = [p for r in failures for p in r.unreadable]
@@ -440,11 +451,22 @@ def pack(
             f"{len(changed)} file(s) changed while they were packed: {', '.join(changed[:10])}."
             " No pack was completed; run the same command again once the source is still."
         )
-    report = _write_manifest(dest_s, pack_id, scan, plan, results, options)
+    report = _write_manifest(dest_s, pack_id, scan, plan, results, options, file_align)
     report.reused_shards = len(plan) - len(todo)
     report.skipped = scan.skipped
     shutil.rmtree(os.path.join(dest_s, STATE_DIR), ignore_errors=True)
     return report
+
+
+def _file_align(align: int, align_min: int) -> FileAlign:
+    if align in (0, 1):
+        return NO_ALIGN
+    if not 2 <= align <= MAX_FILE_ALIGN or align & (align - 1):
+        raise PackError(f"--align {align}: give a power of two from 2 to {MAX_FILE_ALIGN} "
+                        f"bytes (4096, a page, is the default), or 1 to align no file")
+    if align_min < 0:
+        raise PackError(f"align_min {align_min}: give a size in bytes (0: align every raw file)")
+    return FileAlign(align, align_min)
 
 
 def _clear_stale(dest: str, n_shards: int, keep: set[int]) -> None:
@@ -464,6 +486,7 @@ def _run_writers(
     plan: list[list[_Source]],
     todo: list[int],
     compress: str,
+    align: FileAlign,
     jobs: int,
     progress: bool | None,
     results: dict[int, _ShardResult],
@@ -477,13 +500,13 @@ def _run_writers(
     try:
         if jobs == 1 or len(todo) <= 1:
             for i in todo:
-                results[i] = _write_shard(dest, i, pack_id, plan[i], compress)
+                results[i] = _write_shard(dest, i, pack_id, plan[i], compress, align)
                 done_files += len(plan[i])
                 bar.update(sum(f.size for f in plan[i]))
                 bar.set_postfix_str(f"{done_files}/{total_files} files")
             return
         with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(_write_shard, dest, i, pack_id, plan[i], compress): i
+            futures = {pool.submit(_write_shard, dest, i, pack_id, plan[i], compress, align): i
                        for i in todo}
             try:
                 for fut in cf.as_completed(futures):
@@ -507,6 +530,7 @@ def _write_manifest(
     plan: list[list[_Source]],
     results: dict[int, _ShardResult],
     options: dict[str, Any],
+    align: FileAlign,
 ) -> PackReport:
     builder = ManifestBuilder(pack_id)
     report = PackReport(dest)
@@ -517,6 +541,7 @@ def _write_manifest(
     for i, files in enumerate(plan):
         res = results[i]
         builder.shards.append(ShardInfo(shard_name(i), res.size))
+        report.padding_bytes += res.size - SHARD_HEADER.size - sum(r[1] for r in res.records)
         for f, (offset, stored, codec, digest, pieces) in zip(files, res.records, strict=True):
             builder.add(Entry(f.rel, KIND_FILE, f.mode, f.mtime_ns, f.size, i, offset, stored,
                               codec, digest, pieces=pieces))
@@ -525,6 +550,8 @@ def _write_manifest(
             report.stored_bytes += stored
     builder.meta["options"] = {k: v for k, v in options.items() if k != "source"}
     builder.meta["source"] = options["source"]
+    if align.to > 1:
+        builder.meta["align"] = {"to": align.to, "min_size": align.min_size}
     builder.write(os.path.join(dest, MANIFEST_NAME))
     report.directories -= 1  # the root
     report.shards = len(plan)
@@ -703,6 +730,8 @@ def describe(report: PackReport) -> str:
         f"packed {report.files} files, {report.directories} directories, {report.symlinks} "
         f"symlinks: {format_size(report.raw_bytes)} raw, {format_size(report.stored_bytes)} "
         f"stored (x{ratio:.2f}) in {report.shards} shards"
+        + (f", {format_size(report.padding_bytes)} of alignment padding"
+           if report.padding_bytes else "")
         + (f" ({report.reused_shards} reused)" if report.reused_shards else "")
     )
 

@@ -41,7 +41,14 @@ from stagefs.format.spec import (
     SUPPORTED_VERSIONS,
     VERSION,
 )
-from stagefs.format.validate import check_arrays, check_pieces, corrupt, parse_meta
+from stagefs.format.validate import (
+    FileAlign,
+    check_align,
+    check_arrays,
+    check_pieces,
+    corrupt,
+    parse_meta,
+)
 
 __all__ = ["Entry", "Manifest", "ManifestBuilder", "ShardInfo"]
 
@@ -313,6 +320,7 @@ class Manifest:
             code = code.lower() if dtype.kind == "i" else code
             self._views[name] = view.cast(code)  # type: ignore[call-overload]
         check_arrays(self.arrays, self.n, [s.size for s in self.shards], where)
+        self.align: FileAlign = check_align(self.meta, self.arrays, version, where)
         a = self._views
         self.path_off, self.strings, self.slots = a["path_off"], a["strings"], a["slots"]
         self.hash, self.kind, self.mode = a["hash"], a["kind"], a["mode"]

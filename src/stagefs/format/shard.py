@@ -1,4 +1,5 @@
-"""Shard files: a 64-byte header, then the stored bytes of files back to back.
+"""Shard files: a 64-byte header, then the stored bytes of files back to back, with zero
+bytes before a file the pack aligns (docs/FORMAT.md, "File alignment").
 
 A shard is written to ``NAME.partial`` and renamed into place when complete, so a shard
 with its final name is always whole (docs/FORMAT.md, "Shards").
@@ -13,6 +14,7 @@ from typing import BinaryIO
 
 from stagefs.errors import CorruptShardError, UnsupportedVersionError
 from stagefs.format.spec import SHARD_HEADER, SHARD_MAGIC, SUPPORTED_VERSIONS, VERSION
+from stagefs.format.validate import NO_ALIGN, FileAlign
 
 __all__ = ["ShardHeader", "ShardWriter", "shard_name"]
 
@@ -59,10 +61,13 @@ class ShardHeader:
 
 
 class ShardWriter:
-    """Append stored files to a new shard; ``close()`` makes it appear under its final name."""
+    """Append stored files to a new shard; ``close()`` makes it appear under its final name.
+    ``align``: the pack's file alignment, which ``align_for`` keeps."""
 
-    def __init__(self, path: str, index: int, pack_id: bytes) -> None:
+    def __init__(self, path: str, index: int, pack_id: bytes,
+                 align: FileAlign = NO_ALIGN) -> None:
         self.path = path
+        self.align = align
         self.index = index
         self.pack_id = pack_id
         self._partial = path + ".partial"
@@ -76,6 +81,16 @@ class ShardWriter:
         self._f.write(data)
         self.position += len(data)
         return offset
+
+    def align_for(self, codec: int, size: int) -> None:
+        """Before a file stored with ``codec`` of ``size`` raw bytes: if the pack aligns
+        such a file, write zero bytes up to the next multiple of the alignment."""
+        if not self.align.applies(codec, size):
+            return
+        gap = -self.position & (self.align.to - 1)
+        if gap:
+            self._f.write(bytes(gap))
+            self.position += gap
 
     def close(self) -> None:
         header = ShardHeader(self.index, self.pack_id, self.position - SHARD_HEADER.size)

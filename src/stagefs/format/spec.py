@@ -1,13 +1,13 @@
-"""Constants of the pack format, version 2. docs/FORMAT.md is the prose of this file."""
+"""Constants of the pack format, version 3. docs/FORMAT.md is the prose of this file."""
 
 from __future__ import annotations
 
 import struct
 
-VERSION = 2
+VERSION = 3
 """The format version this stagefs writes (manifest and shard headers)."""
 
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (1, 2, 3)
 """The versions this stagefs reads; a reader refuses any other, naming these."""
 
 PIECE = 1 << 20
@@ -23,6 +23,19 @@ MANIFEST_HEADER = struct.Struct("<8sIIQQQQ16x")
 # Shard header: magic, version, shard index, pack id, data length (bytes after the header).
 SHARD_HEADER = struct.Struct("<8sII16sQ24x")
 ALIGN = 64
+"""Arrays of a manifest start at a multiple of this (not to be confused with file alignment)."""
+
+FILE_ALIGN = 4096
+"""Default boundary a pack aligns raw files to in their shards (``stagefs pack --align``): a
+page, so that a tier copy of a shard can be mapped file by file (mmap offsets are pages)."""
+
+FILE_ALIGN_MIN = 64 * 1024
+"""Raw files smaller than this are not aligned: padding costs up to ``FILE_ALIGN - 1`` bytes
+per file, which on small files would grow a pack by far more than mapping them saves
+(docs/FORMAT.md, "File alignment")."""
+
+MAX_FILE_ALIGN = 1 << 30
+"""The largest alignment a pack may declare (a reader refuses a larger one)."""
 
 KIND_FILE = 0
 KIND_DIR = 1

@@ -32,14 +32,15 @@ from stagefs.format.spec import (
     KIND_FILE,
     KIND_SYMLINK,
     MANIFEST_HEADER,
+    MAX_FILE_ALIGN,
     NO_INDEX,
     PIECE_ENTRY_ARRAY,
     PIECES_ARRAY,
     SHARD_HEADER,
 )
 
-__all__ = ["ARRAY_DTYPES", "Layout", "check_arrays", "check_pieces", "check_shard_name",
-           "parse_meta"]
+__all__ = ["ARRAY_DTYPES", "NO_ALIGN", "FileAlign", "Layout", "check_align", "check_arrays", "check_pieces",
+           "check_shard_name", "parse_meta"]
 
 ARRAY_DTYPES: dict[str, str] = {
     "path_off": "<u8", **ENTRY_ARRAYS, "slots": "<u4", "strings": "u1"}
@@ -253,7 +254,7 @@ def check_pieces(a: Mapping[str, Arr], n: int, piece_size: int, where: str) -> N
     pieces is a raw file larger than one piece whose pieces all lie inside ``pieces``."""
     for name, dtype in (PIECE_ENTRY_ARRAY, PIECES_ARRAY):
         if name not in a:
-            raise corrupt(where, f"a version 2 manifest without the array {name!r}")
+            raise corrupt(where, f"a version 2 or later manifest without the array {name!r}")
         if a[name].dtype.str != np.dtype(dtype).str:
             raise corrupt(where, f"array {name!r} has dtype {a[name].dtype.str!r}, not {dtype!r}")
     piece, total = a[PIECE_ENTRY_ARRAY[0]], len(a[PIECES_ARRAY[0]])
@@ -303,6 +304,52 @@ def _check_files(a: Mapping[str, Arr], shard_sizes: Arr, where: str) -> None:
         raise corrupt(where, f"{_entry(a, e)} has size {size[e]} for {stored[e]} stored bytes, "
                       f"which codec {codec[e]} cannot give (raw: the same; zstd: at most "
                       f"{ZSTD_MAX_RATIO} times more)")
+
+
+@dataclass(frozen=True, slots=True)
+class FileAlign:
+    """The pack's promise: every raw file of at least ``min_size`` bytes (and not empty)
+    starts at a multiple of ``to`` in its shard. ``to`` 1: no promise."""
+
+    to: int = 1
+    min_size: int = 0
+
+    def applies(self, codec: int, size: int) -> bool:
+        return self.to > 1 and codec == Codec.NONE and size >= max(self.min_size, 1)
+
+
+NO_ALIGN = FileAlign()
+"""No file is aligned (a pack before version 3, or packed with ``--align 1``)."""
+
+
+def check_align(meta: Mapping[str, Any], a: Mapping[str, Arr], version: int,
+                where: str) -> FileAlign:
+    """Version 3's ``align`` (absent: no promise), checked, and kept by every file it names,
+    so a reader that maps a file because the pack says it is aligned can rely on it. Before
+    version 3 files are back to back and the key means nothing."""
+    spec = meta.get("align")
+    if spec is None or version < 3:
+        return NO_ALIGN
+    if not (isinstance(spec, dict) and type(spec.get("to")) is int
+            and type(spec.get("min_size")) is int):
+        raise corrupt(where, f"align is {spec!r}, not {{\"to\": bytes, \"min_size\": bytes}}")
+    to, min_size = spec["to"], spec["min_size"]
+    if not 1 <= to <= MAX_FILE_ALIGN or to & (to - 1):
+        raise corrupt(where, f"align.to is {to}, not a power of two from 1 to {MAX_FILE_ALIGN}")
+    if not 0 <= min_size < 2**63:
+        raise corrupt(where, f"align.min_size is {min_size}, not a size in bytes")
+    got = FileAlign(to, min_size)
+    if to == 1:
+        return got
+    size = a["size"]
+    held = ((a["kind"] == KIND_FILE) & (a["codec"] == Codec.NONE)
+            & (size >= np.uint64(max(min_size, 1))))
+    e = _first(held & ((a["offset"] & np.uint64(to - 1)) != 0))
+    if e is not None:
+        raise corrupt(where, f"{_entry(a, e)} (raw, {size[e]} bytes at offset {a['offset'][e]} "
+                      f"of shard {a['shard'][e]}) does not start at a multiple of {to}, as "
+                      f"align promises for every raw file of at least {min_size} bytes")
+    return got
 
 
 def _check_symlinks(a: Mapping[str, Arr], n: int, where: str) -> None:

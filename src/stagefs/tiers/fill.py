@@ -19,7 +19,8 @@ lock. Every read of a copy, partial or whole, is still verified by the Store, so
 stale byte never reaches a caller: it falls through to the origin.
 
 Only a shard whose stored files tile it exactly (the pack format: header, then the files
-back to back) is filled this way; another shard is copied whole by the placer.
+back to back, with zero padding shorter than the pack's alignment before an aligned file) is
+filled this way; another shard is copied whole by the placer.
 """
 
 from __future__ import annotations
@@ -64,8 +65,11 @@ class Extents:
         offs = a["offset"][ents].astype(np.int64)
         ends = offs + stored[keep]
         if len(offs):
-            tiles = bool(offs[0] == SHARD_HEADER.size and ends[-1] == size
-                         and np.array_equal(ends[:-1], offs[1:]))
+            # back to back, but for the zero padding before aligned files (shorter than the
+            # alignment), which the reserved copy already holds
+            gaps = offs - np.append(np.int64(SHARD_HEADER.size), ends[:-1])
+            tiles = bool(ends[-1] == size and (gaps >= 0).all()
+                         and (gaps < m.align.to).all())
         else:
             tiles = size == SHARD_HEADER.size
         return cls(offs, ends, ents, tiles)
