@@ -6,6 +6,13 @@ static hosts file). Order of events: bootstrap (rank, size, token, addresses), p
 staging starts in a thread, the runtime directory is written for training processes (at
 once, or with ``--wait`` only when the whole cluster has staged), rank 0 reports progress,
 the "staged" barrier, then serve until SIGTERM/SIGINT.
+
+The daemon is its node's fabric: it listens on a Unix socket in the runtime directory too,
+where the node's training processes and DataLoader workers send every read that is not a
+local tier hit. Ranges of shards it holds it answers from its tiers; the others it relays to
+their holders (``ClusterHolders``, the readers' own holder order, with one client of at most
+two connections per peer, shared with staging), all peers of a batch at once under one
+deadline (net/fanout.py). It does not verify relayed bytes: the reader does.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from stagefs.cluster.bootstrap import (
     StaticBootstrap,
 )
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
+from stagefs.cluster.connect import ClusterHolders
+from stagefs.cluster.fabric import FABRIC_NAME
 from stagefs.cluster.placement import place, shards_matching
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.world import detect, read_hosts, runtime_default, under_mpi
@@ -39,7 +48,8 @@ from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
-from stagefs.net.server import ServerLimits, ShardServer
+from stagefs.net.fanout import Fanout
+from stagefs.net.server import ServerLimits, ShardServer, raise_fd_limit
 from stagefs.runtime import Runtime
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
@@ -49,6 +59,7 @@ __all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
+PEER_CONNECTIONS = 2  # per peer, for staging, relayed reads and status alike
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,8 @@ class ServeOptions:
     progress: float = 5.0
     mpi: bool | None = None  # None: use MPI if an MPI launcher started us
     forward_timeout: float = 600.0
+    relay_timeout: float = 4.0  # one relayed batch of this node's readers, all its peers
+    fabric: bool = True  # listen on the runtime's Unix socket for this node's readers
     limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -141,8 +154,16 @@ class Daemon:
         self.chain = TierChain(self.manifest, PackOrigin(self.pack, self.manifest),
                                self.tier_specs, self.lease, origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
+        old, new = raise_fd_limit()  # each connection is a descriptor
+        if new != old:
+            log.info("open file limit raised from %d to %d", old, new)
+        self.fd_limit = new
+        self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
+        self.fanout = Fanout()
+        self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
-                                  limits=o.limits, status=self.status)
+                                  limits=o.limits, status=self.status,
+                                  unix_path=self.fabric_path, relay=self._relay)
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
@@ -151,12 +172,33 @@ class Daemon:
         self.placement = place(len(self.manifest.shards), self.size, o.replicas,
                                everywhere=self.everywhere, seed=o.seed)
         self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
-                                    name=f"node {n}", timeout=30.0)
+                                    name=f"node {n}", timeout=30.0,
+                                    pool_size=PEER_CONNECTIONS)
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
+        # the readers' holders, on this daemon's clients: who to relay each shard to
+        self.holders = ClusterHolders(self.runtime, self.cmap(False), self.token,
+                                      self.manifest, self.chain.origin, verify=False,
+                                      timeout=30.0, clients=self.peers)
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout)
         self.progress_unreachable = 0
         self.staged_at = 0.0
+
+    # -- the fabric: relayed reads of this node's readers -------------------------------
+
+    def _relay(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        """Ranges of shards this node does not hold, from their other holders, all peers at
+        once; None for a range none gave within ``relay_timeout``."""
+        holders = self.holders
+        if holders is None:  # not bootstrapped yet
+            return [None] * len(ranges)
+        origin = self.chain.origin
+
+        def peers_of(shard: int) -> list[Any]:
+            return [h for h in holders.holders(shard)
+                    if h is not origin and not getattr(h, "local", False)]
+
+        return self.fanout.read(ranges, peers_of, self.o.relay_timeout)
 
     # -- what STATUS answers ---------------------------------------------------------------
 
@@ -172,6 +214,10 @@ class Daemon:
                 c.stats.failures for c in self.peers.values()),
             "checksum_failures": st["checksum_failures"],
             "bootstrap": self.boot.source,
+            "fabric": {"socket": self.fabric_path, "fd_limit": self.fd_limit,
+                       "relay": self.fanout.stats.as_dict(),
+                       "hedged": 0 if self.holders is None else sum(
+                           p.hedged for p in self.holders.peers.values())},
         }
 
     def _tier_usage(self) -> list[dict[str, Any]]:
@@ -185,7 +231,7 @@ class Daemon:
             nodes=list(self.nodes), replicas=self.placement.replicas, seed=self.o.seed,
             everywhere=self.everywhere, replicate_all=list(self.o.replicate_all),
             tiers=[(t.path, t.capacity) for t in self.tier_specs], staged=staged,
-            pid=os.getpid())
+            pid=os.getpid(), extra={"fabric": FABRIC_NAME} if self.fabric_path else {})
 
     # -- running -------------------------------------------------------------------------
 
@@ -229,6 +275,7 @@ class Daemon:
     def close(self) -> None:
         self.stop.set()
         self.server.close()
+        self.fanout.close()
         if self.state != "starting":  # the stager ran: let it end the shard it copies
             self.stager.done.wait(30)
         self.chain.close()
