@@ -52,10 +52,10 @@ def _free_ports(n: int) -> list[int]:
 
 
 class Cluster:
-    """``n`` daemons on loopback (static bootstrap, replicas 2), staged."""
+    """``n`` daemons on loopback (static bootstrap), staged."""
 
-    def __init__(self, work: str, n: int, files: int = 120) -> None:
-        self.work, self.n = work, n
+    def __init__(self, work: str, n: int, files: int = 120, replicas: int = 2) -> None:
+        self.work, self.n, self.replicas = work, n, replicas
         self.pack, content = make_pack(work, files=files, shard_size="64KiB")
         write_expected(work, content)
         with open(os.path.join(work, "hosts"), "w") as f:
@@ -72,7 +72,7 @@ class Cluster:
         return start(serve_args(self.work, self.pack, "--hosts",
                                 os.path.join(self.work, "hosts"), "--rank", str(r),
                                 "--token-file", os.path.join(self.work, "token"),
-                                "--replicas", "2", "--wait"),
+                                "--replicas", str(self.replicas), "--wait"),
                      os.path.join(self.work, f"daemon{r}.log"))
 
     def readers(self, per_node: int, workers: int, rounds: int, until: str | None = None
@@ -101,7 +101,7 @@ class Cluster:
 
 @pytest.fixture()
 def cluster4(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(str(tmp_path), 4)
+    c = Cluster(str(tmp_path), 4, replicas=1)  # every peer holds shards no other holds
     try:
         yield c
     finally:
@@ -128,7 +128,7 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
         # two per peer (staging, relays and status share them), plus this status request
         assert srv["tcp_peak"] <= 2 * (c.n - 1) + 1, srv
         assert srv["unix_peak"] >= 4  # the readers came through the fabric
-        assert srv["relayed_ranges"] > 0 and srv["relayed_missing"] == 0
+        assert srv["relayed_ranges"] > 0 and srv["relayed_missing"] == 0, node["fabric"]
         # a batch touching every peer had a part in flight to each of them at once
         assert relay["peak_parts"] == c.n - 1, relay
         assert relay["missing"] == 0 and relay["late"] == 0
@@ -206,10 +206,11 @@ def test_a_killed_daemon_costs_its_readers_nothing(tmp_path: Path) -> None:
         # node 1's readers lost their daemon: they read the peers themselves
         assert all(p["fabric_failures"] > 0 and p["peer_connects"] > 0
                    for p in results[1]["procs"]), results[1]
-        # the others' daemons relayed around the dead node (replicas 2: no origin read)
+        # the others' daemons relayed around the dead node: their readers never went to
+        # a peer themselves (an origin read is allowed: a peer slow in the kill's wake)
         for node in (0, 2):
             for proc in results[node]["procs"]:
-                assert proc["origin_bytes"] == 0 and proc["peer_connects"] == 0, results[node]
+                assert proc["peer_connects"] == 0 and proc["fabric_failures"] == 0, proc
     finally:
         c.close()
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from stagefs.cluster.cmap import ClusterMap, load_runtime
@@ -50,7 +50,8 @@ class ClusterHolders:
 
     def __init__(self, runtime: str, cmap: ClusterMap, token: bytes, manifest: Manifest,
                  origin: PackOrigin, *, verify: bool, timeout: float,
-                 clients: dict[int, PeerClient] | None = None) -> None:
+                 clients: dict[int, PeerClient] | None = None,
+                 hedge: HedgePolicy | None = None) -> None:
         self.runtime = runtime
         self.cmap = cmap
         self.rank = cmap.rank
@@ -66,9 +67,10 @@ class ClusterHolders:
             for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
         # one holder per peer (Store.read_many sends each peer one batch), whose slow reads
         # go to another replica of the shard too (net/hedge.py)
-        self.reply_times = ReplyTimes()
+        policy = hedge or HedgePolicy()
+        self.reply_times = ReplyTimes(policy)
         # a batch takes longer than one read: until its replies are timed, wait the cap
-        self.batch_times = ReplyTimes(HedgePolicy(initial=HedgePolicy().cap))
+        self.batch_times = ReplyTimes(replace(policy, initial=policy.cap))
         self.peers = {n: HedgedPeer(PeerSource(c, f"node {n}"), self._replicas,
                                     self.reply_times, self.batch_times)
                       for n, c in self.clients.items()}

@@ -49,6 +49,7 @@ from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.fanout import Fanout
+from stagefs.net.hedge import HedgePolicy
 from stagefs.net.server import ServerLimits, ShardServer, raise_fd_limit
 from stagefs.runtime import Runtime
 from stagefs.tiers.base import SourceUnavailable
@@ -175,10 +176,13 @@ class Daemon:
                                     name=f"node {n}", timeout=30.0,
                                     pool_size=PEER_CONNECTIONS)
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
-        # the readers' holders, on this daemon's clients: who to relay each shard to
+        # the readers' holders, on this daemon's clients: who to relay each shard to; a
+        # sole replica is given half the batch's deadline before its ranges are left to
+        # the reader's origin (a reader on its own gives it 0.5 s)
         self.holders = ClusterHolders(self.runtime, self.cmap(False), self.token,
                                       self.manifest, self.chain.origin, verify=False,
-                                      timeout=30.0, clients=self.peers)
+                                      timeout=30.0, clients=self.peers,
+                                      hedge=HedgePolicy(to_origin=o.relay_timeout / 2))
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout)
         self.progress_unreachable = 0
