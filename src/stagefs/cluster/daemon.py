@@ -152,7 +152,8 @@ class Daemon:
         self.lease = _tier_runtime(self.runtime)
         self.lease.record_tiers(self.manifest.pack_id.hex(), [s.path for s in self.tier_specs])
         # the single-node tier layer: tiers, room, claims and copies (tiers/chain.py)
-        self.chain = TierChain(self.manifest, PackOrigin(self.pack, self.manifest),
+        self.origin = PackOrigin(self.pack, self.manifest)
+        self.chain = TierChain(self.manifest, self.origin,
                                self.tier_specs, self.lease, origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
         old, new = raise_fd_limit()  # each connection is a descriptor
@@ -180,7 +181,7 @@ class Daemon:
         # sole replica is given half the batch's deadline before its ranges are left to
         # the reader's origin (a reader on its own gives it 0.5 s)
         self.holders = ClusterHolders(self.runtime, self.cmap(False), self.token,
-                                      self.manifest, self.chain.origin, verify=False,
+                                      self.manifest, self.origin, verify=False,
                                       timeout=30.0, clients=self.peers,
                                       hedge=HedgePolicy(to_origin=o.relay_timeout / 2))
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
@@ -196,7 +197,7 @@ class Daemon:
         holders = self.holders
         if holders is None:  # not bootstrapped yet
             return [None] * len(ranges)
-        origin = self.chain.origin
+        origin = self.origin
 
         def peers_of(shard: int) -> list[Any]:
             return [h for h in holders.holders(shard)

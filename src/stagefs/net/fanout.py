@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 from typing import Protocol, TypeVar
@@ -24,7 +24,7 @@ from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["BatchHolder", "Fanout", "FanoutStats", "send_all"]
 
-H = TypeVar("H", bound=Hashable)
+H = TypeVar("H")
 I = TypeVar("I")  # noqa: E741 - the items of a part
 R = TypeVar("R")
 

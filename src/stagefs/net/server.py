@@ -494,7 +494,7 @@ class ShardServer:
             try:
                 assert self.relay is not None
                 got = self.relay(asked)
-            except Exception:  # noqa: BLE001 - a relay that fails leaves the reader to go on
+            except Exception:  # a relay that fails leaves the reader to go on
                 log.exception("relay of %d ranges failed", len(asked))
                 got = [None] * len(asked)
             self._call_soon(lambda: finish(got))
