@@ -210,6 +210,7 @@ class ShardServer:
         self._relay_pool: ThreadPoolExecutor | None = None
         self._accept_paused: list[_Listener] = []
         self._paused_until = 0.0
+        self._torn_down = False
         self._fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         tcp = socket.socket(family, socket.SOCK_STREAM)
@@ -276,10 +277,11 @@ class ShardServer:
                         self._flush(obj)
             now = time.monotonic()
             self._expire(now)
-            if self._accept_paused and now >= self._paused_until:
+            if self._accept_paused and now >= self._paused_until and not self._stop.is_set():
                 for lst in self._accept_paused:
                     self._sel.register(lst.sock, selectors.EVENT_READ, lst)
                 self._accept_paused.clear()
+        self._teardown()
 
     def _call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in the loop's thread (from any thread)."""
@@ -518,6 +520,8 @@ class ShardServer:
 
     def _flush(self, conn: _Conn) -> None:
         """Send what is ready, in order, as far as the socket takes it now."""
+        if conn.closed:
+            return
         replies = conn.replies
         try:
             while replies and replies[0].ready:
@@ -713,11 +717,20 @@ class ShardServer:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop serving: every connection is closed. Callable from any thread, the loop's
+        own too (a shard lookup that finds the node going away)."""
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-        if self._thread.is_alive():
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
             self._thread.join(timeout=5)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        with self._lock:
+            if self._torn_down:
+                return
+            self._torn_down = True
         if self._relay_pool is not None:
             self._relay_pool.shutdown(wait=False, cancel_futures=True)
         for conn in [*self._authed, *self._pending]:
