@@ -90,8 +90,9 @@ def start_cluster(work: str, pack: str, nodes: int) -> list[subprocess.Popen[byt
         s.close()
     with open(os.path.join(work, "hosts"), "w") as f:
         f.write("".join(f"127.0.0.1:{p}\n" for p in ports))
-    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
-                    os.path.join(work, "token")], check=True, capture_output=True)
+    if not os.path.exists(os.path.join(work, "token")):
+        subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                        os.path.join(work, "token")], check=True, capture_output=True)
     daemons = [subprocess.Popen(
         [sys.executable, "-m", "stagefs.cli", "serve", pack, "--tier",
          os.path.join(work, f"node{r}") + ":4GiB", "--runtime", os.path.join(work, f"rt{r}"),
