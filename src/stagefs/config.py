@@ -141,6 +141,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "seconds to wait for this node's daemon to publish the cluster (--connect)"),
     EnvVar("STAGEFS_PEER_TIMEOUT", "10",
            "seconds a peer may take to answer before a read goes elsewhere"),
+    EnvVar("STAGEFS_FABRIC", "1",
+           "0: training processes read other nodes directly, not through their node's daemon"),
     EnvVar("STAGEFS_INTERFACE", "none: --bind, else the host name's address",
            "the network interface 'stagefs serve' listens on (like --interface)"),
     EnvVar("STAGEFS_BENCH_PEER_PYTHON", "this Python",

@@ -60,8 +60,11 @@ def main() -> None:
            "workers_ok": workers, "origin_bytes": st["origin"]["bytes_read"],
            "local_hits": st["local_hits"], "unavailable": st["unavailable"],
            "checksum_failures": st["checksum_failures"],
-           "peer_bytes": sum(v["bytes"] for v in st["peers"].values()),
-           "peer_requests": sum(v["requests"] for v in st["peers"].values())}
+           # from other nodes: directly, or relayed by this node's daemon (the fabric)
+           "peer_bytes": sum(v["bytes"] for v in st["peers"].values())
+           + (st["fabric"] or {}).get("bytes", 0),
+           "peer_requests": sum(v["requests"] for v in st["peers"].values())
+           + (st["fabric"] or {}).get("requests", 0)}
     with open(os.path.join(workdir, f"result{rank}.json"), "w") as f:
         json.dump(out, f)
     fs.close()

@@ -12,6 +12,12 @@ for in one batched request (the peer's ``pread_many``). No MPI here: it works in
 spawned DataLoader workers (a pickled store connects again in the child; a forked one opens
 new connections there). A peer that is down, slow or wrong is skipped and counted; the
 caller gets correct bytes or the Store's own errors, never a network exception.
+
+The node fabric: when the node's daemon listens on its Unix socket (``fabric.sock`` in the
+runtime directory), every read that is not a local tier hit goes to it instead (one holder,
+``fabric``, between the tier copies and the origin), so the process opens no connection to
+any peer: the daemon relays to its peers and verifies nothing; the Store verifies. While the
+daemon does not answer (killed, restarting), the holders are the direct ones above again.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from stagefs.cluster.cmap import ClusterMap, load_runtime
+from stagefs.cluster.fabric import FabricHolder
 from stagefs.cluster.placement import SPARE, place
 from stagefs.cluster.world import runtime_default
 from stagefs.config import TierSpec, env
@@ -44,7 +51,9 @@ class ClusterHolders:
     (``held_shards``, ``status``, how a pickled copy opens again)."""
 
     def __init__(self, runtime: str, cmap: ClusterMap, token: bytes, manifest: Manifest,
-                 origin: PackOrigin, *, verify: bool, timeout: float) -> None:
+                 origin: PackOrigin, *, verify: bool, timeout: float,
+                 clients: dict[int, PeerClient] | None = None,
+                 hedge: HedgePolicy | None = None) -> None:
         self.runtime = runtime
         self.cmap = cmap
         self.rank = cmap.rank
@@ -54,14 +63,16 @@ class ClusterHolders:
         self.placement = place(len(manifest.shards), cmap.size, cmap.replicas,
                                everywhere=cmap.everywhere, seed=cmap.seed)
         self.tiers = [DirTier(TierSpec(path, cap), manifest) for path, cap in cmap.tiers]
-        self.clients = {n: PeerClient(h, p, token, pack_id=manifest.pack_id, timeout=timeout,
-                                      connect_timeout=min(3.0, timeout), name=f"node {n}")
-                        for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
+        self.clients = clients if clients is not None else {
+            n: PeerClient(h, p, token, pack_id=manifest.pack_id, timeout=timeout,
+                          connect_timeout=min(3.0, timeout), name=f"node {n}")
+            for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
         # one holder per peer (Store.read_many sends each peer one batch), whose slow reads
         # go to another replica of the shard too (net/hedge.py)
-        self.reply_times = ReplyTimes()
+        policy = hedge or HedgePolicy()
+        self.reply_times = ReplyTimes(policy)
         # a batch takes longer than one read: until its replies are timed, wait the cap
-        self.batch_times = ReplyTimes(HedgePolicy(initial=HedgePolicy().cap))
+        self.batch_times = ReplyTimes(replace(policy, initial=policy.cap))
         self.peers = {n: HedgedPeer(PeerSource(c, f"node {n}"), self._replicas,
                                     self.reply_times, self.batch_times)
                       for n, c in self.clients.items()}
@@ -82,6 +93,30 @@ class ClusterHolders:
             self._ranked_nodes.append(nodes)
         self._mine = set(self.placement.shards_of(self.rank))
         self.holders = self._holders_of
+        self.fabric: FabricHolder | None = None  # the node daemon (cluster/fabric.py)
+        name = cmap.extra.get("fabric")
+        if clients is None and name and env("FABRIC", "1") != "0":
+            self.fabric = FabricHolder(PeerClient(
+                "", 0, token, unix=os.path.join(runtime, str(name)), pack_id=manifest.pack_id,
+                timeout=timeout, connect_timeout=min(3.0, timeout), pool_size=2,
+                name=f"node {cmap.rank} daemon"), self._peers_of)
+            self.holders = self._via_fabric
+
+    def _via_fabric(self, shard: int) -> Sequence[ShardSource]:
+        """This node's tier copies, then the node daemon, then the origin; the direct
+        holders while the daemon does not answer."""
+        hs = self._holders_of(shard)
+        fabric = self.fabric
+        if fabric is None or fabric.is_down():
+            return hs
+        local = 0
+        while getattr(hs[local], "local", False):
+            local += 1
+        return [*hs[:local], fabric, self.origin]
+
+    def _peers_of(self, shard: int) -> Sequence[ShardSource]:
+        return [h for h in self._holders_of(shard)
+                if h is not self.origin and not getattr(h, "local", False)]
 
     def _replicas(self, shard: int) -> Sequence[HedgedPeer]:
         """The peers of the shard's ranking, in order: where a hedge goes (HedgedPeer skips
@@ -155,6 +190,9 @@ class ClusterHolders:
             "peers": {n: c.stats.as_dict() for n, c in self.clients.items()},
             "hedged": sum(p.hedged for p in self.peers.values()),
             "suspect_peers": sorted(n for n, c in self.clients.items() if c.is_suspect()),
+            "fabric": None if self.fabric is None else {
+                **self.fabric.client.stats.as_dict(),
+                "suspect": self.fabric.client.is_suspect()},
         }
 
     def reopen(self) -> tuple[Callable[..., Store], tuple[Any, ...]]:
@@ -162,6 +200,8 @@ class ClusterHolders:
         return _reconnect, (self.runtime, self.verify)
 
     def close(self) -> None:
+        if self.fabric is not None:
+            self.fabric.close()
         for c in self.clients.values():
             c.close()
         for t in self.tiers:

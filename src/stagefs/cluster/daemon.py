@@ -6,6 +6,13 @@ static hosts file). Order of events: bootstrap (rank, size, token, addresses), p
 staging starts in a thread, the runtime directory is written for training processes (at
 once, or with ``--wait`` only when the whole cluster has staged), rank 0 reports progress,
 the "staged" barrier, then serve until SIGTERM/SIGINT.
+
+The daemon is its node's fabric: it listens on a Unix socket in the runtime directory too,
+where the node's training processes and DataLoader workers send every read that is not a
+local tier hit. Ranges of shards it holds it answers from its tiers; the others it relays to
+their holders (``ClusterHolders``, the readers' own holder order, with one client of at most
+two connections per peer, shared with staging), all peers of a batch at once under one
+deadline (net/fanout.py). It does not verify relayed bytes: the reader does.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from stagefs.cluster.bootstrap import (
     StaticBootstrap,
 )
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
+from stagefs.cluster.connect import ClusterHolders
+from stagefs.cluster.fabric import FABRIC_NAME
 from stagefs.cluster.mpi_transport import mpi_library
 from stagefs.cluster.placement import place, shards_matching
 from stagefs.cluster.rereplicate import Rereplicator
@@ -43,7 +52,9 @@ from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
-from stagefs.net.server import ServerLimits, ShardServer
+from stagefs.net.fanout import Fanout
+from stagefs.net.hedge import HedgePolicy
+from stagefs.net.server import ServerLimits, ShardServer, raise_fd_limit
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
@@ -53,6 +64,7 @@ __all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
+PEER_CONNECTIONS = 2  # per peer, for staging, relayed reads and status alike
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,8 @@ class ServeOptions:
     transport: str = "tcp"  # how this daemon reads its peers: "tcp" or "mpi" (MPI ranks)
     forward_timeout: float = 600.0
     dead_after: float = 30.0  # a peer whose probes fail this long is dead: re-replicate
+    relay_timeout: float = 4.0  # one relayed batch of this node's readers, all its peers
+    fabric: bool = True  # listen on the runtime's Unix socket for this node's readers
     limits: ServerLimits = field(default_factory=ServerLimits)  # what the server grants peers
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -157,11 +171,20 @@ class Daemon:
         self.lease = _tier_runtime(self.runtime)
         self.lease.record_tiers(self.manifest.pack_id.hex(), [s.path for s in self.tier_specs])
         # the single-node tier layer: tiers, room, claims and copies (tiers/chain.py)
-        self.chain = TierChain(self.manifest, PackOrigin(self.pack, self.manifest),
+        self.origin = PackOrigin(self.pack, self.manifest)
+        self.chain = TierChain(self.manifest, self.origin,
                                self.tier_specs, self.lease, origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
+        old, new = raise_fd_limit()  # each connection is a descriptor
+        if new != old:
+            log.info("open file limit raised from %d to %d", old, new)
+        self.fd_limit = new
+        self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
+        self.fanout = Fanout()
+        self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
-                                  limits=o.limits, status=self.status)
+                                  limits=o.limits, status=self.status,
+                                  unix_path=self.fabric_path, relay=self._relay)
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
@@ -170,11 +193,19 @@ class Daemon:
         self.placement = place(len(self.manifest.shards), self.size, o.replicas,
                                everywhere=self.everywhere, seed=o.seed)
         self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
-                                    name=f"node {n}", timeout=30.0)
+                                    name=f"node {n}", timeout=30.0,
+                                    pool_size=PEER_CONNECTIONS)
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
         # the peers' bytes come over TCP or MPI (--transport); status and the barrier over TCP
         self.transport = open_transport(o.transport, getattr(self.boot, "comm", None),
                                         self.manifest, self.chain)
+        # the readers' holders, on this daemon's clients: who to relay each shard to; a
+        # sole replica is given half the batch's deadline before its ranges are left to
+        # the reader's origin (a reader on its own gives it 0.5 s)
+        self.holders = ClusterHolders(self.runtime, self.cmap(False), self.token,
+                                      self.manifest, self.origin, verify=False,
+                                      timeout=30.0, clients=self.peers,
+                                      hedge=HedgePolicy(to_origin=o.relay_timeout / 2))
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout,
                              sources=peer_sources(self.transport, self.peers))
@@ -191,6 +222,22 @@ class Daemon:
         self.monitor: threading.Thread | None = None
         self.progress_unreachable = 0
         self.staged_at = 0.0
+
+    # -- the fabric: relayed reads of this node's readers -------------------------------
+
+    def _relay(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        """Ranges of shards this node does not hold, from their other holders, all peers at
+        once; None for a range none gave within ``relay_timeout``."""
+        holders = self.holders
+        if holders is None:  # not bootstrapped yet
+            return [None] * len(ranges)
+        origin = self.origin
+
+        def peers_of(shard: int) -> list[Any]:
+            return [h for h in holders.holders(shard)
+                    if h is not origin and not getattr(h, "local", False)]
+
+        return self.fanout.read(ranges, peers_of, self.o.relay_timeout)
 
     # -- what STATUS answers ---------------------------------------------------------------
 
@@ -211,6 +258,10 @@ class Daemon:
             "bootstrap": self.boot.source,
             "transport": self.o.transport,
             **({} if self.transport is None else {"mpi": self.transport.status()}),
+            "fabric": {"socket": self.fabric_path, "fd_limit": self.fd_limit,
+                       "relay": self.fanout.stats.as_dict(),
+                       "hedged": 0 if self.holders is None else sum(
+                           p.hedged for p in self.holders.peers.values())},
         }
 
     def _tier_usage(self) -> list[dict[str, Any]]:
@@ -224,7 +275,7 @@ class Daemon:
             nodes=list(self.nodes), replicas=self.placement.replicas, seed=self.o.seed,
             everywhere=self.everywhere, replicate_all=list(self.o.replicate_all),
             tiers=[(t.path, t.capacity) for t in self.tier_specs], staged=staged,
-            pid=os.getpid())
+            pid=os.getpid(), extra={"fabric": FABRIC_NAME} if self.fabric_path else {})
 
     # -- running -------------------------------------------------------------------------
 
@@ -271,6 +322,7 @@ class Daemon:
     def close(self) -> None:
         self.stop.set()
         self.server.close()
+        self.fanout.close()
         if self.state != "starting":  # the stager ran: let it end the shard it copies
             self.stager.done.wait(30)
         if self.monitor is not None:  # and re-replication, the shard it copies

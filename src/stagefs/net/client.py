@@ -1,8 +1,11 @@
 """The peer client: pooled, authenticated connections to one daemon, batched range reads.
 
 ``PeerClient.read`` sends many (shard, offset, length) ranges in one READ and gets one DATA
-reply. Connections are kept in a small pool per peer and never shared between processes: a
-forked child finds the pool of its parent's pid and starts its own.
+reply. Connections are kept in a small pool per peer, at most ``pool_size`` open at once (a
+thread that finds them all busy waits for one), and never shared between processes: a
+forked child finds the pool of its parent's pid and starts its own. The peer is a daemon's
+TCP address, or (``unix=PATH``) its node's Unix socket: the node fabric, through which a
+training process sends every read that is not local (cluster/connect.py).
 
 Every exchange has a total deadline (connect and handshake together; each reply frame), so
 a peer that hangs, trickles bytes or speaks nonsense costs one deadline at most. Then it is
@@ -94,9 +97,10 @@ class PeerClient:
     def __init__(self, host: str, port: int, token: bytes, *, pack_id: bytes | None = None,
                  timeout: float = 10.0, connect_timeout: float = 3.0, pool_size: int = 8,
                  name: str | None = None, clock: Callable[[], float] = time.monotonic,
-                 backoff: tuple[float, float] = BACKOFF) -> None:
+                 backoff: tuple[float, float] = BACKOFF, unix: str | None = None) -> None:
         self.host, self.port = host, port
-        self.name = name or f"{host}:{port}"
+        self.unix = unix
+        self.name = name or (f"unix:{unix}" if unix else f"{host}:{port}")
         self._token = token
         self.pack_id = pack_id
         self.timeout = timeout
@@ -112,6 +116,8 @@ class PeerClient:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._free = threading.Condition(self._lock)  # a connection came back
+        self._out = 0  # connections taken from the pool or being made
         self._idle: list[socket.socket] = []
         self._retry_at: float | None = None  # suspect until then, and probed after it
         self._backoff = self.backoff_range[0]
@@ -208,10 +214,20 @@ class PeerClient:
         sock: socket.socket | None = None
         try:
             try:
-                sock = socket.create_connection((self.host, self.port), self.connect_timeout)
+                if self.unix is not None:
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    sock.settimeout(self.connect_timeout)
+                    sock.connect(self.unix)
+                else:
+                    sock = socket.create_connection((self.host, self.port),
+                                                    self.connect_timeout)
             except OSError as exc:
+                if sock is not None:
+                    sock.close()
+                    sock = None
                 raise PeerUnavailable(f"{self.name}: cannot connect ({exc})") from exc
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.unix is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_timeouts(sock, self.connect_timeout)
             self._handshake(sock, Deadline(sock, self.connect_timeout))
         except PeerUnavailable as exc:
@@ -252,14 +268,32 @@ class PeerClient:
             raise AuthenticationError(f"{self.name}: the server could not prove the job token")
 
     def _take(self) -> tuple[socket.socket, bool]:
-        """A connection (from the pool: True), or PeerUnavailable if the peer is suspect."""
+        """A connection (from the pool: True), or PeerUnavailable if the peer is suspect.
+        At most ``pool_size`` are out at once: a caller that finds them all busy waits for
+        one (its request then goes on it, pipelined behind no other); ``_release`` after."""
         if self.suspect():
             self.stats.skipped += 1
             raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
-        with self._lock:
+        with self._free:
+            ok = self._free.wait_for(
+                lambda: self._idle or self._out < self.pool_size, self.timeout)
+            if not ok:
+                raise PeerUnavailable(f"{self.name}: all {self.pool_size} connections busy "
+                                      f"for {self.timeout:g} s")
+            self._out += 1
             if self._idle:
                 return self._idle.pop(), True
-        return self._connect(), False
+        try:
+            return self._connect(), False
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        """A connection taken by ``_take`` is back in the pool or closed."""
+        with self._free:
+            self._out -= 1
+            self._free.notify()
 
     def _give(self, sock: socket.socket) -> None:
         with self._lock:
@@ -280,6 +314,13 @@ class PeerClient:
         views of the reused receive buffer). The server works on request k+1 while we copy
         reply k out. Each reply has its own total deadline."""
         sock, pooled = self._take()
+        try:
+            self._exchange_on(sock, pooled, msgs, handle)
+        finally:
+            self._release()
+
+    def _exchange_on(self, sock: socket.socket, pooled: bool, msgs: Sequence[P.Message],
+                     handle: Callable[[int, P.Message], None]) -> None:
         received = False
         try:
             send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, self.timeout))
@@ -299,7 +340,7 @@ class PeerClient:
                 # the peer closed this pooled connection while it sat idle (its idle
                 # timeout, a restart): not a failure of the peer; once more on a new one
                 sock.close()
-                self._pipeline(msgs, handle)
+                self._exchange_on(self._connect(), False, msgs, handle)  # in the same slot
                 return
             self._failed(sock, exc)
             raise PeerUnavailable(f"{self.name}: {exc}") from exc

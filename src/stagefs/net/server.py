@@ -1,26 +1,47 @@
 """The shard server: byte ranges of this node's shards, to peers that prove the job token.
 
 What reaches the file system from the network is a shard *index* checked against the
-manifest and a range checked against that shard's size: never a path. One thread per
-connection (bounded), blocking sockets with kernel timeouts, and ``os.sendfile`` from the
-tier file to the socket, so the bytes are not copied through Python.
+manifest and a range checked against that shard's size: never a path.
+
+One event loop (``selectors``: epoll on Linux) in one thread serves every connection, TCP
+from peers and, when a Unix socket path is given, the node's own training processes
+(docs/decisions/0013-event-driven-daemon.md). An idle connection costs a socket, a small
+object and a selector entry: no thread, no buffer. A reply is a list of parts sent with
+``sendmsg`` (the frame header and slot table, then ranges read with ``preadv`` into one
+buffer per reply) and ``os.sendfile`` for large ranges, so no range is copied through
+Python more than the one read that fetches it.
 
 A connection is *unauthenticated* until its peer has proven the job token: such connections
 live in their own small set (the oldest is dropped when it is full) and have a total
 deadline for the whole handshake, so slow, silent or hostile connections never take the
-slots that authenticated peers need. Once a request frame begins, all of it must arrive
-within a total deadline too; a malformed frame closes that connection, and only that one.
+slots that authenticated peers need. Authenticated connections are limited only by the
+descriptors the process may open (``raise_fd_limit``), less a reserve. Once a request frame
+begins, all of it must arrive within a total deadline too; a malformed frame closes that
+connection, and only that one.
+
+Requests from a Unix-socket reader for shards this node does not hold go to ``relay``
+(cluster/daemon.py: the node's peers, net/fanout.py) in a worker thread; the reply is sent,
+in request order, when the relay answers (None for a range: NOT_HELD, the reader's next
+holder answers it).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
+import heapq
+import itertools
 import logging
 import os
+import resource
+import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -28,22 +49,19 @@ from stagefs.errors import ConfigError, ProtocolError
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.sockio import (
-    Deadline,
-    recv_message,
-    send_message,
-    send_parts,
-    sendfile_all,
-    set_recv_timeout,
-    set_timeouts,
-)
 
-__all__ = ["ServerLimits", "ServerStats", "ShardServer"]
+__all__ = ["ServerLimits", "ServerStats", "ShardServer", "raise_fd_limit"]
 
 log = logging.getLogger("stagefs.server")
 
 Locate = Callable[[int], str | None]
-_COPY_LIMIT = 64 * 2**10  # smaller replies: one buffer, one send; larger: sendfile per range
+Relay = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]
+_SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: preadv + sendmsg
+_FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
+_RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
+_MAX_QUEUED = 64  # replies queued on one connection before it is read again
+_IOV = 512  # buffers per sendmsg (IOV_MAX is 1024)
+_TICK = 1.0  # the loop wakes at least this often (stop, paused accepts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +69,7 @@ class ServerLimits:
     """What one daemon grants its peers. Every time is a total deadline, not a timeout that
     restarts at each byte."""
 
-    max_connections: int = 256  # authenticated connections
+    max_connections: int | None = None  # authenticated; None: the descriptor limit allows
     max_unauthenticated: int = 32  # connections still in the handshake; the oldest is dropped
     max_request: int = 2 * 2**20  # bytes of one request frame (a READ of 131k ranges)
     max_reply: int = 64 * 2**20  # bytes of data in one DATA reply
@@ -59,6 +77,7 @@ class ServerLimits:
     frame_timeout: float = 10.0  # a request frame, from its first byte to its last
     idle_timeout: float = 900.0  # an idle pooled connection is closed after this
     io_timeout: float = 30.0  # sending one reply, all of it
+    relay_threads: int = 64  # relayed requests of this node's readers worked on at once
 
 
 @dataclass
@@ -66,27 +85,105 @@ class ServerStats:
     connections: int = 0
     active: int = 0  # connections open now, authenticated or not
     unauthenticated: int = 0  # of which still in the handshake
+    tcp_peers: int = 0  # authenticated TCP connections open now (other nodes)
+    unix_readers: int = 0  # authenticated Unix-socket connections open now (this node)
+    tcp_peak: int = 0  # the most tcp_peers at once
+    unix_peak: int = 0
     refused_busy: int = 0
     dropped_unauthenticated: int = 0  # dropped to make room for a newer connection
     auth_failures: int = 0
     handshake_timeouts: int = 0
     frame_timeouts: int = 0
+    io_timeouts: int = 0
     protocol_errors: int = 0
     requests: int = 0
     ranges: int = 0
     ranges_not_held: int = 0
+    relayed_requests: int = 0  # requests of this node's readers that went to peers too
+    relayed_ranges: int = 0
+    relayed_missing: int = 0  # of which no peer gave: NOT_HELD, the reader goes on
     bytes_served: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open descriptors to its hard limit: every
+    connection is one. Returns (old soft limit, new soft limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    new = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            return soft, soft
+    return soft, max(new, soft)
+
+
+class _File:
+    """A range to send with sendfile."""
+
+    __slots__ = ("count", "fd", "offset")
+
+    def __init__(self, fd: int, offset: int, count: int) -> None:
+        self.fd, self.offset, self.count = fd, offset, count
+
+
+class _Reply:
+    """One reply frame as parts to send; not ready while a relay is still out."""
+
+    __slots__ = ("close_after", "parts", "ready", "started")
+
+    def __init__(self, parts: list[memoryview | _File] | None = None,
+                 close_after: bool = False) -> None:
+        self.parts: collections.deque[memoryview | _File] = collections.deque(parts or ())
+        self.ready = parts is not None
+        self.started = False
+        self.close_after = close_after
+
+
+_HANDSHAKE, _READY, _CLOSED = 0, 1, 2
+
+
+class _Conn:
+    __slots__ = ("authed_at", "closed", "deadline", "decoder", "events", "fd", "frame_at",
+                 "io_at", "last", "nonce", "replies", "sock", "state", "unix", "where")
+
+    def __init__(self, sock: socket.socket, where: str, unix: bool, now: float) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.where = where
+        self.unix = unix
+        self.state = _HANDSHAKE
+        self.closed = False
+        self.decoder = P.FrameDecoder(4096)
+        self.nonce = b""
+        self.replies: collections.deque[_Reply] = collections.deque()
+        self.events = 0
+        self.authed_at = now  # the handshake's deadline counts from here
+        self.frame_at = 0.0  # when the partial request frame began (0: none)
+        self.io_at = 0.0  # when the reply being sent must be out
+        self.last = now  # last activity: the idle deadline counts from here
+        self.deadline = 0.0
+
+
+class _Listener:
+    __slots__ = ("sock", "unix")
+
+    def __init__(self, sock: socket.socket, unix: bool) -> None:
+        self.sock, self.unix = sock, unix
+
+
 class ShardServer:
-    """Serve ranges of the shards ``locate(shard)`` finds on this node (None: not held)."""
+    """Serve ranges of the shards ``locate(shard)`` finds on this node (None: not held), to
+    peers over TCP at ``host:port`` and, with ``unix_path``, to this node's readers over a
+    Unix socket; ``relay`` answers those readers' ranges of shards not held here."""
 
     def __init__(self, manifest: Manifest, token: bytes, locate: Locate, host: str,
                  port: int = 0, *, limits: ServerLimits | None = None,
-                 status: Callable[[], dict[str, Any]] | None = None) -> None:
+                 status: Callable[[], dict[str, Any]] | None = None,
+                 unix_path: str | None = None, relay: Relay | None = None) -> None:
         if host in ("", "0.0.0.0", "::"):
             raise ConfigError(
                 "the stagefs server does not listen on all interfaces; give the address of "
@@ -97,213 +194,485 @@ class ShardServer:
         self.locate = locate
         self.limits = limits or ServerLimits()
         self.status_fn = status or dict
+        self.relay = relay
         self.stats = ServerStats()
         self._sizes = [s.size for s in manifest.shards]
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._conns: set[socket.socket] = set()  # authenticated
-        self._pending: dict[socket.socket, None] = {}  # unauthenticated, oldest first
-        self._tls = threading.local()
+        self._authed: set[_Conn] = set()
+        self._pending: dict[_Conn, None] = {}  # unauthenticated, oldest first
         self._stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._heap: list[tuple[float, int, _Conn]] = []
+        self._seq = itertools.count()
+        self._rbuf = bytearray(_RECV)
+        self._done: collections.deque[Callable[[], None]] = collections.deque()
+        self._relay_pool: ThreadPoolExecutor | None = None
+        self._accept_paused: list[_Listener] = []
+        self._paused_until = 0.0
+        self._torn_down = False
+        self._fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        tcp = socket.socket(family, socket.SOCK_STREAM)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            self._sock.bind((host, port))
+            tcp.bind((host, port))
         except OSError as exc:
-            self._sock.close()
+            tcp.close()
             raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
-        self._sock.listen(128)
-        self._sock.settimeout(0.25)
-        self.address: tuple[str, int] = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept_loop, name="stagefs-accept",
-                                        daemon=True)
+        self.address: tuple[str, int] = tcp.getsockname()[:2]
+        self.unix_path = unix_path
+        self._listeners = [_Listener(tcp, False)]
+        if unix_path is not None:
+            self._listeners.append(_Listener(self._bind_unix(unix_path, tcp), True))
+        for lst in self._listeners:
+            lst.sock.listen(1024)
+            lst.sock.setblocking(False)
+            self._sel.register(lst.sock, selectors.EVENT_READ, lst)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._thread = threading.Thread(target=self._loop, name="stagefs-server", daemon=True)
+
+    @staticmethod
+    def _bind_unix(path: str, tcp: socket.socket) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a daemon killed before it could remove it
+            s.bind(path)
+            os.chmod(path, 0o600)
+        except OSError as exc:
+            s.close()
+            tcp.close()
+            raise ConfigError(f"cannot listen on the Unix socket {path}: {exc.strerror or exc}"
+                              " (a path over 107 bytes is too long: give a shorter --runtime)"
+                              ) from exc
+        return s
 
     def start(self) -> ShardServer:
         self._thread.start()
         return self
 
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        sel = self._sel
+        while not self._stop.is_set():
+            now = time.monotonic()
+            timeout = _TICK if not self._accept_paused else 0.1
+            if self._heap:
+                timeout = min(timeout, max(0.0, self._heap[0][0] - now))
+            for key, ev in sel.select(timeout):
+                obj = key.data
+                if obj is None:
+                    self._run_done()
+                elif isinstance(obj, _Listener):
+                    self._accept(obj)
+                elif not obj.closed:
+                    if ev & selectors.EVENT_READ:
+                        self._on_read(obj)
+                    if ev & selectors.EVENT_WRITE and not obj.closed:
+                        self._flush(obj)
+            now = time.monotonic()
+            self._expire(now)
+            if self._accept_paused and now >= self._paused_until and not self._stop.is_set():
+                for lst in self._accept_paused:
+                    self._sel.register(lst.sock, selectors.EVENT_READ, lst)
+                self._accept_paused.clear()
+        self._teardown()
+
+    def _call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the loop's thread (from any thread)."""
+        self._done.append(fn)
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _run_done(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+        while self._done:
+            self._done.popleft()()
+
     # -- accepting ---------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            if not self._admit(conn):
-                self.stats.refused_busy += 1
-                self._refuse(conn, P.E_BUSY, "too many connections; try another holder")
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name=f"stagefs-conn-{peer[0]}:{peer[1]}").start()
+    def _cap(self) -> int:
+        """Authenticated connections allowed now."""
+        if self.limits.max_connections is not None:
+            return self.limits.max_connections
+        return max(16, self._fd_limit - _FD_RESERVE - len(self._fds) - len(self._pending))
 
-    def _admit(self, conn: socket.socket) -> bool:
+    def _accept(self, lst: _Listener) -> None:
+        for _ in range(256):  # a burst of connections: take many per wake, not one
+            try:
+                sock, peer = lst.sock.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    # out of descriptors: stop accepting for a tick, not a busy loop
+                    log.warning("cannot accept a connection: %s; paused", exc.strerror)
+                    self._sel.unregister(lst.sock)
+                    self._accept_paused.append(lst)
+                    self._paused_until = time.monotonic() + 0.1
+                return
+            where = "reader (unix socket)" if lst.unix else f"peer {peer[0]}:{peer[1]}"
+            self._admit(sock, where, lst.unix)
+
+    def _admit(self, sock: socket.socket, where: str, unix: bool) -> None:
         """Take a new connection into the unauthenticated set, dropping the oldest one there
         if the set is full; refuse it if every authenticated slot is taken."""
-        with self._lock:
-            if len(self._conns) >= self.limits.max_connections:
-                return False
-            while len(self._pending) >= self.limits.max_unauthenticated:
-                oldest = next(iter(self._pending))
-                del self._pending[oldest]
-                self.stats.dropped_unauthenticated += 1
-                # under the lock: its thread closes it only after taking the lock, so the
-                # descriptor cannot have been reused by then
-                with contextlib.suppress(OSError):
-                    oldest.shutdown(socket.SHUT_RDWR)
-            self._pending[conn] = None
-            self.stats.connections += 1
-            self.stats.active += 1
-            self.stats.unauthenticated = len(self._pending)
-        return True
+        if len(self._authed) >= self._cap():
+            self.stats.refused_busy += 1
+            self._refuse(sock)
+            return
+        while len(self._pending) >= self.limits.max_unauthenticated:
+            oldest = next(iter(self._pending))
+            self.stats.dropped_unauthenticated += 1
+            self._close(oldest)
+        sock.setblocking(False)
+        if not unix:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        now = time.monotonic()
+        conn = _Conn(sock, where, unix, now)
+        self._pending[conn] = None
+        self.stats.connections += 1
+        self.stats.active += 1
+        self.stats.unauthenticated = len(self._pending)
+        conn.nonce = auth.new_nonce()
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        conn.events = selectors.EVENT_READ
+        self._queue(conn, P.encode_parts(P.Challenge(conn.nonce, self.manifest.pack_id)))
+        self._arm(conn)
 
-    def _promote(self, conn: socket.socket) -> bool | None:
-        """The peer proved the token: move it to the authenticated set. False: no room;
-        None: it was dropped as the oldest meanwhile (its socket is shut down)."""
-        with self._lock:
-            if conn not in self._pending:
-                return None
-            del self._pending[conn]
-            self.stats.unauthenticated = len(self._pending)
-            if len(self._conns) >= self.limits.max_connections:
-                return False
-            self._conns.add(conn)
-        return True
-
-    def _refuse(self, conn: socket.socket, code: int, message: str) -> None:
+    def _refuse(self, sock: socket.socket) -> None:
+        """Tell a connection with no slot so (one send: the frame fits the socket buffer)."""
         with contextlib.suppress(OSError):
-            set_timeouts(conn, 1.0)
-            send_message(conn, P.Error(code, message), Deadline(conn, 1.0))
-        conn.close()
+            sock.setblocking(False)
+            sock.send(P.encode(P.Error(P.E_BUSY, "too many connections; try another holder")))
+        sock.close()
 
-    # -- one connection ------------------------------------------------------------------------
+    # -- reading requests --------------------------------------------------------------------
 
-    def _serve(self, conn: socket.socket, peer: tuple[str, int]) -> None:
-        lim = self.limits
-        where = f"peer {peer[0]}:{peer[1]}"
+    def _on_read(self, conn: _Conn) -> None:
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_timeouts(conn, lim.handshake_timeout)
-            try:
-                if not self._handshake(conn, peer, Deadline(conn, lim.handshake_timeout)):
-                    return
-            except TimeoutError:
-                self.stats.handshake_timeouts += 1
-                log.info("%s: no handshake within %g s; dropped", where, lim.handshake_timeout)
-                return
-            promoted = self._promote(conn)
-            if promoted is None:
-                return
-            if not promoted:
-                self.stats.refused_busy += 1
-                self._refuse(conn, P.E_BUSY, "too many connections; try another holder")
-                return
-            head = bytearray(P.HEADER.size)
-            while not self._stop.is_set():
-                set_recv_timeout(conn, lim.idle_timeout)
-                k = conn.recv_into(head)  # waits for a request to begin (or idle timeout)
-                if k == 0:
-                    return
-                try:
-                    msg = recv_message(conn, lim.max_request, first=head[:k],
-                                       deadline=Deadline(conn, lim.frame_timeout))
-                except TimeoutError:
-                    self.stats.frame_timeouts += 1
-                    log.info("%s: request frame not whole within %g s; closed", where,
-                             lim.frame_timeout)
-                    return
-                reply = Deadline(conn, lim.io_timeout)
-                if isinstance(msg, P.Read):
-                    self._read(conn, msg, reply)
-                elif isinstance(msg, P.StatusRequest):
-                    send_message(conn, P.Status(self._status()), reply)
-                else:
-                    raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
+            k = conn.sock.recv_into(self._rbuf)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if k == 0:
+            self._close(conn)
+            return
+        conn.last = time.monotonic()
+        dec = conn.decoder
+        dec.feed(memoryview(self._rbuf)[:k])
+        try:
+            while not conn.closed and (msg := dec.next_message()) is not None:
+                self._handle(conn, msg)
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
-            log.info("%s: %s; closed", where, exc)
-            with contextlib.suppress(OSError):
-                send_message(conn, P.Error(P.E_PROTOCOL, str(exc)), Deadline(conn, 1.0))
-        except OSError:
-            pass  # closed, reset or timed out: the peer goes away, nothing to tell it
-        finally:
-            with self._lock:
-                self._conns.discard(conn)
-                self._pending.pop(conn, None)
-                self.stats.unauthenticated = len(self._pending)
-                self.stats.active -= 1
-            conn.close()
+            log.info("%s: %s; closed", conn.where, exc)
+            self._fail(conn, P.E_PROTOCOL, str(exc))
+            return
+        if conn.closed:
+            return
+        if dec.pending and conn.state == _READY:
+            if not conn.frame_at:
+                conn.frame_at = conn.last  # a request frame began: all of it before its deadline
+        else:
+            conn.frame_at = 0.0
+        self._interest(conn)
+        self._arm(conn)
 
-    def _handshake(self, conn: socket.socket, peer: tuple[str, int], dl: Deadline) -> bool:
-        ns = auth.new_nonce()
-        send_message(conn, P.Challenge(ns, self.manifest.pack_id), dl)
-        msg = recv_message(conn, 4096, deadline=dl)
+    def _handle(self, conn: _Conn, msg: P.Message) -> None:
+        if conn.state == _HANDSHAKE:
+            self._auth(conn, msg)
+        elif isinstance(msg, P.Read):
+            self._read(conn, msg)
+        elif isinstance(msg, P.StatusRequest):
+            self._queue(conn, P.encode_parts(P.Status(self._status())))
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def _auth(self, conn: _Conn, msg: P.Message) -> None:
         if not isinstance(msg, P.Auth):
             raise ProtocolError(f"expected AUTH, got {type(msg).__name__}")
-        if not auth.verify(auth.client_proof(self.token, ns, msg.nonce), msg.mac):
+        if not auth.verify(auth.client_proof(self.token, conn.nonce, msg.nonce), msg.mac):
             self.stats.auth_failures += 1
-            log.warning("peer %s:%s did not prove the job token; refused", peer[0], peer[1])
-            send_message(conn, P.Error(P.E_AUTH, "job token not proven: refused"), dl)
-            return False
-        send_message(conn, P.AuthOk(auth.server_proof(self.token, ns, msg.nonce)), dl)
+            log.warning("%s did not prove the job token; refused", conn.where)
+            self._fail(conn, P.E_AUTH, "job token not proven: refused")
+            return
+        del self._pending[conn]
+        self.stats.unauthenticated = len(self._pending)
+        if len(self._authed) >= self._cap():
+            self.stats.refused_busy += 1
+            self._fail(conn, P.E_BUSY, "too many connections; try another holder")
+            return
+        self._authed.add(conn)
+        conn.state = _READY
+        conn.decoder.max_frame = self.limits.max_request
+        st = self.stats
+        if conn.unix:
+            st.unix_readers += 1
+            st.unix_peak = max(st.unix_peak, st.unix_readers)
+        else:
+            st.tcp_peers += 1
+            st.tcp_peak = max(st.tcp_peak, st.tcp_peers)
+        self._queue(conn, P.encode_parts(P.AuthOk(auth.server_proof(self.token, conn.nonce,
+                                                                     msg.nonce))))
+
+    def _read(self, conn: _Conn, req: P.Read) -> None:
+        st = self.stats
+        st.requests += 1
+        st.ranges += len(req.ranges)
+        n = len(req.ranges)
+        status = [P.INVALID] * n
+        fds = [-1] * n
+        budget = self.limits.max_reply
+        relay: list[int] = []
+        small = 0
+        for i, r in enumerate(req.ranges):
+            if r.shard >= len(self._sizes) or r.offset + r.length > self._sizes[r.shard] \
+                    or r.length > budget:
+                continue
+            budget -= r.length
+            fd = self._fd(r.shard)
+            if fd >= 0:
+                status[i], fds[i] = P.OK, fd
+                if r.length < _SENDFILE_MIN:
+                    small += r.length
+            elif conn.unix and self.relay is not None:
+                relay.append(i)
+            else:
+                status[i] = P.NOT_HELD
+                st.ranges_not_held += 1
+        # ranges held here: the small ones read now into one buffer (the reply's), the
+        # large ones sent from the file by sendfile when their turn comes
+        buf = memoryview(bytearray(small))
+        data: list[_Chunk | None] = [None] * n
+        pos = 0
+        for i, r in enumerate(req.ranges):
+            if status[i] != P.OK:
+                continue
+            if r.length >= _SENDFILE_MIN:
+                data[i] = _File(fds[i], r.offset, r.length)
+                continue
+            view = buf[pos : pos + r.length]
+            if r.length and os.preadv(fds[i], [view], r.offset) != r.length:
+                status[i], data[i] = P.NOT_HELD, None  # shorter than the manifest says
+                self.forget(req.ranges[i].shard)
+                continue
+            data[i] = view
+            pos += r.length
+        st.bytes_served += sum(r.length for i, r in enumerate(req.ranges) if status[i] == P.OK)
+        if not relay:
+            self._queue(conn, _data_parts(req.request_id, status, data))
+            return
+        st.relayed_requests += 1
+        st.relayed_ranges += len(relay)
+        reply = _Reply()
+        conn.replies.append(reply)
+        asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
+                 for i in relay]
+
+        def finish(got: list[bytes | None]) -> None:  # in the loop's thread
+            for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
+                if chunk is not None and len(chunk) == length:
+                    status[i], data[i] = P.OK, chunk
+                else:
+                    status[i] = P.NOT_HELD
+                    st.relayed_missing += 1
+            reply.parts.extend(_data_parts(req.request_id, status, data))
+            reply.ready = True
+            if not conn.closed:
+                self._flush(conn)
+                self._arm(conn)
+
+        def work() -> None:  # in a relay thread
+            try:
+                assert self.relay is not None
+                got = self.relay(asked)
+            except Exception:  # a relay that fails leaves the reader to go on
+                log.exception("relay of %d ranges failed", len(asked))
+                got = [None] * len(asked)
+            self._call_soon(lambda: finish(got))
+
+        self._relays().submit(work)
+
+    def _relays(self) -> ThreadPoolExecutor:
+        if self._relay_pool is None:
+            self._relay_pool = ThreadPoolExecutor(self.limits.relay_threads,
+                                                  thread_name_prefix="stagefs-relay")
+        return self._relay_pool
+
+    # -- writing replies ---------------------------------------------------------------------
+
+    def _queue(self, conn: _Conn, parts: list[bytes | memoryview] | list[memoryview | _File],
+               close_after: bool = False) -> None:
+        views: list[memoryview | _File] = [p if isinstance(p, _File) else memoryview(p)
+                                           for p in parts if isinstance(p, _File) or len(p)]
+        conn.replies.append(_Reply(views, close_after))
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        """Send what is ready, in order, as far as the socket takes it now."""
+        if conn.closed:
+            return
+        replies = conn.replies
+        try:
+            while replies and replies[0].ready:
+                r = replies[0]
+                if not r.started:
+                    r.started = True
+                    conn.io_at = time.monotonic() + self.limits.io_timeout
+                if not self._send(conn, r.parts):
+                    break
+                replies.popleft()
+                if r.close_after:
+                    self._close(conn)
+                    return
+        except OSError:  # reset, broken pipe, a shard file cut short: this connection ends
+            self._close(conn)
+            return
+        self._interest(conn)
+
+    def _send(self, conn: _Conn, parts: collections.deque[memoryview | _File]) -> bool:
+        """Send ``parts`` from the front; True when all of them are out."""
+        sock, out = conn.sock, conn.fd
+        while parts:
+            head = parts[0]
+            if isinstance(head, _File):
+                try:
+                    k = os.sendfile(out, head.fd, head.offset, head.count)
+                except BlockingIOError:
+                    return False
+                if k == 0:
+                    raise OSError(errno.EIO, "shard file shorter than the manifest says")
+                head.offset += k
+                head.count -= k
+                if not head.count:
+                    parts.popleft()
+                continue
+            views: list[memoryview] = []
+            for p in itertools.islice(parts, _IOV):
+                if isinstance(p, _File):
+                    break
+                views.append(p)
+            try:
+                k = sock.sendmsg(views)
+            except BlockingIOError:
+                return False
+            while k:  # no view is empty (_queue, _data_parts): each byte sent moves on
+                v = parts[0]
+                assert isinstance(v, memoryview)
+                if k >= len(v):
+                    k -= len(v)
+                    parts.popleft()
+                else:
+                    parts[0] = v[k:]
+                    k = 0
         return True
 
-    def _read(self, conn: socket.socket, req: P.Read, dl: Deadline) -> None:
-        self.stats.requests += 1
-        statuses: list[int] = []
-        plan: list[tuple[int, int, int]] = []  # fd, offset, length of each OK slot
-        table = bytearray(struct.pack("!II", req.request_id, len(req.ranges)))
-        budget = self.limits.max_reply
-        for r in req.ranges:
-            st, fd = self._check(r, budget)
-            statuses.append(st)
-            if st == P.OK:
-                budget -= r.length
-                plan.append((fd, r.offset, r.length))
-                table += struct.pack("!BI", P.OK, r.length)
-            else:
-                table += struct.pack("!BI", st, 0)
-        total = len(table) + sum(n for _, _, n in plan)
-        self.stats.ranges += len(req.ranges)
-        self.stats.ranges_not_held += statuses.count(P.NOT_HELD)
-        head = P.HEADER.pack(P.MAGIC, P.VERSION, P.T_DATA, 0, total) + bytes(table)
-        if total - len(table) <= _COPY_LIMIT:
-            # small replies (one sample): pread into one buffer, one send, the lowest
-            # latency; larger ones go by sendfile, which copies each byte once, not twice
-            buf = self._buffer(total - len(table))
-            view = memoryview(buf)
-            pos = 0
-            for fd, off, n in plan:
-                got = os.preadv(fd, [view[pos : pos + n]], off)
-                if got != n:
-                    raise ConnectionError(f"shard file shorter than the manifest says ({fd})")
-                pos += n
-            send_parts(conn, [head, view[:pos]], dl)
+    def _interest(self, conn: _Conn) -> None:
+        """Read while few replies are queued (the others wait in the socket: backpressure);
+        wait for room to write while a ready reply is not out."""
+        if conn.closed:
+            return
+        ev = 0
+        if len(conn.replies) < _MAX_QUEUED:
+            ev |= selectors.EVENT_READ
+        if conn.replies and conn.replies[0].ready:
+            ev |= selectors.EVENT_WRITE
+        if ev == conn.events:
+            return
+        if not ev:
+            self._sel.unregister(conn.sock)  # until a relay answers (finish flushes)
+        elif not conn.events:
+            self._sel.register(conn.sock, ev, conn)
         else:
-            send_parts(conn, [head], dl)
-            for fd, off, n in plan:
-                sendfile_all(conn, fd, off, n, dl)
-        self.stats.bytes_served += total - len(table)
+            self._sel.modify(conn.sock, ev, conn)
+        conn.events = ev
 
-    def _buffer(self, n: int) -> bytearray:
-        """This connection thread's send buffer, grown as needed and reused."""
-        buf: bytearray | None = getattr(self._tls, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._tls.buf = bytearray(max(n, 2**20))
-        return buf
+    def _fail(self, conn: _Conn, code: int, message: str) -> None:
+        """Send an ERROR, then close (what the socket does not take now is dropped)."""
+        conn.replies.clear()
+        self._queue(conn, P.encode_parts(P.Error(code, message)), close_after=True)
+        if not conn.closed:
+            self._close(conn)
 
-    def _check(self, r: P.Range, budget: int) -> tuple[int, int]:
-        if r.shard >= len(self._sizes) or r.offset + r.length > self._sizes[r.shard]:
-            return P.INVALID, -1
-        if r.length > budget:
-            return P.INVALID, -1
-        fd = self._fd(r.shard)
-        return (P.OK, fd) if fd >= 0 else (P.NOT_HELD, -1)
+    # -- deadlines ---------------------------------------------------------------------------
+
+    def _due(self, conn: _Conn) -> float:
+        """When this connection's current deadline passes (inf: none now)."""
+        lim = self.limits
+        if conn.state == _HANDSHAKE:
+            return conn.authed_at + lim.handshake_timeout
+        if conn.replies and conn.replies[0].started:
+            return conn.io_at
+        if conn.frame_at:
+            return conn.frame_at + lim.frame_timeout
+        if conn.replies:
+            return float("inf")  # a relay is out: its batch has its own deadline
+        return conn.last + lim.idle_timeout
+
+    def _arm(self, conn: _Conn) -> None:
+        """Keep one timer entry per connection, for its earliest deadline: a deadline that
+        moves later (each request pushes the idle one) is found when the entry comes due."""
+        if conn.closed:
+            return
+        at = self._due(conn)
+        if at != float("inf") and (not conn.deadline or at < conn.deadline):
+            conn.deadline = at
+            heapq.heappush(self._heap, (at, next(self._seq), conn))
+
+    def _expire(self, now: float) -> None:
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            at, _, conn = heapq.heappop(heap)
+            if conn.closed or at != conn.deadline:
+                continue  # replaced by an earlier one
+            conn.deadline = 0.0
+            if self._due(conn) > now:
+                self._arm(conn)  # moved later meanwhile
+                continue
+            if conn.state == _HANDSHAKE:
+                self.stats.handshake_timeouts += 1
+                log.info("%s: no handshake within %g s; dropped", conn.where,
+                         self.limits.handshake_timeout)
+            elif conn.replies and conn.replies[0].started:
+                self.stats.io_timeouts += 1
+                log.info("%s: reply not taken within %g s; closed", conn.where,
+                         self.limits.io_timeout)
+            elif conn.frame_at:
+                self.stats.frame_timeouts += 1
+                log.info("%s: request frame not whole within %g s; closed", conn.where,
+                         self.limits.frame_timeout)
+            self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        conn.closed = True
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(conn.sock)
+        if conn in self._pending:
+            del self._pending[conn]
+            self.stats.unauthenticated = len(self._pending)
+        elif conn in self._authed:
+            self._authed.discard(conn)
+            if conn.unix:
+                self.stats.unix_readers -= 1
+            else:
+                self.stats.tcp_peers -= 1
+        self.stats.active -= 1
+        conn.replies.clear()
+        conn.sock.close()
+
+    # -- shard files -------------------------------------------------------------------------
 
     def _fd(self, shard: int) -> int:
         fd = self._fds.get(shard)
@@ -326,11 +695,19 @@ class ShardServer:
         return old
 
     def forget(self, shard: int) -> None:
-        """A shard file was dropped or replaced: reopen it on next use."""
+        """A shard file was dropped or replaced: reopen it on next use (in the loop's
+        thread, so no reply queued with its descriptor is sent from a reused one)."""
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            self._call_soon(lambda: self.forget(shard))
+            return
         with self._lock:
             fd = self._fds.pop(shard, None)
-        if fd is not None:
-            os.close(fd)
+        if fd is None:
+            return
+        for conn in [*self._authed, *self._pending]:
+            if any(isinstance(p, _File) and p.fd == fd for r in conn.replies for p in r.parts):
+                self._close(conn)
+        os.close(fd)
 
     def _status(self) -> dict[str, Any]:
         info = dict(self.status_fn())
@@ -340,15 +717,33 @@ class ShardServer:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
+        """Stop serving: every connection is closed. Callable from any thread, the loop's
+        own too (a shard lookup that finds the node going away)."""
         self._stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.close()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
+        if threading.current_thread() is not self._thread and self._thread.is_alive():
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+            self._thread.join(timeout=5)
+        self._teardown()
+
+    def _teardown(self) -> None:
         with self._lock:
-            for c in [*self._conns, *self._pending]:
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
+            if self._torn_down:
+                return
+            self._torn_down = True
+        if self._relay_pool is not None:
+            self._relay_pool.shutdown(wait=False, cancel_futures=True)
+        for conn in [*self._authed, *self._pending]:
+            self._close(conn)
+        for lst in self._listeners:
+            with contextlib.suppress(OSError):
+                lst.sock.close()
+        if self.unix_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.unix_path)
+        for s in (self._wake_r, self._wake_w):
+            s.close()
+        self._sel.close()
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
@@ -359,3 +754,28 @@ class ShardServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_TABLE = struct.Struct("!BI")
+_Chunk = memoryview | _File | bytes
+
+
+def _data_parts(request_id: int, status: list[int], data: Sequence[_Chunk | None]
+                ) -> list[memoryview | _File]:
+    """A DATA frame as parts: header and slot table in one buffer, then each OK range (a
+    view of the reply's buffer, a relayed chunk, or a file range for sendfile)."""
+    table = bytearray(struct.pack("!II", request_id, len(status)))
+    body: list[memoryview | _File] = []
+    size = 0
+    for st, d in zip(status, data, strict=True):
+        if st == P.OK and d is not None:
+            part = d if isinstance(d, _File) else memoryview(d)
+            n = part.count if isinstance(part, _File) else part.nbytes
+            table += _TABLE.pack(P.OK, n)
+            if n:
+                body.append(part)
+            size += n
+        else:
+            table += _TABLE.pack(st if st != P.OK else P.NOT_HELD, 0)
+    head = P.HEADER.pack(P.MAGIC, P.VERSION, P.T_DATA, 0, len(table) + size)
+    return [memoryview(head + table), *body]

@@ -1,0 +1,279 @@
+"""One fabric per node, over real daemons, sockets and processes.
+
+Training processes and their forked workers send every read that is not local to their
+node's daemon (a Unix socket); the daemons hold at most two connections per peer, whatever
+the number of readers. Assertions are on bytes and counters, never on elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cluster_helpers import (
+    make_pack,
+    serve_args,
+    start,
+    status_json,
+    stop,
+    tail,
+    wait_staged,
+    write_expected,
+)
+
+from stagefs.format import Manifest
+from stagefs.net import auth
+from stagefs.net import protocol as P
+from stagefs.net.client import PeerClient
+from stagefs.net.server import ShardServer, raise_fd_limit
+
+pytestmark = pytest.mark.integration
+READER = str(Path(__file__).resolve().parent / "fabric_reader.py")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+class Cluster:
+    """``n`` daemons on loopback (static bootstrap), staged."""
+
+    def __init__(self, work: str, n: int, files: int = 120, replicas: int = 2) -> None:
+        self.work, self.n, self.replicas = work, n, replicas
+        self.pack, content = make_pack(work, files=files, shard_size="64KiB")
+        write_expected(work, content)
+        with open(os.path.join(work, "hosts"), "w") as f:
+            f.write("".join(f"127.0.0.1:{p}\n" for p in _free_ports(n)))
+        subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                        os.path.join(work, "token")], check=True, timeout=60)
+        self.daemons = [self.daemon(r) for r in range(n)]
+        for r, d in enumerate(self.daemons):
+            wait_staged(work, n, d, log=os.path.join(work, f"daemon{r}.log"))
+        with open(os.path.join(work, "token")) as f:
+            self.token = bytes.fromhex(f.read().strip())
+
+    def daemon(self, r: int) -> subprocess.Popen[bytes]:
+        return start(serve_args(self.work, self.pack, "--hosts",
+                                os.path.join(self.work, "hosts"), "--rank", str(r),
+                                "--token-file", os.path.join(self.work, "token"),
+                                "--replicas", str(self.replicas), "--wait"),
+                     os.path.join(self.work, f"daemon{r}.log"))
+
+    def readers(self, per_node: int, workers: int, rounds: int, until: str | None = None
+                ) -> list[subprocess.Popen[bytes]]:
+        return [start([sys.executable, READER, self.work, str(node), str(i), str(workers),
+                       str(rounds), *([until] if until else [])],
+                      os.path.join(self.work, f"reader{node}-{i}.log"))
+                for node in range(self.n) for i in range(per_node)]
+
+    def results(self) -> list[dict[str, Any]]:
+        out = []
+        for name in sorted(os.listdir(self.work)):
+            if name.startswith("fabric") and name.endswith(".json"):
+                with open(os.path.join(self.work, name)) as f:
+                    out.append(json.load(f))
+        return out
+
+    def wait_readers(self, readers: list[subprocess.Popen[bytes]]) -> None:
+        for p, name in zip(readers, [f"reader{node}-{i}" for node in range(self.n)
+                                     for i in range(len(readers) // self.n)], strict=True):
+            assert p.wait(300) == 0, tail(os.path.join(self.work, name + ".log"))
+
+    def close(self) -> list[int]:
+        return [stop(d) for d in self.daemons]
+
+
+@pytest.fixture()
+def cluster4(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(str(tmp_path), 4, replicas=1)  # every peer holds shards no other holds
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
+    c = cluster4
+    readers = c.readers(per_node=4, workers=2, rounds=1)  # 16 readers x 3 processes
+    c.wait_readers(readers)
+    results = c.results()
+    assert len(results) == 16
+    for res in results:
+        assert res["exits"] == [0, 0]
+        for proc in res["procs"]:
+            assert proc["bad"] == 0, res  # exact bytes
+            assert proc["origin_bytes"] == 0, res  # no origin fallback
+            assert proc["peer_connects"] == 0, res  # no reader talks to a peer itself
+            assert proc["fabric_requests"] > 0 and proc["fabric_failures"] == 0, res
+    st = status_json(c.work, 0)
+    for node in st["nodes"]:
+        srv, relay = node["server"], node["fabric"]["relay"]
+        assert srv["refused_busy"] == 0
+        # two per peer (staging, relays and status share them), plus this status request
+        assert srv["tcp_peak"] <= 2 * (c.n - 1) + 1, srv
+        assert srv["unix_peak"] >= 4  # the readers came through the fabric
+        assert srv["relayed_ranges"] > 0 and srv["relayed_missing"] == 0, node["fabric"]
+        # a batch touching every peer had a part in flight to each of them at once
+        assert relay["peak_parts"] == c.n - 1, relay
+        assert relay["missing"] == 0 and relay["late"] == 0
+
+
+def _authed(addr: tuple[str, int], token: bytes) -> socket.socket:
+    s = socket.create_connection(addr, timeout=30)
+    dec = P.FrameDecoder()
+    msgs: list[P.Message] = []
+    while not msgs:
+        dec.feed(s.recv(4096))
+        msgs = dec.messages()
+    ch = msgs[0]
+    assert isinstance(ch, P.Challenge)
+    nc = auth.new_nonce()
+    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
+    msgs = []
+    while not msgs:
+        dec.feed(s.recv(4096))
+        msgs = dec.messages()
+    assert isinstance(msgs[0], P.AuthOk)
+    return s
+
+
+def test_300_idle_and_unauthenticated_connections_do_not_stop_a_reader(tmp_path: Path) -> None:
+    c = Cluster(str(tmp_path), 2)
+    held: list[socket.socket] = []
+    try:
+        with open(os.path.join(c.work, "hosts")) as f:
+            host, port = f.readline().strip().rsplit(":", 1)
+        addr = (host, int(port))
+        held += [_authed(addr, c.token) for _ in range(250)]  # idle peers, token proven
+        held += [socket.create_connection(addr, timeout=30) for _ in range(50)]  # silent
+        held.append(socket.create_connection(addr, timeout=30))
+        held[-1].sendall(P.encode(P.Read(1, (P.Range(0, 0, 8),)))[:5])  # a frame cut short
+        # a reader on node 1: its daemon relays node 0's shards to node 0, which holds
+        # the 300; one on node 0 reads through it too
+        readers = [start([sys.executable, READER, c.work, str(node), "0", "1", "2"],
+                         os.path.join(c.work, f"reader{node}-0.log")) for node in (0, 1)]
+        c.wait_readers(readers)
+        for res in c.results():
+            for proc in res["procs"]:
+                assert proc["bad"] == 0 and proc["origin_bytes"] == 0, res
+        srv = status_json(c.work, 1)["nodes"][0]["server"]
+        assert srv["refused_busy"] == 0
+        assert srv["tcp_peers"] >= 250  # the idle ones are still open: they cost a socket
+        assert srv["unauthenticated"] <= 32
+        assert srv["tcp_peak"] >= 250 + 1
+        assert srv["relayed_missing"] == 0
+    finally:
+        for s in held:
+            s.close()
+        c.close()
+
+
+def test_a_killed_daemon_costs_its_readers_nothing(tmp_path: Path) -> None:
+    c = Cluster(str(tmp_path), 3)
+    try:
+        readers = c.readers(per_node=1, workers=2, rounds=2, until="killed")
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(c.work, f"reading{n}-0"))
+                      for n in range(c.n)):
+            assert time.monotonic() < deadline, [tail(os.path.join(c.work, f"reader{n}-0.log"))
+                                                 for n in range(c.n)]
+            time.sleep(0.05)
+        c.daemons[1].send_signal(signal.SIGKILL)  # mid-read: readers on node 1 and others
+        assert c.daemons[1].wait(30) == -signal.SIGKILL
+        open(os.path.join(c.work, "killed"), "w").close()
+        c.wait_readers(readers)
+        results = {res["node"]: res for res in c.results()}
+        for res in results.values():
+            assert res["exits"] == [0, 0]
+            for proc in res["procs"]:
+                assert proc["bad"] == 0, res  # every byte exact, no error
+        # node 1's readers lost their daemon: they read the peers themselves
+        assert all(p["fabric_failures"] > 0 and p["peer_connects"] > 0
+                   for p in results[1]["procs"]), results[1]
+        # the others' daemons relayed around the dead node: their readers never went to
+        # a peer themselves (an origin read is allowed: a peer slow in the kill's wake)
+        for node in (0, 2):
+            for proc in results[node]["procs"]:
+                assert proc["peer_connects"] == 0 and proc["fabric_failures"] == 0, proc
+    finally:
+        c.close()
+
+
+# -- the server's fabric socket, in one process ------------------------------------------------
+
+
+def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> None:
+    pack, _ = make_pack(str(tmp_path), files=40, shard_size="32KiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    shard_bytes = [Path(pack, sh.name).read_bytes() for sh in m.shards]
+    relayed: list[list[tuple[int, int, int]]] = []
+
+    def relay(ranges: Any) -> list[bytes | None]:  # odd shards: a peer gives all but shard 1
+        relayed.append(list(ranges))
+        return [None if s == 1 else shard_bytes[s][o : o + n] for s, o, n in ranges]
+
+    path = str(tmp_path / "fabric.sock")
+    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name)
+                      if s % 2 == 0 else None, "127.0.0.1", unix_path=path, relay=relay).start()
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        reader = PeerClient("", 0, token, unix=path)
+        ranges = [(s, 3, min(100, len(b) - 3)) for s, b in enumerate(shard_bytes)]
+        ranges.append((0, 0, 8))
+        got = reader.read(ranges)
+        for (s, o, n), data in zip(ranges, got, strict=True):
+            assert data == (None if s == 1 else shard_bytes[s][o : o + n])
+        assert relayed == [[r for r in ranges if r[0] % 2]]  # one relay call, odd shards only
+        # over TCP (another node) nothing is relayed: not held is NOT_HELD
+        peer = PeerClient(*srv.address, token)
+        assert peer.read([(1, 0, 8), (0, 0, 8)]) == [None, b"STGFSSHD"]
+        assert len(relayed) == 1
+        st = srv.stats
+        assert st.unix_readers == 1 and st.tcp_peers == 1
+        assert st.relayed_ranges == len(m.shards) // 2 and st.relayed_missing == 1
+        reader.close()
+        peer.close()
+    finally:
+        srv.close()
+        m.close()
+    assert not os.path.exists(path)
+
+
+def test_a_thousand_idle_connections_take_no_thread(tmp_path: Path) -> None:
+    pack, _ = make_pack(str(tmp_path), files=10)
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name),
+                      "127.0.0.1").start()
+    conns: list[socket.socket] = []
+    n = min(1000, (raise_fd_limit()[1] - 300) // 2)  # both ends are in this process
+    try:
+        threads = threading.active_count()
+        conns = [_authed(srv.address, token) for _ in range(n)]
+        c = PeerClient(*srv.address, token)
+        assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]
+        assert srv.stats.tcp_peers == n + 1 and srv.stats.refused_busy == 0
+        assert threading.active_count() == threads  # no thread per connection
+        c.close()
+    finally:
+        for s in conns:
+            s.close()
+        srv.close()
+        m.close()
