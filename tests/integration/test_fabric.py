@@ -125,7 +125,8 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
     for node in st["nodes"]:
         srv, relay = node["server"], node["fabric"]["relay"]
         assert srv["refused_busy"] == 0
-        # two per peer (staging, relays and status share them), plus this status request
+        # two per peer (one for data: staging, relays, status; one for probes), plus this
+        # status request
         assert srv["tcp_peak"] <= 2 * (c.n - 1) + 1, srv
         assert srv["unix_peak"] >= 4  # the readers came through the fabric
         assert srv["relayed_ranges"] > 0 and srv["relayed_missing"] == 0, node["fabric"]

@@ -64,7 +64,7 @@ __all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
-PEER_CONNECTIONS = 2  # per peer, for staging, relayed reads and status alike
+PEER_CONNECTIONS = 1  # per peer for data (staging, relays, status); probes keep one more
 
 
 @dataclass(frozen=True)

@@ -159,14 +159,27 @@ class PeerClient:
         log.info("%s: %s; suspect until it answers again", self.name, why)
 
     def probe(self) -> bool:
-        """Connect and prove the token now, within ``connect_timeout``: True if the peer
-        answered (it is no longer suspect; the connection joins the pool)."""
+        """Ask the peer now, within ``connect_timeout``, whatever its back-off: True if it
+        answered (it is no longer suspect). An idle pooled connection is asked for its
+        STATUS (a probe every second opens no connection); else a new one is made, which
+        proves the token, and joins the pool."""
         self._check_pid()
         self.stats.probes += 1
+        with self._lock:
+            sock = self._idle.pop() if self._idle else None
         try:
-            sock = self._connect()
-        except PeerUnavailable:
+            if sock is None:
+                sock = self._connect()
+            else:
+                dl = Deadline(sock, self.connect_timeout)
+                send_message(sock, P.StatusRequest(), dl)
+                if not isinstance(recv_message(sock, P.MAX_FRAME, deadline=dl), P.Status):
+                    raise ProtocolError(f"{self.name}: expected STATUS")
+        except (PeerUnavailable, ProtocolError, OSError):
+            if sock is not None:
+                sock.close()
             return False
+        set_timeouts(sock, self.timeout)
         self._answered()
         self._give(sock)
         return True

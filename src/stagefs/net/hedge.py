@@ -269,24 +269,26 @@ class HedgedPeer:
                     return [None] * n
                 groups = {}
             else:
-                self._slow((self,), delay, "asked another replica")
                 self.hedged += len(groups)
                 return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]):
-                                          idx for h, idx in groups.items()}, n)
+                                          idx for h, idx in groups.items()}, n, delay)
         try:
             return first.result()
         except PeerUnavailable:
             return [None] * n
 
-    @staticmethod
-    def _race(first: Future[list[bytes | None]],
-              hedges: dict[Future[list[bytes | None]], list[int]], n: int
+    def _race(self, first: Future[list[bytes | None]],
+              hedges: dict[Future[list[bytes | None]], list[int]], n: int, delay: float
               ) -> list[bytes | None]:
         """The slow peer's whole answer if it comes before every hedge has; else what the
-        hedges gave (None where they gave nothing)."""
+        hedges gave, and for the ranges they did not give (another replica that has not
+        copied the shard yet says "not held" at once) the slow peer's answer if it comes
+        within the origin's delay; None where no one gave a range. The slow peer is
+        suspect only if another replica gave bytes first: a "not held" proves nothing."""
         out: list[bytes | None] = [None] * n
         pending = set(hedges)
         watch: set[Future[list[bytes | None]]] = pending | {first}
+        won = False
         while pending:
             done, _ = wait(watch, return_when=FIRST_COMPLETED)
             for f in done:
@@ -303,6 +305,14 @@ class HedgedPeer:
                 for i, data in zip(hedges[f], got, strict=True):
                     if data is not None:
                         out[i] = data
+                        won = True
+        if won:
+            self._slow((self,), delay, "another replica answered first")
+        if None in out:
+            wait_more = max(self.batch_times.origin_delay() - delay, 0.0)
+            if wait([first], wait_more).done and first.exception() is None:
+                got = first.result()
+                return [b if b is not None else a for a, b in zip(got, out, strict=True)]
         return out
 
 
