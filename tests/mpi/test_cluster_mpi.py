@@ -62,11 +62,13 @@ def test_every_rank_reads_every_file(tmp_path: Path, n: int) -> None:
     work = str(tmp_path)
     pack, content = make_pack(work, files=120)
     write_expected(work, content)
-    from stagefs.format.spec import SHARD_HEADER
+    from stagefs.format import MANIFEST_NAME, Manifest
 
-    # the files' bytes: a copy writes each shard's header from the manifest, never reads it
-    dataset = sum(os.path.getsize(os.path.join(pack, f)) - SHARD_HEADER.size
-                  for f in os.listdir(pack) if f.endswith(".sfs"))
+    # the files' stored bytes: a copy writes each shard's header from the manifest and the
+    # padding between aligned files as zeros, never reads them
+    m = Manifest(os.path.join(pack, MANIFEST_NAME))
+    dataset = sum(int(m.stored[e]) for e in m.files())
+    m.close()
     log = os.path.join(work, "daemons.log")
     assert MPIEXEC is not None
     daemons = start([MPIEXEC, "-n", str(n), *serve_args(work, pack, "--bind", "127.0.0.1",
