@@ -1,0 +1,503 @@
+"""An emulated cluster: N stagefs daemons, each a node of its own behind a shaped link.
+
+Each node is a network namespace (its own address on a bridge) whose veth is shaped with tc
+(tbf) in both directions to ``--rate-mbit``: what one node's network gives it. The origin is
+the test PFS (/tmp/pfs, ../shared/testbed/pfs.sh) when it is mounted, else a local directory
+(a file system with no metadata server: say so in the results). Every node runs a daemon
+(``stagefs serve``, static bootstrap, its own tier in /dev/shm and runtime directory) and one
+training process (emu_reader.py: epochs of its slice of the global shuffle, batches read
+with prefetch, a simulated compute time per batch).
+
+Weak scaling: every node has the same work (``--samples-per-node``), so the dataset grows
+with N; the efficiency of an epoch is T(1) / T(N), the job's epoch time (its slowest node)
+at one node over at N. Also measured per N: staging time, origin bytes during staging
+against the dataset, origin bytes the readers fell back on, connections per daemon (TCP,
+counted with ss in each node), CPU seconds per daemon and per reader. ``--kill`` kills one
+daemon halfway through the last epoch (SIGKILL) and reports that epoch.
+
+Scale on one machine: 2 cores cannot do the work of 64 real nodes, so every rate is scaled
+down by the same factor (``--rate-mbit`` per link, samples/s per node through the compute
+time), keeping each node's I/O demand well under its link and the sum of all nodes' work
+under what this machine's cores process. The results name the ratio: a real node with a
+100 Gbit/s link and the same per-link share of its demand.
+
+    python benchmarks/emucluster.py --nodes 1 8 16 32 64 --out benchmarks/results
+
+Needs root (namespaces, tc). Prints a table, writes emulated.json (and emulated.png with
+matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import stagefs
+from stagefs._table import table
+from stagefs.format import MANIFEST_NAME, Manifest
+
+HERE = Path(__file__).resolve().parent
+READER = str(HERE / "emu_reader.py")
+BRIDGE, NET = "sfsemu0", "10.79"  # nodes 10.79.<k // 200>.<10 + k % 200>
+PORT = 7070
+
+
+@dataclass
+class Settings:
+    samples_per_node: int = 128
+    sample_kib: int = 64
+    batch: int = 4
+    compute_ms: float = 200.0
+    prefetch: int = 4
+    epochs: int = 2
+    rate_mbit: float = 20.0
+    replicas: int = 2
+    kill: bool = False
+    seed: int = 0
+    real_link_gbit: float = 100.0  # what one emulated link stands for
+
+    def demand_mbit(self) -> float:
+        """The link rate one node's reader needs to keep up: batch bytes per compute."""
+        return self.batch * self.sample_kib * 1024 * 8 / (self.compute_ms / 1000) / 1e6
+
+
+@dataclass
+class RunResult:
+    nodes: int
+    staging_s: float = 0.0
+    dataset_bytes: int = 0
+    staging_origin_bytes: int = 0
+    epochs_s: list[float] = field(default_factory=list)  # the job's: its slowest node's
+    stall_s: list[float] = field(default_factory=list)  # mean over nodes
+    reader_origin_bytes: int = 0  # readers' fallbacks to the origin
+    reader_errors: int = 0
+    checksum_failures: int = 0
+    connections_max: int = 0  # established TCP connections of one node, the most
+    connections_mean: float = 0.0
+    daemon_cpu_s: float = 0.0  # mean per daemon, whole run
+    reader_cpu_s: float = 0.0  # mean per reader
+    killed: int | None = None
+    origin: str = ""
+    tcp_peak_per_peer: float = 0.0  # the daemons' own count: most TCP peers at once / peer
+    epoch_daemon_cpu_s: float = 0.0  # mean per daemon, during the epochs
+    requests: int = 0  # served by all daemons during the epochs (peer requests + relays)
+    calibration: dict[str, float] = field(default_factory=dict)
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True, timeout=120)
+
+
+def node_ip(k: int) -> str:
+    return f"{NET}.{k // 200}.{10 + k % 200}"
+
+
+class Net:
+    """The bridge and one namespace per node, links shaped both ways."""
+
+    def __init__(self, n: int, rate_mbit: float) -> None:
+        self.n, self.rate = n, rate_mbit
+        self.ns = [f"sfsemu{k}" for k in range(n)]
+
+    def __enter__(self) -> Net:
+        self.close()
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{NET}.255.1/16", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+        rate = f"{self.rate}mbit"
+        for k, ns in enumerate(self.ns):
+            h, p = f"se{k}h", f"se{k}p"
+            sh("ip", "netns", "add", ns)
+            sh("ip", "link", "add", h, "type", "veth", "peer", "name", p)
+            sh("ip", "link", "set", p, "netns", ns)
+            sh("ip", "link", "set", h, "master", BRIDGE)
+            sh("ip", "link", "set", h, "up")
+            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip(k)}/16", "dev", p)
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", p, "up")
+            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            for dev, where in ((h, []), (p, ["ip", "netns", "exec", ns])):
+                sh(*where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                   "burst", "64kb", "latency", "50ms")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for ns in sorted(set(sh("ip", "netns", "list", check=False).stdout.split())):
+            if ns.startswith("sfsemu"):
+                for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
+                sh("ip", "netns", "del", ns, check=False)
+        sh("ip", "link", "del", BRIDGE, check=False)
+
+    def run(self, k: int, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
+        out = open(log, "ab")  # noqa: SIM115 - the child's; closed when it ends
+        try:
+            return subprocess.Popen(["ip", "netns", "exec", self.ns[k], *cmd], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            out.close()
+
+    def connections(self, k: int) -> int:
+        out = sh("ip", "netns", "exec", self.ns[k], "ss", "-Htn", "state", "established",
+                 check=False).stdout
+        return sum(1 for line in out.splitlines() if line.strip())
+
+
+def make_dataset(origin: str, s: Settings, n: int) -> tuple[str, list[str], int]:
+    """N x samples_per_node incompressible samples, packed at ``origin``; the pack, the
+    sample paths and the dataset's bytes."""
+    src = tempfile.mkdtemp(prefix="emu-src-", dir="/dev/shm")
+    rnd = random.Random(s.seed)
+    paths = []
+    try:
+        for i in range(n * s.samples_per_node):
+            rel = f"train/c{i % 16:02d}/s{i:06d}.bin"
+            p = os.path.join(src, rel)
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as f:
+                f.write(rnd.randbytes(s.sample_kib * 1024))
+            paths.append(rel)
+        pack = os.path.join(origin, f"emu-{n}.pack")
+        shutil.rmtree(pack, ignore_errors=True)
+        stagefs.pack(src, pack, shard_size="4MiB", jobs=2, compress="none")
+    finally:
+        shutil.rmtree(src, ignore_errors=True)
+    m = Manifest(os.path.join(pack, MANIFEST_NAME))
+    size = sum(int(m.stored[e]) for e in m.files())
+    m.close()
+    return pack, paths, size
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+PINGPONG = r"""
+import socket, sys, time
+role, host = sys.argv[1], sys.argv[2]
+if role == "server":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, 7071)); s.listen(1); print("ready", flush=True)
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while True:
+        m = c.recv(8)
+        if not m: break
+        n = int.from_bytes(m, "big")
+        c.sendall(b"x" * n if n else b"y")
+else:
+    c = socket.create_connection((host, 7071)); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtt = []
+    for _ in range(50):
+        t = time.perf_counter(); c.sendall((0).to_bytes(8, "big")); c.recv(1); rtt.append(time.perf_counter() - t)
+    rtt.sort()
+    n = 4 << 20
+    t = time.perf_counter(); c.sendall(n.to_bytes(8, "big")); got = 0
+    while got < n: got += len(c.recv(1 << 20))
+    bulk = time.perf_counter() - t
+    print(rtt[len(rtt) // 2], n / bulk)
+"""
+
+
+def calibrate_net(net: Net, work: str) -> dict[str, float]:
+    """One-way latency and the effective rate of one shaped link, node 1 -> node 0."""
+    script = os.path.join(work, "pingpong.py")
+    with open(script, "w") as f:
+        f.write(PINGPONG)
+    srv = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, script,
+                            "server", node_ip(1)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout is not None and srv.stdout.readline().strip() == "ready"
+        out = sh("ip", "netns", "exec", net.ns[0], sys.executable, script, "client",
+                 node_ip(1)).stdout.split()
+    finally:
+        srv.kill()
+        srv.wait()
+    return {"latency_s": float(out[0]) / 2, "link_Bps": float(out[1])}
+
+
+def calibrate_origin(pack: str) -> dict[str, float]:
+    """The origin's rate with one stream and with eight, and the time of one open: read
+    every shard (the page cache dropped first, when root)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shards = sorted(os.path.join(pack, f) for f in os.listdir(pack) if f.endswith(".sfs"))
+
+    def read(path: str) -> int:
+        with open(path, "rb", buffering=0) as f:
+            n = 0
+            while chunk := f.read(1 << 20):
+                n += len(chunk)
+            return n
+
+    def drop() -> None:
+        with contextlib.suppress(OSError), open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+    out: dict[str, float] = {}
+    for streams in (1, 8):
+        drop()
+        t = time.perf_counter()
+        with ThreadPoolExecutor(streams) as ex:
+            total = sum(ex.map(read, shards))
+        out[f"pfs_Bps_{streams}"] = total / (time.perf_counter() - t)
+    drop()
+    t = time.perf_counter()
+    for p in shards:
+        os.close(os.open(p, os.O_RDONLY))
+    out["pfs_open_s"] = (time.perf_counter() - t) / len(shards)
+    out["pfs_Bps"], out["pfs_streams"] = out["pfs_Bps_8"], 8
+    return out
+
+
+def calibrate_local(rt: str, paths: list[str], batch: int) -> dict[str, float]:
+    """A batch of samples read from the node's own tier, in the reader (this process)."""
+    fs = stagefs.connect(rt, timeout=60)
+    try:
+        batches = [paths[i : i + batch] for i in range(0, len(paths), batch)]
+        for b in batches:  # warm: mapped files, caches
+            fs.read_many(b)
+        t = time.perf_counter()
+        for b in batches:
+            fs.read_many(b)
+        per_batch = (time.perf_counter() - t) / len(batches)
+    finally:
+        fs.close()
+    return {"local_s": per_batch / batch, "reader_batch_s": 0.0}
+
+
+def status(net: Net, k: int, rt: str) -> dict[str, Any]:
+    p = subprocess.run(["ip", "netns", "exec", net.ns[k], sys.executable, "-m", "stagefs.cli",
+                        "status", "--runtime", rt, "--json"], capture_output=True, text=True,
+                       timeout=120)
+    return json.loads(p.stdout) if p.stdout.strip() else {}
+
+
+def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False) -> RunResult:
+    res = RunResult(nodes=n, origin=origin)
+    os.makedirs(work, exist_ok=True)
+    pack, paths, res.dataset_bytes = make_dataset(origin, s, n)
+    with open(os.path.join(work, "paths.json"), "w") as f:
+        json.dump(paths, f)
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"{node_ip(k)}:{PORT}\n" for k in range(n)))
+    token = os.path.join(work, "token")
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token", token],
+                   check=True, capture_output=True, timeout=60)
+    shm = f"/dev/shm/stagefs-emu/{n}"
+    shutil.rmtree(shm, ignore_errors=True)
+    tier_bytes = 4 * s.replicas * s.samples_per_node * s.sample_kib * 1024 + 64 * 2**20
+    with Net(n, s.rate_mbit) as net:
+        t0 = time.monotonic()
+        daemons = [net.run(k, [sys.executable, "-m", "stagefs.cli", "serve", pack,
+                               "--hosts", os.path.join(work, "hosts"), "--rank", str(k),
+                               "--token-file", token, "--replicas", str(s.replicas),
+                               "--tier", f"{shm}/n{k}/mem:{tier_bytes}",
+                               "--runtime", f"{shm}/rt{k}", "--wait", "--progress", "0"],
+                           os.path.join(work, f"daemon{k}.log")) for k in range(n)]
+        try:
+            deadline = time.monotonic() + 600
+            while not all(os.path.exists(f"{shm}/rt{k}/cluster.json") for k in range(n)):
+                dead = [k for k, d in enumerate(daemons) if d.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    raise SystemExit(f"N={n}: daemons {dead or 'slow'} did not stage; see "
+                                     f"{work}/daemon*.log")
+                time.sleep(0.05)
+            res.staging_s = time.monotonic() - t0
+            st = status(net, 0, f"{shm}/rt0")
+            res.staging_origin_bytes = sum(x["staging"]["origin_bytes"]
+                                           for x in st.get("nodes", []) if x)
+            if calibrate:
+                res.calibration.update(calibrate_origin(pack))
+                res.calibration.update(calibrate_local(f"{shm}/rt0", paths, s.batch))
+                if n > 1:
+                    res.calibration.update(calibrate_net(net, work))
+            before = {x["rank"]: x["server"]["requests"] + x["server"]["relayed_requests"]
+                      for x in st.get("nodes", []) if x}
+            cpu0 = [cpu_seconds(d.pid) for d in daemons]
+            bar = os.path.join(work, "barrier")
+            os.makedirs(bar, exist_ok=True)
+            victim = n - 1 if s.kill and n > 1 else None
+            half = os.path.join(work, "half")
+            readers = [net.run(k, [sys.executable, READER, "--runtime", f"{shm}/rt{k}",
+                                   "--rank", str(k), "--nodes", str(n),
+                                   "--paths", os.path.join(work, "paths.json"),
+                                   "--batch", str(s.batch), "--compute-ms", str(s.compute_ms),
+                                   "--prefetch", str(s.prefetch), "--epochs", str(s.epochs),
+                                   "--seed", str(s.seed), "--barrier", bar,
+                                   "--out", os.path.join(work, f"reader{k}.json"),
+                                   *(["--half", f"{s.epochs - 1}:{half}"] if k == 0 else [])],
+                               os.path.join(work, f"reader{k}.log")) for k in range(n)]
+            conns: list[int] = []
+            while any(r.poll() is None for r in readers):
+                if victim is not None and res.killed is None and os.path.exists(half):
+                    os.kill(daemons[victim].pid, signal.SIGKILL)
+                    res.killed = victim
+                if len(conns) < n:  # once the readers run: each node's connections
+                    time.sleep(1.0)
+                    conns = [net.connections(k) for k in range(n)]
+                time.sleep(0.05)
+            cpu = [cpu_seconds(d.pid) for d in daemons if d.poll() is None]
+            res.daemon_cpu_s = statistics.fmean(cpu) if cpu else 0.0
+            res.epoch_daemon_cpu_s = statistics.fmean(
+                cpu_seconds(d.pid) - c0 for d, c0 in zip(daemons, cpu0, strict=True)
+                if d.poll() is None)
+            st = status(net, 0, f"{shm}/rt0")
+            live = [x for x in st.get("nodes", []) if x]
+            res.requests = sum(x["server"]["requests"] + x["server"]["relayed_requests"]
+                               - before.get(x["rank"], 0) for x in live)
+            res.tcp_peak_per_peer = max((x["server"]["tcp_peak"] for x in live), default=0) / max(
+                n - 1, 1)
+            if calibrate and res.requests:
+                # the daemons' event loop per request served or relayed, during the epochs
+                per = res.epoch_daemon_cpu_s * len(live) / res.requests
+                res.calibration.update({"req_s": per, "relay_s": per, "byte_s": 0.0})
+            res.connections_max, res.connections_mean = max(conns), statistics.fmean(conns)
+            got = []
+            for k, r in enumerate(readers):
+                if r.returncode != 0:
+                    raise SystemExit(f"N={n}: reader {k} failed; see {work}/reader{k}.log")
+                with open(os.path.join(work, f"reader{k}.json")) as f:
+                    got.append(json.load(f))
+            for e in range(s.epochs):
+                res.epochs_s.append(max(g["epochs"][e]["seconds"] for g in got))
+                res.stall_s.append(statistics.fmean(g["epochs"][e]["stall"] for g in got))
+            res.reader_origin_bytes = sum(g["origin_bytes"] for g in got)
+            res.reader_errors = sum(g["errors"] for g in got)
+            res.checksum_failures = sum(g["checksum_failures"] for g in got)
+            res.reader_cpu_s = statistics.fmean(g["cpu_s"] for g in got)
+        finally:
+            for d in daemons:
+                if d.poll() is None:
+                    d.send_signal(signal.SIGTERM)
+            for d in daemons:
+                try:
+                    d.wait(30)
+                except subprocess.TimeoutExpired:
+                    d.kill()
+            shutil.rmtree(shm, ignore_errors=True)
+            shutil.rmtree(pack, ignore_errors=True)
+    return res
+
+
+def efficiency(results: list[RunResult]) -> list[dict[str, Any]]:
+    base = next((r for r in results if r.nodes == 1), results[0])
+    rows = []
+    for r in results:
+        row = asdict(r)
+        row["efficiency"] = [b / t if t else 0.0 for b, t in zip(base.epochs_s, r.epochs_s,
+                                                                 strict=True)]
+        row["staging_origin_ratio"] = r.staging_origin_bytes / max(r.dataset_bytes, 1)
+        rows.append(row)
+    return rows
+
+
+def render(rows: list[dict[str, Any]], s: Settings) -> str:
+    head = ["nodes", "staging s", "origin/dataset", "epoch s (last)", "efficiency (last)",
+            "stall s", "reader origin B", "TCP conns/peer", "daemon cpu s", "errors"]
+    body = [[str(r["nodes"]), f"{r['staging_s']:.1f}", f"{r['staging_origin_ratio']:.3f}",
+             f"{r['epochs_s'][-1]:.2f}", f"{r['efficiency'][-1]:.3f}",
+             f"{r['stall_s'][-1]:.2f}", str(r["reader_origin_bytes"]),
+             f"{r['connections_max'] / max(2 * (r['nodes'] - 1), 1):.1f}",
+             f"{r['daemon_cpu_s']:.1f}",
+             str(r["reader_errors"] + r["checksum_failures"])] for r in rows]
+    scale = s.real_link_gbit * 1000 / s.rate_mbit
+    return (table(head, body) + f"\nlinks {s.rate_mbit} Mbit/s each (a real node's "
+            f"{s.real_link_gbit:g} Gbit/s scaled by 1/{scale:.0f}); demand per node "
+            f"{s.demand_mbit():.1f} Mbit/s; {s.samples_per_node} samples of {s.sample_kib} "
+            f"KiB per node, batch {s.batch}, compute {s.compute_ms:g} ms, prefetch "
+            f"{s.prefetch}, replicas {s.replicas}")
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = [r["nodes"] for r in rows]
+    for e in range(len(rows[0]["efficiency"])):
+        ax.plot(ns, [r["efficiency"][e] for r in rows], marker="o", label=f"epoch {e + 1}")
+    ax.axhline(0.9, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("nodes (emulated)")
+    ax.set_ylabel("weak-scaling efficiency")
+    ax.set_ylim(0, 1.1)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    d = Settings()
+    for f in ("samples_per_node", "sample_kib", "batch", "prefetch", "epochs", "replicas",
+              "seed"):
+        ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
+    for f in ("compute_ms", "rate_mbit"):
+        ap.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f))
+    ap.add_argument("--kill", action="store_true", help="kill one daemon mid last epoch")
+    ap.add_argument("--origin", default=None, help="default: /tmp/pfs if mounted")
+    ap.add_argument("--out", default=None, help="a directory for emulated.json/.png")
+    a = ap.parse_args(argv)
+    if os.geteuid() != 0:
+        print("emucluster: needs root (network namespaces, tc)", file=sys.stderr)
+        return 2
+    s = Settings(**{f: getattr(a, f) for f in ("samples_per_node", "sample_kib", "batch",
+                                                "prefetch", "epochs", "replicas", "seed",
+                                                "compute_ms", "rate_mbit", "kill")})
+    origin = a.origin or ("/tmp/pfs" if os.path.ismount("/tmp/pfs") else None)
+    if origin is None:
+        origin = tempfile.mkdtemp(prefix="emu-origin-")
+        print(f"emucluster: no test PFS mounted; origin {origin} (local disk)")
+    work = tempfile.mkdtemp(prefix="emucluster-")
+    results = []
+    for n in a.nodes:
+        # the constants of the model (scale_sim.py): at one node (the origin, local reads)
+        # and at the smallest N > 1 (latency, a link, the daemons' cost per request)
+        cal = n == min(a.nodes) or n == min((m for m in a.nodes if m > 1), default=0)
+        r = run_one(n, s, origin, os.path.join(work, f"n{n}"), calibrate=cal)
+        print(f"N={n}: staged in {r.staging_s:.1f} s, epochs {[round(x, 2) for x in r.epochs_s]}"
+              f" s, connections max {r.connections_max}", flush=True)
+        results.append(r)
+    rows = efficiency(results)
+    print(render(rows, s))
+    calibration: dict[str, float] = {}
+    for r in results:
+        calibration.update(r.calibration)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        suffix = "-kill" if s.kill else ""
+        with open(os.path.join(a.out, f"emulated{suffix}.json"), "w") as out:
+            json.dump({"settings": asdict(s), "calibration": calibration, "runs": rows},
+                      out, indent=1)
+        plot(rows, os.path.join(a.out, f"emulated{suffix}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
