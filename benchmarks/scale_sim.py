@@ -41,16 +41,13 @@ import argparse
 import json
 import random
 import statistics
-import sys
 from collections.abc import Generator
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import simpy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from stagefs.cluster.placement import place
+from stagefs.cluster.placement import place  # the placement the daemons use
 
 
 @dataclass(frozen=True)
@@ -76,6 +73,7 @@ class Params:
     pfs_streams: int = 8
     pfs_open_s: float = 0.002
     hedge_s: float = 0.5
+    chunk_bytes: int = 64 * 1024  # the grain at which transfers sharing a link interleave
     # a lost node
     kill_at: float | None = None  # fraction of the last epoch
     seed: int = 0
@@ -107,6 +105,7 @@ class Sim:
         self.nshards = p.shards(n)
         self.placement = place(self.nshards, n, p.replicas, seed=p.seed)
         self.inflight = [0] * n
+        self.hedged_parts = 0
         self.dead: int | None = None
         self.dead_at = float("inf")
         self.res = Outcome(n)
@@ -115,12 +114,20 @@ class Sim:
     # -- moving bytes ----------------------------------------------------------------------
 
     def transfer(self, a: int, b: int, nbytes: int) -> Generator[Any, Any, None]:
+        """``nbytes`` from node a to node b, in packets of ``chunk_bytes``: each packet
+        holds a's out-link and b's in-link for its time on the wire, so transfers that
+        share a link interleave (as TCP flows through tbf do) instead of one waiting for
+        another to end."""
         p = self.p
-        with self.out[a].request() as o:
-            yield o
-            with self.inl[b].request() as i:
-                yield i
-                yield self.env.timeout(nbytes / p.link_Bps)
+        left = nbytes
+        while left > 0:
+            k = min(left, p.chunk_bytes)
+            with self.out[a].request() as o:
+                yield o
+                with self.inl[b].request() as i:
+                    yield i
+                    yield self.env.timeout(k / p.link_Bps)
+            left -= k
         yield self.env.timeout(p.latency_s)
 
     def from_origin(self, nbytes: int) -> Generator[Any, Any, None]:
@@ -159,10 +166,12 @@ class Sim:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def holder_for(self, node: int, shard: int) -> int | None:
+    def holder_for(self, node: int, shard: int, avoid: int = -2) -> int | None:
         """The node to ask for ``shard`` (None: this node holds it): the less busy of two
-        of its live holders, by requests in flight."""
-        hs = [h for h in self.placement.holders[shard] if h != self.dead]
+        of its holders not known dead (and not ``avoid``), by requests in flight."""
+        known = self.env.now >= self.dead_at + self.p.hedge_s  # a reader's requests to it
+        hs = [h for h in self.placement.holders[shard]
+              if h != avoid and not (known and h == self.dead)]
         if node in hs:
             return None
         if not hs:
@@ -184,6 +193,7 @@ class Sim:
             yield self.env.timeout(p.latency_s)  # the request
             if self.env.now >= self.dead_at and peer == self.dead:
                 yield self.env.timeout(p.hedge_s)  # no answer: to the next holder
+                self.hedged_parts += 1
                 return
             with self.loop[peer].request() as r:
                 yield r
@@ -218,7 +228,7 @@ class Sim:
             for h, samples in groups.items():
                 if h == self.dead and t0 + p.latency_s >= self.dead_at:
                     for sample in samples:  # hedged away from the dead node
-                        h2 = self.holder_for(node, sample // self.per_shard)
+                        h2 = self.holder_for(node, sample // self.per_shard, avoid=h)
                         if h2 is not None:
                             retry.setdefault(h2, []).append(sample)
             groups = retry
