@@ -332,6 +332,7 @@ typedef struct {
     int err;       /* R_ERR */
     uint32_t e;    /* R_STAGED */
     const char *path;  /* R_REAL: what to hand the real call (the caller's, or buf) */
+    int entered;   /* the walk passed through the tree (so buf, not the caller's path) */
     char buf[PATH_MAX];
 } Res;
 
@@ -361,6 +362,7 @@ static void pop(char *out, size_t *n) {
 static void walk(Res *r, const char *p, int64_t start, int follow) {
     char real[PATH_MAX];
     size_t rn = 0;
+    r->entered = start >= 0;
     int64_t cur = start;  /* >= 0: inside the tree at this entry; -1: outside, at real */
     int links = 0;
     real[0] = 0;
@@ -378,7 +380,7 @@ static void walk(Res *r, const char *p, int64_t start, int follow) {
             if (cl == 1 && c[0] == '.') continue;
             if (cl == 2 && c[0] == '.' && c[1] == '.') { pop(real, &rn); continue; }
             if (push(real, &rn, c, cl) < 0) { r->kind = R_ERR; r->err = ENAMETOOLONG; return; }
-            if (rn == D.root_len && memcmp(real, D.root, rn) == 0) cur = 0;
+            if (rn == D.root_len && memcmp(real, D.root, rn) == 0) { cur = 0; r->entered = 1; }
             continue;
         }
         if (D.kind[cur] != K_DIR) { r->kind = R_ERR; r->err = ENOTDIR; return; }
@@ -436,7 +438,8 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
     if (path[0] == '/') {
         if (!starts_root(path, n) && !needs_walk(path)) return;  /* the fast path */
         walk(r, path, -1, follow);
-        if (r->kind == R_REAL) r->path = path;  /* outside: the kernel resolves the original */
+        /* never in the tree: the kernel resolves the original (with the real symlinks) */
+        if (r->kind == R_REAL && !r->entered) r->path = path;
         return;
     }
     if (dirfd != AT_FDCWD) {
@@ -457,7 +460,7 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
         memcpy(abs, cwd, cl); abs[cl] = '/'; memcpy(abs + cl + 1, path, n + 1);
         if (!strstr(abs, D.root)) return;
         walk(r, abs, -1, follow);
-        if (r->kind == R_REAL) r->path = path;
+        if (r->kind == R_REAL && !r->entered) r->path = path;
         return;
     }
     if (n == 0) { r->kind = R_ERR; r->err = ENOENT; return; }

@@ -49,13 +49,21 @@ _ARRAYS = ("path_off", "hash", "parent", "kind", "mode", "mtime_ns", "size", "sh
 _HEAD = struct.Struct("<8sIIQQQQQII")
 
 
+_active: bool | None = None
+
+
 def active() -> bool:
-    """Whether the preload library serves the staged path in this process."""
-    try:
-        fn = ctypes.CDLL(None).stagefs_preload_active
-    except (AttributeError, OSError):
-        return False
-    return bool(fn())
+    """Whether the preload library serves the staged path in this process (loaded at its
+    start, so asked once)."""
+    global _active
+    if _active is None:
+        try:
+            fn = ctypes.CDLL(None).stagefs_preload_active
+        except (AttributeError, OSError):
+            _active = False
+        else:
+            _active = bool(fn())
+    return _active
 
 
 def static_binary(path: str) -> bool:
