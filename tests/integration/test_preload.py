@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import build_sample_tree, random_bytes, text_bytes
 
 import stagefs
+from conftest import build_sample_tree, random_bytes, text_bytes
 from stagefs._native import preload_library
 
 pytestmark = [
