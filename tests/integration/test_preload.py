@@ -115,7 +115,8 @@ def test_a_shell_works_inside_the_tree(packed: tuple[Path, Path], tmp_path: Path
     at = tmp_path / "data"
     script = ("cd data && pwd -P && cat nested/deep/x && md5sum ../a.txt rand.bin && ls && "
               "cd nested && cat ../../img/cat.jpg | md5sum && cd ../../link_dir && ls -a && "
-              "pwd -P && sh -c 'cat ../we*name.txt; pwd'")
+              "pwd -P && sh -c 'cat ../we*name.txt; pwd' && cat < ../a.txt | md5sum && "
+              "exec 3< ../data/rand.bin && head -c 1000 <&3 | md5sum && md5sum <&3")
     got = run(pack, at, *_sh(at, script)).stdout.decode()
     want = plain(*_sh(src, script)).decode()
     assert got == want.replace(str(src), str(at))
@@ -123,8 +124,10 @@ def test_a_shell_works_inside_the_tree(packed: tuple[Path, Path], tmp_path: Path
 
 C_PROBE = r"""
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -132,6 +135,7 @@ C_PROBE = r"""
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -140,6 +144,7 @@ static uint64_t fnv(const unsigned char *p, size_t n, uint64_t h) {
     return h;
 }
 static int big_fd;
+static void on_alarm(int sig) { (void)sig; }
 static uint64_t sums[4];
 static void *reader(void *arg) {
     long t = (long)arg;
@@ -199,6 +204,24 @@ int main(int argc, char **argv) {
     int r = open(outside, O_RDONLY);
     got = read(r, buf, sizeof buf);
     printf("reuse %d %zd %llx\n", r == n, got, (unsigned long long)fnv(buf, (size_t)got, 0));
+    /* signals arriving all through a read loop (no SA_RESTART) */
+    struct sigaction sa = {.sa_handler = on_alarm};
+    sigaction(SIGALRM, &sa, NULL);
+    struct itimerval it = {{0, 200}, {0, 200}};
+    setitimer(ITIMER_REAL, &it, NULL);
+    uint64_t h = 0;
+    size_t total = 0;
+    lseek(big_fd, 0, SEEK_SET);
+    for (;;) {
+        ssize_t k = read(big_fd, buf, 4096);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) break;
+        h = fnv(buf, (size_t)k, h);
+        total += (size_t)k;
+    }
+    struct itimerval off = {{0, 0}, {0, 0}};
+    setitimer(ITIMER_REAL, &off, NULL);
+    printf("signals %zu %llx\n", total, (unsigned long long)h);
     /* stdio */
     FILE *f = fopen(small, "r");
     size_t nr = fread(buf, 1, sizeof buf, f);

@@ -753,6 +753,18 @@ static void restore_fds(const char *spec) {
     }
 }
 
+static FILE *cookie_file(int fd, const char *mode);
+
+/* A staged file inherited as standard input: glibc's stdin reads fd 0 with its internal read,
+ * which no preload sees (it would return the shard's bytes), so stdin becomes a stream that
+ * reads through the wrappers (same descriptor, same shared position). */
+static void serve_stdin(void) {
+    Row r;
+    if (!get_row(0, &r) || r.kind != F_SHARD) return;
+    FILE *f = cookie_file(0, "r");
+    if (f) stdin = f;
+}
+
 static void after_fork_child(void) {
     pthread_mutex_init(&lock, NULL);
     pthread_mutex_init(&cwd_lock, NULL);
@@ -780,6 +792,7 @@ static void init(void) {
     pthread_atfork(NULL, NULL, after_fork_child);
     D.active = 1;
     restore_fds(getenv("STAGEFS_PRELOAD_FDS"));
+    serve_stdin();
     /* the current directory: inherited from a parent inside the tree, or started inside */
     const char *c = getenv("STAGEFS_PRELOAD_CWD");
     char here[PATH_MAX];
