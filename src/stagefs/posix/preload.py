@@ -249,10 +249,14 @@ def launch(open_store: Callable[[], Any], root: str) -> dict[str, str]:
             ENV_INDEX: os.path.join(run_dir, SIDECAR)}
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _helper_main(open_store: Callable[[], Any], root: str, run_dir: str, sock_path: str,
                  empty: str, pidfd: int, ready: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the program; it ends us
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # killed with its job: remove the run dir
     os.environ.pop("LD_PRELOAD", None)
     try:
         try:
