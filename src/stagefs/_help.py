@@ -43,7 +43,9 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "run": (("stagefs run --dataset /data/imagenet.pack --at /data/imagenet -- python train.py",
              "stagefs run --dataset /data/imagenet.pack --at /data/imagenet "
              "--tier /dev/shm/$USER/data:50% -- python train.py",
-             "stagefs run --connect --at /data/imagenet -- python train.py   # cluster"),
+             "stagefs run --connect --at /data/imagenet -- python train.py   # cluster",
+             "stagefs run --dataset /data/imagenet.pack --at /data/imagenet -- "
+             "tar cf - -C /data imagenet | ssh host tar xf -   # any program"),
             _STORE + _CONNECT, True),
     "mount": (("stagefs mount /data/imagenet.pack /mnt/imagenet --tier /dev/shm/$USER/data:16GiB",
                "stagefs mount --connect /mnt/imagenet   # the cluster's dataset",

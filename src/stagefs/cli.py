@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from stagefs import __version__
 from stagefs._help import Formatter, bash_completion, commands, epilog
+from stagefs._native import preload_library
 from stagefs.config import format_size, parse_size
 from stagefs.errors import ConfigError, StagefsError
 from stagefs.format.spec import FILE_ALIGN_MIN
@@ -133,6 +134,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             ("shards", f"{info['shards']} ({format_size(info['shard_bytes'])})"),
         ]
     rows.append(("C accelerator", accelerator()))
+    rows.append(("preload library", preload_library() or "not built: 'stagefs run' serves "
+                 "Python programs only (reinstall with a C compiler present)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -184,32 +187,38 @@ def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[n
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import shutil
+
+    from stagefs.posix import preload
     from stagefs.posix.intercept import Interceptor, _env_for, program_kind
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
-    kind = program_kind(cmd)
-    if kind == "native" and args.any_program:
-        kind = "launcher"
-    if kind == "native":
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        raise SystemExit(f"stagefs run: command not found: {cmd[0]}")
+    served = preload.launch if preload_library() is not None else None
+    if served is None and program_kind(cmd) == "native" and not args.any_program:
         raise ConfigError(
-            f"{cmd[0]} is not a Python program: 'stagefs run' serves {args.at} to Python's "
-            f"file calls only (there is no preload library for other programs yet), so "
-            f"{cmd[0]} would see {args.at} as it is on disk. To serve any program, mount "
-            f"the dataset with FUSE: stagefs mount DATASET {args.at}; if {cmd[0]} starts "
-            f"Python that should be served, add --any-program")
-    if kind == "launcher":
-        print(f"stagefs run: warning: {cmd[0]} is not a Python program: only the Python "
-              f"processes it starts read {args.at} through stagefs; other programs see it "
-              f"as it is on disk (use 'stagefs mount' to serve them)", file=sys.stderr)
+            f"{cmd[0]} is not a Python program, and the preload library that serves other "
+            f"programs is not built (stagefs was installed without a C compiler), so "
+            f"{cmd[0]} would see {args.at} as it is on disk. Reinstall stagefs with a C "
+            f"compiler present, or mount the dataset with FUSE: stagefs mount DATASET "
+            f"{args.at}; if {cmd[0]} starts Python that should be served, add --any-program")
     store = _open_dataset(args.dataset, args.tier, args.connect, args.runtime)
-    env = dict(os.environ, **_env_for(store, Interceptor(store, args.at).root))
-    store.close()
-    try:
-        os.execvpe(cmd[0], cmd, env)
-    except FileNotFoundError:
-        raise SystemExit(f"stagefs run: command not found: {cmd[0]}") from None
+    try:  # a bad --at (/, or the dataset's own directory) is refused before anything starts
+        root = Interceptor(store, args.at).root
+        env = dict(os.environ, **_env_for(store, root))
+    finally:
+        store.close()
+    for note in preload.notes(exe, root):
+        print(f"stagefs run: warning: {note}", file=sys.stderr)
+    if served is not None:
+        env.update(served(lambda: _open_dataset(args.dataset, args.tier, args.connect,
+                                                args.runtime), root))
+    os.execve(exe, cmd, env)
+    return 1  # not reached: the program replaced this process
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -410,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", default="stagefs-demo", metavar="DIR",
                     help="where the PNG chart goes (default ./stagefs-demo)")
 
-    sp = add("run", cmd_run, "run a command with Python file access under --at served by stagefs")
+    sp = add("run", cmd_run, "run a command with the dataset served at --at (any dynamically "
+             "linked program; no FUSE, no root)")
     sp.add_argument("--dataset", help="the pack (or origin) to serve")
     sp.add_argument("--at", required=True, help="the path the program reads the data from")
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
@@ -420,8 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="the cluster's runtime dir (--connect)")
     sp.add_argument("--any-program", action="store_true",
-                    help="run a program that is not Python anyway (a binary that starts "
-                         "Python): only the Python it starts is served, with a warning")
+                    help="accepted for old scripts; every dynamically linked program is "
+                         "served. Without the preload library built: run a program that is "
+                         "not Python anyway (only the Python it starts is served)")
     sp.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
     sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")

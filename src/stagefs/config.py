@@ -148,12 +148,18 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("STAGEFS_BENCH_PEER_PYTHON", "this Python",
            "the Python that has the compared systems installed, for 'stagefs bench'"),
     EnvVar("STAGEFS_REQUIRE_SPEEDUPS", "0",
-           "read when installing (setup.py): 1 makes a failed build of the C accelerator an "
-           "error instead of a warning"),
+           "read when installing (setup.py): 1 makes a failed build of the C accelerator or "
+           "the preload library an error instead of a warning"),
     EnvVar("STAGEFS_INTERCEPT_AT", "", "set by 'stagefs run': the path served", True),
     EnvVar("STAGEFS_INTERCEPT_DATASET", "", "set by 'stagefs run': the dataset", True),
     EnvVar("STAGEFS_INTERCEPT_STORE", "", "set by 'stagefs run': the store, pickled", True),
     EnvVar("STAGEFS_MOUNT_LOG", "", "set by 'stagefs mount': the detached server's log", True),
+    EnvVar("STAGEFS_PRELOAD_INDEX", "", "set by 'stagefs run': the preload library's index",
+           True),
+    EnvVar("STAGEFS_PRELOAD_FDS", "", "set by the preload library for an exec'd program: "
+           "the staged descriptors it inherits", True),
+    EnvVar("STAGEFS_PRELOAD_CWD", "", "set by the preload library for an exec'd program: "
+           "its current directory in the staged tree", True),
 )}
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from stagefs._native import preload_library
 from stagefs._table import table
 from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError
@@ -152,6 +153,16 @@ def check_accelerator() -> list[Finding]:
     return [Finding("C accelerator", "ok", "stagefs._speedups loaded: the fast metadata path")]
 
 
+def check_preload() -> list[Finding]:
+    lib = preload_library()
+    if lib is None:
+        return [Finding("preload library", "warn",
+                        "not built: 'stagefs run' serves Python programs only (cat, tar, "
+                        "h5py, TensorFlow read the disk); reinstall with a C compiler present")]
+    return [Finding("preload library", "ok", f"{lib}: 'stagefs run' serves any dynamically "
+                    "linked program")]
+
+
 def check_mpi() -> list[Finding]:
     # find_spec, not import: importing mpi4py.MPI initialises MPI
     has_mpi4py = importlib.util.find_spec("mpi4py") is not None
@@ -215,7 +226,7 @@ def check_node(tiers: Sequence[str] | None = None) -> list[Finding]:
     findings = check_fuse() + check_shm()
     for spec in tier_specs(tiers):
         findings += check_tier(spec)
-    return findings + check_accelerator() + check_mpi() + check_slurm() + check_memory()
+    return findings + check_accelerator() + check_preload() + check_mpi() + check_slurm() + check_memory()
 
 
 def render(findings: Sequence[Finding]) -> str:

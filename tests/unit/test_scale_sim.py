@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("simpy", reason="the scale model needs SimPy (pip install '.[test]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from scale_sim import Params, simulate  # noqa: E402
+from scale_sim import Params, simulate
 
 SMALL = Params(samples_per_node=32, epochs=2, shard_bytes=512 * 1024)  # 8 samples a shard
 

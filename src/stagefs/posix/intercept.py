@@ -13,14 +13,19 @@ Writes under ``at`` (opening for writing, mkdir, unlink, rename, chmod, ...) fai
 
 What is not covered, and why (docs/frontends.md has the user's version):
 - C code that calls libc directly (a C++ reader inside a framework, a subprocess that is not
-  Python): use ``stagefs mount``.
-- File descriptors: a file under ``at`` has no fd of its own. ``fileno()`` on a stagefs file
-  object and ``os.open`` of a file under ``at`` return an anonymous in-memory copy of the
-  file (``memfd``), made on first use, so ``mmap``, ``numpy.load(..., mmap_mode="r")``,
-  ``os.read`` and ``os.fstat`` work; ``os.fstat`` of it reports the memfd, not the manifest.
-  ``os.open`` of a directory under ``at`` (the ``dir_fd=`` family, ``os.fwalk``) is refused
-  with ENOTSUP.
-- ``os.chdir`` into ``at`` and paths relative to a ``dir_fd``.
+  Python): ``stagefs run`` loads the preload library for those; in a process that only
+  calls ``intercept()``, use ``stagefs mount``.
+- File descriptors: under ``stagefs run`` the preload library (preload.c) is loaded, and
+  ``fileno()`` on a stagefs file object and ``os.open`` under ``at`` give its real
+  descriptor (``mmap`` of it maps the tier's pages when the file is page aligned in its
+  shard; ``os.fstat`` reports the manifest; directories open too). Without the library (the
+  ``intercept()`` API in a process of its own) a file under ``at`` has no fd of its own:
+  ``fileno()`` and ``os.open`` return an anonymous in-memory copy of the file (``memfd``),
+  made on first use, so ``mmap``, ``numpy.load(..., mmap_mode="r")``, ``os.read`` and
+  ``os.fstat`` work; ``os.fstat`` of it reports the memfd, not the manifest. ``os.open`` of
+  a directory under ``at`` (the ``dir_fd=`` family, ``os.fwalk``) is refused with ENOTSUP.
+- ``os.chdir`` into ``at`` and paths relative to a ``dir_fd`` (the preload library serves
+  both, under ``stagefs run``).
 - ``from os import stat`` done before interception starts keeps the original function.
 """
 
@@ -40,6 +45,7 @@ from stagefs.errors import ConfigError, ReadOnlyError
 from stagefs.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 from stagefs.format import KIND_FILE
 from stagefs.namespace import DirEntry
+from stagefs.posix.preload import active as preload_active
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept",
            "program_kind"]
@@ -69,15 +75,22 @@ def _memfd(data: bytes, name: str) -> int:
 
 
 class _FdMixin:
-    """``fileno()`` gives an in-memory copy of the file (made once, closed with the file)."""
+    """``fileno()`` gives a descriptor of the file (made once, closed with the file): the
+    preload library's, when it serves this process (``stagefs run``: a real descriptor on
+    the tier's copy, so ``mmap`` of it maps the tier's pages), else an in-memory copy."""
 
     _fd: int | None = None
     _content: Callable[[], bytes]
+    _served: tuple[Callable[..., int], str] | None = None  # (the real os.open, abs path)
     name: Any
 
     def fileno(self) -> int:
         if self._fd is None:
-            self._fd = _memfd(self._content(), str(self.name))
+            if self._served is not None and preload_active():
+                real_open, path = self._served
+                self._fd = real_open(path, os.O_RDONLY | os.O_CLOEXEC)
+            else:
+                self._fd = _memfd(self._content(), str(self.name))
         return self._fd
 
     def _close_fd(self) -> None:
@@ -214,6 +227,7 @@ class Interceptor:
             else:
                 f = _LargeFile(_RangeRaw(store, e, name), buffering)
                 f._store, f._entry = store, e
+            f._served = (o["os_open"], posixpath.join(self.root, r) if r else self.root)
             if "b" in mode:
                 return f
             t = io.TextIOWrapper(f, io.text_encoding(encoding), errors, newline,
@@ -297,7 +311,8 @@ class Interceptor:
         def open_fd(path: Any, flags: int, mode: int = 0o777, *,
                     dir_fd: int | None = None) -> int:
             r = None if dir_fd is not None else rel(path)
-            if r is None:
+            if r is None or (not flags & _WRITE_FLAGS and preload_active()):
+                # the preload library, when loaded, gives a real descriptor of any entry
                 return int(o["os_open"](path, flags, mode, dir_fd=dir_fd))
             if flags & _WRITE_FLAGS:
                 raise _rofs(path)

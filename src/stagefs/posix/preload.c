@@ -1,0 +1,1793 @@
+/* stagefs preload library: any dynamically linked program reads a staged dataset.
+ *
+ * `stagefs run --at DIR` loads this library with LD_PRELOAD. Every libc call that takes a
+ * path or a descriptor is wrapped: a path under DIR (the "root") is served from the pack's
+ * manifest, every other path and descriptor goes to the real call untouched
+ * (dlsym(RTLD_NEXT)). docs/decisions/0014-preload.md says why, and what it does not cover.
+ *
+ * Where things come from:
+ * - The namespace is the pack's manifest, mapped read-only. `stagefs run` writes a small
+ *   "sidecar" (posix/preload.py) naming the manifest, where each of its arrays lies (the
+ *   Python reader has validated them), the node's tier directories, the origin, and the
+ *   helper's socket. The manifest's header (length, body checksum) must match the sidecar,
+ *   so the arrays used are the ones Python checked.
+ * - A staged regular file is a real descriptor on the file that holds its bytes: the tier's
+ *   copy of its shard (else the origin's shard), positioned at the file's offset. Its file
+ *   position lives in the kernel (kernel offset = base + position), so dup'd descriptors and
+ *   forked children share it as they would a real file's. Reads are preads of that file,
+ *   each piece (or a small file whole) verified against its xxh3 checksum before bytes are
+ *   returned; a process remembers which pieces it verified on which source.
+ * - Compressed files, datasets without direct shards (in place, a cluster), and any copy
+ *   that fails its checksum go to the helper (a Python process that `stagefs run` starts):
+ *   it reads the file through the Store (the one verified read path: every holder in turn)
+ *   and passes back a memfd holding the file (SCM_RIGHTS). That memfd then replaces the
+ *   descriptor (dup3), keeping its number.
+ * - A staged directory is a real descriptor on an empty directory of the run (so a call
+ *   that escapes the wrappers sees nothing, never other bytes); its listing comes from the
+ *   manifest.
+ * - A table indexed by descriptor number says which descriptors are staged. Each use
+ *   checks the descriptor still refers to the file recorded (device and inode), and every
+ *   real call that returns a descriptor clears its row: a number reused after a close the
+ *   wrappers did not see is never taken for a staged one.
+ * - exec: the staged descriptors a child inherits and the current directory (when it is in
+ *   the staged tree) travel in environment variables that the exec wrappers set; LD_PRELOAD
+ *   is put back if the new environment dropped it.
+ */
+#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
+#pragma GCC diagnostic ignored "-Wnonnull-compare"
+#include <dirent.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "../_xxh3.h"
+
+#define API __attribute__((visibility("default")))
+#define NONE 0xFFFFFFFFu
+
+enum { K_FILE = 0, K_DIR = 1, K_LINK = 2 };
+enum { A_PATH_OFF, A_HASH, A_PARENT, A_KIND, A_MODE, A_MTIME, A_SIZE, A_SHARD, A_OFFSET,
+       A_STORED, A_CODEC, A_CHECKSUM, A_FIRST, A_COUNT, A_PIECE, A_SLOTS, A_STRINGS, A_PIECES,
+       N_ARRAYS };
+enum { SIDECAR_HEAD = 64 + N_ARRAYS * 16, MAX_SOURCES = 8, MAX_LINKS = 40 };
+
+extern char **environ;
+
+/* ---- the dataset ------------------------------------------------------------------------ */
+
+static struct {
+    int active;
+    uint64_t n, piece_size, dev, nslots, npieces, nstrings;
+    uint32_t nshards, ntiers, direct;
+    const uint64_t *path_off, *hash, *size, *offset, *stored, *checksum, *pieces;
+    const uint32_t *parent, *mode, *shard, *first, *count, *piece, *slots;
+    const int64_t *mtime;
+    const uint8_t *kind, *codec, *strings;
+    char *root; size_t root_len;
+    char *socket_path, *empty_dir, *origin_dir, *self_path, *sidecar_path;
+    char **tier_dirs, **shard_names;
+    uid_t uid; gid_t gid;
+    long page;
+} D;
+
+/* ---- the real calls --------------------------------------------------------------------- */
+
+#define REAL(ret, name, ...) static ret (*real_##name)(__VA_ARGS__)
+REAL(int, open, const char *, int, ...);
+REAL(int, openat, int, const char *, int, ...);
+REAL(int, close, int);
+REAL(ssize_t, read, int, void *, size_t);
+REAL(ssize_t, pread, int, void *, size_t, off_t);
+REAL(ssize_t, readv, int, const struct iovec *, int);
+REAL(ssize_t, preadv, int, const struct iovec *, int, off_t);
+REAL(ssize_t, preadv2, int, const struct iovec *, int, off_t, int);
+REAL(off_t, lseek, int, off_t, int);
+REAL(int, dup, int);
+REAL(int, dup2, int, int);
+REAL(int, dup3, int, int, int);
+REAL(int, fcntl, int, int, ...);
+REAL(int, fstatat, int, const char *, struct stat *, int);
+REAL(int, fstat, int, struct stat *);
+REAL(int, statx, int, const char *, int, unsigned, struct statx *);
+REAL(int, faccessat, int, const char *, int, int);
+REAL(DIR *, opendir, const char *);
+REAL(DIR *, fdopendir, int);
+REAL(struct dirent *, readdir, DIR *);
+REAL(struct dirent64 *, readdir64, DIR *);
+REAL(int, closedir, DIR *);
+REAL(int, dirfd, DIR *);
+REAL(void, rewinddir, DIR *);
+REAL(long, telldir, DIR *);
+REAL(void, seekdir, DIR *, long);
+REAL(ssize_t, getdents64, int, void *, size_t);
+REAL(void *, mmap, void *, size_t, int, int, int, off_t);
+REAL(ssize_t, readlinkat, int, const char *, char *, size_t);
+REAL(char *, realpath, const char *, char *);
+REAL(char *, getcwd, char *, size_t);
+REAL(int, chdir, const char *);
+REAL(int, fchdir, int);
+REAL(FILE *, fopen, const char *, const char *);
+REAL(FILE *, freopen, const char *, const char *, FILE *);
+REAL(FILE *, fdopen, int, const char *);
+REAL(ssize_t, getxattr, const char *, const char *, void *, size_t);
+REAL(ssize_t, lgetxattr, const char *, const char *, void *, size_t);
+REAL(ssize_t, fgetxattr, int, const char *, void *, size_t);
+REAL(ssize_t, listxattr, const char *, char *, size_t);
+REAL(ssize_t, llistxattr, const char *, char *, size_t);
+REAL(ssize_t, flistxattr, int, char *, size_t);
+REAL(int, execve, const char *, char *const[], char *const[]);
+REAL(int, execveat, int, const char *, char *const[], char *const[], int);
+REAL(int, execvpe, const char *, char *const[], char *const[]);
+REAL(int, posix_spawn, pid_t *, const char *, const posix_spawn_file_actions_t *,
+     const posix_spawnattr_t *, char *const[], char *const[]);
+REAL(int, posix_spawnp, pid_t *, const char *, const posix_spawn_file_actions_t *,
+     const posix_spawnattr_t *, char *const[], char *const[]);
+REAL(ssize_t, copy_file_range, int, off_t *, int, off_t *, size_t, unsigned);
+REAL(ssize_t, sendfile, int, int, off_t *, size_t);
+REAL(ssize_t, splice, int, off_t *, int, off_t *, size_t, unsigned);
+REAL(int, close_range, unsigned, unsigned, int);
+/* calls that change the file system: refused under the root, else passed on */
+REAL(int, unlinkat, int, const char *, int);
+REAL(int, renameat2, int, const char *, int, const char *, unsigned);
+REAL(int, mkdirat, int, const char *, mode_t);
+REAL(int, fchmodat, int, const char *, mode_t, int);
+REAL(int, fchownat, int, const char *, uid_t, gid_t, int);
+REAL(int, truncate, const char *, off_t);
+REAL(int, linkat, int, const char *, int, const char *, int);
+REAL(int, symlinkat, const char *, int, const char *);
+REAL(int, utimensat, int, const char *, const struct timespec[2], int);
+REAL(int, mknodat, int, const char *, mode_t, dev_t);
+REAL(int, setxattr, const char *, const char *, const void *, size_t, int);
+REAL(int, lsetxattr, const char *, const char *, const void *, size_t, int);
+REAL(int, removexattr, const char *, const char *);
+REAL(int, lremovexattr, const char *, const char *);
+
+static void *next_sym(const char *name) {
+    void *p = dlsym(RTLD_NEXT, name);
+    return p;
+}
+
+static void resolve_real(void) {
+#define R(name) real_##name = next_sym(#name)
+    R(open); R(openat); R(close); R(read); R(pread); R(readv); R(preadv); R(preadv2);
+    R(lseek); R(dup); R(dup2); R(dup3); R(fcntl); R(fstatat); R(fstat); R(statx);
+    R(faccessat); R(opendir); R(fdopendir); R(readdir); R(readdir64); R(closedir); R(dirfd);
+    R(rewinddir); R(telldir); R(seekdir); R(getdents64); R(mmap); R(readlinkat); R(realpath);
+    R(getcwd); R(chdir); R(fchdir); R(fopen); R(freopen); R(fdopen); R(getxattr);
+    R(lgetxattr); R(fgetxattr); R(listxattr); R(llistxattr); R(flistxattr); R(execve);
+    R(execveat); R(execvpe); R(posix_spawn); R(posix_spawnp); R(copy_file_range); R(sendfile);
+    R(splice); R(close_range); R(unlinkat); R(renameat2); R(mkdirat); R(fchmodat);
+    R(fchownat); R(truncate); R(linkat); R(symlinkat); R(utimensat); R(mknodat); R(setxattr);
+    R(lsetxattr); R(removexattr); R(lremovexattr);
+#undef R
+}
+
+/* ---- descriptors ------------------------------------------------------------------------ */
+
+enum { F_NONE = 0, F_SHARD = 1, F_MEM = 2, F_DIRFD = 3 };
+
+typedef struct {
+    uint8_t kind;    /* F_*: 0 = not staged */
+    uint8_t src;     /* F_SHARD: which source (tier index, or ntiers for the origin) */
+    uint32_t e;      /* the entry */
+    uint64_t base;   /* F_SHARD: the file's offset in its shard */
+    uint64_t dev, ino; /* the file the descriptor refers to when it was made */
+    uint64_t dpos;   /* F_DIRFD: getdents64's position */
+} Row;
+
+static Row *rows;
+static int max_fd;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static uint8_t *vfile[MAX_SOURCES], *vpiece[MAX_SOURCES];  /* verified marks per source */
+static uint8_t *touched;  /* shards this process asked the helper to place */
+
+static int sys_fstat(int fd, struct stat *st) { return (int)syscall(SYS_fstat, fd, st); }
+
+/* The row of fd, if fd is staged and still refers to the file recorded; else 0. */
+static int get_row(int fd, Row *out) {
+    if (!D.active || fd < 0 || fd >= max_fd || !__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE))
+        return 0;
+    pthread_mutex_lock(&lock);
+    *out = rows[fd];
+    pthread_mutex_unlock(&lock);
+    if (!out->kind) return 0;
+    struct stat st;
+    if (sys_fstat(fd, &st) != 0 || (uint64_t)st.st_dev != out->dev || (uint64_t)st.st_ino != out->ino) {
+        pthread_mutex_lock(&lock);  /* closed behind the wrappers' back, and maybe reused */
+        if (rows[fd].dev == out->dev && rows[fd].ino == out->ino) rows[fd].kind = F_NONE;
+        pthread_mutex_unlock(&lock);
+        return 0;
+    }
+    return 1;
+}
+
+static void set_row(int fd, const Row *r) {
+    if (fd < 0 || fd >= max_fd) return;
+    pthread_mutex_lock(&lock);
+    rows[fd] = *r;
+    __atomic_store_n(&rows[fd].kind, r->kind, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&lock);
+}
+
+static void clear_row(int fd) {
+    if (!D.active || fd < 0 || fd >= max_fd || !__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&lock);
+    rows[fd].kind = F_NONE;
+    pthread_mutex_unlock(&lock);
+}
+
+/* A row for fd with kind and entry, its file identified by fstat. */
+static int make_row(int fd, int kind, uint32_t e, uint64_t base, int src) {
+    struct stat st;
+    if (fd >= max_fd) { real_close(fd); errno = EMFILE; return -1; }
+    if (sys_fstat(fd, &st) != 0) { int err = errno; real_close(fd); errno = err; return -1; }
+    Row r = {.kind = (uint8_t)kind, .src = (uint8_t)src, .e = e, .base = base,
+             .dev = (uint64_t)st.st_dev, .ino = (uint64_t)st.st_ino};
+    set_row(fd, &r);
+    return fd;
+}
+
+/* ---- the manifest ----------------------------------------------------------------------- */
+
+static const char *path_of(uint32_t e, size_t *len) {
+    *len = D.path_off[e + 1] - D.path_off[e];
+    return (const char *)D.strings + D.path_off[e];
+}
+
+static const char *name_of(uint32_t e, size_t *len) {
+    size_t n;
+    const char *p = path_of(e, &n);
+    const char *slash = memrchr(p, '/', n);
+    if (slash) { *len = n - (size_t)(slash + 1 - p); return slash + 1; }
+    *len = n;
+    return p;
+}
+
+/* The entry at the relative path key, or -1 (one pass over the table at most). */
+static int64_t lookup(const char *key, size_t len) {
+    uint64_t h = xxh3_64(key, len), mask = D.nslots - 1;
+    for (uint64_t i = h & mask, probes = 0; probes < D.nslots; i = (i + 1) & mask, probes++) {
+        uint32_t v = D.slots[i];
+        if (v == 0 || v > D.n) return -1;
+        uint32_t e = v - 1;
+        if (D.hash[e] != h) continue;
+        size_t n;
+        const char *p = path_of(e, &n);
+        if (n == len && memcmp(p, key, len) == 0) return e;
+    }
+    return -1;
+}
+
+static uint32_t dir_links(uint32_t e) {
+    uint32_t n = 2;
+    if (D.first[e] == NONE) return n;
+    for (uint32_t c = D.first[e], k = 0; k < D.count[e] && c + k < D.n; k++)
+        n += D.kind[c + k] == K_DIR;
+    return n;
+}
+
+static void fill_stat(uint32_t e, struct stat *st) {
+    memset(st, 0, sizeof *st);
+    st->st_dev = D.dev;
+    st->st_ino = e + 1;
+    st->st_mode = D.mode[e];
+    st->st_nlink = D.kind[e] == K_DIR ? dir_links(e) : 1;
+    st->st_uid = D.uid;
+    st->st_gid = D.gid;
+    st->st_size = (off_t)D.size[e];
+    st->st_blksize = 65536;
+    st->st_blocks = (blkcnt_t)((D.size[e] + 511) >> 9);
+    int64_t ns = D.mtime[e];
+    int64_t s = ns >= 0 ? ns / 1000000000 : -((-ns + 999999999) / 1000000000);
+    struct timespec t = {.tv_sec = s, .tv_nsec = ns - s * 1000000000};
+    st->st_atim = st->st_mtim = st->st_ctim = t;
+}
+
+static void fill_statx(uint32_t e, struct statx *sx) {
+    struct stat st;
+    fill_stat(e, &st);
+    memset(sx, 0, sizeof *sx);
+    sx->stx_mask = STATX_BASIC_STATS;
+    sx->stx_blksize = (uint32_t)st.st_blksize;
+    sx->stx_nlink = (uint32_t)st.st_nlink;
+    sx->stx_uid = st.st_uid;
+    sx->stx_gid = st.st_gid;
+    sx->stx_mode = (uint16_t)st.st_mode;
+    sx->stx_ino = st.st_ino;
+    sx->stx_size = (uint64_t)st.st_size;
+    sx->stx_blocks = (uint64_t)st.st_blocks;
+    struct statx_timestamp t = {.tv_sec = st.st_mtim.tv_sec, .tv_nsec = (uint32_t)st.st_mtim.tv_nsec};
+    sx->stx_atime = sx->stx_ctime = sx->stx_mtime = t;
+    sx->stx_dev_major = major(D.dev);
+    sx->stx_dev_minor = minor(D.dev);
+}
+
+/* ---- paths ------------------------------------------------------------------------------ */
+
+static char vcwd[PATH_MAX];  /* the current directory when it is in the staged tree, else "" */
+static pthread_mutex_t cwd_lock = PTHREAD_MUTEX_INITIALIZER;
+
+enum { R_REAL, R_STAGED, R_ERR };
+typedef struct {
+    int kind;
+    int err;       /* R_ERR */
+    uint32_t e;    /* R_STAGED */
+    const char *path;  /* R_REAL: what to hand the real call (the caller's, or buf) */
+    int entered;   /* the walk passed through the tree (so buf, not the caller's path) */
+    char buf[PATH_MAX];
+} Res;
+
+static int starts_root(const char *p, size_t n) {
+    return n >= D.root_len && memcmp(p, D.root, D.root_len) == 0 &&
+           (n == D.root_len || p[D.root_len] == '/');
+}
+
+/* Append "/comp" to a real path being built lexically in out (len *n). */
+static int push(char *out, size_t *n, const char *c, size_t cl) {
+    if (*n + 1 + cl + 1 > PATH_MAX) return -1;
+    out[(*n)++] = '/';
+    memcpy(out + *n, c, cl);
+    *n += cl;
+    out[*n] = 0;
+    return 0;
+}
+
+static void pop(char *out, size_t *n) {
+    while (*n > 0 && out[*n - 1] != '/') (*n)--;
+    if (*n > 0) (*n)--;
+    out[*n] = 0;
+}
+
+/* Walk components of p (absolute, or relative to entry start) as the kernel would, staged
+ * inside the root and lexically outside it. follow: follow a symlink in the last place. */
+static void walk(Res *r, const char *p, int64_t start, int follow) {
+    char real[PATH_MAX];
+    size_t rn = 0;
+    r->entered = start >= 0;
+    int64_t cur = start;  /* >= 0: inside the tree at this entry; -1: outside, at real */
+    int links = 0;
+    real[0] = 0;
+    char key[PATH_MAX];
+    const char *s = p;
+    while (*s) {
+        while (*s == '/') s++;
+        if (!*s) break;
+        const char *c = s;
+        while (*s && *s != '/') s++;
+        size_t cl = (size_t)(s - c);
+        int last = 1;
+        for (const char *t = s; *t; t++) if (*t != '/') { last = 0; break; }
+        if (cur < 0) {
+            if (cl == 1 && c[0] == '.') continue;
+            if (cl == 2 && c[0] == '.' && c[1] == '.') { pop(real, &rn); continue; }
+            if (push(real, &rn, c, cl) < 0) { r->kind = R_ERR; r->err = ENAMETOOLONG; return; }
+            if (rn == D.root_len && memcmp(real, D.root, rn) == 0) { cur = 0; r->entered = 1; }
+            continue;
+        }
+        if (D.kind[cur] != K_DIR) { r->kind = R_ERR; r->err = ENOTDIR; return; }
+        if (cl == 1 && c[0] == '.') continue;
+        if (cl == 2 && c[0] == '.' && c[1] == '.') {
+            if (cur == 0) {  /* out of the tree, to the root's parent */
+                memcpy(real, D.root, D.root_len + 1);
+                rn = D.root_len;
+                pop(real, &rn);
+                cur = -1;
+            } else {
+                cur = D.parent[cur];
+            }
+            continue;
+        }
+        size_t pl;
+        const char *pp = path_of((uint32_t)cur, &pl);
+        size_t kl = pl ? pl + 1 + cl : cl;
+        if (kl >= sizeof key) { r->kind = R_ERR; r->err = ENAMETOOLONG; return; }
+        if (pl) { memcpy(key, pp, pl); key[pl] = '/'; memcpy(key + pl + 1, c, cl); }
+        else memcpy(key, c, cl);
+        int64_t e = lookup(key, kl);
+        if (e < 0) { r->kind = R_ERR; r->err = ENOENT; return; }
+        if (D.kind[e] == K_LINK && (!last || follow || *s == '/')) {
+            if (++links > MAX_LINKS) { r->kind = R_ERR; r->err = ELOOP; return; }
+            if (D.first[e] == NONE || D.first[e] >= D.n) { r->kind = R_ERR; r->err = ENOENT; return; }
+            e = D.first[e];
+        }
+        cur = e;
+    }
+    if (cur >= 0) {
+        /* a trailing slash asks for a directory */
+        size_t n = strlen(p);
+        if (n && p[n - 1] == '/' && D.kind[cur] != K_DIR) { r->kind = R_ERR; r->err = ENOTDIR; return; }
+        r->kind = R_STAGED;
+        r->e = (uint32_t)cur;
+        return;
+    }
+    if (rn == 0) { real[0] = '/'; real[1] = 0; }
+    memcpy(r->buf, real, strlen(real) + 1);
+    r->kind = R_REAL;
+    r->path = r->buf;
+}
+
+static int needs_walk(const char *p) {
+    return strstr(p, "/.") || strstr(p, "//") || (p[0] == '.' && (p[1] == 0 || p[1] == '/' || p[1] == '.'));
+}
+
+/* Where (dirfd, path) lies: in the staged tree (an entry or an error), or outside it. */
+static void resolve(Res *r, int dirfd, const char *path, int follow) {
+    r->kind = R_REAL;
+    r->path = path;
+    if (!D.active || path == NULL) return;
+    size_t n = strlen(path);
+    if (path[0] == '/') {
+        if (!starts_root(path, n) && !needs_walk(path)) return;  /* the fast path */
+        walk(r, path, -1, follow);
+        /* never in the tree: the kernel resolves the original (with the real symlinks) */
+        if (r->kind == R_REAL && !r->entered) r->path = path;
+        return;
+    }
+    if (dirfd != AT_FDCWD) {
+        Row row;
+        if (!get_row(dirfd, &row)) return;
+        if (row.kind != F_DIRFD) { r->kind = R_ERR; r->err = ENOTDIR; return; }
+        if (n == 0) { r->kind = R_STAGED; r->e = row.e; return; }
+        walk(r, path, row.e, follow);
+        return;
+    }
+    if (!vcwd[0]) {
+        if (!strstr(path, "..")) return;
+        char cwd[PATH_MAX];
+        if (!real_getcwd(cwd, sizeof cwd)) return;
+        size_t cl = strlen(cwd);
+        if (cl + 1 + n + 1 > PATH_MAX) return;
+        char abs[PATH_MAX];
+        memcpy(abs, cwd, cl); abs[cl] = '/'; memcpy(abs + cl + 1, path, n + 1);
+        if (!strstr(abs, D.root)) return;
+        walk(r, abs, -1, follow);
+        if (r->kind == R_REAL && !r->entered) r->path = path;
+        return;
+    }
+    if (n == 0) { r->kind = R_ERR; r->err = ENOENT; return; }
+    char abs[PATH_MAX];
+    pthread_mutex_lock(&cwd_lock);
+    size_t cl = strlen(vcwd);
+    int ok = cl + 1 + n + 1 <= PATH_MAX;
+    if (ok) { memcpy(abs, vcwd, cl); abs[cl] = '/'; memcpy(abs + cl + 1, path, n + 1); }
+    pthread_mutex_unlock(&cwd_lock);
+    if (!ok) { r->kind = R_ERR; r->err = ENAMETOOLONG; return; }
+    walk(r, abs, -1, follow);  /* a real result is an absolute path: the real cwd is empty */
+}
+
+/* The absolute path of entry e under the root. */
+static int entry_path(uint32_t e, char *out, size_t size) {
+    size_t pl;
+    const char *p = path_of(e, &pl);
+    size_t need = D.root_len + (pl ? 1 + pl : 0) + 1;
+    if (need > size) { errno = ERANGE; return -1; }
+    memcpy(out, D.root, D.root_len);
+    if (pl) { out[D.root_len] = '/'; memcpy(out + D.root_len + 1, p, pl); }
+    out[need - 1] = 0;
+    return 0;
+}
+
+/* ---- the helper ------------------------------------------------------------------------- */
+
+/* Send one request line; with want_fd, receive a status byte (0, or an errno value) and a
+ * descriptor. -1 with errno when the helper cannot be reached or says no. */
+static int helper(const char *req, int want_fd, int cloexec) {
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return -1;
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strncpy(a.sun_path, D.socket_path, sizeof a.sun_path - 1);
+    int fd = -1, err = EIO;
+    size_t len = strlen(req);
+    if (connect(s, (struct sockaddr *)&a, sizeof a) != 0 || send(s, req, len, MSG_NOSIGNAL) != (ssize_t)len)
+        goto out;
+    if (!want_fd) { fd = 0; goto out; }
+    char status = 0;
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {.iov_base = &status, .iov_len = 1};
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                       .msg_controllen = sizeof cbuf};
+    ssize_t got;
+    do got = recvmsg(s, &m, cloexec ? MSG_CMSG_CLOEXEC : 0); while (got < 0 && errno == EINTR);
+    if (got != 1) goto out;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c))
+        if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    if (status != 0) {
+        if (fd >= 0) real_close(fd);
+        fd = -1;
+        err = (unsigned char)status;
+    }
+out:
+    real_close(s);
+    if (fd < 0) errno = err;
+    return fd;
+}
+
+/* A memfd holding entry e's verified bytes, from the helper (the Store's read path). */
+static int helper_file(uint32_t e, int cloexec) {
+    char req[64];
+    snprintf(req, sizeof req, "open %u\n", e);
+    return helper(req, 1, cloexec);
+}
+
+/* Ask the helper to place a shard in the tiers (once per shard per process). */
+static void touch_shard(uint32_t shard) {
+    if (!D.ntiers || !touched || shard >= D.nshards || __atomic_exchange_n(&touched[shard], 1, __ATOMIC_RELAXED))
+        return;
+    char req[64];
+    snprintf(req, sizeof req, "place %u\n", shard);
+    int saved = errno;
+    helper(req, 0, 1);
+    errno = saved;
+}
+
+/* ---- verified reads --------------------------------------------------------------------- */
+
+static ssize_t pread_full(int fd, void *buf, size_t len, uint64_t off) {
+    size_t done = 0;
+    while (done < len) {
+        ssize_t got = real_pread(fd, (char *)buf + done, len - done, (off_t)(off + done));
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return -1;
+        if (got == 0) break;
+        done += (size_t)got;
+    }
+    return (ssize_t)done;
+}
+
+static uint8_t *marks(uint8_t **slot, uint64_t n) {
+    uint8_t *m = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (m || n == 0) return m;
+    m = real_mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return NULL;
+    uint8_t *none = NULL;
+    if (!__atomic_compare_exchange_n(slot, &none, m, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        munmap(m, n);
+        m = none;
+    }
+    return m;
+}
+
+enum { V_OK = 0, V_BAD = 1, V_IO = 2 };
+
+/* Copy [pos, pos+len) of file r->e (a raw file in a shard, len clipped to its size) from
+ * fd to out (NULL: verify only), every byte verified. V_BAD: the source disagrees with
+ * the checksums (or is short). */
+static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
+    uint32_t e = r->e;
+    uint64_t size = D.size[e], P = D.piece_size;
+    if (len == 0) return V_OK;
+    uint32_t first_piece = D.piece ? D.piece[e] : NONE;
+    if (first_piece != NONE) {
+        uint8_t *vp = marks(&vpiece[r->src], D.npieces);
+        char *tmp = NULL;
+        for (uint64_t k = pos / P; k * P < pos + len; k++) {
+            uint64_t ps = k * P, pl = size - ps < P ? size - ps : P;
+            uint64_t lo = pos > ps ? pos : ps, hi = pos + len < ps + pl ? pos + len : ps + pl;
+            if (vp && __atomic_load_n(&vp[first_piece + k], __ATOMIC_ACQUIRE)) {
+                if (out && pread_full(fd, out + (lo - pos), hi - lo, r->base + lo) != (ssize_t)(hi - lo)) {
+                    free(tmp); return V_BAD;
+                }
+                continue;
+            }
+            if (!tmp && !(tmp = malloc(P))) { errno = ENOMEM; return V_IO; }
+            if (pread_full(fd, tmp, pl, r->base + ps) != (ssize_t)pl ||
+                xxh3_64(tmp, pl) != D.pieces[first_piece + k]) { free(tmp); return V_BAD; }
+            if (vp) __atomic_store_n(&vp[first_piece + k], 1, __ATOMIC_RELEASE);
+            if (out) memcpy(out + (lo - pos), tmp + (lo - ps), hi - lo);
+        }
+        free(tmp);
+        return V_OK;
+    }
+    uint8_t *vf = marks(&vfile[r->src], D.n);
+    if (vf && __atomic_load_n(&vf[e], __ATOMIC_ACQUIRE)) {
+        if (out && pread_full(fd, out, len, r->base + pos) != (ssize_t)len) return V_BAD;
+        return V_OK;
+    }
+    char *tmp = malloc(size ? size : 1);
+    if (!tmp) { errno = ENOMEM; return V_IO; }
+    if (pread_full(fd, tmp, size, r->base) != (ssize_t)size || xxh3_64(tmp, size) != D.checksum[e]) {
+        free(tmp); return V_BAD;
+    }
+    if (vf) __atomic_store_n(&vf[e], 1, __ATOMIC_RELEASE);
+    if (out) memcpy(out, tmp + pos, len);
+    free(tmp);
+    return V_OK;
+}
+
+/* The copy behind fd failed its checksum: put the helper's verified copy in its place
+ * (same number, same close-on-exec, same position). -1 with errno (EIO) if none. */
+static int replace_with_helper(int fd, Row *r) {
+    int fdflags = real_fcntl(fd, F_GETFD);
+    off_t cur = real_lseek(fd, 0, SEEK_CUR);
+    int m = helper_file(r->e, 1);
+    if (m < 0) { errno = EIO; return -1; }
+    if (real_dup3(m, fd, (fdflags & FD_CLOEXEC) ? O_CLOEXEC : 0) < 0) { real_close(m); return -1; }
+    real_close(m);
+    uint64_t pos = cur >= 0 && (uint64_t)cur >= r->base ? (uint64_t)cur - r->base : 0;
+    real_lseek(fd, (off_t)pos, SEEK_SET);
+    if (make_row(fd, F_MEM, r->e, 0, 0) < 0) return -1;
+    get_row(fd, r);
+    return 0;
+}
+
+/* pread of a staged shard file at file position pos. */
+static ssize_t shard_pread(int fd, Row *r, void *buf, size_t n, uint64_t pos) {
+    uint64_t size = D.size[r->e];
+    if (pos >= size || n == 0) return 0;
+    size_t len = n < size - pos ? n : (size_t)(size - pos);
+    int v = vread(fd, r, buf, pos, len);
+    if (v == V_OK) return (ssize_t)len;
+    if (v == V_IO) return -1;
+    if (replace_with_helper(fd, r) < 0) return -1;
+    return real_pread(fd, buf, n, (off_t)pos);
+}
+
+/* ---- init ------------------------------------------------------------------------------- */
+
+static int read_whole(const char *path, char **out, size_t *len) {
+    int fd = (int)syscall(SYS_openat, AT_FDCWD, path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    struct stat st;
+    if (sys_fstat(fd, &st) != 0) { syscall(SYS_close, fd); return -1; }
+    char *b = malloc((size_t)st.st_size + 1);
+    if (!b) { syscall(SYS_close, fd); return -1; }
+    size_t done = 0;
+    while (done < (size_t)st.st_size) {
+        ssize_t got = syscall(SYS_pread64, fd, b + done, (size_t)st.st_size - done, (off_t)done);
+        if (got <= 0) break;
+        done += (size_t)got;
+    }
+    syscall(SYS_close, fd);
+    b[done] = 0;
+    *out = b; *len = done;
+    return 0;
+}
+
+static uint64_t le(const char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static uint32_t le4(const char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static void warn(const char *fmt, const char *a) {
+    char msg[1024];
+    int n = snprintf(msg, sizeof msg, "stagefs preload: ");
+    n += snprintf(msg + n, sizeof msg - (size_t)n, fmt, a);
+    if (n > (int)sizeof msg - 2) n = (int)sizeof msg - 2;
+    msg[n++] = '\n';
+    ssize_t ignored = syscall(SYS_write, 2, msg, (size_t)n);
+    (void)ignored;
+}
+
+static int load(const char *sidecar) {
+    char *b; size_t blen;
+    if (read_whole(sidecar, &b, &blen) != 0) { warn("cannot read %s: the staged path is not served", sidecar); return -1; }
+    if (blen < SIDECAR_HEAD || memcmp(b, "STGFSPLD", 8) != 0 || le4(b + 8) != 1) {
+        warn("%s is not a preload index of this stagefs: the staged path is not served", sidecar);
+        return -1;
+    }
+    uint32_t flags = le4(b + 12);
+    D.n = le(b + 16); D.piece_size = le(b + 24); D.dev = le(b + 32);
+    uint64_t mlen = le(b + 40), msum = le(b + 48);
+    D.nshards = le4(b + 56); D.ntiers = le4(b + 60);
+    D.direct = flags & 1;
+    uint64_t off[N_ARRAYS], cnt[N_ARRAYS];
+    for (int i = 0; i < N_ARRAYS; i++) { off[i] = le(b + 64 + 16 * i); cnt[i] = le(b + 72 + 16 * i); }
+    char *s = b + SIDECAR_HEAD, *end = b + blen;
+    char *fields[5];
+    for (int i = 0; i < 5; i++) { if (s >= end) goto bad; fields[i] = s; s += strlen(s) + 1; }
+    D.root = fields[0]; D.root_len = strlen(D.root);
+    D.socket_path = fields[2]; D.empty_dir = fields[3]; D.origin_dir = fields[4];
+    if (D.ntiers >= MAX_SOURCES) D.ntiers = MAX_SOURCES - 1;
+    D.tier_dirs = calloc(D.ntiers + 1, sizeof(char *));
+    D.shard_names = calloc(D.nshards + 1, sizeof(char *));
+    if (!D.tier_dirs || !D.shard_names) goto bad;
+    for (uint32_t i = 0; i < D.ntiers; i++) { if (s >= end) goto bad; D.tier_dirs[i] = s; s += strlen(s) + 1; }
+    for (uint32_t i = 0; i < D.nshards; i++) { if (s >= end) goto bad; D.shard_names[i] = s; s += strlen(s) + 1; }
+    /* the manifest, mapped; its header must be the one the sidecar was written from */
+    int fd = (int)syscall(SYS_openat, AT_FDCWD, fields[1], O_RDONLY | O_CLOEXEC);
+    if (fd < 0) { warn("cannot open the manifest %s", fields[1]); return -1; }
+    struct stat st;
+    if (sys_fstat(fd, &st) != 0 || (uint64_t)st.st_size != mlen) { syscall(SYS_close, fd); goto changed; }
+    const char *m = real_mmap(NULL, mlen, PROT_READ, MAP_SHARED, fd, 0);
+    syscall(SYS_close, fd);
+    if (m == MAP_FAILED) goto changed;
+    if (le(m + 32) != mlen || le(m + 40) != msum) goto changed;
+    static const uint8_t width[N_ARRAYS] = {8, 8, 4, 1, 4, 8, 8, 4, 8, 8, 1, 8, 4, 4, 4, 4, 1, 8};
+    for (int i = 0; i < N_ARRAYS; i++)
+        if (cnt[i] && (off[i] > mlen || cnt[i] > (mlen - off[i]) / width[i])) goto bad;
+#define ARR(name, i, type) D.name = cnt[i] ? (const type *)(m + off[i]) : NULL
+    ARR(path_off, A_PATH_OFF, uint64_t); ARR(hash, A_HASH, uint64_t); ARR(parent, A_PARENT, uint32_t);
+    ARR(kind, A_KIND, uint8_t); ARR(mode, A_MODE, uint32_t); ARR(mtime, A_MTIME, int64_t);
+    ARR(size, A_SIZE, uint64_t); ARR(shard, A_SHARD, uint32_t); ARR(offset, A_OFFSET, uint64_t);
+    ARR(stored, A_STORED, uint64_t); ARR(codec, A_CODEC, uint8_t); ARR(checksum, A_CHECKSUM, uint64_t);
+    ARR(first, A_FIRST, uint32_t); ARR(count, A_COUNT, uint32_t); ARR(piece, A_PIECE, uint32_t);
+    ARR(slots, A_SLOTS, uint32_t); ARR(strings, A_STRINGS, uint8_t); ARR(pieces, A_PIECES, uint64_t);
+#undef ARR
+    D.nslots = cnt[A_SLOTS]; D.npieces = cnt[A_PIECES]; D.nstrings = cnt[A_STRINGS];
+    if (!D.path_off || !D.slots || !D.strings || D.n == 0 || D.nslots <= D.n ||
+        (D.nslots & (D.nslots - 1)) || cnt[A_PATH_OFF] != D.n + 1) goto bad;
+    if (!D.pieces) D.piece = NULL;
+    D.sidecar_path = strdup(sidecar);
+    return 0;
+changed:
+    warn("the manifest %s changed since 'stagefs run' started: the staged path is not served", fields[1]);
+    return -1;
+bad:
+    warn("%s is malformed: the staged path is not served", sidecar);
+    return -1;
+}
+
+static void restore_fds(const char *spec) {
+    /* "fd,kind,entry,base,src,dev,ino;" for each staged descriptor this process inherited */
+    const char *p = spec;
+    while (p && *p) {
+        unsigned long long v[7];
+        int used = 0;
+        if (sscanf(p, "%llu,%llu,%llu,%llu,%llu,%llu,%llu;%n", &v[0], &v[1], &v[2], &v[3], &v[4],
+                   &v[5], &v[6], &used) != 7 || used == 0) break;
+        p += used;
+        int fd = (int)v[0];
+        struct stat st;
+        if (fd < 0 || fd >= max_fd || v[2] >= D.n || sys_fstat(fd, &st) != 0 ||
+            (uint64_t)st.st_dev != v[5] || (uint64_t)st.st_ino != v[6]) continue;
+        Row r = {.kind = (uint8_t)v[1], .e = (uint32_t)v[2], .base = v[3], .src = (uint8_t)v[4],
+                 .dev = v[5], .ino = v[6]};
+        set_row(fd, &r);
+    }
+}
+
+static FILE *cookie_file(int fd, const char *mode);
+
+/* A staged file inherited as standard input: glibc's stdin reads fd 0 with its internal read,
+ * which no preload sees (it would return the shard's bytes), so stdin becomes a stream that
+ * reads through the wrappers (same descriptor, same shared position). */
+static void serve_stdin(void) {
+    Row r;
+    if (!get_row(0, &r) || r.kind != F_SHARD) return;
+    FILE *f = cookie_file(0, "r");
+    if (f) stdin = f;
+}
+
+static void after_fork_child(void) {
+    pthread_mutex_init(&lock, NULL);
+    pthread_mutex_init(&cwd_lock, NULL);
+}
+
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void init(void) {
+    resolve_real();
+    D.page = sysconf(_SC_PAGESIZE);
+    const char *sidecar = getenv("STAGEFS_PRELOAD_INDEX");
+    if (!sidecar || !*sidecar) return;
+    if (load(sidecar) != 0) return;
+    struct rlimit rl;
+    max_fd = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_max != RLIM_INFINITY ? (int)rl.rlim_max : 1 << 20;
+    if (max_fd > 1 << 20) max_fd = 1 << 20;
+    if (max_fd < 1024) max_fd = 1024;
+    rows = real_mmap(NULL, (size_t)max_fd * sizeof(Row), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (rows == MAP_FAILED) { warn("%s", "no memory for the descriptor table: not served"); return; }
+    touched = calloc(D.nshards + 1, 1);
+    D.uid = getuid(); D.gid = getgid();
+    Dl_info info;
+    if (dladdr((void *)&init, &info) && info.dli_fname) D.self_path = strdup(info.dli_fname);
+    pthread_atfork(NULL, NULL, after_fork_child);
+    D.active = 1;
+    restore_fds(getenv("STAGEFS_PRELOAD_FDS"));
+    serve_stdin();
+    /* the current directory: inherited from a parent inside the tree, or started inside */
+    const char *c = getenv("STAGEFS_PRELOAD_CWD");
+    char here[PATH_MAX];
+    if (real_getcwd(here, sizeof here)) {
+        if (c && *c && strcmp(here, D.empty_dir) == 0 && strlen(c) < sizeof vcwd) {
+            strcpy(vcwd, c);
+        } else if (starts_root(here, strlen(here))) {
+            Res r;
+            walk(&r, here, -1, 1);
+            if (r.kind == R_STAGED && D.kind[r.e] == K_DIR) {
+                entry_path(r.e, vcwd, sizeof vcwd);
+                real_chdir(D.empty_dir);
+            }
+        }
+    }
+}
+
+__attribute__((constructor)) static void ctor(void) { pthread_once(&once, init); }
+#define INIT() pthread_once(&once, init)
+
+/* ---- open and close --------------------------------------------------------------------- */
+
+#define WRITE_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND)
+
+/* Open a shard file holding entry e's bytes: a tier's copy, else the origin's. */
+static int open_shard(uint32_t e, int cloexec, int *src) {
+    uint32_t sh = D.shard[e];
+    if (sh >= D.nshards) return -1;
+    char p[PATH_MAX];
+    int fl = O_RDONLY | (cloexec ? O_CLOEXEC : 0);
+    for (uint32_t t = 0; t < D.ntiers; t++) {
+        if (snprintf(p, sizeof p, "%s/%s", D.tier_dirs[t], D.shard_names[sh]) >= (int)sizeof p) continue;
+        int fd = real_openat(AT_FDCWD, p, fl);
+        if (fd >= 0) { *src = (int)t; return fd; }
+    }
+    if (!D.origin_dir[0]) return -1;
+    if (snprintf(p, sizeof p, "%s/%s", D.origin_dir, D.shard_names[sh]) >= (int)sizeof p) return -1;
+    int fd = real_openat(AT_FDCWD, p, fl);
+    if (fd >= 0) { *src = (int)D.ntiers; touch_shard(sh); }
+    return fd;
+}
+
+static int open_entry(uint32_t e, int flags) {
+    int cloexec = (flags & O_CLOEXEC) != 0;
+    if (D.kind[e] == K_DIR || (flags & O_PATH && D.kind[e] != K_FILE)) {
+        int fd = real_openat(AT_FDCWD, D.empty_dir, O_RDONLY | O_DIRECTORY | (cloexec ? O_CLOEXEC : 0));
+        if (fd < 0) return -1;
+        return make_row(fd, F_DIRFD, e, 0, 0);
+    }
+    if (flags & O_DIRECTORY) { errno = ENOTDIR; return -1; }
+    if (D.kind[e] != K_FILE) { errno = ELOOP; return -1; }  /* O_NOFOLLOW on a link */
+    if (D.direct && D.codec[e] == 0 && (D.piece || D.size[e] <= D.piece_size || D.size[e] <= (64u << 20))) {
+        int src = 0;
+        int fd = open_shard(e, cloexec, &src);
+        if (fd >= 0) {
+            if (real_lseek(fd, (off_t)D.offset[e], SEEK_SET) < 0) { real_close(fd); return -1; }
+            return make_row(fd, F_SHARD, e, D.offset[e], src);
+        }
+    }
+    int fd = helper_file(e, cloexec);
+    if (fd < 0) return -1;
+    return make_row(fd, F_MEM, e, 0, 0);
+}
+
+/* open/openat, for every variant. */
+static int do_openat(int dirfd, const char *path, int flags, mode_t mode) {
+    INIT();
+    Res r;
+    resolve(&r, dirfd, path, !(flags & O_NOFOLLOW));
+    if (r.kind == R_REAL) {
+        int fd = real_openat(dirfd, r.path, flags, mode);
+        clear_row(fd);
+        return fd;
+    }
+    if ((flags & WRITE_FLAGS) || (flags & O_TMPFILE) == O_TMPFILE) { errno = EROFS; return -1; }
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    return open_entry(r.e, flags);
+}
+
+static mode_t mode_arg(int flags, va_list ap) {
+    return ((flags & O_CREAT) || (flags & O_TMPFILE) == O_TMPFILE) ? (mode_t)va_arg(ap, int) : 0;
+}
+
+API int open(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t m = mode_arg(flags, ap); va_end(ap);
+    return do_openat(AT_FDCWD, path, flags, m);
+}
+API int open64(const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t m = mode_arg(flags, ap); va_end(ap);
+    return do_openat(AT_FDCWD, path, flags, m);
+}
+API int openat(int dirfd, const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t m = mode_arg(flags, ap); va_end(ap);
+    return do_openat(dirfd, path, flags, m);
+}
+API int openat64(int dirfd, const char *path, int flags, ...) {
+    va_list ap; va_start(ap, flags); mode_t m = mode_arg(flags, ap); va_end(ap);
+    return do_openat(dirfd, path, flags, m);
+}
+API int __open_2(const char *path, int flags) { return do_openat(AT_FDCWD, path, flags, 0); }
+API int __open64_2(const char *path, int flags) { return do_openat(AT_FDCWD, path, flags, 0); }
+API int __openat_2(int d, const char *path, int flags) { return do_openat(d, path, flags, 0); }
+API int __openat64_2(int d, const char *path, int flags) { return do_openat(d, path, flags, 0); }
+API int creat(const char *path, mode_t mode) { return do_openat(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, mode); }
+API int creat64(const char *path, mode_t mode) { return do_openat(AT_FDCWD, path, O_CREAT | O_WRONLY | O_TRUNC, mode); }
+
+API int close(int fd) {
+    INIT();
+    clear_row(fd);
+    return real_close(fd);
+}
+
+API int close_range(unsigned lo, unsigned hi, int flags) {
+    INIT();
+    if (D.active && !(flags & CLOSE_RANGE_CLOEXEC))
+        for (unsigned fd = lo; fd <= hi && fd < (unsigned)max_fd; fd++) clear_row((int)fd);
+    return real_close_range ? real_close_range(lo, hi, flags) : (int)syscall(SYS_close_range, lo, hi, flags);
+}
+
+API void closefrom(int lo) { close_range((unsigned)lo, ~0u, 0); }
+
+/* ---- dup -------------------------------------------------------------------------------- */
+
+static int copy_row(int from, int to) {
+    if (to < 0) return to;
+    Row r;
+    if (get_row(from, &r)) set_row(to, &r);
+    else clear_row(to);
+    return to;
+}
+
+API int dup(int fd) { INIT(); return copy_row(fd, real_dup(fd)); }
+API int dup2(int fd, int to) { INIT(); int got = real_dup2(fd, to); return fd == to ? got : copy_row(fd, got); }
+API int dup3(int fd, int to, int flags) { INIT(); return copy_row(fd, real_dup3(fd, to, flags)); }
+
+static int do_fcntl(int fd, int cmd, va_list ap) {
+    INIT();
+    void *arg = va_arg(ap, void *);
+    int got = real_fcntl(fd, cmd, arg);
+    if (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC) copy_row(fd, got);
+    return got;
+}
+API int fcntl(int fd, int cmd, ...) { va_list ap; va_start(ap, cmd); int r = do_fcntl(fd, cmd, ap); va_end(ap); return r; }
+API int fcntl64(int fd, int cmd, ...) { va_list ap; va_start(ap, cmd); int r = do_fcntl(fd, cmd, ap); va_end(ap); return r; }
+
+/* ---- read ------------------------------------------------------------------------------- */
+
+API ssize_t pread(int fd, void *buf, size_t n, off_t off) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_pread(fd, buf, n, off);
+    if (off < 0) { errno = EINVAL; return -1; }
+    return shard_pread(fd, &r, buf, n, (uint64_t)off);
+}
+API ssize_t pread64(int fd, void *buf, size_t n, off_t off) { return pread(fd, buf, n, off); }
+API ssize_t __pread_chk(int fd, void *buf, size_t n, off_t off, size_t buflen) { (void)buflen; return pread(fd, buf, n, off); }
+API ssize_t __pread64_chk(int fd, void *buf, size_t n, off_t off, size_t buflen) { (void)buflen; return pread(fd, buf, n, off); }
+
+/* The file position of a staged shard descriptor (kept in the kernel, past base). */
+static int64_t shard_pos(int fd, const Row *r) {
+    off_t cur = real_lseek(fd, 0, SEEK_CUR);
+    if (cur < 0) return -1;
+    return (uint64_t)cur >= r->base ? (int64_t)((uint64_t)cur - r->base) : 0;
+}
+
+API ssize_t read(int fd, void *buf, size_t n) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_read(fd, buf, n);
+    int64_t pos = shard_pos(fd, &r);
+    if (pos < 0) return -1;
+    ssize_t got = shard_pread(fd, &r, buf, n, (uint64_t)pos);
+    if (got > 0) real_lseek(fd, (off_t)(r.base + (uint64_t)pos + (uint64_t)got), SEEK_SET);
+    return got;
+}
+API ssize_t __read_chk(int fd, void *buf, size_t n, size_t buflen) { (void)buflen; return read(fd, buf, n); }
+
+static ssize_t shard_preadv(int fd, Row *r, const struct iovec *iov, int cnt, uint64_t pos) {
+    ssize_t total = 0;
+    for (int i = 0; i < cnt; i++) {
+        ssize_t got = shard_pread(fd, r, iov[i].iov_base, iov[i].iov_len, pos + (uint64_t)total);
+        if (got < 0) return total ? total : -1;
+        total += got;
+        if ((size_t)got < iov[i].iov_len) break;
+    }
+    return total;
+}
+
+API ssize_t readv(int fd, const struct iovec *iov, int cnt) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_readv(fd, iov, cnt);
+    int64_t pos = shard_pos(fd, &r);
+    if (pos < 0) return -1;
+    ssize_t got = shard_preadv(fd, &r, iov, cnt, (uint64_t)pos);
+    if (got > 0) real_lseek(fd, (off_t)(r.base + (uint64_t)pos + (uint64_t)got), SEEK_SET);
+    return got;
+}
+
+API ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_preadv(fd, iov, cnt, off);
+    if (off < 0) { errno = EINVAL; return -1; }
+    return shard_preadv(fd, &r, iov, cnt, (uint64_t)off);
+}
+API ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off_t off) { return preadv(fd, iov, cnt, off); }
+
+API ssize_t preadv2(int fd, const struct iovec *iov, int cnt, off_t off, int flags) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_preadv2(fd, iov, cnt, off, flags);
+    if (off == -1) return readv(fd, iov, cnt);
+    return preadv(fd, iov, cnt, off);
+}
+API ssize_t preadv64v2(int fd, const struct iovec *iov, int cnt, off_t off, int flags) { return preadv2(fd, iov, cnt, off, flags); }
+
+API off_t lseek(int fd, off_t off, int whence) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_lseek(fd, off, whence);
+    int64_t size = (int64_t)D.size[r.e], pos;
+    switch (whence) {
+    case SEEK_SET: pos = off; break;
+    case SEEK_CUR: { int64_t cur = shard_pos(fd, &r); if (cur < 0) return -1; pos = cur + off; break; }
+    case SEEK_END: pos = size + off; break;
+    case SEEK_DATA: if (off < 0 || off >= size) { errno = ENXIO; return -1; } pos = off; break;
+    case SEEK_HOLE: if (off < 0 || off >= size) { errno = ENXIO; return -1; } pos = size; break;
+    default: errno = EINVAL; return -1;
+    }
+    if (pos < 0) { errno = EINVAL; return -1; }
+    if (real_lseek(fd, (off_t)(r.base + (uint64_t)pos), SEEK_SET) < 0) return -1;
+    return pos;
+}
+API off_t lseek64(int fd, off_t off, int whence) { return lseek(fd, off, whence); }
+
+/* A staged source for copy_file_range / sendfile / splice: read through the wrappers,
+ * write with the real write (the kernel would copy the shard's bytes unverified). */
+static ssize_t copy_out(int in, off_t *inoff, int out, size_t n) {
+    char buf[65536];
+    size_t want = n < sizeof buf ? n : sizeof buf;
+    ssize_t got = inoff ? pread(in, buf, want, *inoff) : read(in, buf, want);
+    if (got <= 0) return got;
+    ssize_t put = write(out, buf, (size_t)got);
+    if (put < 0) return -1;
+    if (inoff) *inoff += put;
+    else if (put < got) lseek(in, put - got, SEEK_CUR);
+    return put;
+}
+
+API ssize_t copy_file_range(int in, off_t *inoff, int out, off_t *outoff, size_t n, unsigned fl) {
+    INIT();
+    Row r;
+    if (!get_row(in, &r) || r.kind != F_SHARD) return real_copy_file_range(in, inoff, out, outoff, n, fl);
+    if (outoff) { errno = EXDEV; return -1; }  /* callers fall back to read and write */
+    return copy_out(in, inoff, out, n);
+}
+API ssize_t sendfile(int out, int in, off_t *inoff, size_t n) {
+    INIT();
+    Row r;
+    if (!get_row(in, &r) || r.kind != F_SHARD) return real_sendfile(out, in, inoff, n);
+    return copy_out(in, inoff, out, n);
+}
+API ssize_t sendfile64(int out, int in, off_t *inoff, size_t n) { return sendfile(out, in, inoff, n); }
+API ssize_t splice(int in, off_t *inoff, int out, off_t *outoff, size_t n, unsigned fl) {
+    INIT();
+    Row r;
+    if (!get_row(in, &r) || r.kind != F_SHARD) return real_splice(in, inoff, out, outoff, n, fl);
+    if (outoff) { errno = EINVAL; return -1; }
+    return copy_out(in, inoff, out, n);
+}
+
+/* ---- mmap ------------------------------------------------------------------------------- */
+
+API void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
+    INIT();
+    Row r;
+    if (flags & MAP_ANONYMOUS || !get_row(fd, &r) || r.kind != F_SHARD)
+        return real_mmap(addr, len, prot, flags, fd, off);
+    if ((prot & PROT_WRITE) && (flags & MAP_SHARED)) { errno = EACCES; return MAP_FAILED; }
+    if (off < 0 || off % D.page) { errno = EINVAL; return MAP_FAILED; }
+    uint64_t size = D.size[r.e], pos = (uint64_t)off;
+    size_t avail = pos < size ? (size_t)(size - pos) : 0, cover = len < avail ? len : avail;
+    int v = vread(fd, &r, NULL, pos, cover);
+    if (v == V_IO) return MAP_FAILED;
+    if (v == V_BAD) {
+        if (replace_with_helper(fd, &r) < 0) return MAP_FAILED;
+        return real_mmap(addr, len, prot, flags, fd, off);
+    }
+    if ((r.base + pos) % (uint64_t)D.page == 0) {  /* the tier's pages themselves: no copy */
+        char *m = real_mmap(addr, len, prot, flags, fd, (off_t)(r.base + pos));
+        size_t full = cover / (size_t)D.page * (size_t)D.page;
+        if (m == MAP_FAILED || full >= len) return m;
+        /* the last page holds the next file's bytes in the shard: a private page with the
+         * file's tail and zeros after it, as a real file's mapping shows */
+        char *tail = m + full;
+        if (real_mmap(tail, len - full, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED ||
+            vread(fd, &r, tail, pos + full, cover - full) != V_OK ||
+            (!(prot & PROT_WRITE) && mprotect(tail, len - full, prot) != 0)) {
+            munmap(m, len); errno = EIO; return MAP_FAILED;
+        }
+        return m;
+    }
+    /* not page aligned in its shard: a private copy */
+    void *m = real_mmap(addr, len, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | (flags & (MAP_FIXED | MAP_FIXED_NOREPLACE | MAP_POPULATE)),
+                        -1, 0);
+    if (m == MAP_FAILED) return m;
+    if (vread(fd, &r, m, pos, cover) != V_OK) { munmap(m, len); errno = EIO; return MAP_FAILED; }
+    if (!(prot & PROT_WRITE) && mprotect(m, len, prot) != 0) { munmap(m, len); return MAP_FAILED; }
+    return m;
+}
+API void *mmap64(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
+    return mmap(addr, len, prot, flags, fd, off);
+}
+
+/* ---- stat ------------------------------------------------------------------------------- */
+
+static int do_fstatat(int dirfd, const char *path, struct stat *st, int flags) {
+    INIT();
+    if (path && !path[0] && (flags & AT_EMPTY_PATH)) {
+        Row r;
+        if (dirfd != AT_FDCWD && get_row(dirfd, &r)) { fill_stat(r.e, st); return 0; }
+        if (dirfd == AT_FDCWD && vcwd[0]) path = ".";
+        else return real_fstatat(dirfd, path, st, flags);
+    }
+    Res r;
+    resolve(&r, dirfd, path, !(flags & AT_SYMLINK_NOFOLLOW));
+    if (r.kind == R_REAL) return real_fstatat(dirfd, r.path, st, flags);
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    fill_stat(r.e, st);
+    return 0;
+}
+
+API int stat(const char *p, struct stat *st) { return do_fstatat(AT_FDCWD, p, st, 0); }
+_Static_assert(sizeof(struct stat) == sizeof(struct stat64), "a 64-bit platform: stat is stat64");
+API int stat64(const char *p, struct stat64 *st) { return do_fstatat(AT_FDCWD, p, (struct stat *)st, 0); }
+API int lstat(const char *p, struct stat *st) { return do_fstatat(AT_FDCWD, p, st, AT_SYMLINK_NOFOLLOW); }
+API int lstat64(const char *p, struct stat64 *st) { return do_fstatat(AT_FDCWD, p, (struct stat *)st, AT_SYMLINK_NOFOLLOW); }
+API int fstatat(int d, const char *p, struct stat *st, int fl) { return do_fstatat(d, p, st, fl); }
+API int fstatat64(int d, const char *p, struct stat64 *st, int fl) { return do_fstatat(d, p, (struct stat *)st, fl); }
+API int fstat(int fd, struct stat *st) {
+    INIT();
+    Row r;
+    if (get_row(fd, &r)) { fill_stat(r.e, st); return 0; }
+    return real_fstat(fd, st);
+}
+API int fstat64(int fd, struct stat64 *st) { return fstat(fd, (struct stat *)st); }
+/* the glibc < 2.33 entry points, for programs built against them */
+API int __xstat(int v, const char *p, struct stat *st) { (void)v; return stat(p, st); }
+API int __xstat64(int v, const char *p, struct stat *st) { (void)v; return stat(p, st); }
+API int __lxstat(int v, const char *p, struct stat *st) { (void)v; return lstat(p, st); }
+API int __lxstat64(int v, const char *p, struct stat *st) { (void)v; return lstat(p, st); }
+API int __fxstat(int v, int fd, struct stat *st) { (void)v; return fstat(fd, st); }
+API int __fxstat64(int v, int fd, struct stat *st) { (void)v; return fstat(fd, st); }
+API int __fxstatat(int v, int d, const char *p, struct stat *st, int fl) { (void)v; return do_fstatat(d, p, st, fl); }
+API int __fxstatat64(int v, int d, const char *p, struct stat *st, int fl) { (void)v; return do_fstatat(d, p, st, fl); }
+
+API int statx(int dirfd, const char *path, int flags, unsigned mask, struct statx *sx) {
+    INIT();
+    if (path && !path[0] && (flags & AT_EMPTY_PATH)) {
+        Row r;
+        if (dirfd != AT_FDCWD && get_row(dirfd, &r)) { fill_statx(r.e, sx); return 0; }
+        if (!(dirfd == AT_FDCWD && vcwd[0])) return real_statx(dirfd, path, flags, mask, sx);
+        path = ".";
+    }
+    Res r;
+    resolve(&r, dirfd, path, !(flags & AT_SYMLINK_NOFOLLOW));
+    if (r.kind == R_REAL) return real_statx(dirfd, r.path, flags, mask, sx);
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    fill_statx(r.e, sx);
+    return 0;
+}
+
+static int do_access(int dirfd, const char *path, int mode, int flags) {
+    INIT();
+    Res r;
+    resolve(&r, dirfd, path, !(flags & AT_SYMLINK_NOFOLLOW));
+    if (r.kind == R_REAL) return real_faccessat(dirfd, r.path, mode, flags);
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    if (mode & W_OK) { errno = EROFS; return -1; }
+    if ((mode & X_OK) && !(D.mode[r.e] & 0111)) { errno = EACCES; return -1; }
+    return 0;
+}
+API int access(const char *p, int mode) { return do_access(AT_FDCWD, p, mode, 0); }
+API int euidaccess(const char *p, int mode) { return do_access(AT_FDCWD, p, mode, AT_EACCESS); }
+API int eaccess(const char *p, int mode) { return do_access(AT_FDCWD, p, mode, AT_EACCESS); }
+API int faccessat(int d, const char *p, int mode, int fl) { return do_access(d, p, mode, fl); }
+
+/* ---- symlinks and real paths ------------------------------------------------------------ */
+
+API ssize_t readlinkat(int dirfd, const char *path, char *buf, size_t size) {
+    INIT();
+    Res r;
+    resolve(&r, dirfd, path, 0);
+    if (r.kind == R_REAL) return real_readlinkat(dirfd, r.path, buf, size);
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    if (D.kind[r.e] != K_LINK) { errno = EINVAL; return -1; }
+    uint64_t off = D.offset[r.e], len = D.stored[r.e];
+    if (off > D.nstrings || len > D.nstrings - off) { errno = EIO; return -1; }
+    size_t n = len < size ? (size_t)len : size;
+    memcpy(buf, D.strings + off, n);
+    return (ssize_t)n;
+}
+API ssize_t readlink(const char *p, char *buf, size_t size) { return readlinkat(AT_FDCWD, p, buf, size); }
+API ssize_t __readlink_chk(const char *p, char *buf, size_t size, size_t buflen) { (void)buflen; return readlinkat(AT_FDCWD, p, buf, size); }
+API ssize_t __readlinkat_chk(int d, const char *p, char *buf, size_t size, size_t buflen) { (void)buflen; return readlinkat(d, p, buf, size); }
+
+API char *realpath(const char *path, char *out) {
+    INIT();
+    Res r;
+    if (!path) { errno = EINVAL; return NULL; }
+    resolve(&r, AT_FDCWD, path, 1);
+    if (r.kind == R_REAL) return real_realpath(r.path, out);
+    if (r.kind == R_ERR) { errno = r.err; return NULL; }
+    char tmp[PATH_MAX];
+    if (entry_path(r.e, tmp, sizeof tmp) != 0) { errno = ENAMETOOLONG; return NULL; }
+    if (!out) return strdup(tmp);
+    strcpy(out, tmp);
+    return out;
+}
+API char *__realpath_chk(const char *p, char *out, size_t outlen) { (void)outlen; return realpath(p, out); }
+API char *canonicalize_file_name(const char *p) { return realpath(p, NULL); }
+
+/* ---- the current directory -------------------------------------------------------------- */
+
+API char *getcwd(char *buf, size_t size) {
+    INIT();
+    if (!D.active) return real_getcwd(buf, size);
+    pthread_mutex_lock(&cwd_lock);
+    if (!vcwd[0]) { pthread_mutex_unlock(&cwd_lock); return real_getcwd(buf, size); }
+    size_t n = strlen(vcwd) + 1;
+    char *out = buf;
+    if (!buf) out = malloc(size > n ? size : n);
+    else if (size < n) { pthread_mutex_unlock(&cwd_lock); errno = size ? ERANGE : EINVAL; return NULL; }
+    if (out) memcpy(out, vcwd, n);
+    pthread_mutex_unlock(&cwd_lock);
+    return out;
+}
+API char *__getcwd_chk(char *buf, size_t size, size_t buflen) { (void)buflen; return getcwd(buf, size); }
+API char *get_current_dir_name(void) { return getcwd(NULL, 0); }
+
+/* Into staged directory e: remember it, and make the real current directory the run's empty
+ * directory (relative paths that a call outside these wrappers resolves find nothing). */
+static int enter(uint32_t e) {
+    if (D.kind[e] != K_DIR) { errno = ENOTDIR; return -1; }
+    char p[PATH_MAX];
+    if (entry_path(e, p, sizeof p) != 0) { errno = ENAMETOOLONG; return -1; }
+    if (real_chdir(D.empty_dir) != 0) return -1;
+    pthread_mutex_lock(&cwd_lock);
+    strcpy(vcwd, p);
+    pthread_mutex_unlock(&cwd_lock);
+    return 0;
+}
+
+static void leave(void) {
+    pthread_mutex_lock(&cwd_lock);
+    vcwd[0] = 0;
+    pthread_mutex_unlock(&cwd_lock);
+}
+
+API int chdir(const char *path) {
+    INIT();
+    Res r;
+    resolve(&r, AT_FDCWD, path, 1);
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    if (r.kind == R_STAGED) return enter(r.e);
+    int rc = real_chdir(r.path);
+    if (rc == 0 && D.active) leave();
+    return rc;
+}
+
+API int fchdir(int fd) {
+    INIT();
+    Row r;
+    if (get_row(fd, &r)) { if (r.kind != F_DIRFD) { errno = ENOTDIR; return -1; } return enter(r.e); }
+    int rc = real_fchdir(fd);
+    if (rc == 0 && D.active) leave();
+    return rc;
+}
+
+/* ---- directories ------------------------------------------------------------------------ */
+
+enum { SDIR_MAGIC = 0x53444952 };
+typedef struct {
+    uint32_t e;
+    int fd;
+    uint64_t pos;  /* 0 ".", 1 "..", 2 + k: child k */
+    struct dirent64 ent;
+} SDir;
+
+static SDir **sdirs;
+static size_t nsdirs, capsdirs;
+
+static int is_sdir(DIR *d) {
+    if (!D.active || !d) return 0;
+    pthread_mutex_lock(&lock);
+    int found = 0;
+    for (size_t i = 0; i < nsdirs; i++) if ((DIR *)sdirs[i] == d) { found = 1; break; }
+    pthread_mutex_unlock(&lock);
+    return found;
+}
+
+static DIR *new_sdir(int fd, uint32_t e) {
+    SDir *s = calloc(1, sizeof *s);
+    if (!s) { errno = ENOMEM; return NULL; }
+    s->fd = fd; s->e = e;
+    pthread_mutex_lock(&lock);
+    if (nsdirs == capsdirs) {
+        size_t cap = capsdirs ? capsdirs * 2 : 16;
+        SDir **n = realloc(sdirs, cap * sizeof *n);
+        if (!n) { pthread_mutex_unlock(&lock); free(s); errno = ENOMEM; return NULL; }
+        sdirs = n; capsdirs = cap;
+    }
+    sdirs[nsdirs++] = s;
+    pthread_mutex_unlock(&lock);
+    return (DIR *)s;
+}
+
+/* The directory entry at position pos of directory e (0: ".", 1: ".."); 0 at the end. */
+static int dir_item(uint32_t e, uint64_t pos, uint64_t *ino, uint8_t *type, const char **name, size_t *nl) {
+    if (pos == 0) { *ino = e + 1; *type = DT_DIR; *name = "."; *nl = 1; return 1; }
+    if (pos == 1) { *ino = (e ? D.parent[e] : e) + 1; *type = DT_DIR; *name = ".."; *nl = 2; return 1; }
+    uint64_t k = pos - 2;
+    if (D.first[e] == NONE || k >= D.count[e] || D.first[e] + k >= D.n) return 0;
+    uint32_t c = D.first[e] + (uint32_t)k;
+    *ino = c + 1;
+    *type = D.kind[c] == K_DIR ? DT_DIR : D.kind[c] == K_LINK ? DT_LNK : DT_REG;
+    *name = name_of(c, nl);
+    return 1;
+}
+
+API DIR *opendir(const char *path) {
+    INIT();
+    Res r;
+    resolve(&r, AT_FDCWD, path, 1);
+    if (r.kind == R_REAL) return real_opendir(r.path);
+    if (r.kind == R_ERR) { errno = r.err; return NULL; }
+    if (D.kind[r.e] != K_DIR) { errno = ENOTDIR; return NULL; }
+    int fd = open_entry(r.e, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    DIR *d = new_sdir(fd, r.e);
+    if (!d) close(fd);
+    return d;
+}
+
+API DIR *fdopendir(int fd) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r)) return real_fdopendir(fd);
+    if (r.kind != F_DIRFD) { errno = ENOTDIR; return NULL; }
+    return new_sdir(fd, r.e);
+}
+
+static struct dirent64 *sdir_next(SDir *s) {
+    uint64_t ino; uint8_t type; const char *name; size_t nl;
+    if (!dir_item(s->e, s->pos, &ino, &type, &name, &nl)) return NULL;
+    if (nl > 255) nl = 255;
+    s->ent.d_ino = ino;
+    s->ent.d_off = (off_t)(s->pos + 1);
+    s->ent.d_reclen = sizeof s->ent;
+    s->ent.d_type = type;
+    memcpy(s->ent.d_name, name, nl);
+    s->ent.d_name[nl] = 0;
+    s->pos++;
+    return &s->ent;
+}
+
+API struct dirent *readdir(DIR *d) {
+    INIT();
+    if (!is_sdir(d)) return real_readdir(d);
+    return (struct dirent *)sdir_next((SDir *)d);
+}
+API struct dirent64 *readdir64(DIR *d) {
+    INIT();
+    if (!is_sdir(d)) return real_readdir64(d);
+    return sdir_next((SDir *)d);
+}
+API int readdir_r(DIR *d, struct dirent *ent, struct dirent **res) {
+    INIT();
+    struct dirent *got;
+    if (!is_sdir(d)) { errno = 0; got = real_readdir(d); if (!got && errno) return errno; }
+    else got = (struct dirent *)sdir_next((SDir *)d);
+    if (got) { memcpy(ent, got, sizeof *ent); *res = ent; } else *res = NULL;
+    return 0;
+}
+API int readdir64_r(DIR *d, struct dirent64 *ent, struct dirent64 **res) {
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+    return readdir_r(d, (struct dirent *)ent, (struct dirent **)res);
+}
+
+API int closedir(DIR *d) {
+    INIT();
+    if (!is_sdir(d)) return real_closedir(d);
+    SDir *s = (SDir *)d;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < nsdirs; i++) if (sdirs[i] == s) { sdirs[i] = sdirs[--nsdirs]; break; }
+    pthread_mutex_unlock(&lock);
+    int rc = close(s->fd);
+    free(s);
+    return rc;
+}
+API int dirfd(DIR *d) { INIT(); return is_sdir(d) ? ((SDir *)d)->fd : real_dirfd(d); }
+API void rewinddir(DIR *d) { INIT(); if (is_sdir(d)) ((SDir *)d)->pos = 0; else real_rewinddir(d); }
+API long telldir(DIR *d) { INIT(); return is_sdir(d) ? (long)((SDir *)d)->pos : real_telldir(d); }
+API void seekdir(DIR *d, long pos) { INIT(); if (is_sdir(d)) ((SDir *)d)->pos = (uint64_t)pos; else real_seekdir(d, pos); }
+
+API ssize_t getdents64(int fd, void *buf, size_t n) {
+    INIT();
+    Row r;
+    if (!get_row(fd, &r)) return real_getdents64(fd, buf, n);
+    if (r.kind != F_DIRFD) { errno = ENOTDIR; return -1; }
+    size_t used = 0;
+    uint64_t pos = r.dpos, ino; uint8_t type; const char *name; size_t nl;
+    while (dir_item(r.e, pos, &ino, &type, &name, &nl)) {
+        size_t rec = (offsetof(struct dirent64, d_name) + nl + 1 + 7) & ~(size_t)7;
+        if (used + rec > n) { if (!used) { errno = EINVAL; return -1; } break; }
+        struct dirent64 *d = (struct dirent64 *)((char *)buf + used);
+        d->d_ino = ino; d->d_off = (off_t)(pos + 1); d->d_reclen = (unsigned short)rec; d->d_type = type;
+        memcpy(d->d_name, name, nl);
+        memset(d->d_name + nl, 0, rec - offsetof(struct dirent64, d_name) - nl);
+        used += rec;
+        pos++;
+    }
+    pthread_mutex_lock(&lock);
+    if (rows[fd].kind == F_DIRFD && rows[fd].ino == r.ino) rows[fd].dpos = pos;
+    pthread_mutex_unlock(&lock);
+    return (ssize_t)used;
+}
+
+/* ---- stdio ------------------------------------------------------------------------------ */
+
+static ssize_t ck_read(void *c, char *buf, size_t n) { return read((int)(intptr_t)c, buf, n); }
+static int ck_seek(void *c, off64_t *pos, int whence) {
+    off_t got = lseek((int)(intptr_t)c, (off_t)*pos, whence);
+    if (got < 0) return -1;
+    *pos = got;
+    return 0;
+}
+static int ck_close(void *c) { return close((int)(intptr_t)c); }
+
+/* A FILE reading staged descriptor fd through the wrappers (glibc's stdio reads with its
+ * internal read, which no preload sees); fileno() still gives fd. */
+static FILE *cookie_file(int fd, const char *mode) {
+    cookie_io_functions_t io = {.read = ck_read, .write = NULL, .seek = ck_seek, .close = ck_close};
+    FILE *f = fopencookie((void *)(intptr_t)fd, mode, io);
+    if (!f) return NULL;
+    f->_fileno = fd;
+    return f;
+}
+
+static int wants_write(const char *mode) { return strpbrk(mode, "wa+") != NULL; }
+
+static FILE *do_fopen(const char *path, const char *mode) {
+    INIT();
+    Res r;
+    resolve(&r, AT_FDCWD, path, 1);
+    if (r.kind == R_REAL) return real_fopen(r.path, mode);
+    if (wants_write(mode)) { errno = EROFS; return NULL; }
+    if (r.kind == R_ERR) { errno = r.err; return NULL; }
+    int fd = open_entry(r.e, strchr(mode, 'e') ? O_RDONLY | O_CLOEXEC : O_RDONLY);
+    if (fd < 0) return NULL;
+    Row row;
+    get_row(fd, &row);
+    FILE *f = row.kind == F_SHARD ? cookie_file(fd, "r") : real_fdopen(fd, "r");
+    if (!f) { int err = errno; close(fd); errno = err; }
+    return f;
+}
+API FILE *fopen(const char *p, const char *m) { return do_fopen(p, m); }
+API FILE *fopen64(const char *p, const char *m) { return do_fopen(p, m); }
+
+API FILE *fdopen(int fd, const char *mode) {
+    INIT();
+    Row r;
+    if (get_row(fd, &r) && r.kind == F_SHARD) return cookie_file(fd, mode);
+    return real_fdopen(fd, mode);
+}
+
+/* freopen of a staged path: the stream keeps its FILE, so it gets a descriptor the kernel
+ * serves (the helper's verified copy), reopened through /proc/self/fd. */
+static FILE *do_freopen(const char *path, const char *mode, FILE *f) {
+    INIT();
+    Res r;
+    resolve(&r, AT_FDCWD, path, 1);
+    if (!path || r.kind == R_REAL) return real_freopen(path ? r.path : NULL, mode, f);
+    if (wants_write(mode)) { errno = EROFS; return NULL; }
+    if (r.kind == R_ERR) { errno = r.err; return NULL; }
+    if (D.kind[r.e] != K_FILE) { errno = EISDIR; return NULL; }
+    int m = helper_file(r.e, 1);
+    if (m < 0) return NULL;
+    char p[64];
+    snprintf(p, sizeof p, "/proc/self/fd/%d", m);
+    FILE *got = real_freopen(p, mode, f);
+    real_close(m);
+    if (got) make_row(fileno(got), F_MEM, r.e, 0, 0);
+    return got;
+}
+API FILE *freopen(const char *p, const char *m, FILE *f) { return do_freopen(p, m, f); }
+API FILE *freopen64(const char *p, const char *m, FILE *f) { return do_freopen(p, m, f); }
+
+/* ---- extended attributes: a file system without them ------------------------------------ */
+
+static ssize_t no_xattr(const char *path, int follow, int list) {
+    Res r;
+    resolve(&r, AT_FDCWD, path, follow);
+    if (r.kind == R_REAL) return -2;
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    if (list) return 0;
+    errno = ENOTSUP;
+    return -1;
+}
+API ssize_t getxattr(const char *p, const char *n, void *v, size_t s) {
+    INIT(); ssize_t rc = no_xattr(p, 1, 0); return rc == -2 ? real_getxattr(p, n, v, s) : rc;
+}
+API ssize_t lgetxattr(const char *p, const char *n, void *v, size_t s) {
+    INIT(); ssize_t rc = no_xattr(p, 0, 0); return rc == -2 ? real_lgetxattr(p, n, v, s) : rc;
+}
+API ssize_t listxattr(const char *p, char *l, size_t s) {
+    INIT(); ssize_t rc = no_xattr(p, 1, 1); return rc == -2 ? real_listxattr(p, l, s) : rc;
+}
+API ssize_t llistxattr(const char *p, char *l, size_t s) {
+    INIT(); ssize_t rc = no_xattr(p, 0, 1); return rc == -2 ? real_llistxattr(p, l, s) : rc;
+}
+API ssize_t fgetxattr(int fd, const char *n, void *v, size_t s) {
+    INIT(); Row r; if (get_row(fd, &r)) { errno = ENOTSUP; return -1; } return real_fgetxattr(fd, n, v, s);
+}
+API ssize_t flistxattr(int fd, char *l, size_t s) {
+    INIT(); Row r; if (get_row(fd, &r)) return 0; return real_flistxattr(fd, l, s);
+}
+
+/* ---- writes under the root: EROFS, nothing done ----------------------------------------- */
+
+static int staged(int dirfd, const char *path, int follow) {
+    Res r;
+    resolve(&r, dirfd, path, follow);
+    return r.kind != R_REAL;
+}
+/* the real path to hand on when the path lies outside the tree ("/root/../x" made plain) */
+#define REFUSE1(dirfd, path, follow) do { INIT(); if (staged(dirfd, path, follow)) { errno = EROFS; return -1; } } while (0)
+
+API int unlinkat(int d, const char *p, int fl) { REFUSE1(d, p, 0); return real_unlinkat(d, p, fl); }
+API int unlink(const char *p) { return unlinkat(AT_FDCWD, p, 0); }
+API int rmdir(const char *p) { return unlinkat(AT_FDCWD, p, AT_REMOVEDIR); }
+API int remove(const char *p) {
+    INIT();
+    if (staged(AT_FDCWD, p, 0)) { errno = EROFS; return -1; }
+    struct stat st;
+    if (real_fstatat(AT_FDCWD, p, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
+        return real_unlinkat(AT_FDCWD, p, AT_REMOVEDIR);
+    return real_unlinkat(AT_FDCWD, p, 0);
+}
+API int renameat2(int od, const char *op, int nd, const char *np, unsigned fl) {
+    INIT();
+    if (staged(od, op, 0) || staged(nd, np, 0)) { errno = EROFS; return -1; }
+    return real_renameat2(od, op, nd, np, fl);
+}
+API int renameat(int od, const char *op, int nd, const char *np) { return renameat2(od, op, nd, np, 0); }
+API int rename(const char *op, const char *np) { return renameat2(AT_FDCWD, op, AT_FDCWD, np, 0); }
+API int mkdirat(int d, const char *p, mode_t m) { REFUSE1(d, p, 0); return real_mkdirat(d, p, m); }
+API int mkdir(const char *p, mode_t m) { return mkdirat(AT_FDCWD, p, m); }
+API int fchmodat(int d, const char *p, mode_t m, int fl) { REFUSE1(d, p, !(fl & AT_SYMLINK_NOFOLLOW)); return real_fchmodat(d, p, m, fl); }
+API int chmod(const char *p, mode_t m) { return fchmodat(AT_FDCWD, p, m, 0); }
+API int lchmod(const char *p, mode_t m) { return fchmodat(AT_FDCWD, p, m, AT_SYMLINK_NOFOLLOW); }
+API int fchownat(int d, const char *p, uid_t u, gid_t g, int fl) { REFUSE1(d, p, !(fl & AT_SYMLINK_NOFOLLOW)); return real_fchownat(d, p, u, g, fl); }
+API int chown(const char *p, uid_t u, gid_t g) { return fchownat(AT_FDCWD, p, u, g, 0); }
+API int lchown(const char *p, uid_t u, gid_t g) { return fchownat(AT_FDCWD, p, u, g, AT_SYMLINK_NOFOLLOW); }
+API int truncate(const char *p, off_t len) { REFUSE1(AT_FDCWD, p, 1); return real_truncate(p, len); }
+API int truncate64(const char *p, off_t len) { return truncate(p, len); }
+API int linkat(int od, const char *op, int nd, const char *np, int fl) {
+    INIT();
+    if (staged(od, op, 0) || staged(nd, np, 0)) { errno = EROFS; return -1; }
+    return real_linkat(od, op, nd, np, fl);
+}
+API int link(const char *op, const char *np) { return linkat(AT_FDCWD, op, AT_FDCWD, np, 0); }
+API int symlinkat(const char *target, int d, const char *p) { REFUSE1(d, p, 0); return real_symlinkat(target, d, p); }
+API int symlink(const char *target, const char *p) { return symlinkat(target, AT_FDCWD, p); }
+API int utimensat(int d, const char *p, const struct timespec t[2], int fl) {
+    INIT();
+    if (p == NULL) { Row r; if (get_row(d, &r)) { errno = EROFS; return -1; } }
+    else if (staged(d, p, !(fl & AT_SYMLINK_NOFOLLOW))) { errno = EROFS; return -1; }
+    return real_utimensat(d, p, t, fl);
+}
+API int mknodat(int d, const char *p, mode_t m, dev_t dev) { REFUSE1(d, p, 0); return real_mknodat(d, p, m, dev); }
+API int mknod(const char *p, mode_t m, dev_t dev) { return mknodat(AT_FDCWD, p, m, dev); }
+API int mkfifo(const char *p, mode_t m) { return mknodat(AT_FDCWD, p, m | S_IFIFO, 0); }
+API int setxattr(const char *p, const char *n, const void *v, size_t s, int fl) { REFUSE1(AT_FDCWD, p, 1); return real_setxattr(p, n, v, s, fl); }
+API int lsetxattr(const char *p, const char *n, const void *v, size_t s, int fl) { REFUSE1(AT_FDCWD, p, 0); return real_lsetxattr(p, n, v, s, fl); }
+API int removexattr(const char *p, const char *n) { REFUSE1(AT_FDCWD, p, 1); return real_removexattr(p, n); }
+API int lremovexattr(const char *p, const char *n) { REFUSE1(AT_FDCWD, p, 0); return real_lremovexattr(p, n); }
+
+/* ---- exec: the child inherits the staged descriptors and directory ---------------------- */
+
+/* envp with LD_PRELOAD holding this library, STAGEFS_PRELOAD_INDEX, and this process's
+ * inheritable staged descriptors and staged current directory. NULL: use envp as it is. */
+static char **child_env(char *const envp[]) {
+    if (!D.active) return NULL;
+    size_t n = 0;
+    while (envp && envp[n]) n++;
+    char **out = calloc(n + 8, sizeof(char *));
+    if (!out) return NULL;
+    size_t k = 0;
+    const char *preload = NULL;
+    for (size_t i = 0; i < n; i++) {
+        if (!strncmp(envp[i], "STAGEFS_PRELOAD_FDS=", 20) || !strncmp(envp[i], "STAGEFS_PRELOAD_CWD=", 20) ||
+            !strncmp(envp[i], "STAGEFS_PRELOAD_INDEX=", 22))
+            continue;
+        if (!strncmp(envp[i], "LD_PRELOAD=", 11)) { preload = envp[i]; continue; }
+        out[k++] = envp[i];
+    }
+    /* LD_PRELOAD, with this library first */
+    const char *self = D.self_path ? D.self_path : "";
+    const char *rest = preload ? preload + 11 : "";
+    char *pl;
+    if (strstr(rest, self) && *self) pl = strdup(preload);
+    else if (asprintf(&pl, "LD_PRELOAD=%s%s%s", self, *rest ? " " : "", rest) < 0) pl = NULL;
+    if (pl) out[k++] = pl;
+    char *ix;
+    if (asprintf(&ix, "STAGEFS_PRELOAD_INDEX=%s", D.sidecar_path) >= 0) out[k++] = ix;
+    /* the staged descriptors the child keeps (no close-on-exec) */
+    size_t cap = 64, used = 0;
+    char *fds = malloc(cap);
+    if (fds) {
+        used = (size_t)sprintf(fds, "STAGEFS_PRELOAD_FDS=");
+        for (int fd = 0; fd < max_fd; fd++) {
+            if (!__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE)) continue;
+            Row r;
+            if (!get_row(fd, &r)) continue;
+            int fl = real_fcntl(fd, F_GETFD);
+            if (fl < 0 || (fl & FD_CLOEXEC)) continue;
+            char item[160];
+            int il = snprintf(item, sizeof item, "%d,%u,%u,%llu,%u,%llu,%llu;", fd, r.kind, r.e,
+                              (unsigned long long)r.base, r.src, (unsigned long long)r.dev,
+                              (unsigned long long)r.ino);
+            if (used + (size_t)il + 1 > cap) {
+                char *g = realloc(fds, cap * 2 + (size_t)il);
+                if (!g) break;
+                fds = g; cap = cap * 2 + (size_t)il;
+            }
+            memcpy(fds + used, item, (size_t)il + 1);
+            used += (size_t)il;
+        }
+        out[k++] = fds;
+    }
+    if (vcwd[0]) {
+        char *c;
+        if (asprintf(&c, "STAGEFS_PRELOAD_CWD=%s", vcwd) >= 0) out[k++] = c;
+    }
+    out[k] = NULL;
+    return out;
+}
+
+static void free_env(char **env, char *const envp[]) {
+    if (!env) return;
+    for (size_t i = 0; env[i]; i++) {
+        int theirs = 0;
+        for (size_t j = 0; envp && envp[j]; j++) if (env[i] == envp[j]) { theirs = 1; break; }
+        if (!theirs) free(env[i]);
+    }
+    free(env);
+}
+
+API int execve(const char *path, char *const argv[], char *const envp[]) {
+    INIT();
+    Res r;
+    resolve(&r, AT_FDCWD, path, 1);
+    if (r.kind == R_ERR) { errno = r.err; return -1; }
+    char **env = child_env(envp);
+    int rc;
+    if (r.kind == R_STAGED) {  /* a program in the tree: run the helper's verified copy */
+        int m = D.kind[r.e] == K_FILE ? helper_file(r.e, 0) : -1;
+        if (m < 0) { if (D.kind[r.e] != K_FILE) errno = EACCES; rc = -1; }
+        else { rc = real_execveat(m, "", argv, env ? env : envp, AT_EMPTY_PATH); real_close(m); }
+    } else {
+        rc = real_execve(r.path, argv, env ? env : envp);
+    }
+    int err = errno;
+    free_env(env, envp);
+    errno = err;
+    return rc;
+}
+API int execveat(int d, const char *path, char *const argv[], char *const envp[], int fl) {
+    INIT();
+    char **env = child_env(envp);
+    int rc = real_execveat(d, path, argv, env ? env : envp, fl);
+    int err = errno;
+    free_env(env, envp);
+    errno = err;
+    return rc;
+}
+API int fexecve(int fd, char *const argv[], char *const envp[]) {
+    return execveat(fd, "", argv, envp, AT_EMPTY_PATH);
+}
+API int execvpe(const char *file, char *const argv[], char *const envp[]) {
+    INIT();
+    char **env = child_env(envp);
+    int rc = real_execvpe(file, argv, env ? env : envp);
+    int err = errno;
+    free_env(env, envp);
+    errno = err;
+    return rc;
+}
+API int execv(const char *path, char *const argv[]) { return execve(path, argv, environ); }
+API int execvp(const char *file, char *const argv[]) { return execvpe(file, argv, environ); }
+
+static char **va_argv(const char *a0, va_list ap, char ***envp) {
+    size_t cap = 16, n = 0;
+    char **v = malloc(cap * sizeof(char *));
+    if (!v) return NULL;
+    v[n++] = (char *)a0;
+    for (;;) {
+        char *a = a0 ? va_arg(ap, char *) : NULL;
+        if (n + 1 >= cap) { char **g = realloc(v, (cap *= 2) * sizeof(char *)); if (!g) { free(v); return NULL; } v = g; }
+        v[n++] = a;
+        if (!a) break;
+    }
+    if (envp) *envp = va_arg(ap, char **);
+    return v;
+}
+API int execl(const char *path, const char *a0, ...) {
+    va_list ap; va_start(ap, a0); char **v = va_argv(a0, ap, NULL); va_end(ap);
+    if (!v) { errno = ENOMEM; return -1; }
+    int rc = execve(path, v, environ); int err = errno; free(v); errno = err; return rc;
+}
+API int execlp(const char *file, const char *a0, ...) {
+    va_list ap; va_start(ap, a0); char **v = va_argv(a0, ap, NULL); va_end(ap);
+    if (!v) { errno = ENOMEM; return -1; }
+    int rc = execvpe(file, v, environ); int err = errno; free(v); errno = err; return rc;
+}
+API int execle(const char *path, const char *a0, ...) {
+    char **envp = NULL;
+    va_list ap; va_start(ap, a0); char **v = va_argv(a0, ap, &envp); va_end(ap);
+    if (!v) { errno = ENOMEM; return -1; }
+    int rc = execve(path, v, envp); int err = errno; free(v); errno = err; return rc;
+}
+API int posix_spawn(pid_t *pid, const char *path, const posix_spawn_file_actions_t *fa,
+                    const posix_spawnattr_t *at, char *const argv[], char *const envp[]) {
+    INIT();
+    char **env = child_env(envp);
+    int rc = real_posix_spawn(pid, path, fa, at, argv, env ? env : envp);
+    free_env(env, envp);
+    return rc;
+}
+API int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_actions_t *fa,
+                     const posix_spawnattr_t *at, char *const argv[], char *const envp[]) {
+    INIT();
+    char **env = child_env(envp);
+    int rc = real_posix_spawnp(pid, file, fa, at, argv, env ? env : envp);
+    free_env(env, envp);
+    return rc;
+}
+
+/* system() and popen() start their child with environ: put this process's staged descriptors
+ * and directory there first (under a lock; a thread reading the environment meanwhile sees
+ * one value or the other). */
+static pthread_mutex_t env_lock = PTHREAD_MUTEX_INITIALIZER;
+static void sync_environ(void) {
+    if (!D.active) return;
+    char **env = child_env(environ);
+    if (!env) return;
+    unsetenv("STAGEFS_PRELOAD_CWD");
+    for (size_t i = 0; env[i]; i++) {
+        if (strncmp(env[i], "STAGEFS_PRELOAD_", 16) && strncmp(env[i], "LD_PRELOAD=", 11)) continue;
+        char *eq = strchr(env[i], '=');
+        *eq = 0;
+        setenv(env[i], eq + 1, 1);
+        *eq = '=';
+    }
+    free_env(env, environ);
+}
+REAL(int, system, const char *);
+REAL(FILE *, popen, const char *, const char *);
+API int system(const char *cmd) {
+    INIT();
+    if (!real_system) real_system = next_sym("system");
+    pthread_mutex_lock(&env_lock);
+    sync_environ();
+    pthread_mutex_unlock(&env_lock);
+    return real_system(cmd);
+}
+API FILE *popen(const char *cmd, const char *mode) {
+    INIT();
+    if (!real_popen) real_popen = next_sym("popen");
+    pthread_mutex_lock(&env_lock);
+    sync_environ();
+    pthread_mutex_unlock(&env_lock);
+    return real_popen(cmd, mode);
+}
+
+/* For a process that wants to know (the Python front end): 1 when the staged path is served. */
+API int stagefs_preload_active(void) { INIT(); return D.active; }
+
+/* The path a staged path names, for a Python caller: the entry index, or -1. */
+API long stagefs_preload_entry(const char *path) {
+    INIT();
+    Res r;
+    resolve(&r, AT_FDCWD, path, 1);
+    return r.kind == R_STAGED ? (long)r.e : -1;
+}

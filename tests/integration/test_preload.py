@@ -1,0 +1,365 @@
+"""`stagefs run` with the preload library: real programs (coreutils, a shell, a C program
+compiled here, Python with numpy) read a packed tree at --at, and must see exactly what they
+see in the same tree read plainly."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stagefs
+from conftest import build_sample_tree, random_bytes, text_bytes
+from stagefs._native import preload_library
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(preload_library() is None,
+                       reason="the preload library is not built (no C compiler at install)"),
+]
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+BIG = "big/pieces.bin"  # larger than a piece: read and verified piece by piece
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get(
+        "PYTHONPATH", "")]).rstrip(os.pathsep), STAGEFS_TIERS="")
+
+
+def run(pack: Path, at: Path, *cmd: str | Path, tiers: list[Path] = (),  # type: ignore[assignment]
+        ok: bool = True) -> subprocess.CompletedProcess[bytes]:
+    argv = [sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack), "--at", str(at)]
+    for t in tiers:
+        argv += ["--tier", str(t)]
+    proc = subprocess.run([*argv, "--", *map(str, cmd)], capture_output=True, timeout=120,
+                          env=_env(), check=False)
+    if ok:
+        assert proc.returncode == 0, proc.stderr.decode()
+    return proc
+
+
+def plain(*cmd: str | Path, cwd: Path | None = None) -> bytes:
+    return subprocess.run(list(map(str, cmd)), capture_output=True, check=True, cwd=cwd,
+                          timeout=60).stdout
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tree, pack): the sample tree plus a file of several pieces and a compressible one."""
+    base = tmp_path_factory.mktemp("preload")
+    src = build_sample_tree(base / "src")
+    (src / "big").mkdir()
+    (src / BIG).write_bytes(random_bytes(3 * 2**20 + 4321, 7))
+    (src / "big/text.log").write_bytes(text_bytes(300_000, 8))  # stored zstd: the helper
+    np.save(src / "big/noise.npy", np.random.default_rng(9).integers(0, 2**63, 300_000))  # raw
+    os.utime(src / "big", ns=(10**18, 10**18))
+    pack = base / "pack"
+    stagefs.pack(str(src), str(pack))
+    return src, pack
+
+
+def _sh(at: Path, script: str) -> list[str]:
+    return ["sh", "-c", f"cd '{at}' && {script}"]
+
+
+def _no_dir_sizes(listing: bytes) -> list[str]:
+    """ls -l lines without the totals and directories' sizes (a directory's size is its
+    file system's business; stagefs says 0)."""
+    out = []
+    for line in listing.decode().splitlines():
+        if line.startswith("total "):
+            continue
+        if line.startswith("d"):
+            f = line.split()
+            line = " ".join(f[:4] + f[5:])
+        out.append(line)
+    return out
+
+
+def test_coreutils_see_the_plain_tree(packed: tuple[Path, Path], tmp_path: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"
+    files = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    # cat of every file (symlinks followed), byte for byte
+    for rel in [*files, Path("link_chain"), Path("img/up")]:
+        assert run(pack, at, "cat", at / rel).stdout == (src / rel).read_bytes(), rel
+    script = "find . -type f | sort | xargs -d '\\n' md5sum"
+    assert run(pack, at, *_sh(at, script)).stdout == plain(*_sh(src, script))
+    script = "tar --sort=name -cf - ."
+    assert run(pack, at, *_sh(at, script)).stdout == plain(*_sh(src, script))
+    script = "find . -printf '%p %y %m %s %T@ %l\\n' | sort"
+    got = run(pack, at, *_sh(at, script)).stdout.decode().splitlines()
+    want = plain(*_sh(src, script)).decode().splitlines()
+    # a directory's size is the file system's own: compare the rest
+    strip = [" ".join(x for i, x in enumerate(line.split(" ")) if not (
+        line.split(" ")[1] == "d" and i == 3)) for line in want]
+    assert [" ".join(x for i, x in enumerate(line.split(" ")) if not (
+        line.split(" ")[1] == "d" and i == 3)) for line in got] == strip
+    script = "ls -lR --time-style=full-iso ."
+    assert _no_dir_sizes(run(pack, at, *_sh(at, script)).stdout) == \
+        _no_dir_sizes(plain(*_sh(src, script)))
+    script = "find . -type f | sort | xargs -d '\\n' du -b --apparent-size; " \
+             "find . -type f | sort | xargs -d '\\n' wc"
+    assert run(pack, at, *_sh(at, script)).stdout == plain(*_sh(src, script))
+
+
+def test_a_shell_works_inside_the_tree(packed: tuple[Path, Path], tmp_path: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"
+    script = ("cd data && pwd -P && cat nested/deep/x && md5sum ../a.txt rand.bin && ls && "
+              "cd nested && cat ../../img/cat.jpg | md5sum && cd ../../link_dir && ls -a && "
+              "pwd -P && sh -c 'cat ../we*name.txt; pwd' && cat < ../a.txt | md5sum && "
+              "exec 3< ../data/rand.bin && head -c 1000 <&3 | md5sum && md5sum <&3")
+    got = run(pack, at, *_sh(at, script)).stdout.decode()
+    want = plain(*_sh(src, script)).decode()
+    assert got == want.replace(str(src), str(at))
+
+
+C_PROBE = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static uint64_t fnv(const unsigned char *p, size_t n, uint64_t h) {
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+}
+static int big_fd;
+static void on_alarm(int sig) { (void)sig; }
+static uint64_t sums[4];
+static void *reader(void *arg) {
+    long t = (long)arg;
+    unsigned char buf[70000];
+    uint64_t h = 14695981039346656037ULL;
+    for (long i = 0; i < 60; i++) {
+        off_t off = (off_t)((t * 7919 + i * 104729) % 3100000);
+        ssize_t got = pread(big_fd, buf, sizeof buf - (size_t)(i * 13), off);
+        if (got < 0) { perror("pread"); exit(3); }
+        h = fnv(buf, (size_t)got, h);
+    }
+    sums[t] = h;
+    return NULL;
+}
+int main(int argc, char **argv) {
+    const char *big = argv[1], *small = argv[2], *outside = argv[3];
+    unsigned char buf[1 << 16];
+    /* threads pread one descriptor */
+    big_fd = open(big, O_RDONLY);
+    pthread_t th[4];
+    for (long t = 0; t < 4; t++) pthread_create(&th[t], NULL, reader, (void *)t);
+    for (int t = 0; t < 4; t++) pthread_join(th[t], NULL);
+    printf("threads %llx %llx %llx %llx\n", (unsigned long long)sums[0],
+           (unsigned long long)sums[1], (unsigned long long)sums[2], (unsigned long long)sums[3]);
+    /* mmap: the whole file, and a window at a page offset */
+    struct stat st;
+    fstat(big_fd, &st);
+    unsigned char *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, big_fd, 0);
+    unsigned char *w = mmap(NULL, 10000, PROT_READ, MAP_PRIVATE, big_fd, 4096 * 3);
+    if (m == MAP_FAILED || w == MAP_FAILED) { perror("mmap"); return 4; }
+    printf("mmap %lld %llx %llx\n", (long long)st.st_size,
+           (unsigned long long)fnv(m, (size_t)st.st_size, 0), (unsigned long long)fnv(w, 10000, 0));
+    /* the last page past the end of the file reads as zeros */
+    size_t tail = (size_t)st.st_size % 4096, page = (size_t)st.st_size - tail;
+    unsigned char *t = mmap(NULL, 4096, PROT_READ, MAP_SHARED, big_fd, (off_t)page);
+    int zeros = 1;
+    for (size_t i = tail; i < 4096; i++) zeros &= t[i] == 0;
+    printf("tail %d %llx\n", zeros, (unsigned long long)fnv(t, tail, 0));
+    /* fork between open and read: the child reads half, the parent goes on from there */
+    int fd = open(small, O_RDONLY);
+    pid_t pid = fork();
+    if (pid == 0) { ssize_t got = read(fd, buf, 1000); printf("child %zd %llx\n", got, (unsigned long long)fnv(buf, (size_t)got, 0)); fflush(stdout); _exit(0); }
+    waitpid(pid, NULL, 0);
+    ssize_t got = read(fd, buf, sizeof buf);
+    printf("parent %zd %llx\n", got, (unsigned long long)fnv(buf, (size_t)got, 0));
+    /* dup2 shares the position; lseek through one, read through the other */
+    dup2(fd, 20);
+    lseek(fd, 17, SEEK_SET);
+    got = read(20, buf, 100);
+    printf("dup2 %zd %llx %lld\n", got, (unsigned long long)fnv(buf, (size_t)got, 0), (long long)lseek(fd, 0, SEEK_CUR));
+    int d = fcntl(fd, F_DUPFD_CLOEXEC, 30);
+    got = pread(d, buf, 50, 3);
+    printf("dupfd %d %zd %llx\n", d >= 30, got, (unsigned long long)fnv(buf, (size_t)got, 0));
+    /* a descriptor closed behind the library's back and reused for a real file */
+    int n = open(small, O_RDONLY);
+    syscall(SYS_close, n);
+    int r = open(outside, O_RDONLY);
+    got = read(r, buf, sizeof buf);
+    printf("reuse %d %zd %llx\n", r == n, got, (unsigned long long)fnv(buf, (size_t)got, 0));
+    /* signals arriving all through a read loop (no SA_RESTART) */
+    struct sigaction sa = {.sa_handler = on_alarm};
+    sigaction(SIGALRM, &sa, NULL);
+    struct itimerval it = {{0, 200}, {0, 200}};
+    setitimer(ITIMER_REAL, &it, NULL);
+    uint64_t h = 0;
+    size_t total = 0;
+    lseek(big_fd, 0, SEEK_SET);
+    for (;;) {
+        ssize_t k = read(big_fd, buf, 4096);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) break;
+        h = fnv(buf, (size_t)k, h);
+        total += (size_t)k;
+    }
+    struct itimerval off = {{0, 0}, {0, 0}};
+    setitimer(ITIMER_REAL, &off, NULL);
+    printf("signals %zu %llx\n", total, (unsigned long long)h);
+    /* stdio */
+    FILE *f = fopen(small, "r");
+    size_t nr = fread(buf, 1, sizeof buf, f);
+    struct stat fs;
+    fstat(fileno(f), &fs);
+    printf("fopen %zu %lld %llx\n", nr, (long long)fs.st_size, (unsigned long long)fnv(buf, nr, 0));
+    fclose(f);
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def c_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("cprobe")
+    (d / "probe.c").write_text(C_PROBE)
+    subprocess.run([cc, "-O1", "-pthread", "-o", d / "probe", d / "probe.c"], check=True)
+    return d / "probe"
+
+
+def test_a_c_program_threads_fork_dup_reuse_mmap(packed: tuple[Path, Path], tmp_path: Path,
+                                                 c_probe: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"a real file, not staged\n" * 10)
+    want = plain(c_probe, src / BIG, src / "data/rand.bin", outside)
+    for tiers in ([], [tmp_path / "tier"]):
+        got = run(pack, at, c_probe, at / BIG, at / "data/rand.bin", outside, tiers=tiers)
+        assert got.stdout == want, (tiers, got.stderr.decode())
+    assert b"reuse 1 240" in want and b"tail 1" in want  # the probe tests what it says
+
+
+def test_writes_under_the_path_fail_and_change_nothing(packed: tuple[Path, Path],
+                                                       tmp_path: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"
+    before = {p: p.read_bytes() for p in pack.iterdir()}
+    for cmd in (f"echo x > '{at}/a.txt'", f"echo x >> '{at}/a.txt'", f"touch '{at}/new'",
+                f"rm '{at}/a.txt'", f"mv '{at}/a.txt' '{at}/b.txt'",
+                f"mv '{at}/a.txt' '{tmp_path}/moved'", f"mkdir '{at}/d'", f"rmdir '{at}/emptydir'",
+                f"truncate -s 0 '{at}/a.txt'", f"chmod 777 '{at}/a.txt'",
+                f"ln -s x '{at}/l'", f"ln '{at}/a.txt' '{tmp_path}/hard'",
+                f"cp '{tmp_path}/../outside' '{at}/' 2>&1 || cp /etc/hostname '{at}/c'"):
+        proc = run(pack, at, "sh", "-c", cmd, ok=False)
+        assert proc.returncode != 0, cmd
+        assert b"Read-only file system" in proc.stderr, (cmd, proc.stderr)
+    assert {p: p.read_bytes() for p in pack.iterdir()} == before
+    assert not (tmp_path / "moved").exists() and not (tmp_path / "hard").exists()
+    assert run(pack, at, "cat", at / "a.txt").stdout == (src / "a.txt").read_bytes()
+
+
+def test_dotdot_climbs_out_as_the_kernel_resolves(packed: tuple[Path, Path],
+                                                  tmp_path: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"  # does not exist on disk: only the staged view has it
+    (tmp_path / "outside.txt").write_bytes(b"outside\n")
+    got = run(pack, at, "sh", "-c", f"cat '{at}/../outside.txt' '{at}/img/../../outside.txt'; "
+              f"cd '{at}/data' && cat ../../outside.txt && ls '{at}/link_dir/..' && "
+              f"readlink -f '{at}/link_dir/../data/../img/up'")
+    assert got.stdout.decode().splitlines() == [
+        "outside", "outside", "outside", *sorted(os.listdir(src), key=lambda n: n.encode()),
+        str(at / "data/arr.npy")]
+
+
+def _tier_copy(tier: Path, pack: Path, rel: str) -> tuple[Path, int]:
+    """The tier's copy of the shard holding ``rel``, and the file's offset in it."""
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        e = fs.namespace.file_entry(rel)
+        return tier / m.pack_id.hex() / m.shards[m.shard[e]].name, int(m.offset[e])
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_corrupt_copy_never_gives_wrong_bytes(packed: tuple[Path, Path], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    src, orig = packed
+    pack = tmp_path / "pack"
+    shutil.copytree(orig, pack)
+    at, tier = tmp_path / "data", tmp_path / "tier"
+    rt = tmp_path / "rt"
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "stage", str(pack), "--tier",
+                    str(tier), "--runtime", str(rt), "--no-progress"], check=True, env=_env(),
+                   capture_output=True, timeout=120)
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
+    copy, off = _tier_copy(tier, pack, "data/rand.bin")
+    assert copy.is_file()
+    _flip(copy, off + 1000)
+    want = hashlib.md5((src / "data/rand.bin").read_bytes()).hexdigest()
+    # the tier's copy is bad: the origin's bytes are read instead
+    got = run(pack, at, "md5sum", at / "data/rand.bin", tiers=[tier])
+    assert got.stdout.decode().split()[0] == want, got.stderr.decode()
+    # bad in the origin, read with no tier: an error, never bytes
+    _flip(pack / copy.name, off + 1000)
+    got = run(pack, at, "cat", at / "data/rand.bin", ok=False)
+    assert got.returncode != 0 and b"Input/output error" in got.stderr
+    assert got.stdout == b""
+
+
+def test_python_mmap_gets_the_library_s_descriptor(packed: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"
+    code = ("import os, sys, numpy as np\n"
+            "a = np.load(sys.argv[1], mmap_mode='r')\n"
+            "f = open(sys.argv[1], 'rb'); fd = f.fileno()\n"
+            "print(a.shape, float(a.sum()), os.readlink(f'/proc/self/fd/{fd}').startswith("
+            "'/memfd'), os.fstat(fd).st_size)\n")
+    got = run(pack, at, sys.executable, "-c", code, at / "big/noise.npy").stdout
+    assert got == plain(sys.executable, "-c", code, src / "big/noise.npy")
+    assert b"False" in got  # a real descriptor (the shard's), not an in-memory copy
+
+
+def test_run_says_what_it_cannot_serve(packed: tuple[Path, Path], tmp_path: Path) -> None:
+    src, pack = packed
+    at = tmp_path / "data"
+    at.mkdir()
+    (at / "hidden.txt").write_bytes(b"on disk")
+    proc = run(pack, at, "ls", "-1", at)
+    assert proc.stdout.decode().splitlines() == sorted(os.listdir(src), key=lambda n: n.encode())
+    assert f"{at} exists on disk: the staged view hides it" in proc.stderr.decode()
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return
+    (tmp_path / "s.c").write_text("int main(void) { return 0; }\n")
+    built = subprocess.run([cc, "-static", "-o", tmp_path / "static", tmp_path / "s.c"],
+                           capture_output=True, check=False)
+    if built.returncode != 0:  # no static libc here
+        return
+    proc = run(pack, at, tmp_path / "static")
+    assert "is statically linked" in proc.stderr.decode()
