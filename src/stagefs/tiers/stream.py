@@ -56,7 +56,7 @@ log = logging.getLogger("stagefs.tiers")
 
 CHUNK = 4 * 2**20  # bytes per sequential origin read of a stream
 MOST_STREAMS = 8  # shards streamed at once, at most
-GAIN = 1.08  # another stream stays if the origin's throughput rose by this factor
+GAIN = 1.02  # another stream stays if the origin's throughput rose by this factor
 WINDOW_S = 0.5  # throughput is measured over windows this long
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
@@ -457,7 +457,7 @@ class Stream:
             raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
         got = chain._live_fill(shard, create=True)
         if got is None:
-            raise SourceUnavailable("no partial copy")
+            return self._from_whole(shard, offset, length, "no partial copy")
         fill, tier = got
         end = offset + length
         lo, hi = fill.ext.touching(offset, end)
@@ -474,7 +474,7 @@ class Stream:
             if h is None or not fill.linked():  # finished or dropped meanwhile
                 got = chain._live_fill(shard, create=False)
                 if got is None:
-                    raise SourceUnavailable("the partial copy is gone")
+                    return self._from_whole(shard, offset, length, "the partial copy is gone")
                 fill, tier = got
                 continue
             if h.bad[lo:hi].any():
@@ -489,6 +489,14 @@ class Stream:
             with self._cond:
                 self._cond.wait(delay)
             delay = min(2 * delay, _POLL_S[1])
+
+    def _from_whole(self, shard: int, offset: int, length: int, why: str) -> bytes:
+        """The shard became whole in a tier meanwhile (its last file came in): read it
+        there; else (no tier has room for it) the origin serves it."""
+        chain = self.chain
+        if not chain._find(shard):
+            raise SourceUnavailable(why)
+        return chain._route[shard][0].pread(shard, offset, length)
 
     def _read_myself(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held,
                      runs: list[tuple[int, int]], offset: int, length: int) -> bytes:
