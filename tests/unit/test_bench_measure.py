@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stagefs.bench.measure import OriginCounter, Tally
 from stagefs.bench.limit import read_files
+from stagefs.bench.measure import OriginCounter, Tally
 from stagefs.bench.report import limit_table, summarize, summary_table
 from stagefs.cli import main
 

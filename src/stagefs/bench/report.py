@@ -123,9 +123,9 @@ def limit_table(results: dict[str, Any]) -> str:
         if "error" in m or not results["systems"][name].get("on_origin", True):
             continue
         cold = m["cold_samples_per_s"]
-        rows.append([name, _fmt(cold)] + [_fmt(cold / v, 2) if v else "-"
-                                          for v in limits.values()]
-                    + [_fmt(cold / best, 2) if best else "-"])
+        row: list[object] = [name, _fmt(cold)]
+        row += [_fmt(cold / v, 2) if v else "-" for v in limits.values()]
+        rows.append([*row, _fmt(cold / best, 2) if best else "-"])
     headers = (["system", "cold samples/s"]
                + [f"/ {n} stream{'s' if n > 1 else ''}" for n in limits] + ["/ best"])
     return head + table(headers, rows) + "\n"

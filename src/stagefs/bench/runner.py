@@ -233,7 +233,7 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
     if pack is not None and "error" not in pack:
         results["origin_limit"] = []
     for run in range(cfg.runs):
-        if "origin_limit" in results:  # the link's sequential limit, side by side with runs
+        if pack is not None and "origin_limit" in results:  # the link's sequential limit
             from stagefs.bench.limit import origin_limit
 
             passes = origin_limit(pack["dir"], files, lambda: cfg.drop_caches and drop_caches())

@@ -39,7 +39,7 @@ from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
-from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.base import ShardSource
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
