@@ -133,6 +133,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "your secret (0600, made on first use) from which daemons started by plain srun "
            "derive the job token; must be the same file on every node"),
     EnvVar("STAGEFS_READ_THREADS", "8", "origin reads in flight at once in read_many"),
+    EnvVar("STAGEFS_CLOSED", "0",
+           "1: MLPerf Storage CLOSED rules: nothing is informed by the shuffle seed (the "
+           "Sampler's clairvoyant prefetch, staging order and locality are off; the tiers "
+           "stream shards in the order reads first ask for them)"),
     EnvVar("STAGEFS_ORIGIN_READAHEAD", "off",
            "'kernel' leaves the kernel's readahead on for shards read from the origin"),
     EnvVar("STAGEFS_SPEEDUPS", "1", "0 turns the C accelerator off (for comparison)"),

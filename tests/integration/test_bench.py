@@ -55,7 +55,7 @@ def test_every_installed_system_ran(bench: tuple[dict, Path]) -> None:  # type: 
     results, _ = bench
     expected = ["plain-local", "plain-origin", "stagefs-native"]
     if importlib.util.find_spec("torch") is not None:
-        expected.append("stagefs-torch")
+        expected += ["stagefs-torch", "stagefs-torch-closed"]
     expected.append("stagefs-intercept")
     peer = _peer_python()
     expected += [name for name, mod in PEERS.items() if _installed(peer, mod)]
@@ -92,6 +92,10 @@ def test_outputs_exist(bench: tuple[dict, Path]) -> None:  # type: ignore[type-a
         assert s["conversion"]["bytes_on_disk"] > 0, name
         for key in ("seconds", "cpu_seconds", "peak_rss", "origin_opens", "origin_bytes"):
             assert all(key in e for e in s["epochs"]), (name, key)
+    # the cold epochs are held against the origin's sequential limit, one and several streams
+    assert sorted({p["streams"] for p in results["origin_limit"]}) == [1, 6]
+    assert all(p["bytes"] > 0 for p in results["origin_limit"])
+    assert "The origin's sequential limit" in table
     # plain reads from the origin open every file there; a pack opens a few shards
     sysd = results["systems"]
     assert all(e["origin_opens"] >= FILES for e in sysd["plain-origin"]["epochs"])

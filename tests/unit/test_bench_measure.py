@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from stagefs.bench.limit import read_files
 from stagefs.bench.measure import OriginCounter, Tally
-from stagefs.bench.report import summarize, summary_table
+from stagefs.bench.report import limit_table, summarize, summary_table
 from stagefs.cli import main
 
 
@@ -75,6 +76,30 @@ def test_summary_takes_medians_of_cold_and_warm_epochs() -> None:
     assert m["per_epoch_samples_per_s"] == [200, 3000, 3000]
     assert (m["cold_origin_opens"], m["warm_origin_opens"]) == (9, 0)
     assert "| x " in summary_table(_results(eps))
+
+
+def test_the_cold_epoch_is_held_against_the_origins_sequential_limit() -> None:
+    results = _results([_epoch(0, r, 9) for r in (900, 1100, 1000)])
+    results["origin_limit"] = [  # one and six streams, three runs each
+        {"streams": n, "samples_per_s": v, "mb_per_s": v / 10, "run": k}
+        for k, (one, six) in enumerate([(2000, 4000), (2100, 3900), (1900, 4100)])
+        for n, v in ((1, one), (6, six))]
+    text = limit_table(results)
+    assert "1 stream 200 MB/s = 2,000 samples/s, 6 streams 400 MB/s = 4,000 samples/s" in text
+    assert "| x      |          1,000 |       0.50 |        0.25 |   0.25 |" in text
+    assert limit_table(_results([_epoch(0, 1, 1)])) == ""  # no limit measured: no table
+
+
+def test_the_limit_reads_every_byte_with_any_number_of_streams(tmp_path: Path) -> None:
+    sizes = [0, 1, 5 * 2**20 + 3, 70_000, 4 * 2**20]
+    paths = []
+    for k, n in enumerate(sizes):
+        p = tmp_path / f"s{k}"
+        p.write_bytes(os.urandom(n))
+        paths.append(str(p))
+    for streams in (1, 3, 8):
+        seconds, nbytes = read_files(paths, streams)
+        assert nbytes == sum(sizes) and seconds > 0
 
 
 @pytest.mark.parametrize("args, words", [

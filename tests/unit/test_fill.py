@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -254,14 +255,31 @@ def test_leftover_partial_copies(pack: Path, files: dict[str, bytes], runtime: P
     assert leftovers(tier) == []
 
 
-def test_no_filling_without_checksums(pack: Path, files: dict[str, bytes], runtime: Path,
-                                      tmp_path: Path, placer_elsewhere: None) -> None:
+def test_a_store_that_does_not_verify_still_fills_only_checked_files(
+        pack: Path, files: dict[str, bytes], runtime: Path, tmp_path: Path,
+        placer_elsewhere: None) -> None:
+    """verify=False spares the Store's check of what it returns, not the stream's check of
+    what it writes into a tier: a file whose bytes are wrong at the origin never lands."""
+    work = tmp_path / "pack"
+    shutil.copytree(pack, work)
     tier = tmp_path / "t"
-    with stagefs.open(pack, tiers=[str(tier)], verify=False) as fs:
+    with stagefs.open(work, tiers=[str(tier)], verify=False) as fs:
+        m = fs.manifest
+        victim = next(p for p in sorted(files) if len(files[p]) > 100)
+        e = fs.namespace.file_entry(victim)
+        shard = int(m.shard[e])
+        with open(work / m.shards[shard].name, "r+b") as f:  # flip a byte at the origin
+            f.seek(int(m.offset[e]) + 10)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
         for p in shuffled(files):
-            assert fs.read(p) == files[p]
-        assert fs.held_shards() == set()
-    assert leftovers(tier) == []
+            got = fs.read(p)
+            assert got == files[p] or p == victim
+        assert fs.held_shards() == set(range(len(m.shards))) - {shard}
+        assert fs.chain.corrupt >= 1
+    assert [p.name for p in leftovers(tier)] == [m.shards[shard].name + ".fill",
+                                                 m.shards[shard].name + ".partial"]
 
 
 def _pieces(parts: list[tuple[int, int]]) -> Callable[[int], tuple[int, int] | None]:

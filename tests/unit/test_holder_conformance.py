@@ -23,6 +23,7 @@ from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.server import ShardServer
 from stagefs.runtime import Runtime, proc_start
 from stagefs.testing.holders import CHECKS, HolderCase, HolderCheckFailed, check_ranges
+from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.inplace import InPlaceOrigin, SumTable
 from stagefs.tiers.origin import PackOrigin
@@ -118,9 +119,23 @@ class DirTierCase(_PackCase):
             os.close(fd)
 
 
+class _Unreachable:
+    """An origin that never answers."""
+
+    name = "origin (unreachable)"
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        raise SourceUnavailable("unreachable")
+
+    def close(self) -> None:
+        pass
+
+
 class FillSourceCase(_PackCase):
-    """The chain's partial copies: every file of every held shard written into its copy,
-    which stays partial (the placer is another process's: this one copies nothing)."""
+    """The chain's partial copies, as the stream serves them (tiers/stream.py): every file
+    of every held shard written into its copy, which stays partial (the placer is another
+    process's: this one copies nothing), and the origin the stream would read the rest
+    from unreachable: the holder serves what its copies hold and nothing else."""
 
     name = "partial copies (TierChain)"
 
@@ -134,7 +149,7 @@ class FillSourceCase(_PackCase):
             (claims / f"{m.pack_id.hex()}.{s}").write_text(owner)
         self.runtime = Runtime(runtime).open()
         self.origin = PackOrigin(str(self.pack), m)
-        self.chain = TierChain(m, self.origin, [TierSpec(str(tmp / "tier"), None)],
+        self.chain = TierChain(m, _Unreachable(), [TierSpec(str(tmp / "tier"), None)],
                                self.runtime, origin_path=str(self.pack))
         for s in range(len(m.shards)):
             if s == ABSENT:
@@ -145,7 +160,7 @@ class FillSourceCase(_PackCase):
             for a, b in zip(fill.ext.offs, fill.ext.ends, strict=True):
                 fill.write(int(a), true[a:b])
             assert fill.complete()
-        self.holder = self.chain._fill
+        self.holder = self.chain.stream.source
 
     def corrupt(self, shard: int, offset: int, value: int) -> None:
         os.pwrite(self.chain._fills[shard][0].fd, bytes([value]), offset)

@@ -11,7 +11,7 @@ from typing import Any
 
 from stagefs._table import table
 
-__all__ = ["summarize", "summary_table", "write_report"]
+__all__ = ["limit_table", "origin_limit", "summarize", "summary_table", "write_report"]
 
 HEADERS = ["system", "conversion s", "size on disk MB", "cold samples/s", "warm samples/s",
            "warm MB/s", "origin opens (cold)", "origin stats (cold)", "origin MB (cold)",
@@ -95,7 +95,40 @@ def markdown(results: dict[str, Any]) -> str:
     if load:
         cmd += (f"\n\nLoad average (1 min) at start {load['start'][0]:.1f}, at end "
                 f"{load['end'][0]:.1f}, on {results['machine']['cpus']} CPUs.")
-    return (f"{head}{cmd}\n\n{summary_table(results)}\n\nSettings:\n\n{_settings(results)}\n")
+    return (f"{head}{cmd}\n\n{summary_table(results)}\n{limit_table(results)}\nSettings:\n\n"
+            f"{_settings(results)}\n")
+
+
+def origin_limit(results: dict[str, Any]) -> dict[int, float]:
+    """Median samples/s of the origin's sequential limit, per stream count."""
+    passes = results.get("origin_limit") or []
+    return {n: _median([p["samples_per_s"] for p in passes if p["streams"] == n])
+            for n in sorted({p["streams"] for p in passes})}
+
+
+def limit_table(results: dict[str, Any]) -> str:
+    """Each system's cold epoch against the origin's sequential limit (bench/limit.py)."""
+    limits = origin_limit(results)
+    if not limits:
+        return ""
+    passes = results["origin_limit"]
+    mb = {n: _median([p["mb_per_s"] for p in passes if p["streams"] == n]) for n in limits}
+    best = max(limits.values())
+    head = ("\nThe origin's sequential limit (the pack's shard files read whole, 4 MiB a "
+            "read, page cache dropped): " + ", ".join(
+                f"{n} stream{'s' if n > 1 else ''} {mb[n]:,.0f} MB/s = {limits[n]:,.0f} "
+                "samples/s" for n in limits) + ".\n\n")
+    rows: list[list[object]] = []
+    for name, m in summarize(results).items():
+        if "error" in m or not results["systems"][name].get("on_origin", True):
+            continue
+        cold = m["cold_samples_per_s"]
+        row: list[object] = [name, _fmt(cold)]
+        row += [_fmt(cold / v, 2) if v else "-" for v in limits.values()]
+        rows.append([*row, _fmt(cold / best, 2) if best else "-"])
+    headers = (["system", "cold samples/s"]
+               + [f"/ {n} stream{'s' if n > 1 else ''}" for n in limits] + ["/ best"])
+    return head + table(headers, rows) + "\n"
 
 
 def write_report(results: dict[str, Any], out: str) -> list[str]:

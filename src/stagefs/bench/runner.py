@@ -229,7 +229,18 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
     dropped = cfg.drop_caches and drop_caches()
     results["cold"] = ("page cache dropped" if dropped else "page cache NOT dropped ("
                        + ("not root" if cfg.drop_caches else "--no-drop-caches") + ")")
+    pack = conversions.get("stagefs")
+    if pack is not None and "error" not in pack:
+        results["origin_limit"] = []
     for run in range(cfg.runs):
+        if pack is not None and "origin_limit" in results:  # the link's sequential limit
+            from stagefs.bench.limit import origin_limit
+
+            passes = origin_limit(pack["dir"], files, lambda: cfg.drop_caches and drop_caches())
+            results["origin_limit"].extend({**p, "run": run} for p in passes)
+            cfg.say("origin limit: " + ", ".join(
+                f"{p['streams']} stream{'s' if p['streams'] > 1 else ''} {p['mb_per_s']:,.0f} "
+                f"MB/s ({p['samples_per_s']:,.0f} samples/s)" for p in passes))
         order = active[run % len(active):] + active[:run % len(active)] if active else []
         for s in order:
             cfg.say(f"run {run + 1}/{cfg.runs}: {s.name}")

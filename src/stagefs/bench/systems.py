@@ -202,6 +202,28 @@ class StagefsTorch(_StagefsBase):
         super().close()
 
 
+class StagefsTorchClosed(StagefsTorch):
+    """The same loader under MLPerf Storage CLOSED rules: nothing informed by the seed."""
+
+    name, title = "stagefs-torch-closed", "stagefs.torch + tier, DataLoader, closed mode"
+    settings = (f"as stagefs-torch, with Sampler(closed=True) (STAGEFS_CLOSED=1): no "
+                f"staging in the seed's order, no read-ahead, no locality (a uniform "
+                f"shuffle); the tier streams each shard once it is first read; "
+                f"DataLoader(batch_size={BATCH}, num_workers=0)")
+
+    def open(self, ctx: Context, run: int) -> None:
+        import torch.utils.data
+
+        from stagefs.torch import FileDataset, Sampler
+
+        _StagefsBase.open(self, ctx, run)
+        self.ds = FileDataset(self.store, root="", target="path")
+        self.sampler = Sampler(self.ds, seed=run, closed=True)
+        self.loader = torch.utils.data.DataLoader(
+            self.ds, batch_size=BATCH, sampler=self.sampler, num_workers=0,
+            collate_fn=_identity)
+
+
 class StagefsIntercept(_StagefsBase):
     name, title = "stagefs-intercept", "stagefs.intercept + tier, open() + read()"
     settings = ("plain open() + read() in a uniform shuffle, under a path served by "
@@ -308,6 +330,7 @@ def stop_fuse(ctx: Context, proc: subprocess.Popen[bytes]) -> None:
 
 def all_systems() -> Sequence[System]:
     """Every system, in the order the report lists them."""
-    return (PlainLocal(), PlainOrigin(), StagefsNative(), StagefsTorch(), StagefsIntercept(),
+    return (PlainLocal(), PlainOrigin(), StagefsNative(), StagefsTorch(), StagefsTorchClosed(),
+            StagefsIntercept(),
             StagefsFuse(), StagefsTiers(), WebDatasetSystem(), StreamingSystem(),
             LitDataSystem())

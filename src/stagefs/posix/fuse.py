@@ -7,7 +7,12 @@ long as the mount lives, since a dataset never changes under a job. Mounted read
 
 Reads use the same readers as ``Store.open`` (small files read whole and verified, large
 ones by range, each range verified by the pieces that cover it); reads of different files
-run in parallel.
+run in parallel. With tiers, the store's cold pipeline (tiers/stream.py) serves a cold
+mount as it serves the API: the first read of a shard queues it for streaming, so the
+shard's other files arrive in large sequential reads before they are asked for (read-ahead
+in shard order across files), and a file is read from the origin once. The kernel may keep
+up to ``MAX_BACKGROUND`` reads in flight (its read-ahead of several files at once) and read
+``MAX_READ`` bytes per request.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ _FUSE_MAIN_ERRORS = {
 }
 _CAP_NO_OPEN_SUPPORT = 1 << 17  # libfuse 3 FUSE_CAP_* bits
 _CAP_CACHE_SYMLINKS = 1 << 23
+MAX_READ = 1 << 20  # bytes per read request (the kernel's default is 128 KiB)
+MAX_BACKGROUND = 64  # read requests (read-ahead) the kernel keeps in flight (default 12)
 _RECENT_FILES = 64  # small files kept whole (at most 4 MiB each) while the kernel reads them
 _OPEN_READERS = 32  # large-file readers kept open
 
@@ -102,6 +109,11 @@ def _operations(store: Any) -> Any:
             if conn is not None:
                 self._no_open = bool(conn.capable & _CAP_NO_OPEN_SUPPORT)
                 conn.want |= conn.capable & _CAP_CACHE_SYMLINKS
+                if hasattr(conn, "max_read"):  # libfuse 3 wants it as the mount option says
+                    conn.max_read = MAX_READ
+                conn.max_readahead = max(int(conn.max_readahead), MAX_READ)
+                conn.max_background = MAX_BACKGROUND
+                conn.congestion_threshold = MAX_BACKGROUND * 3 // 4
             if config is not None:
                 config.kernel_cache = 1
                 config.entry_timeout = CACHE_TIMEOUT
@@ -217,7 +229,8 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
     fusepy = _binding()
     mp = check_mountpoint(mountpoint, nonempty=nonempty)
     opts: dict[str, Any] = {"ro": True, "fsname": f"stagefs:{store.pack_dir}",
-                            "subtype": "stagefs", "default_permissions": True}
+                            "subtype": "stagefs", "default_permissions": True,
+                            "max_read": MAX_READ}
     if allow_other:
         opts["allow_other"] = True
     logging.getLogger("fuse").setLevel(logging.ERROR)  # ENOENT lookups are normal traffic

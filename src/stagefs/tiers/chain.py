@@ -8,9 +8,12 @@ background placement of shards into the tiers. The only module that knows their 
 - Reads fill the tier as they pass (fill.py): every verified read from the origin also writes
   its bytes into the shard's shared partial copy, and any process then reads them from there.
   A shard whose files have all been read this way is complete without a copy.
-- A miss also schedules the shard's placement in one background thread per process; a claim
-  in the runtime dir makes the copy happen once per node, and the copy reads from the origin
-  only the files no read has brought in. So every origin byte is read once.
+- A miss also queues the shard for streaming (stream.py): the process's streams copy whole
+  shards in large sequential reads, several at once, in the order of the queue (a
+  prefetch's order, else the order of first reads); a claim in the runtime dir makes the
+  copy happen once per node. A read of a shard not whole yet asks the stream first: it
+  waits for a file a stream has in flight and reads one nobody holds itself. So every
+  origin byte is read once.
 - Capacity: a shard goes into the first tier with room; a full tier takes no more (no
   eviction: the held set stays put); ENOSPC deletes the partial file and stops that tier.
 """
@@ -27,7 +30,6 @@ import resource
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -37,10 +39,11 @@ from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
-from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.base import ShardSource
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
+from stagefs.tiers.stream import Stream
 from stagefs.tiers.tier import NO_SPACE, DirTier
 
 __all__ = ["RECHECK_S", "TierChain"]
@@ -55,32 +58,6 @@ READERS_S = 0.05  # threads that read from the origin this recently count as rea
 _STATS_EVERY_S = 1.0
 
 Record = Callable[[int, int], None]
-
-
-class _FillSource:
-    """The files already in a shard's partial copy (fill.py), for shards not whole yet."""
-
-    name = "partial copy"
-
-    def __init__(self, chain: TierChain) -> None:
-        self.fills: dict[int, tuple[ShardFill, DirTier]] = {}
-        self._chain = chain
-
-    def pread(self, shard: int, offset: int, length: int) -> bytes:
-        got = self.fills.get(shard)
-        if got is None:
-            raise SourceUnavailable("no partial copy")
-        data = got[0].pread(offset, length)
-        got[1].stats.hits += 1
-        got[1].stats.bytes += length
-        return data
-
-    def drop(self, shard: int) -> None:
-        """A read found bad bytes in the partial copy: start it afresh."""
-        self._chain._drop_fill(shard)
-
-    def close(self) -> None:
-        pass
 
 
 class TierChain:
@@ -107,14 +84,13 @@ class TierChain:
         self._sizes = [s.size for s in manifest.shards]
         self._layout: Layout | None = None
         self._origin_only: tuple[ShardSource, ...] = (origin,)
-        self._fill = _FillSource(self)
-        self._fills = self._fill.fills
-        self._with_fill: tuple[ShardSource, ...] = (self._fill, origin)
+        self._fills: dict[int, tuple[ShardFill, DirTier]] = {}  # partial copies (fill.py)
+        self.stream = Stream(self)  # the cold pipeline (stream.py)
+        self._with_fill: tuple[ShardSource, ...] = (self.stream.source, origin)
         self._extents: dict[int, Extents] = {}
         self._no_fill: set[int] = set()  # shards whose files do not tile them (never seen)
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
-        self._queue: deque[int] = deque()
         self._queued: set[int] = set()
         self._failed: set[int] = set()
         self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
@@ -128,8 +104,6 @@ class TierChain:
 
     def _init_threading(self) -> None:
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._busy = False
         self._grace_until: float | None = None
         # one file per open store: several stores of one process each keep their counters
         name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
@@ -167,8 +141,8 @@ class TierChain:
             return self._route[shard]
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
-        if shard in self._fills:
-            return self._with_fill
+        if shard in self._fills or not (self.full or shard in self._no_fill):
+            return self._with_fill  # the stream's partial copy; the origin if it fails
         return self._origin_only
 
     # -- filling the tiers as reads pass ---------------------------------------------------
@@ -265,8 +239,7 @@ class TierChain:
                 if t.stopped is None:
                     self._tier_failed(t, exc)
         self.full = True
-        with self._cond:
-            self._queue.clear()
+        self.stream.clear()
         return None
 
     def _open_fill(self, shard: int, ext: Extents) -> tuple[ShardFill, DirTier] | None:
@@ -349,34 +322,7 @@ class TierChain:
             if not new:
                 return
             self._queued.update(new)
-            if urgent:
-                self._queue.extendleft(reversed(new))
-            else:
-                self._queue.extend(new)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="stagefs-placer",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing:
-                    self._cond.wait(_STATS_EVERY_S)
-                    self._maybe_flush()
-                if self._closing:
-                    return
-                shard = self._queue.popleft()
-                self._busy = True
-            try:
-                self.place(shard)
-            except Exception:  # never let the placer die silently: log and go on
-                log.exception("placing shard %d failed", shard)
-                self._failed.add(shard)
-            finally:
-                self._busy = False
-            self._maybe_flush()
+        self.stream.enqueue(new, urgent=urgent)
 
     def place(self, shard: int, progress: Callable[[int], None] | None = None,
               source: ShardSource | None = None) -> str:
@@ -579,9 +525,7 @@ class TierChain:
         """Wait until the background placer has nothing queued (tests, the benchmark)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with self._cond:
-                idle = not self._queue and not self._busy
-            if idle:
+            if self.stream.idle():
                 return True
             time.sleep(0.01)
         return False
@@ -635,11 +579,7 @@ class TierChain:
             if self._closing:
                 return
             self._closing = True
-            self._queue.clear()
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=60)
+        self.stream.close()
         self.flush_stats()
         for f, _ in list(self._fills.values()):
             f.close()
@@ -654,9 +594,9 @@ class TierChain:
 
     def _after_fork(self) -> None:
         """In a forked child: no placer thread was copied; start counting afresh."""
-        self._queue.clear()
         self._queued.clear()
         self._init_threading()
+        self.stream.after_fork()
         self.misses = self.corrupt = 0
         self.claims.reset_after_fork()
         for t in self.tiers:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.utils.data
 
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
-from stagefs.config import parse_size
+from stagefs.config import env, parse_size
 from stagefs.errors import ConfigError
 from stagefs.torch._dataset import EpochPlan, Upcoming
 from stagefs.torch._prefetch import Prefetcher, TierAhead
@@ -28,6 +28,14 @@ __all__ = ["Sampler"]
 _STATE_VERSION = 1
 DEFAULT_BUDGET = 256 * 2**20
 Holders = tuple[tuple[int, ...], ...]
+
+
+def closed_mode() -> bool:
+    """``$STAGEFS_CLOSED``: MLPerf Storage CLOSED rules (nothing informed by the seed)."""
+    text = (env("closed") or "0").strip().lower()
+    if text not in ("0", "1", "true", "false", "yes", "no"):
+        raise ConfigError(f"STAGEFS_CLOSED must be 0 or 1, not {text!r}")
+    return text in ("1", "true", "yes")
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -87,6 +95,11 @@ class Sampler(torch.utils.data.Sampler[int]):
     a dataset read here (num_workers=0); without tiers, by each DataLoader worker for the
     batches it will be given; with tiers, the workers' batched reads (several in flight,
     Store.read_many) fetch what the tiers do not hold yet.
+
+    ``closed=True`` (default: ``$STAGEFS_CLOSED=1``), for MLPerf Storage's CLOSED division:
+    nothing the storage does is informed by the seed. ``prefetch`` is ignored (no staging in
+    the order of first use, no read-ahead of samples) and ``locality`` is refused; the
+    store's tiers still stream each shard once it is first read, in shard order.
     """
 
     def __init__(
@@ -103,8 +116,14 @@ class Sampler(torch.utils.data.Sampler[int]):
         prefetch: bool | int | str | None = None,
         prefetch_threads: int = 4,
         held_by: Sequence[Sequence[int]] | None = None,
+        closed: bool | None = None,
     ) -> None:
         self.dataset = dataset
+        self.closed = closed_mode() if closed is None else bool(closed)
+        if self.closed and locality:
+            raise ConfigError("locality=True orders samples by what the nodes hold: not "
+                              "allowed under closed=True ($STAGEFS_CLOSED=1, MLPerf Storage "
+                              "CLOSED rules)")
         self.n = len(dataset)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         self.locality, self.window = bool(locality), int(window)
@@ -112,7 +131,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         if held_by is not None and len(held_by) != self.world_size:
             raise ConfigError(f"held_by has {len(held_by)} entries for {self.world_size} ranks")
         self._held_by = held_by
-        self.budget = self._budget(prefetch)
+        self.budget = 0 if self.closed else self._budget(prefetch)  # closed: no read-ahead
         self.prefetch_threads = prefetch_threads
         if (self.locality or self.budget) and not hasattr(dataset, "shard_of"):
             raise ConfigError("locality and prefetch need a stagefs dataset (FileDataset)")

@@ -1,0 +1,537 @@
+"""The cold pipeline: shards stream from the origin into their partial copies (fill.py) in
+large sequential reads, several shards at once, in the order they will be needed, and a
+read of a file not in a tier yet waits for the stream or, if no stream has it in flight,
+reads it itself. Either way each stored file is read from the origin once.
+
+- ``Controller``: how many shards stream at once. It adds one stream while the bytes read
+  from the origin per second rise by ``GAIN`` and settles on the last count that did (a
+  parallel file system gives one stream a share of its link, and more streams more of it,
+  up to a point: 380 MB/s with one stream, 446 MB/s with six on the test PFS).
+- ``Reservations``: who reads which stored file of a shard from the origin now. In this
+  process a flag per file; across the node's processes an open-file-description lock
+  (``F_OFD_SETLK``) on the file's byte in the shard's ``NAME.fill`` map. A process that ends
+  drops its locks with it, so a file a dead reader held is simply free again.
+- ``Stream``: the threads. Each streams one shard at a time from the queue (the sampler's
+  order of first use when it gave one with ``Store.prefetch``, else the order of the first
+  reads: shard-local order), reading the runs of files that nobody holds, ``CHUNK`` bytes a
+  read, each file checked as it streams through (placer.py's check) before its fill byte is
+  set. A claim per shard (claims.py) keeps two processes from streaming the same shard.
+- ``StreamSource``: the holder a read of a shard not whole in a tier asks first. Files
+  already in the partial copy are read from it; files a stream (or another reader) holds
+  are waited for; files nobody holds are reserved and read by the caller itself, checked,
+  and written into the partial copy (a read far ahead of the streams does not wait for
+  them). The Store verifies the bytes it returns like any holder's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from stagefs.errors import CorruptShardError, StagefsError
+from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
+from stagefs.tiers.placer import _pwrite_all, _run_verifier
+
+if TYPE_CHECKING:
+    from stagefs.tiers.chain import TierChain
+    from stagefs.tiers.tier import DirTier
+
+__all__ = ["CHUNK", "GAIN", "MOST_STREAMS", "Controller", "Reservations", "Stream",
+           "StreamSource"]
+
+log = logging.getLogger("stagefs.tiers")
+
+CHUNK = 4 * 2**20  # bytes per sequential origin read of a stream
+MOST_STREAMS = 8  # shards streamed at once, at most
+GAIN = 1.02  # another stream stays if the origin's throughput rose by this factor
+WINDOW_S = 0.5  # throughput is measured over windows this long
+DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
+_POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
+_EMPTY = np.zeros(0, dtype=bool)
+
+
+class Controller:
+    """The number of streams, found at run time: start with one, add one per window while
+    the origin's throughput (bytes read by this process per second) rises by ``gain``, then
+    settle on the best count. A window in which the streams were not all busy (nothing more
+    to stream) says nothing and is not judged. ``clock`` is injected for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, *, most: int = MOST_STREAMS,
+                 window: float = WINDOW_S, gain: float = GAIN) -> None:
+        self.clock, self.most, self.window, self.gain = clock, max(1, most), window, gain
+        self.target = 1
+        self.settled = self.most == 1
+        self.rates: dict[int, float] = {}  # streams -> throughput measured with them
+        self._t0: float | None = None
+        self._b0 = 0
+
+    def update(self, total_bytes: int, busy: bool) -> int:
+        """``total_bytes`` read from the origin so far; ``busy``: every stream had a shard
+        to stream. Returns the number of streams to run now."""
+        now = self.clock()
+        if self._t0 is None:
+            self._t0, self._b0 = now, total_bytes
+            return self.target
+        elapsed = now - self._t0
+        if elapsed < self.window:
+            return self.target
+        rate = (total_bytes - self._b0) / elapsed
+        self._t0, self._b0 = now, total_bytes
+        if self.settled or not busy:
+            return self.target
+        before = self.rates.get(self.target - 1)
+        self.rates[self.target] = rate
+        if before is not None and rate < before * self.gain:
+            self.target -= 1  # the last stream added did not pay: back to the count before
+            self.settled = True
+        elif self.target < self.most:
+            self.target += 1
+        else:
+            self.settled = True
+        return self.target
+
+
+def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """Set (F_WRLCK) or clear (F_UNLCK) an open-file-description lock on bytes
+    [start, start + length) of ``fd``, without waiting; False if another holds one there."""
+    arg = struct.pack("hhqqi4x", kind, os.SEEK_SET, start, length, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+class _Held:
+    """This process's reservations on one partial copy's files."""
+
+    def __init__(self, fill: ShardFill) -> None:
+        self.fill = fill
+        self.busy = np.zeros(len(fill.ext), dtype=bool)
+        self.bad = np.zeros(len(fill.ext), dtype=bool)  # failed their check at the origin
+        self.fd = os.open(fill.final + FILL_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+class Reservations:
+    """Which files of which partial copy this process reads from the origin now; the
+    other processes of the node see it as locks on the fill map (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, _Held] = {}
+
+    def held(self, shard: int, fill: ShardFill) -> _Held | None:
+        """This process's reservation state of the shard's current partial copy (None:
+        its fill map is gone: the copy was finished or dropped)."""
+        with self._lock:
+            h = self._held.get(shard)
+            if h is not None and h.fill.ino == fill.ino:
+                return h  # the same partial copy (maybe through another handle)
+            if h is not None and not h.busy.any():
+                h.close()
+            try:
+                h = _Held(fill)
+            except FileNotFoundError:
+                return None
+            self._held[shard] = h
+            return h
+
+    def take(self, h: _Held, lo: int, hi: int) -> list[tuple[int, int]] | None:
+        """Reserve every file of lo..hi-1 not filled yet, in runs; None (nothing taken) if
+        some of them are held by this process or another one."""
+        bits = h.fill.bits
+        with self._lock:
+            missing = np.flatnonzero(bits[lo:hi] == 0) + lo
+            if not len(missing):
+                return []
+            if h.busy[missing].any() or h.bad[missing].any():
+                return None
+            runs = _runs(missing)
+            done: list[tuple[int, int]] = []
+            for a, b in runs:
+                if not _ofd_lock(h.fd, fcntl.F_WRLCK, a, b - a):
+                    for x, y in done:
+                        _ofd_lock(h.fd, fcntl.F_UNLCK, x, y - x)
+                    return None
+                done.append((a, b))
+            for a, b in runs:
+                h.busy[a:b] = True
+            return runs
+
+    def take_next(self, h: _Held, cursor: int, limit: int) -> tuple[int, int] | None:
+        """Reserve the next run from ``cursor`` of files not filled and held by nobody, up
+        to ``limit`` bytes (one file at least); None if there is none."""
+        ext, bits = h.fill.ext, h.fill.bits
+        n = len(ext)
+        with self._lock:
+            k = cursor
+            while k < n:
+                if bits[k] or h.busy[k] or h.bad[k]:
+                    k += 1
+                    continue
+                a = int(ext.offs[k])
+                hi = k + 1
+                while (hi < n and not bits[hi] and not h.busy[hi] and not h.bad[hi]
+                       and int(ext.ends[hi]) - a <= limit):
+                    hi += 1
+                if _ofd_lock(h.fd, fcntl.F_WRLCK, k, hi - k):
+                    h.busy[k:hi] = True
+                    return k, hi
+                if hi > k + 1 and _ofd_lock(h.fd, fcntl.F_WRLCK, k, 1):
+                    h.busy[k] = True
+                    return k, k + 1
+                k += 1  # another process reads it now
+            return None
+
+    def release(self, h: _Held, lo: int, hi: int) -> None:
+        with self._lock:
+            with contextlib.suppress(OSError):
+                _ofd_lock(h.fd, fcntl.F_UNLCK, lo, hi - lo)
+            h.busy[lo:hi] = False
+
+    def someone_holds(self, h: _Held, lo: int, hi: int) -> bool:
+        """Is any unfilled file of lo..hi-1 being read now (by anyone)?"""
+        bits = h.fill.bits
+        with self._lock:
+            missing = np.flatnonzero(bits[lo:hi] == 0) + lo
+            if h.busy[missing].any():
+                return True
+            for a, b in _runs(missing):
+                if not _ofd_lock(h.fd, fcntl.F_WRLCK, a, b - a):
+                    return True
+                _ofd_lock(h.fd, fcntl.F_UNLCK, a, b - a)
+            return False
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the parent's lock descriptions are not this process's."""
+        self._lock = threading.Lock()
+        for h in self._held.values():
+            h.close()
+        self._held.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            for h in self._held.values():
+                h.close()
+            self._held.clear()
+
+
+def _runs(idx: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """Sorted indices -> runs [a, b) of consecutive ones."""
+    if not len(idx):
+        return []
+    cut = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate([[0], cut])
+    stops = np.concatenate([cut, [len(idx)]])
+    return [(int(idx[s]), int(idx[e - 1]) + 1) for s, e in zip(starts, stops, strict=True)]
+
+
+class StreamSource:
+    """The holder asked first for a shard not whole in a tier (module docstring)."""
+
+    name = "stream"
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        return self.stream.read(shard, offset, length)
+
+    def drop(self, shard: int) -> None:
+        """A read found bad bytes in the partial copy: start it afresh."""
+        self.stream.chain._drop_fill(shard)
+
+    def close(self) -> None:
+        pass
+
+
+class Stream:
+    """The streams of one tier chain in this process (module docstring)."""
+
+    def __init__(self, chain: TierChain, *, clock: Callable[[], float] = time.monotonic,
+                 most: int = MOST_STREAMS) -> None:
+        self.chain = chain
+        self.source = StreamSource(self)
+        self._clock, self._most = clock, most
+        self.res = Reservations()
+        self._init()
+
+    def _init(self) -> None:
+        self.controller = Controller(self._clock, most=self._most)
+        self._cond = threading.Condition()
+        self._queue: deque[int] = deque()
+        self._threads: list[threading.Thread] = []
+        self._running = 0
+        self._closing = False
+        self.started: list[int] = []  # shards in the order this process began streaming them
+
+    # -- the queue ---------------------------------------------------------------------------
+
+    def enqueue(self, shards: Iterable[int], *, urgent: bool) -> None:
+        """Stream these shards, in this order: first (a read waits for one of them) or
+        after those queued (a prefetch: the order the sampler will need them in)."""
+        with self._cond:
+            if self._closing:
+                return
+            new = list(shards)
+            if urgent:
+                self._queue.extendleft(reversed(new))
+            else:
+                self._queue.extend(new)
+            self._grow()
+            self._cond.notify_all()
+
+    def queued(self) -> list[int]:
+        with self._cond:
+            return list(self._queue)
+
+    def clear(self) -> None:
+        with self._cond:
+            self._queue.clear()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queue and not self._running
+
+    def _grow(self) -> None:
+        """Under the lock: threads up to the controller's count."""
+        while len(self._threads) < self.controller.target:
+            k = len(self._threads)
+            t = threading.Thread(target=self._run, args=(k,), name=f"stagefs-stream-{k}",
+                                 daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def _run(self, k: int) -> None:
+        while True:
+            with self._cond:
+                while not self._closing and (not self._queue or k >= self.controller.target):
+                    self._cond.wait(1.0)
+                    self.chain._maybe_flush()
+                if self._closing:
+                    return
+                shard = self._queue.popleft()
+                self._running += 1
+            try:
+                self._stream_shard(shard)
+            except Exception:  # never let a stream die silently: log and go on
+                log.exception("streaming shard %d failed", shard)
+                self.chain._failed.add(shard)
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+            self.chain._maybe_flush()
+
+    def _tune(self) -> None:
+        origin = getattr(self.chain.origin, "stats", None)
+        if origin is None:
+            return
+        with self._cond:
+            busy = bool(self._queue) and self._running >= self.controller.target
+            before = self.controller.target
+            if self.controller.update(origin.bytes_read, busy) != before:
+                self._grow()
+                self._cond.notify_all()
+
+    # -- streaming one shard -----------------------------------------------------------------
+
+    def _stream_shard(self, shard: int) -> None:
+        chain = self.chain
+        if chain._find(shard) or chain.full:
+            return
+        if not chain.claims.acquire(shard):
+            return  # another process of the node streams it; reads here wait for it
+        try:
+            if chain._find(shard):
+                return
+            got = chain._live_fill(shard, create=True)
+            if got is None:
+                if shard in chain._no_fill and not chain._find(shard):
+                    chain._failed.add(shard)
+                    log.warning("shard %d not placed: its files do not tile it", shard)
+                return
+            with self._cond:
+                self.started.append(shard)
+            self._bulk(shard, *got)
+        finally:
+            chain.claims.release(shard)
+
+    def _bulk(self, shard: int, fill: ShardFill, tier: DirTier) -> None:
+        """Read every file of the shard nobody has read or reads now, in offset order; then
+        wait for the files others hold, and make the copy whole."""
+        h = self.res.held(shard, fill)
+        cursor = 0
+        while h is not None and not self._closing and fill.linked() and not fill.complete():
+            run = self.res.take_next(h, cursor, CHUNK)
+            if run is None:
+                if cursor:
+                    cursor = 0  # once more from the start, for what others held then
+                    continue
+                if h.bad[fill.bits == 0].all():
+                    break  # what is left failed its check at the origin: not placed
+                with self._cond:  # others read the rest now: wait for them
+                    self._cond.wait(0.005)
+                continue
+            try:
+                self._copy(shard, fill, tier, h, *run, bulk=True)
+            except (OSError, StagefsError, SourceUnavailable) as exc:
+                log.warning("shard %d (%s): streaming stopped: %s", shard,
+                            self.chain.manifest.shards[shard].name, exc)
+                self.chain._failed.add(shard)
+                return
+            finally:
+                self.res.release(h, *run)
+            cursor = run[1]
+            self._tune()
+        if fill.linked() and fill.complete():
+            self.chain._finish(shard)
+
+    def _copy(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held, lo: int, hi: int,
+              *, bulk: bool) -> bytes | None:
+        """Read files lo..hi-1 (reserved by the caller) from the origin, write them into the
+        partial copy, check each (setting its fill byte); the bytes read if in one read.
+        A file that fails its check is marked bad here and raises CorruptShardError."""
+        chain = self.chain
+        ext = fill.ext
+        a, b = int(ext.offs[lo]), int(ext.ends[hi - 1])
+        check = chain._checker(chain.origin)
+        verifier = _run_verifier(fill, lo, hi, chain.manifest, check,
+                                 f"shard {shard} from {chain.origin.name}")
+        data: bytes | None = None
+        pos = a
+        try:
+            while pos < b:
+                n = min(CHUNK, b - pos) if bulk else b - pos
+                data = chain.origin.pread(shard, pos, n)
+                try:
+                    _pwrite_all(fill.fd, data, pos)
+                except OSError as exc:
+                    chain._drop_fill(shard, again=False)
+                    chain._tier_failed(tier, exc)
+                    raise SourceUnavailable(f"{tier.name}: {exc}") from exc
+                verifier.feed(pos, data)
+                pos += n
+            verifier.finish()
+        except CorruptShardError:
+            chain.corrupt += 1
+            k = verifier.i  # the file being checked when it failed
+            h.bad[lo + k] = True
+            raise
+        finally:
+            with self._cond:
+                self._cond.notify_all()
+        tier.stats.filled += hi - lo
+        tier.stats.filled_bytes += b - a
+        if fill.complete():
+            chain._finish(shard)
+        return data if pos - a == len(data or b"") else None
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def read(self, shard: int, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the shard, from its partial copy once the
+        stream (or another reader) has them there, or read now by this caller."""
+        chain = self.chain
+        if not 0 <= shard < len(chain._sizes) or offset < 0 or length < 0 or \
+                offset + length > chain._sizes[shard]:
+            raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
+        got = chain._live_fill(shard, create=True)
+        if got is None:
+            return self._from_whole(shard, offset, length, "no partial copy")
+        fill, tier = got
+        end = offset + length
+        lo, hi = fill.ext.touching(offset, end)
+        whole = (hi > lo and int(fill.ext.offs[lo]) == offset
+                 and int(fill.ext.ends[hi - 1]) == end and length <= DIRECT_LIMIT)
+        delay = _POLL_S[0]
+        while True:
+            if fill.covered(offset, end):
+                data = fill.pread(offset, length)
+                tier.stats.hits += 1
+                tier.stats.bytes += length
+                return data
+            h = self.res.held(shard, fill)
+            if h is None or not fill.linked():  # finished or dropped meanwhile
+                got = chain._live_fill(shard, create=False)
+                if got is None:
+                    return self._from_whole(shard, offset, length, "the partial copy is gone")
+                fill, tier = got
+                continue
+            if h.bad[lo:hi].any():
+                raise SourceUnavailable("failed its check at the origin")
+            if whole:
+                runs = self.res.take(h, lo, hi)
+                if runs is not None:
+                    return self._read_myself(shard, fill, tier, h, runs, offset, length)
+            elif not self.res.someone_holds(h, lo, hi):
+                # part of a file larger than a stream's read: the origin serves it directly
+                raise SourceUnavailable("not streamed now")
+            with self._cond:
+                self._cond.wait(delay)
+            delay = min(2 * delay, _POLL_S[1])
+
+    def _from_whole(self, shard: int, offset: int, length: int, why: str) -> bytes:
+        """The shard became whole in a tier meanwhile (its last file came in): read it
+        there; else (no tier has room for it) the origin serves it."""
+        chain = self.chain
+        if not chain._find(shard):
+            raise SourceUnavailable(why)
+        return chain._route[shard][0].pread(shard, offset, length)
+
+    def _read_myself(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held,
+                     runs: list[tuple[int, int]], offset: int, length: int) -> bytes:
+        chain = self.chain
+        chain.misses += 1
+        chain.activity.touch()
+        one: bytes | None = None
+        try:
+            for lo, hi in runs:
+                one = self._copy(shard, fill, tier, h, lo, hi, bulk=False)
+        except (OSError, StagefsError) as exc:
+            raise SourceUnavailable(f"origin read of shard {shard}: {exc}") from exc
+        finally:
+            for lo, hi in runs:
+                self.res.release(h, lo, hi)
+        if len(runs) == 1 and one is not None and len(one) == length and \
+                int(fill.ext.offs[runs[0][0]]) == offset:
+            return one
+        return fill.pread(offset, length)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=60)
+        self.res.close()
+
+    def after_fork(self) -> None:
+        """In a forked child: no stream thread was copied; the parent's claims and lock
+        descriptions stay the parent's."""
+        self._init()
+        self.res.reset_after_fork()

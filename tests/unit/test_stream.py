@@ -1,0 +1,267 @@
+"""The cold pipeline (tiers/stream.py): shards stream into the tiers in large reads, several
+at once, in the order they will be needed; readers wait for what a stream holds and read
+the rest themselves; across the processes of a node every origin byte is read once."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stagefs
+from stagefs.format import MANIFEST_NAME, Manifest, checksum
+from stagefs.tiers import stream as stream_mod
+from stagefs.tiers.stream import Controller
+from tiers_helpers import make_tree
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    base = tmp_path_factory.mktemp("stream")
+    files = make_tree(base / "raw", n=240, seed=5)
+    stagefs.pack(base / "raw", base / "pack", shard_size="48KiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return base / "pack", files
+
+
+def stored_total(pack: Path) -> int:
+    m = Manifest(str(pack / MANIFEST_NAME))
+    try:
+        return int(m.arrays["stored"].sum())
+    finally:
+        m.close()
+
+
+# -- the controller ------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_windows(c: Controller, clock: FakeClock, rate_with: Any, windows: int,
+                busy: bool = True) -> list[int]:
+    """Feed ``windows`` measurement windows in which n streams read rate_with(n) bytes/s."""
+    total, seen = 0, []
+    c.update(total, busy)
+    for _ in range(windows):
+        n = c.target
+        clock.now += c.window
+        total += int(rate_with(n) * c.window)
+        seen.append(c.update(total, busy))
+    return seen
+
+
+def test_the_controller_adds_streams_while_throughput_rises() -> None:
+    clock = FakeClock()
+    c = Controller(clock, most=8)
+    # a link that one stream reads at 380 MB/s, and more a little faster, up to 446 MB/s
+    rates = {1: 380e6, 2: 410e6, 3: 430e6, 4: 440e6}
+    seen = run_windows(c, clock, lambda n: rates.get(n, 446e6), 10)
+    assert seen[:5] == [2, 3, 4, 5, 4]  # the fifth did not pay (1.4%): back to four
+    assert c.target == 4 and c.settled
+    assert seen[-1] == 4
+
+
+def test_the_controller_stops_at_its_ceiling_and_ignores_idle_windows() -> None:
+    clock = FakeClock()
+    c = Controller(clock, most=3)
+    run_windows(c, clock, lambda n: 100e6, 5, busy=False)  # nothing to stream: no judgement
+    assert c.target == 1 and not c.settled
+    run_windows(c, clock, lambda n: n * 100e6, 6)  # every stream pays
+    assert c.target == 3 and c.settled
+
+
+def test_the_controller_measures_bytes_not_calls() -> None:
+    """A window is judged by the bytes read in it: updates inside one window change
+    nothing, whatever their number."""
+    clock = FakeClock()
+    c = Controller(clock, window=0.5)
+    c.update(0, True)
+    for k in range(100):
+        clock.now += 0.001
+        assert c.update(k * 10**6, True) == 1
+    clock.now += 0.5
+    assert c.update(500 * 10**6, True) == 2
+
+
+# -- reads and streams share one download ---------------------------------------------------
+
+
+def _epoch_part(pack: str, tier: str, runtime: str, paths: list[str], batched: bool,
+                want: dict[str, int], out: Any) -> None:
+    os.environ["STAGEFS_RUNTIME"] = runtime
+    bad = []
+    with stagefs.open(pack, tiers=[tier]) as fs:
+        if batched:
+            for k in range(0, len(paths), 16):
+                batch = paths[k : k + 16]
+                for p, data in zip(batch, fs.read_many(batch), strict=True):
+                    if checksum(data) != want[p]:
+                        bad.append(p)
+        else:
+            for p in paths:
+                if checksum(fs.read(p)) != want[p]:
+                    bad.append(p)
+        fs.chain.wait_idle(60)
+        origin = fs.origin.stats.bytes_read
+    out.put((origin, bad))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_one_epoch_reads_each_origin_byte_once_across_processes(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        method: str) -> None:
+    """Three processes of one node (DataLoader workers, say) read one epoch in a random
+    order between them, one with read_many; their streams and reads share one download."""
+    pack, files = dataset
+    want = {p: checksum(d) for p, d in files.items()}
+    order = sorted(files)
+    random.Random(11).shuffle(order)
+    parts = [order[k::3] for k in range(3)]
+    ctx = multiprocessing.get_context(method)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_epoch_part,
+                         args=(str(pack), str(tmp_path / "tier"), str(runtime), part, k == 0,
+                               want, out))
+             for k, part in enumerate(parts)]
+    for p in procs:
+        p.start()
+    got = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert [bad for _, bad in got] == [[], [], []]
+    assert sum(origin for origin, _ in got) == stored_total(pack)
+    # and the tier holds the whole pack, byte for byte
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        for p in order[:40]:
+            assert fs.read(p) == files[p]
+        assert fs.origin.stats.bytes_read == 0
+
+
+def test_the_stream_follows_the_prefetch_order(dataset: tuple[Path, dict[str, bytes]],
+                                               runtime: Path, tmp_path: Path) -> None:
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        assert fs.chain is not None
+        fs.chain.stream.controller.most = 1  # one stream: the order is the queue's
+        n = len(fs.manifest.shards)
+        order = list(range(n))
+        random.Random(2).shuffle(order)
+        fs.prefetch(order)
+        assert fs.chain.wait_idle(60)
+        assert fs.chain.stream.started == order
+        assert fs.held_shards() == set(range(n))
+        assert fs.origin.stats.bytes_read == stored_total(pack)
+        for p in sorted(files):
+            assert fs.read(p) == files[p]
+        assert fs.origin.stats.bytes_read == stored_total(pack)
+
+
+def _hold_then_fill(pack: str, tier: str, runtime: str, path: str, held: Any, go: Any,
+                    out: Any) -> None:
+    """Reserve one file as a stream would, say so, wait for the word, then read it from the
+    origin into the partial copy and let go."""
+    os.environ["STAGEFS_RUNTIME"] = runtime
+    with stagefs.open(pack, tiers=[tier]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        e = fs.namespace.file_entry(path)
+        shard, off = int(fs.manifest.shard[e]), int(fs.manifest.offset[e])
+        fill, t = chain._live_fill(shard, create=True)  # type: ignore[misc]
+        h = chain.stream.res.held(shard, fill)
+        assert h is not None
+        lo, hi = fill.ext.touching(off, off + int(fs.manifest.stored[e]))
+        assert chain.stream.res.take(h, lo, hi) == [(lo, hi)]
+        held.set()
+        go.wait(60)
+        chain.stream._copy(shard, fill, t, h, lo, hi, bulk=True)
+        chain.stream.res.release(h, lo, hi)
+        out.put(fs.origin.stats.bytes_read)
+
+
+def test_a_reader_waits_for_a_file_another_process_holds(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pack, files = dataset
+    path = next(p for p in sorted(files) if len(files[p]) > 1000)
+    ctx = multiprocessing.get_context("spawn")
+    held, go, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    child = ctx.Process(target=_hold_then_fill,
+                        args=(str(pack), str(tmp_path / "tier"), str(runtime), path, held, go,
+                              out))
+    child.start()
+    assert held.wait(60)
+    refused = threading.Event()  # the reader found the file held by the other process
+    real_take = stream_mod.Reservations.take
+
+    def take(self: Any, h: Any, lo: int, hi: int) -> Any:
+        got = real_take(self, h, lo, hi)
+        if got is None:
+            refused.set()
+        return got
+
+    monkeypatch.setattr(stream_mod.Reservations, "take", take)
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        fs.chain.stream.clear()  # type: ignore[union-attr]
+        result: list[bytes] = []
+        reader = threading.Thread(target=lambda: result.append(fs.read(path)))
+        reader.start()
+        assert refused.wait(60)
+        go.set()
+        reader.join(60)
+        assert result == [files[path]]
+        child_origin = out.get(timeout=60)
+        child.join(60)
+        assert child.exitcode == 0
+        # the bytes came over once, read by the process that held them
+        e = fs.namespace.file_entry(path)
+        assert child_origin == int(fs.manifest.stored[e])
+        mine = fs.origin.stats.bytes_read
+    assert mine + child_origin <= stored_total(pack)
+    assert fs.chain.tiers[0].stats.hits >= 1  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def quiet_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No stream threads: reads alone."""
+    monkeypatch.setattr(stream_mod.Stream, "_grow", lambda self: None)
+    yield
+
+
+def test_reads_alone_read_each_file_once_from_many_threads(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        quiet_streams: None) -> None:
+    """Eight threads read every file twice over in a random order, with no stream: each
+    file comes from the origin once, read by whichever thread reserved it first."""
+    pack, files = dataset
+    order = sorted(files) * 2
+    random.Random(4).shuffle(order)
+    errors: list[str] = []
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+
+        def work(k: int) -> None:
+            for p in order[k::8]:
+                if fs.read(p) != files[p]:
+                    errors.append(p)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        assert fs.origin.stats.bytes_read == stored_total(pack)
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
