@@ -233,6 +233,8 @@ def calibrate_net(net: Net, work: str) -> dict[str, float]:
     finally:
         srv.kill()
         srv.wait()
+        if srv.stdout is not None:
+            srv.stdout.close()
     return {"latency_s": float(out[0]) / 2, "link_Bps": float(out[1])}
 
 

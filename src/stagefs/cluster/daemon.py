@@ -208,7 +208,8 @@ class Daemon:
                                       hedge=HedgePolicy(to_origin=o.relay_timeout / 2))
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout,
-                             sources=peer_sources(self.transport, self.peers))
+                             sources=peer_sources(self.transport, self.peers),
+                             unreachable_after=o.dead_after)
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
         probes = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
                                 name=f"node {n}", timeout=min(5.0, o.dead_after),

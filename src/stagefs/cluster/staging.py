@@ -84,9 +84,12 @@ class Stager:
     def __init__(self, manifest: Manifest, holders: Sequence[Sequence[int]], rank: int,
                  chain: TierChain, peers: dict[int, PeerClient], stop: threading.Event,
                  forward_timeout: float = _FORWARD_TIMEOUT,
-                 sources: Mapping[int, ShardSource] | None = None) -> None:
+                 sources: Mapping[int, ShardSource] | None = None,
+                 unreachable_after: float = 30.0) -> None:
         """``sources``: what to copy each peer's shards from (default: over its client;
-        cluster/transport.py ``peer_sources`` gives the transport's)."""
+        cluster/transport.py ``peer_sources`` gives the transport's). ``unreachable_after``:
+        how long a shard's other holders may all be unreachable (still starting, a blip)
+        before this node takes them for dead and reads the origin itself."""
         self.manifest = manifest
         self.holders = holders
         self.rank = rank
@@ -94,6 +97,7 @@ class Stager:
         self.peers = peers
         self.stop = stop
         self.forward_timeout = forward_timeout
+        self.unreachable_after = unreachable_after
         if sources is None:
             sources = {n: PeerSource(c, f"node {n}") for n, c in peers.items()}
         self.sources = {n: _Counted(src, self._forwarded) for n, src in sources.items()}
@@ -159,7 +163,10 @@ class Stager:
                 bad = True  # the next holder, else the origin
                 continue
             return outcome != "elsewhere"
-        late = time.monotonic() - since > self.forward_timeout
+        waited = time.monotonic() - since
+        if not live and not bad and waited < min(self.unreachable_after, self.forward_timeout):
+            return False  # no holder answers yet: daemons start at different times
+        late = waited > self.forward_timeout
         if not (bad or late) and not self._gone(shard, live, asked):
             return False  # its holders are still staging: wait for them
         self.stats.forward_fallbacks += 1
