@@ -28,7 +28,7 @@ def test_emulated_cluster_and_its_model(tmp_path: Path) -> None:
 
     out = tmp_path / "results"
     code = emucluster.main(["--nodes", "1", "3", "--samples-per-node", "24", "--epochs", "2",
-                            "--compute-ms", "100", "--kill", "--origin", str(tmp_path),
+                            "--compute-ms", "200", "--kill", "--origin", str(tmp_path),
                             "--out", str(out)])
     assert code == 0
     doc = json.loads((out / "emulated-kill.json").read_text())
