@@ -143,6 +143,10 @@ class Net:
                     with contextlib.suppress(ProcessLookupError, ValueError):
                         os.kill(int(pid), signal.SIGKILL)
                 sh("ip", "netns", "del", ns, check=False)
+        for line in sh("ip", "-o", "link", check=False).stdout.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") > 1 else ""
+            if name.startswith("se") and name.endswith("h") and name[2:-1].isdigit():
+                sh("ip", "link", "del", name, check=False)  # left by a run that was killed
         sh("ip", "link", "del", BRIDGE, check=False)
 
     def run(self, k: int, cmd: list[str], log: str) -> subprocess.Popen[bytes]:

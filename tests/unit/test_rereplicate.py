@@ -18,6 +18,7 @@ class Clock:
 def test_a_peer_is_dead_after_failing_for_dead_after_seconds() -> None:
     clock = Clock()
     h = Health([1, 2], dead_after=10.0, clock=clock)
+    h.record(1, True)  # seen alive once: no start-up grace for it
     h.record(1, False)
     assert h.dead() == frozenset()
     clock.now += 9.9
@@ -41,6 +42,57 @@ def test_one_failure_after_a_long_pause_is_not_death() -> None:
     assert h.dead() == frozenset()
     h.record(1, True)
     assert h.dead() == frozenset()
+
+
+def test_a_peer_that_never_answered_is_given_the_start_up_grace() -> None:
+    """The daemons of a big job start over a minute: one not up yet is not dead, until the
+    grace (4 x dead_after) has passed since this node started watching."""
+    clock = Clock()
+    h = Health([1, 2], dead_after=10.0, clock=clock)
+    h.record(1, False)
+    clock.now += 20
+    h.record(1, False)
+    assert h.dead() == frozenset()  # never heard from, still within the grace
+    clock.now += 20
+    h.record(1, False)
+    assert h.dead() == frozenset({1})  # 40 s: the grace is over, and it failed for 40 s
+    h2 = Health([1], dead_after=10.0, clock=clock, grace=0)
+    h2.record(1, False)
+    clock.now += 10
+    h2.record(1, False)
+    assert h2.dead() == frozenset({1})
+
+
+def test_a_round_probes_a_bounded_number_of_peers() -> None:
+    """Probing every peer every round costs each daemon N probes a round: a round asks the
+    failing peers and the next few in turn, at most probes_per_round, and over N / that many
+    rounds every peer is asked."""
+    import threading
+
+    from stagefs.cluster.rereplicate import Rereplicator
+
+    asked: list[int] = []
+
+    class Probe:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def is_suspect(self) -> bool:
+            return False
+
+        def status(self) -> dict[str, int]:
+            asked.append(self.n)
+            return {}
+
+    nodes = 40
+    p = place(100, nodes, 2)
+    r = Rereplicator(None, p, 0, None, {}, {n: Probe(n) for n in range(1, nodes)},  # type: ignore[arg-type]
+                     threading.Event(), dead_after=1.0, probes_per_round=8)
+    for _ in range(5):
+        before = len(asked)
+        r.step()
+        assert len(asked) - before <= 8
+    assert set(asked) == set(range(1, nodes))  # 39 peers within 5 rounds of 8
 
 
 def test_the_next_node_of_each_ranking_copies_from_the_survivor() -> None:

@@ -182,6 +182,7 @@ class Daemon:
         self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
         self.fanout = Fanout()
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
+        self._status_cache: tuple[float, dict[str, Any]] | None = None
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
                                   limits=o.limits, status=self.status,
                                   unix_path=self.fabric_path, relay=self._relay)
@@ -243,6 +244,17 @@ class Daemon:
     # -- what STATUS answers ---------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """What STATUS answers; computed at most every 0.2 s (every peer's probes ask it, a
+        few times a second in all, and it walks the tiers)."""
+        now = time.monotonic()
+        cached = self._status_cache
+        if cached is not None and now - cached[0] < 0.2:
+            return cached[1]
+        out = self._status()
+        self._status_cache = (now, out)
+        return out
+
+    def _status(self) -> dict[str, Any]:
         st = self.stager.stats.as_dict()
         return {
             "rank": self.rank, "size": self.size, "host": self.server.address[0],

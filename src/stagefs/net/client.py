@@ -107,6 +107,7 @@ class PeerClient:
         self.connect_timeout = connect_timeout
         self.pool_size = pool_size
         self.clock = clock
+        self.answered_at = float("-inf")
         self.backoff_range = backoff
         self.stats = ClientStats()
         self._ids = itertools.count(1)
@@ -199,6 +200,7 @@ class PeerClient:
             self._prober.start()
 
     def _answered(self) -> None:
+        self.answered_at = self.clock()  # the last answer: a peer that answers is alive
         if self._retry_at is not None or self._backoff != self.backoff_range[0]:
             with self._lock:
                 if self._retry_at is not None:
