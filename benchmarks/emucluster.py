@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import stagefs
 from stagefs._table import table
@@ -66,6 +66,7 @@ class Settings:
     rate_mbit: float = 20.0
     replicas: int = 2
     kill: bool = False
+    dead_after: float = 30.0  # the daemons' --dead-after
     seed: int = 0
     real_link_gbit: float = 100.0  # what one emulated link stands for
 
@@ -111,9 +112,23 @@ class Net:
     def __init__(self, n: int, rate_mbit: float) -> None:
         self.n, self.rate = n, rate_mbit
         self.ns = [f"sfsemu{k}" for k in range(n)]
+        self._neigh: dict[str, str] = {}
+
+    # The kernel's neighbour (ARP) table limits count the entries of every namespace
+    # together: 64 nodes that each talk to 63 others overflow the default 1,024 ("neighbor
+    # table overflow!"), connects time out at random, and daemons take live peers for dead.
+    NEIGH: ClassVar[dict[str, str]] = {"gc_thresh1": "8192", "gc_thresh2": "16384",
+                                       "gc_thresh3": "32768"}
 
     def __enter__(self) -> Net:
         self.close()
+        for key, value in self.NEIGH.items():
+            path = f"/proc/sys/net/ipv4/neigh/default/{key}"
+            with open(path) as f:
+                self._neigh[key] = f.read().strip()
+            if int(self._neigh[key]) < int(value):
+                with open(path, "w") as f:
+                    f.write(value)
         sh("ip", "link", "add", BRIDGE, "type", "bridge")
         sh("ip", "addr", "add", f"{NET}.255.1/16", "dev", BRIDGE)
         sh("ip", "link", "set", BRIDGE, "up")
@@ -135,6 +150,9 @@ class Net:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+        for key, value in self._neigh.items():
+            with open(f"/proc/sys/net/ipv4/neigh/default/{key}", "w") as f:
+                f.write(value)
 
     def close(self) -> None:
         for ns in sorted(set(sh("ip", "netns", "list", check=False).stdout.split())):
@@ -276,22 +294,6 @@ def calibrate_origin(pack: str) -> dict[str, float]:
     return out
 
 
-def calibrate_local(rt: str, paths: list[str], batch: int) -> dict[str, float]:
-    """A batch of samples read from the node's own tier, in the reader (this process)."""
-    fs = stagefs.connect(rt, timeout=60)
-    try:
-        batches = [paths[i : i + batch] for i in range(0, len(paths), batch)]
-        for b in batches:  # warm: mapped files, caches
-            fs.read_many(b)
-        t = time.perf_counter()
-        for b in batches:
-            fs.read_many(b)
-        per_batch = (time.perf_counter() - t) / len(batches)
-    finally:
-        fs.close()
-    return {"local_s": per_batch / batch, "reader_batch_s": 0.0}
-
-
 def status(net: Net, k: int, rt: str) -> dict[str, Any]:
     p = subprocess.run(["ip", "netns", "exec", net.ns[k], sys.executable, "-m", "stagefs.cli",
                         "status", "--runtime", rt, "--json"], capture_output=True, text=True,
@@ -319,7 +321,8 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                                "--hosts", os.path.join(work, "hosts"), "--rank", str(k),
                                "--token-file", token, "--replicas", str(s.replicas),
                                "--tier", f"{shm}/n{k}/mem:{tier_bytes}",
-                               "--runtime", f"{shm}/rt{k}", "--wait", "--progress", "0"],
+                               "--runtime", f"{shm}/rt{k}", "--wait", "--progress", "0",
+                               "--dead-after", str(s.dead_after)],
                            os.path.join(work, f"daemon{k}.log")) for k in range(n)]
         try:
             deadline = time.monotonic() + 600
@@ -335,7 +338,6 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                                            for x in st.get("nodes", []) if x)
             if calibrate:
                 res.calibration.update(calibrate_origin(pack))
-                res.calibration.update(calibrate_local(f"{shm}/rt0", paths, s.batch))
                 if n > 1:
                     res.calibration.update(calibrate_net(net, work))
             before = {x["rank"]: x["server"]["requests"] + x["server"]["relayed_requests"]
@@ -464,18 +466,20 @@ def main(argv: list[str] | None = None) -> int:
     for f in ("samples_per_node", "sample_kib", "batch", "prefetch", "epochs", "replicas",
               "seed"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
-    for f in ("compute_ms", "rate_mbit"):
+    for f in ("compute_ms", "rate_mbit", "dead_after"):
         ap.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f))
     ap.add_argument("--kill", action="store_true", help="kill one daemon mid last epoch")
     ap.add_argument("--origin", default=None, help="default: /tmp/pfs if mounted")
     ap.add_argument("--out", default=None, help="a directory for emulated.json/.png")
+    ap.add_argument("--tag", default="", help="a suffix for the result files' names")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("emucluster: needs root (network namespaces, tc)", file=sys.stderr)
         return 2
     s = Settings(**{f: getattr(a, f) for f in ("samples_per_node", "sample_kib", "batch",
                                                 "prefetch", "epochs", "replicas", "seed",
-                                                "compute_ms", "rate_mbit", "kill")})
+                                                "compute_ms", "rate_mbit", "dead_after",
+                                                "kill")})
     origin = a.origin or ("/tmp/pfs" if os.path.ismount("/tmp/pfs") else None)
     if origin is None:
         origin = tempfile.mkdtemp(prefix="emu-origin-")
@@ -490,19 +494,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"N={n}: staged in {r.staging_s:.1f} s, epochs {[round(x, 2) for x in r.epochs_s]}"
               f" s, connections max {r.connections_max}", flush=True)
         results.append(r)
+        if a.out:  # after each N: a long run cut short keeps what it measured
+            save(a.out, s, results, a.tag)
     rows = efficiency(results)
     print(render(rows, s))
+    if a.out:
+        save(a.out, s, results, a.tag)
+        plot(rows, os.path.join(a.out, f"emulated{'-kill' if s.kill else ''}{a.tag}.png"))
+    return 0
+
+
+def save(out_dir: str, s: Settings, results: list[RunResult], tag: str = "") -> None:
     calibration: dict[str, float] = {}
     for r in results:
         calibration.update(r.calibration)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        suffix = "-kill" if s.kill else ""
-        with open(os.path.join(a.out, f"emulated{suffix}.json"), "w") as out:
-            json.dump({"settings": asdict(s), "calibration": calibration, "runs": rows},
-                      out, indent=1)
-        plot(rows, os.path.join(a.out, f"emulated{suffix}.png"))
-    return 0
+    os.makedirs(out_dir, exist_ok=True)
+    name = f"emulated{'-kill' if s.kill else ''}{tag}.json"
+    with open(os.path.join(out_dir, name), "w") as out:
+        json.dump({"settings": asdict(s), "calibration": calibration,
+                   "runs": efficiency(results)}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def test_emulated_cluster_and_its_model(tmp_path: Path) -> None:
     assert three["killed"] == 2  # the last node's daemon, mid last epoch
     assert three["tcp_peak_per_peer"] <= 2 + 1, three  # data + probes (+ a status request)
     cal = doc["calibration"]
-    assert {"link_Bps", "latency_s", "pfs_Bps", "local_s", "req_s"} <= set(cal), cal
+    assert {"link_Bps", "latency_s", "pfs_Bps", "req_s"} <= set(cal), cal
     assert scale_sim.main(["--calibration", str(out / "emulated-kill.json"), "--nodes", "3",
                            "16", "--kill", "--out", str(out / "sim.json")]) == 0
     sim = json.loads((out / "sim.json").read_text())

@@ -146,6 +146,7 @@ class StaticBootstrap:
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
         waiting = set(status)
+        pause = 0.2  # growing to 2 s: N nodes asking N peers must not fill their links
         while waiting and not stop.is_set():
             for n in list(waiting):
                 try:
@@ -154,7 +155,8 @@ class StaticBootstrap:
                 except SourceUnavailable:
                     pass
             if waiting:
-                stop.wait(0.2)
+                stop.wait(pause)
+                pause = min(pause * 1.5, 2.0)
         return not stop.is_set()
 
     def finished(self) -> bool:

@@ -297,9 +297,6 @@ class Daemon:
         self.state = "staging"
         stager = threading.Thread(target=self.stager.run, name="stagefs-stager", daemon=True)
         stager.start()
-        self.monitor = threading.Thread(target=self.rereplicator.run, name="stagefs-monitor",
-                                        daemon=True)
-        self.monitor.start()
         if not self.o.wait:
             write_map(self.runtime, self.cmap(False), self.token)
         reporter = None
@@ -317,6 +314,12 @@ class Daemon:
         if self.stager.error is not None:
             _say(self.rank, f"staging failed: {self.stager.error}; reads of the shards "
                  "not staged go to other nodes or the origin")
+        # deaths are watched for once this node has staged: while a large job starts, its
+        # links and cores are busy with staging, and the stager itself waits for holders
+        # that do not answer yet (staging.py), so a probe then proves little
+        self.monitor = threading.Thread(target=self.rereplicator.run, name="stagefs-monitor",
+                                        daemon=True)
+        self.monitor.start()
         staged = self.boot.barrier(self.stop, self.peers)
         if staged:
             self.staged_at = time.time()
