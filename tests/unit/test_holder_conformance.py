@@ -139,16 +139,17 @@ class FillSourceCase(_PackCase):
         for s in range(len(m.shards)):
             if s == ABSENT:
                 continue
-            got = self.chain._get_fill(s, create=True)
-            assert got is not None
-            fill, true = got[0], self.shard_bytes(s)
+            ext = self.chain._extents_of(s)
+            got = self.chain._reserve(s, range(ext.pieces))
+            assert len(got) == ext.pieces
+            fill, true = got[0][0], self.shard_bytes(s)
             for a, b in zip(fill.ext.offs, fill.ext.ends, strict=True):
                 fill.write(int(a), true[a:b])
             assert fill.complete()
-        self.holder = self.chain._fill
+        self.holder = self.chain._fill_src[id(self.chain.tiers[0])]
 
     def corrupt(self, shard: int, offset: int, value: int) -> None:
-        os.pwrite(self.chain._fills[shard][0].fd, bytes([value]), offset)
+        os.pwrite(self.chain._fills[shard][0][0].fd, bytes([value]), offset)
 
     def close(self) -> None:
         self.chain.close()
