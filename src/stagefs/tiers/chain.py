@@ -257,9 +257,9 @@ class TierChain:
                 self._graveyard_fills.append(f)  # a reader may still be using it
         for t in self.tiers:
             if not any(t is u for _, u in keep):
-                f = open_fill(t.path(shard), self._sizes[shard], ext)
-                if f is not None:
-                    keep.append((f, t))
+                opened = open_fill(t.path(shard), self._sizes[shard], ext)
+                if opened is not None:
+                    keep.append((opened, t))
         if keep:
             keep.sort(key=lambda c: self._order[id(c[1])])
             self._fills[shard] = keep
@@ -711,10 +711,7 @@ class TierChain:
             tiers.append({"path": t.root, "kind": t.kind, "capacity": t.capacity,
                           "bytes_used": t.used_bytes(), "shards_held": len(t.held()),
                           "stopped": t.stopped, **t.stats.as_dict()})
-        hits = sum(t.stats.hits for t in self.tiers)
-        total = hits + self.misses
-        c.update(tiers=tiers, shards=len(self._sizes), hits=hits,
-                 hit_rate=hits / total if total else 0.0)
+        c.update(tiers=tiers, shards=len(self._sizes), hits=sum(t.stats.hits for t in self.tiers))
         return c
 
     def _maybe_flush(self) -> None:
