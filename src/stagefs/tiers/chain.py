@@ -279,6 +279,8 @@ class TierChain:
                 if any(os.path.exists(t.path(shard)) for t in self.tiers):
                     return out  # whole already: the next look finds it
                 self._look(shard)
+                if not self._extents_of(shard).pieces and shard not in self._fills:
+                    self._reserve_one(shard, None)  # no file with bytes: the header alone
                 for p in pieces:
                     got = self._owner(shard, p) or self._reserve_one(shard, p)
                     if got is None:
@@ -291,10 +293,11 @@ class TierChain:
             self._set_full()
         return out
 
-    def _reserve_one(self, shard: int, p: int) -> Copy | None:
-        """Reserve piece ``p`` in the first tier with room (the caller holds the lock)."""
+    def _reserve_one(self, shard: int, p: int | None) -> Copy | None:
+        """Reserve piece ``p`` in the first tier with room (the caller holds the lock);
+        None: only make a copy of the shard there."""
         ext = self._extents_of(shard)
-        a, b = ext.span(p)
+        a, b = ext.span(p) if p is not None else (0, 0)
         for t in self.tiers:
             if t.stopped is not None:
                 continue
@@ -312,7 +315,8 @@ class TierChain:
                     self._fills.setdefault(shard, []).append((f, t))
                     self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
                     self._room(t, SHARD_HEADER.size)
-                f.reserve(p)
+                if p is not None:
+                    f.reserve(p)
             except OSError as exc:
                 if made and f is not None:  # a copy with no piece: not left behind
                     remove_fill(f.final)
@@ -321,7 +325,7 @@ class TierChain:
                 self._tier_failed(t, exc)
                 continue
             self._room(t, b - a)
-            t.stats.pieces += 1
+            t.stats.pieces += p is not None
             return f, t
         self._set_full()
         return None
@@ -467,7 +471,7 @@ class TierChain:
                 return "failed"
             self._look(shard)
             todo = [p for p in range(ext.pieces) if self._owner(shard, p) is None]
-            if todo and not self.full:
+            if (todo or shard not in self._fills) and not self.full:
                 self._reserve(shard, todo)
             if self._find(shard):
                 return "held"
