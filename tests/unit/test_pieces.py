@@ -129,3 +129,46 @@ def test_a_tier_with_room_makes_shards_whole(dataset: tuple[Path, dict[str, byte
         assert fs.held_shards() == set(range(len(fs.manifest.shards)))
         assert epoch(fs, files, 6) == 0
         assert not list((tmp_path / "t").rglob("*.partial"))
+
+
+def test_the_stream_places_pieces_when_the_tiers_are_smaller_than_a_shard(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """Two tiers of 3 MiB each, both smaller than a shard (8 MiB): the stream given a shard
+    reserves its pieces in tier order and reads from the origin only the files of the
+    pieces it placed; a read of that shard then asks the partial copies of both tiers, in
+    tier order, before the stream and the origin, and only the rest comes from the origin."""
+    pack, files = dataset
+    tiers = [f"{tmp_path / 'ram'}:{3 * 2**20}", f"{tmp_path / 'disk'}:{3 * 2**20}"]
+    with stagefs.open(pack, tiers=tiers) as fs:
+        chain = fs.chain
+        assert chain is not None
+        m = fs.manifest
+        shard = 0
+        chain.prefetch([shard])
+        assert chain.wait_idle(60)
+        held = chain.held_pieces()
+        ram_t, disk_t = chain.tiers
+        in_ram, in_disk = held[ram_t.root], held[disk_t.root]
+        assert in_ram and in_disk and not in_ram & in_disk
+        assert {s for s, _ in in_ram | in_disk} == {shard}
+        ext = chain._extents_of(shard)
+        pieces = sorted(p for _, p in in_ram | in_disk)
+        assert pieces == list(range(len(pieces)))  # in piece order, the first tier first
+        assert max(p for _, p in in_ram) < min(p for _, p in in_disk)
+        files_in = (ext.piece < len(pieces))
+        placed = int((ext.ends - ext.offs)[files_in].sum())
+        first = fs.origin.stats.bytes_read
+        # the stream read the files it placed, once, in runs (with the alignment padding
+        # between them), and nothing past the last piece it placed
+        assert placed <= first <= ext.span(pieces[-1])[1] - ext.span(0)[0] < m.shards[shard].size
+        assert fs.held_shards() == set()
+        hs = chain.holders(shard)
+        assert hs == (chain._fill_src[id(ram_t)], chain._fill_src[id(disk_t)],
+                      chain.stream.source, fs.origin)
+        mine = [p for p in sorted(files) if int(m.shard[m.lookup(p.encode())]) == shard]
+        for p in mine:
+            assert fs.read(p) == files[p]
+        total = sum(int(m.stored[m.lookup(p.encode())]) for p in mine)
+        # the rest came over once, read by its readers
+        assert fs.origin.stats.bytes_read - first == total - placed
+        assert ram_t.stats.hits + disk_t.stats.hits >= len(in_ram | in_disk)

@@ -155,7 +155,7 @@ class TierChain:
         return self._miss(shard)
 
     def _miss(self, shard: int) -> tuple[ShardSource, ...]:
-        self.activity.touch()  # a read may go to the origin now: the placer gives way
+        self.activity.touch()  # a read may go to the origin now: place() gives way
         now = time.monotonic()
         if now >= self._next_check.get(shard, 0.0):
             if self._find(shard):
@@ -165,7 +165,7 @@ class TierChain:
             for f, t in list(self._fills.get(shard, ())):
                 if f.complete() and self._finish(shard, f, t):
                     # complete but never made whole: the process that filled it last ended
-                    # first (a DataLoader worker leaves with os._exit, its placer mid-copy)
+                    # first (a DataLoader worker leaves with os._exit, its stream mid-copy)
                     return self._route[shard]
         elif shard not in self._fills:
             # a partial copy another process started: looked for on every miss (a failed
