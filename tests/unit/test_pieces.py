@@ -172,3 +172,26 @@ def test_the_stream_places_pieces_when_the_tiers_are_smaller_than_a_shard(
         # the rest came over once, read by its readers
         assert fs.origin.stats.bytes_read - first == total - placed
         assert ram_t.stats.hits + disk_t.stats.hits >= len(in_ram | in_disk)
+
+
+def test_the_stream_serves_a_range_across_the_copies_of_two_tiers(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A range whose pieces lie in two tiers' partial copies (a batch's coalesced run) comes
+    from both copies through the stream's holder, byte for byte, with no origin read."""
+    pack, _ = dataset
+    tiers = [f"{tmp_path / 'ram'}:{3 * 2**20}", f"{tmp_path / 'disk'}:{3 * 2**20}"]
+    with stagefs.open(pack, tiers=tiers) as fs:
+        chain = fs.chain
+        assert chain is not None
+        chain.prefetch([0])
+        assert chain.wait_idle(60)
+        held = chain.held_pieces()
+        last_ram = max(p for _, p in held[chain.tiers[0].root])
+        ext = chain._extents_of(0)
+        a, b = ext.span(last_ram)[0], ext.span(last_ram + 1)[1]  # two pieces, two tiers
+        before = fs.origin.stats.bytes_read
+        got = chain.stream.source.pread(0, a, b - a)
+        assert fs.origin.stats.bytes_read == before
+        with open(pack / fs.manifest.shards[0].name, "rb") as f:
+            f.seek(a)
+            assert got == f.read(b - a)
