@@ -183,10 +183,14 @@ class Reservations:
             done: list[tuple[int, int]] = []
             for a, b in runs:
                 if not _ofd_lock(h.fd, fcntl.F_WRLCK, a, b - a):
-                    for x, y in done:
-                        _ofd_lock(h.fd, fcntl.F_UNLCK, x, y - x)
-                    return None
+                    break
                 done.append((a, b))
+            # looked at again once locked: another process may have filled one and let go
+            # of it between the look and the lock (its bytes would come over twice)
+            if len(done) < len(runs) or bits[missing].any():
+                for x, y in done:
+                    _ofd_lock(h.fd, fcntl.F_UNLCK, x, y - x)
+                return None
             for a, b in runs:
                 h.busy[a:b] = True
             return runs
@@ -210,12 +214,17 @@ class Reservations:
                        and not free[hi] and int(ext.ends[hi]) - a <= limit):
                     hi += 1
                 if _ofd_lock(h.fd, fcntl.F_WRLCK, k, hi - k):
-                    h.busy[k:hi] = True
-                    return k, hi
-                if hi > k + 1 and _ofd_lock(h.fd, fcntl.F_WRLCK, k, 1):
-                    h.busy[k] = True
-                    return k, k + 1
-                k += 1  # another process reads it now
+                    got = k, hi
+                elif hi > k + 1 and _ofd_lock(h.fd, fcntl.F_WRLCK, k, 1):
+                    got = k, k + 1
+                else:
+                    k += 1  # another process reads it now
+                    continue
+                if bits[got[0] : got[1]].any():  # filled by another process since the look
+                    _ofd_lock(h.fd, fcntl.F_UNLCK, got[0], got[1] - got[0])
+                    continue  # looked at afresh: the run is shorter or starts later
+                h.busy[got[0] : got[1]] = True
+                return got
             return None
 
     def release(self, h: _Held, lo: int, hi: int) -> None:
