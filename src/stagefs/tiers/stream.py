@@ -68,7 +68,6 @@ GAIN = 1.02  # another stream stays if the origin's throughput rose by this fact
 WINDOW_S = 0.5  # throughput is measured over windows this long
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
-_EMPTY = np.zeros(0, dtype=bool)
 _LOOKS = 4  # a read looks for the copies of a shard again at most this often
 
 
