@@ -179,11 +179,11 @@ def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[n
     if not origin:
         raise SystemExit("stagefs: name the dataset (a pack or a directory), or --connect")
     if tiers and "tiers" in inspect.signature(stagefs.open).parameters:
-        return stagefs.open(origin, tiers=tiers)  # type: ignore[call-arg]
+        return stagefs.open(origin, tiers=tiers, runtime=runtime)  # type: ignore[call-arg]
     if tiers:
         print("stagefs: warning: this stagefs has no tiers yet; reading from the origin",
               file=sys.stderr)
-    return stagefs.open(origin)
+    return stagefs.open(origin, runtime=runtime)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -62,6 +62,14 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     if rows:
         print(table(["tier", "used", "shards held", "filling", "hits", "served", "placed",
                      "filled by reads", "dropped"], rows))
+    if st["reads"]:
+        rows = [[h, v["reads"], format_size(v["bytes"]),
+                 f"{100 * v['bytes'] / st['bytes']:.1f}%" if st["bytes"] else "-"]
+                for h, v in st["holders"].items()]
+        print(f"reads by holder (every process of the job): {st['reads']} samples, "
+              f"{format_size(st['bytes'])}, hit rate {100 * st['hit_rate']:.1f}% "
+              "(bytes not read from the origin)")
+        print(table(["holder", "samples", "bytes", "share"], rows))
     rows = [[o["origin"], o["misses"], o["opens"], o["stats"], o["reads"],
              format_size(o["bytes_read"])] for o in st["origins"]]
     if rows:

@@ -39,6 +39,7 @@ from stagefs.tiers.chain import TierChain
 from stagefs.tiers.fill import reading_for
 from stagefs.tiers.inplace import SumTable
 from stagefs.tiers.origin import PackOrigin
+from stagefs.tiers.status import HOLDERS, ReadCounters, holder_summary
 
 __all__ = ["Holders", "ReadStats", "Store", "open"]
 
@@ -120,6 +121,7 @@ class Store:
         sums: SumTable | None = None,
         reopen: dict[str, Any] | None = None,
         runtime: Runtime | None = None,
+        counters: str | None = None,
     ) -> None:
         self.pack_dir = pack_dir
         self.verify = verify
@@ -138,6 +140,10 @@ class Store:
         self._sums = sums  # in place: checksums learnt as shards are placed
         self._reopen = reopen  # how a pickled copy reopens this store
         self._runtime = runtime  # the job's runtime dir, if this store uses one
+        # reads per holder, summed by `stagefs status` (tiers/status.py): in the runtime's
+        # stats dir, or ``counters`` (a cluster client's)
+        folder = counters or (runtime.stats if runtime is not None else None)
+        self._counts = ReadCounters(folder) if folder is not None else None
         m = self.manifest
         self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
@@ -241,7 +247,7 @@ class Store:
                     self._read_run(order[i:j], ents, plist, out, s0, start, span,
                                    fetched=(src, data))
                     continue
-                self.stats.unavailable += 1
+                self._unavailable()
                 for k in order[i:j]:
                     out[k] = self.read_entry(ents[k], plist[k])
 
@@ -339,6 +345,7 @@ class Store:
         except (SourceUnavailable, ChecksumError, CorruptShardError):
             blob = None
         fill = self._from_origin if src is self.origin else None
+        reads = nbytes = 0
         for i in run:
             e = ents[i]
             data = None
@@ -351,12 +358,14 @@ class Store:
                 except CorruptShardError:
                     pass  # read_entry, below, tries every holder, counts and logs it
                 else:
-                    self.stats.reads += 1
-                    self.stats.bytes += len(data)
+                    reads += bool(m.size[e])  # an empty file is read from no holder
+                    nbytes += len(data)
                     if fill is not None:
                         fill(shard, m.offset[e], stored, self.verify)
             # a bad or missing span falls back to the per-entry path, which tries every holder
             out[i] = data if data is not None else self.read_entry(e, paths[i])
+        if reads:
+            self._count(src, reads, nbytes)
 
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
                    length: int = -1) -> bytes:
@@ -402,7 +411,7 @@ class Store:
                     sums = self._derive(src, e, path)
                 raw = src.pread(shard, offset, stored)
             except SourceUnavailable as exc:
-                self.stats.unavailable += 1
+                self._unavailable()
                 tried.append(f"{src.name} (unavailable)")
                 log.debug("%s: %s unavailable (%s)", self._where(e), src.name, exc)
                 continue
@@ -427,9 +436,7 @@ class Store:
                 # from this read, and what it wrote into a tier is checked against that sum
                 data = raw
                 self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
-            stats = self.stats
-            stats.reads += 1
-            stats.bytes += len(data)
+            self._count(src, 1, len(data))
             if src is self.origin and self._from_origin is not None and stored == \
                     self._stored[e]:
                 self._from_origin(shard, offset, raw, self.verify)
@@ -468,11 +475,28 @@ class Store:
         """``src`` returned bad bytes for entry ``e``: count it, say so (the error raised
         says so when it was the last holder), let it drop them."""
         self.stats.checksum_failures += 1
+        if self._counts is not None:
+            self._counts.count("checksum_failures")
         tried.append(src.name)
         log.log(logging.DEBUG if last else logging.WARNING,
                 "%s, %s: bad bytes from %s (%s); trying the next holder",
                 self._where(e), self._show(e, path), src.name, exc)
         self._corrupt(src, self._shard[e])
+
+    def _count(self, src: ShardSource | None, reads: int, nbytes: int) -> None:
+        """``reads`` samples (``nbytes`` bytes) came from ``src``: this process's counts,
+        and the job's by holder (memory or disk tier, peer, origin)."""
+        stats = self.stats
+        stats.reads += reads
+        stats.bytes += nbytes
+        if self._counts is not None:
+            holder = "origin" if src is self.origin else getattr(src, "holder", "peer")
+            self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes)
+
+    def _unavailable(self) -> None:
+        self.stats.unavailable += 1
+        if self._counts is not None:
+            self._counts.count("unavailable")
 
     def _origin_holders(self, shard: int) -> Sequence[ShardSource]:
         return self._origin_only
@@ -541,15 +565,21 @@ class Store:
 
     def status(self) -> dict[str, Any]:
         """Counters of this process: per tier (bytes used, shards held, hits, placed,
-        dropped), misses, hit rate, and every origin operation (``origin_stats``)."""
+        dropped), misses, every origin operation (``origin_stats``), the samples and bytes
+        read from each holder (``holders``) and the hit rate: the bytes read that did not
+        come from the origin, over all the bytes read."""
         if self._policy is not None:
             out = self._policy.status()
         else:
             out = {"pid": os.getpid(), "tiers": [], "misses": self.stats.reads, "hits": 0,
-                   "hit_rate": 0.0, "origin": self._origin_name(),
-                   "shards": len(self.manifest.shards)}
+                   "origin": self._origin_name(), "shards": len(self.manifest.shards)}
         out["origin_stats"] = self.origin.stats.as_dict()
         out["reads"] = asdict(self.stats)
+        if self._counts is not None:
+            mine = holder_summary(self._counts.snapshot())
+            out.update(holders=mine["holders"], hit_rate=mine["hit_rate"])
+        else:
+            out["hit_rate"] = 0.0  # every byte from the origin
         return out
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -569,6 +599,8 @@ class Store:
         self.origin.close()
         if self._sums is not None:
             self._sums.close()
+        if self._counts is not None:
+            self._counts.close()
         self.manifest.close()
 
     def __enter__(self) -> Store:

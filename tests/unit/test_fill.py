@@ -509,7 +509,7 @@ def test_a_complete_copy_left_unfinished_is_made_whole_by_the_next_read(
         shard = 0
         in_shard = [p for p in sorted(files) if files[p]
                     and int(m.shard[m.lookup(p.encode())]) == shard]
-        monkeypatch.setattr(a.chain, "_finish", lambda _shard: False)  # ends before the rename
+        monkeypatch.setattr(a.chain, "_finish", lambda *_: False)  # ends before the rename
         for p in in_shard:
             assert a.read(p) == files[p], p
         assert shard not in a.held_shards() and leftovers(tier)  # complete, still partial
@@ -523,36 +523,22 @@ def test_a_complete_copy_left_unfinished_is_made_whole_by_the_next_read(
         assert not [p for p in leftovers(tier) if p.name.startswith(name)]
 
 
-def test_one_copy_of_a_shard_across_tiers(pack: Path, files: dict[str, bytes], runtime: Path,
-                                          tmp_path: Path, placer_elsewhere: None,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Two processes start a shard's partial copy at once; one (b) counts the first tier
-    full, having found no room there for an earlier shard. b looked for a copy in every tier
-    just before the other (a) made one in the first tier: b takes a's copy rather than make
-    a second one in the next tier (both would be filled and placed: the shard made whole
-    twice, and the room of one copy lost)."""
-    from stagefs.tiers import chain as chain_mod
-
+def test_a_piece_is_never_reserved_in_two_tiers(pack: Path, files: dict[str, bytes],
+                                                runtime: Path, tmp_path: Path,
+                                                placer_elsewhere: None) -> None:
+    """Two processes place the same piece; one (b) counts the first tier full, having found
+    no room there earlier. The other (a) reserved the piece in the first tier meanwhile: b
+    takes a's copy rather than reserve the piece again in the next tier (it would be filled
+    and placed twice, and the room of one copy lost)."""
     mem, disk = tmp_path / "mem", tmp_path / "disk"
     with stagefs.open(pack, tiers=[str(mem), str(disk)]) as a, \
             stagefs.open(pack, tiers=[str(mem), str(disk)]) as b:
         assert a.chain is not None and b.chain is not None
         shard = 0
         b.chain.tiers[0].stopped = "full"
-        real = chain_mod.open_fill
-        made: list[object] = []
-
-        def open_fill(final: str, size: int, ext: Extents) -> object:
-            got = real(final, size, ext)
-            if not made and final == b.chain.tiers[-1].path(shard):  # b looked everywhere
-                made.append(None)
-                made[0] = a.chain._get_fill(shard, create=True)  # a makes its copy now
-            return got
-
-        monkeypatch.setattr(chain_mod, "open_fill", open_fill)
-        got_b = b.chain._get_fill(shard, create=True)
-        got_a = made[0]
-        assert isinstance(got_a, tuple) and got_a[1] is a.chain.tiers[0]  # in mem
-        assert got_b is not None and got_b[1] is b.chain.tiers[0]  # a's copy, in mem too
+        got_a = a.chain._reserve(shard, [0])[0]
+        assert got_a[1] is a.chain.tiers[0]  # in mem
+        got_b = b.chain._reserve(shard, [0])[0]
+        assert got_b[1] is b.chain.tiers[0]  # a's copy, in mem too
         assert got_b[0].ino == got_a[0].ino
         assert leftovers(disk) == []  # no second copy

@@ -23,7 +23,7 @@ from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.server import ShardServer
 from stagefs.runtime import Runtime, proc_start
 from stagefs.testing.holders import CHECKS, HolderCase, HolderCheckFailed, check_ranges
-from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.inplace import InPlaceOrigin, SumTable
 from stagefs.tiers.origin import PackOrigin
@@ -132,10 +132,9 @@ class _Unreachable:
 
 
 class FillSourceCase(_PackCase):
-    """The chain's partial copies, as the stream serves them (tiers/stream.py): every file
-    of every held shard written into its copy, which stays partial (the placer is another
-    process's: this one copies nothing), and the origin the stream would read the rest
-    from unreachable: the holder serves what its copies hold and nothing else."""
+    """The chain's partial copies in one tier: every piece of every held shard reserved
+    there and every file written into its copy, which stays partial (the stream is another
+    process's: this one copies nothing); the origin unreachable."""
 
     name = "partial copies (TierChain)"
 
@@ -154,22 +153,34 @@ class FillSourceCase(_PackCase):
         for s in range(len(m.shards)):
             if s == ABSENT:
                 continue
-            got = self.chain._get_fill(s, create=True)
-            assert got is not None
-            fill, true = got[0], self.shard_bytes(s)
+            ext = self.chain._extents_of(s)
+            got = self.chain._reserve(s, range(ext.pieces))
+            assert len(got) == ext.pieces
+            fill, true = got[0][0], self.shard_bytes(s)
             for a, b in zip(fill.ext.offs, fill.ext.ends, strict=True):
                 fill.write(int(a), true[a:b])
             assert fill.complete()
-        self.holder = self.chain.stream.source
+        self.holder: ShardSource = self.chain._fill_src[id(self.chain.tiers[0])]
 
     def corrupt(self, shard: int, offset: int, value: int) -> None:
-        os.pwrite(self.chain._fills[shard][0].fd, bytes([value]), offset)
+        os.pwrite(self.chain._fills[shard][0][0].fd, bytes([value]), offset)
 
     def close(self) -> None:
         self.chain.close()
         self.origin.close()
         self.runtime.unregister()
         self.manifest.close()
+
+
+class StreamSourceCase(FillSourceCase):
+    """The same copies as the stream serves them (tiers/stream.py), with the origin it would
+    read the rest from unreachable: it serves what the copies hold and nothing else."""
+
+    name = "stream (TierChain)"
+
+    def __init__(self, pack: Path, tmp: Path, runtime: Path) -> None:
+        super().__init__(pack, tmp, runtime)
+        self.holder = self.chain.stream.source
 
 
 class PeerCase(_PackCase):
@@ -260,6 +271,7 @@ HOLDERS: dict[str, Callable[[Path, Path, Path, Path], HolderCase]] = {
     "pack-origin": lambda raw, pack, tmp, rt: PackOriginCase(pack, tmp),
     "in-place-origin": lambda raw, pack, tmp, rt: InPlaceCase(raw, tmp, rt),
     "fill-source": lambda raw, pack, tmp, rt: FillSourceCase(pack, tmp, rt),
+    "stream-source": lambda raw, pack, tmp, rt: StreamSourceCase(pack, tmp, rt),
     "peer": lambda raw, pack, tmp, rt: PeerCase(pack, tmp),
 }
 

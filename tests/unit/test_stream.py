@@ -180,10 +180,11 @@ def _hold_then_fill(pack: str, tier: str, runtime: str, path: str, held: Any, go
         assert chain is not None
         e = fs.namespace.file_entry(path)
         shard, off = int(fs.manifest.shard[e]), int(fs.manifest.offset[e])
-        fill, t = chain._live_fill(shard, create=True)  # type: ignore[misc]
+        ext = chain._extents_of(shard)
+        lo, hi = ext.touching(off, off + int(fs.manifest.stored[e]))
+        fill, t = chain._piece_copy(shard, int(ext.piece[lo]))  # type: ignore[misc]
         h = chain.stream.res.held(shard, fill)
         assert h is not None
-        lo, hi = fill.ext.touching(off, off + int(fs.manifest.stored[e]))
         assert chain.stream.res.take(h, lo, hi) == [(lo, hi)]
         held.set()
         go.wait(60)

@@ -240,7 +240,9 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
     except BaseException:
         manifest.close()
         raise
-    store = Store(cmap.pack, verify=verify, manifest=manifest, origin=origin, policy=holders)
+    stats = os.path.join(path, "stats")  # the daemon's runtime: reads counted by holder
+    store = Store(cmap.pack, verify=verify, manifest=manifest, origin=origin, policy=holders,
+                  counters=stats if os.path.isdir(stats) else None)
     holders.read_stats = store.stats
     return store
 

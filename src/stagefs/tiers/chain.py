@@ -8,20 +8,24 @@ background placement of shards into the tiers. The only module that knows their 
 - Reads fill the tier as they pass (fill.py): every verified read from the origin also writes
   its bytes into the shard's shared partial copy, and any process then reads them from there.
   A shard whose files have all been read this way is complete without a copy.
-- A miss also queues the shard for streaming (stream.py): the process's streams copy whole
-  shards in large sequential reads, several at once, in the order of the queue (a
-  prefetch's order, else the order of first reads); a claim in the runtime dir makes the
-  copy happen once per node. A read of a shard not whole yet asks the stream first: it
-  waits for a file a stream has in flight and reads one nobody holds itself. So every
-  origin byte is read once.
-- Capacity: a shard goes into the first tier with room; a full tier takes no more (no
-  eviction: the held set stays put); ENOSPC deletes the partial file and stops that tier.
+- A miss also queues the shard for streaming (stream.py): the process's streams copy the
+  shard's pieces in large sequential reads, several shards at once, in the order of the
+  queue (a prefetch's order, else the order of first reads); a claim in the runtime dir
+  makes the copy happen once per node. A read of a shard not whole yet asks the partial
+  copies of every tier holding pieces of it (in tier order), then the stream: it waits for a
+  file a stream has in flight and reads one nobody holds itself. So every origin byte is
+  read once.
+- Capacity, in pieces (fill.py): a piece goes into the first tier with room for it, and
+  stays there; a tier that has no room for a piece takes no more (no eviction: the held set
+  stays put, MONARCH's rule), so a tier of any size holds its share and a shard may have
+  pieces in several tiers. ENOSPC deletes that partial copy and stops the tier.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -37,9 +41,10 @@ from stagefs._fsutil import atomic_write, file_lock
 from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
-from stagefs.tiers.base import ShardSource
+from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
@@ -56,8 +61,38 @@ CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
 READERS_S = 0.05  # threads that read from the origin this recently count as reading now
 _STATS_EVERY_S = 1.0
+PIECE_SIZE: int | None = None  # bytes per piece of placement; None: the manifest's piece_size
 
 Record = Callable[[int, int], None]
+
+
+Copy = tuple[ShardFill, DirTier]
+
+
+class _FillSource:
+    """The pieces in one tier's partial copies (fill.py), for shards not whole yet."""
+
+    def __init__(self, chain: TierChain, tier: DirTier) -> None:
+        self.tier = tier
+        self.name = f"partial copy in {tier.name}"
+        self.holder = tier.kind  # what the read counters call it
+        self._chain = chain
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        f = self._chain._copy_in(shard, self.tier)
+        if f is None:
+            raise SourceUnavailable("no partial copy")
+        data = f.pread(offset, length)
+        self.tier.stats.hits += 1
+        self.tier.stats.bytes += length
+        return data
+
+    def drop(self, shard: int) -> None:
+        """A read found bad bytes in this partial copy: start it afresh."""
+        self._chain._drop_fill(shard, self.tier)
+
+    def close(self) -> None:
+        pass
 
 
 class TierChain:
@@ -71,9 +106,9 @@ class TierChain:
         self.runtime = runtime
         self.origin_path = origin_path
         self.pack_id = manifest.pack_id.hex()
-        self.tiers = [DirTier(s, manifest) for s in specs]
+        self.tiers = [DirTier(s, manifest, runtime.claims) for s in specs]
         for t in self.tiers:
-            t.on_drop = self._dropped
+            t.on_drop = functools.partial(self._dropped, t)
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another
@@ -84,9 +119,10 @@ class TierChain:
         self._sizes = [s.size for s in manifest.shards]
         self._layout: Layout | None = None
         self._origin_only: tuple[ShardSource, ...] = (origin,)
-        self._fills: dict[int, tuple[ShardFill, DirTier]] = {}  # partial copies (fill.py)
+        self._fill_src = {id(t): _FillSource(self, t) for t in self.tiers}
+        self._order = {id(t): i for i, t in enumerate(self.tiers)}
+        self._fills: dict[int, list[Copy]] = {}  # shard -> its partial copies, in tier order
         self.stream = Stream(self)  # the cold pipeline (stream.py)
-        self._with_fill: tuple[ShardSource, ...] = (self.stream.source, origin)
         self._extents: dict[int, Extents] = {}
         self._no_fill: set[int] = set()  # shards whose files do not tile them (never seen)
         self._route: dict[int, tuple[ShardSource, ...]] = {}
@@ -119,54 +155,59 @@ class TierChain:
         return self._miss(shard)
 
     def _miss(self, shard: int) -> tuple[ShardSource, ...]:
-        self.activity.touch()  # a read may go to the origin now: the placer gives way
+        self.activity.touch()  # a read may go to the origin now: place() gives way
         now = time.monotonic()
-        recheck = now >= self._next_check.get(shard, 0.0)
-        if recheck:
+        if now >= self._next_check.get(shard, 0.0):
             if self._find(shard):
                 return self._route[shard]
             self._next_check[shard] = now + RECHECK_S
-            got = self._fills.get(shard)
-            if got is not None and not got[0].linked():  # finished or dropped elsewhere
-                self._forget_fill(shard)
-        if shard not in self._fills:
+            self._look(shard)
+            for f, t in list(self._fills.get(shard, ())):
+                if f.complete() and self._finish(shard, f, t):
+                    # complete but never made whole: the process that filled it last ended
+                    # first (a DataLoader worker leaves with os._exit, its stream mid-copy)
+                    return self._route[shard]
+        elif shard not in self._fills:
             # a partial copy another process started: looked for on every miss (a failed
             # open() per tier when there is none, against a read from the origin; a process
             # forked while a read-ahead filled the first batches read them again otherwise)
-            self._get_fill(shard, create=False)
-        got = self._fills.get(shard)
-        if recheck and got is not None and got[0].complete() and self._finish(shard):
-            # complete but never made whole: the process that filled it last ended first
-            # (a DataLoader worker leaves with os._exit, its placer thread mid-copy)
-            return self._route[shard]
+            self._look(shard)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
-        if shard in self._fills or not (self.full or shard in self._no_fill):
-            return self._with_fill  # the stream's partial copy; the origin if it fails
-        return self._origin_only
+        copies = self._fills.get(shard)
+        if shard in self._no_fill or (self.full and not copies):
+            return self._origin_only
+        # the pieces each tier holds, then the stream (it waits for or reads what a copy
+        # has reserved, or reserves it), then the origin: the stream can always refuse
+        return (*(self._fill_src[id(t)] for _, t in copies or ()), self.stream.source,
+                self.origin)
 
     # -- filling the tiers as reads pass ---------------------------------------------------
 
     def from_origin(self, shard: int, offset: int, data: bytes | memoryview,
                     verified: bool) -> None:
-        """The Store read ``data`` (one stored file, or adjacent ones) from the origin; if
-        it was verified, it goes into the shard's partial copy too."""
+        """The Store read ``data`` (one stored file) from the origin; if it was verified,
+        it goes into the partial copy holding its piece, the piece reserved now in the
+        first tier with room if no copy holds it yet."""
         self.misses += 1
         self.activity.touch()
-        if not verified or self._closing:
+        if not verified or self._closing or shard in self._route or shard in self._no_fill:
             return
-        got = self._fills.get(shard)
+        ext = self._extents_of(shard)
+        if not ext.tiles:
+            self._no_fill.add(shard)
+            return
+        k = ext.at(offset)
+        if k < 0:
+            return
+        got = self._piece_copy(shard, int(ext.piece[k]))
         if got is None:
-            if self.full or shard in self._no_fill or shard in self._route:
-                return
-            got = self._get_fill(shard, create=True)
-            if got is None:
-                return
+            return
         f, t = got
         try:
             new = f.write(offset, data)
         except OSError as exc:
-            self._drop_fill(shard, again=False)
+            self._drop_fill(shard, t, again=False)
             self._tier_failed(t, exc)
             return
         except ValueError:  # closed under us (the store is closing)
@@ -175,7 +216,7 @@ class TierChain:
             t.stats.filled += new
             t.stats.filled_bytes += len(data)
             if f.complete():
-                self._finish(shard)
+                self._finish(shard, f, t)
 
     def _extents_of(self, shard: int) -> Extents:
         ext = self._extents.get(shard)
@@ -184,79 +225,149 @@ class TierChain:
                 self._layout = Layout(self.manifest)
             lay = self._layout
             ents = lay.idx[lay.bounds[shard] : lay.bounds[shard + 1]]
-            ext = self._extents[shard] = Extents.of(self.manifest, ents, self._sizes[shard])
+            ext = self._extents[shard] = Extents.of(self.manifest, ents, self._sizes[shard],
+                                                    PIECE_SIZE)
         return ext
 
-    def _live_fill(self, shard: int, *, create: bool) -> tuple[ShardFill, DirTier] | None:
-        """The shard's partial copy as the tier names it now: a handle whose copy another
-        process finished or dropped is let go, and the current one looked up."""
-        got = self._fills.get(shard)
-        if got is not None and not got[0].linked():
-            self._forget_fill(shard)
-            got = None
-        return got if got is not None else self._get_fill(shard, create=create)
+    def _copy_in(self, shard: int, tier: DirTier) -> ShardFill | None:
+        for f, t in self._fills.get(shard, ()):
+            if t is tier:
+                return f
+        return None
 
-    def _get_fill(self, shard: int, *, create: bool) -> tuple[ShardFill, DirTier] | None:
-        """The shard's partial copy: opened if some process made one, else (``create``)
-        made in the first tier with room. None if the shard is whole somewhere, if no tier
-        has room, or if it cannot be filled file by file."""
+    def _owner(self, shard: int, p: int) -> Copy | None:
+        """The partial copy (known to this process) where piece ``p`` is reserved."""
+        for f, t in self._fills.get(shard, ()):
+            if f.res[p]:
+                return f, t
+        return None
+
+    def _piece_copy(self, shard: int, p: int) -> Copy | None:
+        """The partial copy holding piece ``p``: the one where it is reserved, else reserved
+        now in the first tier with room (None: no tier has room, or the shard is whole)."""
+        got = self._owner(shard, p)
+        if got is None and not self.full:
+            got = self._reserve(shard, [p]).get(p)
+        return got
+
+    def _copies_to_fill(self, shard: int) -> list[Copy] | None:
+        """Every piece of the shard reserved (where room allows, in piece order), and the
+        partial copies holding them, in tier order: what a stream or ``place`` copies into.
+        None if its files do not tile it (it is not placed); [] if it is whole or no tier
+        has room for any piece of it. The caller holds the shard's claim."""
         ext = self._extents_of(shard)
         if not ext.tiles:
             self._no_fill.add(shard)
+            self._failed.add(shard)
+            log.warning("shard %d not placed: its files do not tile it", shard)
             return None
-        got = self._open_fill(shard, ext)
-        if got is not None or not create:
-            return got
-        size = self._sizes[shard]
+        self._look(shard)
+        todo = [p for p in range(ext.pieces) if self._owner(shard, p) is None]
+        if (todo or shard not in self._fills) and not self.full:
+            self._reserve(shard, todo)
+        if self._find(shard):
+            return []
+        return list(self._fills.get(shard, ()))
+
+    def _look(self, shard: int) -> None:
+        """The shard's partial copies as the tiers name them now: a handle whose copy
+        another process finished or dropped is let go, the copies others made are opened."""
+        ext = self._extents_of(shard)
+        if not ext.tiles:
+            self._no_fill.add(shard)
+            return
+        keep: list[Copy] = []
+        for f, t in self._fills.get(shard, ()):
+            if f.linked():
+                keep.append((f, t))
+            else:
+                self._graveyard_fills.append(f)  # a reader may still be using it
+        for t in self.tiers:
+            if not any(t is u for _, u in keep):
+                opened = open_fill(t.path(shard), self._sizes[shard], ext)
+                if opened is not None:
+                    keep.append((opened, t))
+        if keep:
+            keep.sort(key=lambda c: self._order[id(c[1])])
+            self._fills[shard] = keep
+        else:
+            self._fills.pop(shard, None)
+
+    def _reserve(self, shard: int, pieces: Sequence[int]) -> dict[int, Copy]:
+        """The copy holding each of these pieces: where one holds it already, else reserved
+        now in the first tier with room, in this order, until no tier has room. None of them
+        if the shard is whole somewhere."""
+        out: dict[int, Copy] = {}
         try:
             with self._tier_lock():
                 # looked for again under the lock, in every tier: another process may have
-                # made (or finished) this shard's copy since, in a tier this one counts as
-                # full; a second copy in another tier would be placed twice
-                got = self._open_fill(shard, ext)
-                if got is not None:
-                    return got
+                # reserved a piece (or finished the shard) since, in a tier this one counts
+                # as full; a piece reserved twice would be placed twice
                 if any(os.path.exists(t.path(shard)) for t in self.tiers):
-                    return None  # whole already: the next look finds it
-                for t in self.tiers:
-                    if t.stopped is not None:
-                        continue
-                    try:
-                        why = t.no_room(size)
-                        if why is not None:
-                            t.stopped = why
-                            log.info("%s: %s; it takes no more shards", t.name, why)
-                            continue
-                        f = create_fill(t.path(shard), size, ext, shard, self.manifest.pack_id,
-                                        reserve=t.kind != "memory")
-                    except OSError as exc:
-                        self._tier_failed(t, exc)
-                        continue
-                    self._fills[shard] = (f, t)
-                    return f, t
+                    return out  # whole already: the next look finds it
+                self._look(shard)
+                if not self._extents_of(shard).pieces and shard not in self._fills:
+                    self._reserve_one(shard, None)  # no file with bytes: the header alone
+                for p in pieces:
+                    got = self._owner(shard, p) or self._reserve_one(shard, p)
+                    if got is None:
+                        break
+                    out[p] = got
         except OSError as exc:  # the lock file cannot be had (the runtime dir was removed)
             for t in self.tiers:
                 if t.stopped is None:
                     self._tier_failed(t, exc)
+            self._set_full()
+        return out
+
+    def _reserve_one(self, shard: int, p: int | None) -> Copy | None:
+        """Reserve piece ``p`` in the first tier with room (the caller holds the lock);
+        None: only make a copy of the shard there."""
+        ext = self._extents_of(shard)
+        a, b = ext.span(p) if p is not None else (0, 0)
+        for t in self.tiers:
+            if t.stopped is not None:
+                continue
+            f = self._copy_in(shard, t)
+            made = f is None
+            try:
+                why = t.no_room(b - a + (SHARD_HEADER.size if made else 0))
+                if why is not None:
+                    t.stopped = why
+                    log.info("%s: %s; it takes no more pieces", t.name, why)
+                    continue
+                if f is None:
+                    f = create_fill(t.path(shard), self._sizes[shard], ext, shard,
+                                    self.manifest.pack_id)
+                    self._fills.setdefault(shard, []).append((f, t))
+                    self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
+                    self._room(t, SHARD_HEADER.size)
+                if p is not None:
+                    f.reserve(p)
+            except OSError as exc:
+                if made and f is not None:  # a copy with no piece: not left behind
+                    remove_fill(f.final)
+                    self._room(t, -SHARD_HEADER.size)
+                    self._forget_fill(shard, t)
+                self._tier_failed(t, exc)
+                continue
+            self._room(t, b - a)
+            t.stats.pieces += p is not None
+            return f, t
+        self._set_full()
+        return None
+
+    def _room(self, t: DirTier, n: int) -> None:
+        """Count ``n`` more bytes held in ``t`` (the caller holds the tiers' lock)."""
+        if t.room is not None:
+            t.room.add(n)
+
+    def _set_full(self) -> None:
         self.full = True
         self.stream.clear()
-        return None
 
-    def _open_fill(self, shard: int, ext: Extents) -> tuple[ShardFill, DirTier] | None:
-        """The shard's partial copy that some process made, in whichever tier it is."""
-        for t in self.tiers:
-            f = open_fill(t.path(shard), self._sizes[shard], ext)
-            if f is not None:
-                self._fills[shard] = (f, t)
-                return f, t
-        return None
-
-    def _finish(self, shard: int) -> bool:
+    def _finish(self, shard: int, f: ShardFill, t: DirTier) -> bool:
         """A complete partial copy becomes the shard's copy (once, under the tiers' lock)."""
-        got = self._fills.get(shard)
-        if got is None:
-            return False
-        f, t = got
         with self._tier_lock():
             if not f.linked() or not f.complete():
                 return False
@@ -265,7 +376,8 @@ class TierChain:
             except (CorruptShardError, OSError) as exc:
                 log.warning("shard %d: partial copy not kept: %s", shard, exc)
                 remove_fill(f.final)
-                self._forget_fill(shard)
+                self._room(t, -(f.reserved_bytes() + SHARD_HEADER.size))
+                self._forget_fill(shard, t)
                 return False
         fd = os.dup(f.fd)
         if not t.adopt(shard, fd):
@@ -276,28 +388,38 @@ class TierChain:
         self._route[shard] = (t, self.origin)
         return True
 
-    def _forget_fill(self, shard: int) -> None:
-        got = self._fills.pop(shard, None)
-        if got is not None:
-            self._graveyard_fills.append(got[0])  # a reader may still be using it
+    def _forget_fill(self, shard: int, tier: DirTier | None = None) -> None:
+        """Let go of the shard's partial copy in ``tier`` (every tier: None)."""
+        copies = self._fills.pop(shard, [])
+        keep = [c for c in copies if tier is not None and c[1] is not tier]
+        for f, t in copies:
+            if tier is None or t is tier:
+                self._graveyard_fills.append(f)  # a reader may still be using it
+        if keep:
+            self._fills[shard] = keep
 
-    def _drop_fill(self, shard: int, *, again: bool = True) -> None:
-        got = self._fills.get(shard)
-        if got is not None:
-            f, t = got
+    def _drop_fill(self, shard: int, tier: DirTier, *, again: bool = True) -> None:
+        """Delete the shard's partial copy in ``tier`` (it served bad bytes, or a write
+        into it failed) and free its room; ``again``: place the shard anew."""
+        f = self._copy_in(shard, tier)
+        if f is not None:
             with contextlib.suppress(OSError), self._tier_lock():
                 if f.linked():
                     remove_fill(f.final)
-            t.stats.dropped += again
-            self._forget_fill(shard)
+                    self._room(tier, -(f.reserved_bytes() + SHARD_HEADER.size))
+            tier.stats.dropped += again
+            self._forget_fill(shard, tier)
         if again:
             self._next_check.pop(shard, None)
             with self._cond:
                 self._queued.discard(shard)
             self._enqueue([shard], urgent=True)
 
-    def _dropped(self, shard: int) -> None:
-        """A tier dropped a corrupt copy: read elsewhere, and place the shard again."""
+    def _dropped(self, tier: DirTier, shard: int) -> None:
+        """A tier dropped a corrupt whole copy: free its room, read elsewhere, and place the
+        shard again."""
+        with contextlib.suppress(OSError), self._tier_lock():
+            self._room(tier, -self._sizes[shard])
         self._route.pop(shard, None)
         self._next_check.pop(shard, None)
         with self._cond:
@@ -329,7 +451,8 @@ class TierChain:
         """Place one shard now, in this thread, copying it from ``source`` (default: the
         origin). Returns what happened: ``held`` (already there), ``placed``, ``elsewhere``
         (another live process is placing it), ``full`` (no tier has room) or ``failed``
-        (the origin could not be read or was wrong). From another source (a peer), what it
+        (the origin could not be read or was wrong); ``full`` also when the tiers took some
+        of its pieces, not all (they stay). From another source (a peer), what it
         could not give is for the caller to fetch elsewhere, and the files it gave right stay
         in the partial copy: ``corrupt`` (a file failed its checksum) or ``unavailable``."""
         if self._find(shard):
@@ -339,16 +462,17 @@ class TierChain:
         try:
             if self._find(shard):  # finished by someone else just before we claimed it
                 return "held"
-            got = self._live_fill(shard, create=True)
-            if got is None:
-                if self._find(shard):
-                    return "held"
-                if shard in self._no_fill:
-                    self._failed.add(shard)
-                    log.warning("shard %d not placed: its files do not tile it", shard)
-                    return "failed"
-                return "full"
-            return self._copy_rest(shard, *got, progress, source or self.origin)
+            copies = self._copies_to_fill(shard)
+            if copies is None:
+                return "failed"
+            if self._find(shard):
+                return "held"
+            outcome = "full"
+            for f, t in copies:
+                outcome = self._copy_rest(shard, f, t, progress, source or self.origin)
+                if outcome not in ("placed", "held", "full"):
+                    break
+            return outcome
         finally:
             self.claims.release(shard)
 
@@ -418,7 +542,8 @@ class TierChain:
 
     def _copy_rest(self, shard: int, f: ShardFill, t: DirTier,
                    progress: Callable[[int], None] | None, src: ShardSource) -> str:
-        """Copy what the reads have not filled from ``src``, then make the copy whole."""
+        """Copy what the reads have not filled of the pieces reserved in ``f`` from ``src``,
+        then make the copy whole if every piece is in it."""
         origin = src is self.origin
         name = self.manifest.shards[shard].name
         try:
@@ -433,7 +558,7 @@ class TierChain:
                 log.warning("shard %d (%s): %s; asking the next holder", shard, name, exc)
                 return "corrupt"
             self._failed.add(shard)
-            self._drop_fill(shard, again=False)  # it cannot be completed: free its room
+            self._drop_fill(shard, t, again=False)  # it cannot be completed: free its room
             log.warning("shard %d (%s) not placed: %s", shard, name, exc)
             return "failed"
         except OriginFailed as exc:
@@ -441,16 +566,18 @@ class TierChain:
                 log.info("shard %d (%s): %s did not answer (%s)", shard, name, src.name, exc)
                 return "unavailable"
             self._failed.add(shard)
-            self._drop_fill(shard, again=False)
+            self._drop_fill(shard, t, again=False)
             log.warning("shard %d (%s) not placed: %s", shard, name, exc)
             return "failed"
         except OSError as exc:
-            self._drop_fill(shard, again=False)
+            self._drop_fill(shard, t, again=False)
             self._tier_failed(t, exc)
             return "failed"
-        if self._finish(shard):
+        if f.complete() and self._finish(shard, f, t):
             return "placed"
-        return "held" if self._find(shard) else "failed"
+        if self._find(shard):
+            return "held"
+        return "full" if not f.res.all() else "failed"
 
     def _tier_failed(self, t: DirTier, exc: OSError) -> str:
         reason = "no space left on device" if exc.errno in NO_SPACE else str(exc)
@@ -498,6 +625,30 @@ class TierChain:
             self._next_check.pop(s, None)  # seen landed: the next read looks at once
         return held
 
+    def held_pieces(self) -> dict[str, set[tuple[int, int]]]:
+        """Per tier (by path): the (shard, piece) pairs it holds, whole copies included
+        (every piece of them), read from the tier directories."""
+        out: dict[str, set[tuple[int, int]]] = {}
+        for t in self.tiers:
+            got = out[t.root] = set()
+            for shard in sorted(t.held()):
+                got.update((shard, p) for p in range(self._extents_of(shard).pieces))
+            for shard in self._partial_shards(t):
+                ext = self._extents_of(shard)
+                f = open_fill(t.path(shard), self._sizes[shard], ext)
+                if f is not None:
+                    got.update((shard, int(p)) for p in f.held_pieces())
+                    f.close()
+        return out
+
+    def _partial_shards(self, t: DirTier) -> list[int]:
+        try:
+            names = os.listdir(t.dir)
+        except FileNotFoundError:
+            return []
+        index = {s.name + ".fill": i for i, s in enumerate(self.manifest.shards)}
+        return sorted(index[n] for n in names if n in index)
+
     def stage(self, shards: Iterable[int] | None = None,
               progress: Callable[[int], None] | None = None) -> dict[str, int]:
         """Place shards now, in this thread (``stagefs stage``); counts of each outcome.
@@ -522,7 +673,7 @@ class TierChain:
         return counts
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
-        """Wait until the background placer has nothing queued (tests, the benchmark)."""
+        """Wait until the streams have nothing queued (tests, the benchmark)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.stream.idle():
@@ -554,10 +705,7 @@ class TierChain:
             tiers.append({"path": t.root, "kind": t.kind, "capacity": t.capacity,
                           "bytes_used": t.used_bytes(), "shards_held": len(t.held()),
                           "stopped": t.stopped, **t.stats.as_dict()})
-        hits = sum(t.stats.hits for t in self.tiers)
-        total = hits + self.misses
-        c.update(tiers=tiers, shards=len(self._sizes), hits=hits,
-                 hit_rate=hits / total if total else 0.0)
+        c.update(tiers=tiers, shards=len(self._sizes), hits=sum(t.stats.hits for t in self.tiers))
         return c
 
     def _maybe_flush(self) -> None:
@@ -581,8 +729,9 @@ class TierChain:
             self._closing = True
         self.stream.close()
         self.flush_stats()
-        for f, _ in list(self._fills.values()):
-            f.close()
+        for copies in list(self._fills.values()):
+            for f, _ in copies:
+                f.close()
         self._fills.clear()
         for f in self._graveyard_fills:
             f.close()
@@ -593,7 +742,7 @@ class TierChain:
         _CHAINS.discard(self)
 
     def _after_fork(self) -> None:
-        """In a forked child: no placer thread was copied; start counting afresh."""
+        """In a forked child: no stream thread was copied; start counting afresh."""
         self._queued.clear()
         self._init_threading()
         self.stream.after_fork()

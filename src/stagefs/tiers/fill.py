@@ -1,26 +1,37 @@
-"""Shared partial copies: the tier copy of a shard fills as reads pass through it.
+"""Shared partial copies, held in pieces: a tier copy of a shard fills as reads pass.
 
 In the first epoch every sample is read once from the origin. Each verified read also writes
 its bytes into the shard's copy in a tier, so the epoch places the data as a side effect and
 the background placer only copies what no read brought in (its "gaps"). Every origin byte is
-then read once (MONARCH's placement during the first epoch, at shard granularity).
+then read once (MONARCH's placement during the first epoch).
 
-Files beside the shard's final name in the tier, shared by every process of the node:
+The unit of placement is a **piece** (docs/decisions/0015-pieces.md): the stored files of a
+shard whose first byte lies in one window of ``piece_size`` bytes (the manifest's checksum
+piece, 1 MiB as packed today) after the header. A piece is reserved in one tier (its room
+counted) before any of its bytes are written there, and stays there: a tier of any size
+holds a share of the dataset, and a shard may have pieces in several tiers (one partial
+copy in each).
 
-- ``NAME.partial``: the shard's full size, reserved with ``fallocate`` when it is created;
-  its 64-byte header is written then (it follows from the manifest).
+Files beside the shard's final name in a tier, shared by every process of the node:
+
+- ``NAME.partial``: a sparse file of the shard's full size; its 64-byte header is written
+  when it is created (it follows from the manifest). Each piece's bytes are allocated
+  (``fallocate``) when the piece is reserved.
 - ``NAME.fill``: one byte per stored file of the shard, in offset order (files of size 0
-  are left out): 1 once the file's bytes are in ``NAME.partial`` and were checked against
-  the manifest's checksum. A byte is set only after its bytes are written.
+  are left out), then one byte per piece. A file's byte is 1 once its bytes are in
+  ``NAME.partial`` and were checked against the manifest's checksum (set only after they
+  are written); a piece's byte is 1 once the piece is reserved in this copy.
 
-The copy is complete when every byte is 1; whoever sets the last one (a reader or the
-placer) renames ``NAME.partial`` to ``NAME`` and deletes ``NAME.fill``, under the tiers'
-lock. Every read of a copy, partial or whole, is still verified by the Store, so a torn or
-stale byte never reaches a caller: it falls through to the origin.
+The copy is complete when every file's byte is 1 (every piece is here); whoever sets the
+last one (a reader or the placer) renames ``NAME.partial`` to ``NAME`` and deletes
+``NAME.fill``, under the tiers' lock. A copy whose tier had no room for all its pieces stays
+partial and serves the pieces it holds. Every read of a copy, partial or whole, is still
+verified by the Store, so a torn or stale byte never reaches a caller: it falls through to
+the next holder.
 
 Only a shard whose stored files tile it exactly (the pack format: header, then the files
 back to back, with zero padding shorter than the pack's alignment before an aligned file) is
-filled this way; another shard is copied whole by the placer.
+filled this way; another shard is not placed.
 """
 
 from __future__ import annotations
@@ -49,15 +60,20 @@ PARTIAL_SUFFIX = ".partial"
 
 @dataclass(frozen=True)
 class Extents:
-    """The stored files of one shard with bytes, in offset order: [offs[i], ends[i])."""
+    """The stored files of one shard with bytes, in offset order: [offs[i], ends[i]), and
+    the pieces they form: piece ``piece[i]`` holds extent i; piece p is extents
+    ``pstart[p]`` to ``pstart[p + 1] - 1``."""
 
     offs: npt.NDArray[np.int64]
     ends: npt.NDArray[np.int64]
     entries: npt.NDArray[np.int64]  # manifest entry of each extent
     tiles: bool  # header, then the extents back to back, to the shard's end
+    piece: npt.NDArray[np.int64]
+    pstart: npt.NDArray[np.int64]
 
     @classmethod
-    def of(cls, m: Manifest, entries: npt.NDArray[np.int64], size: int) -> Extents:
+    def of(cls, m: Manifest, entries: npt.NDArray[np.int64], size: int,
+           piece_size: int | None = None) -> Extents:
         a = m.arrays
         stored = a["stored"][entries].astype(np.int64)
         keep = stored > 0
@@ -72,10 +88,34 @@ class Extents:
                          and (gaps < m.align.to).all())
         else:
             tiles = size == SHARD_HEADER.size
-        return cls(offs, ends, ents, tiles)
+        # a file belongs to the piece window its first byte lies in; empty windows (inside
+        # a large file) are skipped, so pieces are numbered 0.. with no gap
+        window = (offs - SHARD_HEADER.size) // (piece_size or m.piece_size)
+        new = np.ones(len(offs), bool)
+        new[1:] = window[1:] != window[:-1]
+        piece = np.cumsum(new, dtype=np.int64) - 1
+        pstart = np.append(np.flatnonzero(new), len(offs)).astype(np.int64)
+        return cls(offs, ends, ents, tiles, piece, pstart)
 
     def __len__(self) -> int:
         return len(self.offs)
+
+    @property
+    def pieces(self) -> int:
+        return len(self.pstart) - 1
+
+    def span(self, p: int) -> tuple[int, int]:
+        """The bytes [a, b) of piece ``p`` in the shard."""
+        return int(self.offs[self.pstart[p]]), int(self.ends[self.pstart[p + 1] - 1])
+
+    def at(self, offset: int) -> int:
+        """The extent starting at ``offset`` (-1 if none does)."""
+        k = int(np.searchsorted(self.offs, offset))
+        return k if k < len(self.offs) and self.offs[k] == offset else -1
+
+    def sizes(self) -> npt.NDArray[np.int64]:
+        """Bytes of each piece."""
+        return self.ends[self.pstart[1:] - 1] - self.offs[self.pstart[:-1]]
 
     def inside(self, a: int, b: int) -> tuple[int, int]:
         """Extents lying wholly inside [a, b): positions lo..hi-1."""
@@ -169,6 +209,11 @@ class Activity:
             self._mm.close()
 
 
+def map_size(ext: Extents) -> int:
+    """Bytes of a shard's fill map: one per stored file, one per piece."""
+    return len(ext) + ext.pieces
+
+
 class ShardFill:
     """This process's handle on one shard's partial copy in one tier."""
 
@@ -179,9 +224,39 @@ class ShardFill:
         st = os.fstat(fd)
         self.ino = (st.st_dev, st.st_ino)
         n = len(ext)
-        self._mm = mmap.mmap(fill_fd, max(n, 1), mmap.MAP_SHARED) if n else None
-        self.bits: npt.NDArray[np.uint8] = (np.frombuffer(self._mm, dtype=np.uint8, count=n)
-                                            if self._mm is not None else np.ones(0, np.uint8))
+        size = map_size(ext)
+        self._mm = mmap.mmap(fill_fd, size, mmap.MAP_SHARED) if size else None
+        if self._mm is not None:
+            self.bits: npt.NDArray[np.uint8] = np.frombuffer(self._mm, np.uint8, n)
+            self.res: npt.NDArray[np.uint8] = np.frombuffer(self._mm, np.uint8, ext.pieces, n)
+        else:
+            self.bits = self.res = np.ones(0, np.uint8)
+
+    def reserved(self, p: int) -> bool:
+        """Is piece ``p`` reserved in this copy?"""
+        return bool(self.res[p])
+
+    def reserve(self, p: int) -> int:
+        """Reserve piece ``p`` here (the caller holds the tiers' lock and counts its room):
+        its bytes are allocated now, so a full file system shows up here (ENOSPC), before
+        any byte is written, and the room the tier's file system reports is true. Returns
+        its size."""
+        a, b = self.ext.span(p)
+        _reserve(self.fd, a, b - a)
+        self.res[p] = 1
+        return b - a
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the pieces reserved in this copy."""
+        return int(self.ext.sizes()[self.res.astype(bool)].sum()) if len(self.res) else 0
+
+    def held_pieces(self) -> npt.NDArray[np.int64]:
+        """The pieces whose every file is here."""
+        if not len(self.bits):
+            return np.zeros(0, np.int64)
+        missing = np.zeros(self.ext.pieces, bool)
+        missing[self.ext.piece[self.bits == 0]] = True
+        return np.flatnonzero(~missing & self.res.astype(bool))
 
     @property
     def partial(self) -> str:
@@ -224,6 +299,17 @@ class ShardFill:
     def complete(self) -> bool:
         return bool(self.bits.all())
 
+    def mine(self) -> npt.NDArray[np.bool_]:
+        """Per stored file: is its piece reserved in this copy? (The files of the other
+        pieces are another copy's, or no copy's.)"""
+        if not len(self.bits):
+            return np.zeros(0, bool)
+        return self.res[self.ext.piece].astype(bool)  # type: ignore[no-any-return]
+
+    def filled_mine(self) -> bool:
+        """Is every file of the pieces reserved in this copy here?"""
+        return bool(self.bits[self.mine()].all())
+
     def linked(self) -> bool:
         """Is this still the partial copy the tier names (not dropped, not finished)?"""
         try:
@@ -233,7 +319,7 @@ class ShardFill:
         return (st.st_dev, st.st_ino) == self.ino
 
     def close(self) -> None:
-        self.bits = np.ones(0, np.uint8)
+        self.bits = self.res = np.ones(0, np.uint8)
         if self._mm is not None:
             with contextlib.suppress(BufferError):
                 self._mm.close()
@@ -253,7 +339,7 @@ def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
         os.close(fd)
         return None
     try:
-        if os.fstat(fd).st_size != size or os.fstat(ffd).st_size != len(ext):
+        if os.fstat(fd).st_size != size or os.fstat(ffd).st_size != map_size(ext):
             os.close(fd)
             return None
         return ShardFill(final, fd, ffd, ext)
@@ -264,14 +350,9 @@ def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
         os.close(ffd)
 
 
-def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes, *,
-                reserve: bool = True) -> ShardFill:
-    """Create (replacing any leftover) the partial copy and its fill map; the caller holds
-    the tiers' lock and checked the room. With ``reserve`` the space is allocated now
-    (``fallocate``: a disk tier), and ENOSPC shows up here with nothing left behind; in
-    memory the file is left sparse (allocating would zero pages the reads are about to
-    write: 4 ms per 16 MiB on the critical path), and a full file system shows up as the
-    write's ENOSPC, which stops the tier."""
+def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes) -> ShardFill:
+    """Create (replacing any leftover) the sparse partial copy and its fill map, with no
+    piece reserved yet; the caller holds the tiers' lock."""
     partial, fmap = final + PARTIAL_SUFFIX, final + FILL_SUFFIX
     for p in (fmap, partial):
         with contextlib.suppress(FileNotFoundError):
@@ -279,14 +360,11 @@ def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes,
     fd = ffd = -1
     try:
         fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        if reserve:
-            _reserve(fd, size)
-        else:
-            os.ftruncate(fd, size)
+        os.ftruncate(fd, size)
         header = ShardHeader(index, pack_id, size - SHARD_HEADER.size).encode()
         os.pwrite(fd, header, 0)
         ffd = os.open(fmap, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(ffd, len(ext))
+        os.ftruncate(ffd, map_size(ext))
         fill = ShardFill(final, fd, ffd, ext)
     except BaseException:
         if fd >= 0:
@@ -307,10 +385,9 @@ def remove_fill(final: str) -> None:
             os.unlink(final + suffix)
 
 
-def _reserve(fd: int, size: int) -> None:
+def _reserve(fd: int, offset: int, length: int) -> None:
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             raise
-        os.ftruncate(fd, size)

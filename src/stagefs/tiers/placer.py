@@ -117,7 +117,8 @@ def fill_gaps(
     stop: Callable[[], bool] | None = None,
     pace: Pace | None = None,
 ) -> None:
-    """Copy from the origin every stored file of the shard that no read has filled yet.
+    """Copy from the origin every stored file of the pieces reserved in this copy that no
+    read has filled yet.
 
     The copy walks the shard's files in offset order and reads the next run of missing
     files, up to CHUNK bytes, as ``pace()`` allows (IN_FLIGHT pieces at full speed). What is
@@ -130,6 +131,8 @@ def fill_gaps(
     ext, bits = fill.ext, fill.bits
     n_ext = len(ext)
     offs, ends = ext.offs, ext.ends
+    # the files of the pieces not reserved in this copy are some other copy's (or none's)
+    mine = fill.mine()
     done = int(np.sum((ends - offs)[bits.astype(bool)])) if n_ext else 0
     if progress is not None:
         progress(done)
@@ -144,7 +147,7 @@ def fill_gaps(
             big = (a + n, b) if a + n < b else None
             return a, n
         k = cursor
-        while k < n_ext and bits[k]:
+        while k < n_ext and (bits[k] or not mine[k]):
             k += 1
         if k >= n_ext:
             cursor = k
@@ -155,7 +158,7 @@ def fill_gaps(
             big = (a + chunk, int(ends[k]))
             return a, chunk
         hi = k + 1
-        while hi < n_ext and not bits[hi] and int(ends[hi]) - a <= chunk:
+        while hi < n_ext and not bits[hi] and mine[hi] and int(ends[hi]) - a <= chunk:
             hi += 1
         cursor = hi
         return a, int(ends[hi - 1]) - a

@@ -1,16 +1,151 @@
 """What a job's tiers hold and what its processes did: the counters every process writes to
-the runtime directory, summed (``stagefs status``)."""
+the runtime directory, summed (``stagefs status``).
+
+Reads are counted per sample and per byte, by holder, in a small mapped file per process
+(``ReadCounters``; the format is in docs/status.md, for any other front end, such as the
+preload library, to write the same): every count is a store into shared memory, so a
+process that ends with ``os._exit`` (a DataLoader worker) or is killed loses none.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import mmap
 import os
+import threading
+import weakref
 from typing import Any
 
 from stagefs.runtime import Runtime
 from stagefs.tiers.tier import dir_bytes
 
-__all__ = ["job_status"]
+__all__ = ["COUNTER_SLOTS", "HOLDERS", "ReadCounters", "holder_summary", "job_status",
+           "read_counts"]
+
+MAGIC = b"SFSCNT1\n"
+HOLDERS = ("memory", "disk", "peer", "origin")
+"""Where a read's bytes came from: a memory tier, a disk tier, another node, the origin."""
+COUNTER_SLOTS = (*(f"{h}_{k}" for h in HOLDERS for k in ("reads", "bytes")),
+                 "checksum_failures", "unavailable")
+"""The u64 counters after the 16-byte header, in this order (docs/status.md)."""
+_FILE_SLOTS = 30  # room for counters added later: a reader sums the slots it knows
+_SIZE = 16 + 8 * _FILE_SLOTS
+SUFFIX = ".counters"
+_SLOT = {name: i for i, name in enumerate(COUNTER_SLOTS)}
+_LIVE: weakref.WeakSet[ReadCounters] = weakref.WeakSet()
+_SEQ = itertools.count()
+
+
+class ReadCounters:
+    """This process's read counters for one store, in ``<stats dir>/<pid>-<n>.counters``,
+    made at the first count (a forked child makes its own: the parent's stay its own)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._pid = -1
+        self._slots: memoryview | None = None
+        self._mm: mmap.mmap | None = None
+        self._lock = threading.Lock()
+        _LIVE.add(self)
+
+    def add(self, holder: str, reads: int, nbytes: int) -> None:
+        """``reads`` samples of ``nbytes`` bytes in all came from ``holder``."""
+        i = 2 * HOLDERS.index(holder)
+        with self._lock:
+            slots = self._slots if self._pid == os.getpid() else self._open()
+            if slots is not None:
+                slots[i] += reads
+                slots[i + 1] += nbytes
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            slots = self._slots if self._pid == os.getpid() else self._open()
+            if slots is not None:
+                slots[_SLOT[name]] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """This process's counts, by counter name."""
+        with self._lock:
+            slots = self._slots if self._pid == os.getpid() else None
+            return {k: int(slots[i]) if slots is not None else 0
+                    for i, k in enumerate(COUNTER_SLOTS)}
+
+    def _open(self) -> memoryview | None:
+        """Make this process's file (None if the runtime dir is gone: counting is best
+        effort, never an error for a read)."""
+        self._pid = os.getpid()
+        self._slots = None
+        path = os.path.join(self.folder, f"{self._pid}-{next(_SEQ)}{SUFFIX}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(fd, _SIZE)
+            os.pwrite(fd, MAGIC + self._pid.to_bytes(8, "little"), 0)
+            self._mm = mmap.mmap(fd, _SIZE, mmap.MAP_SHARED)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        self._slots = memoryview(self._mm)[16:].cast("Q")
+        return self._slots
+
+    def close(self) -> None:
+        with self._lock:
+            if self._slots is not None:
+                self._slots.release()
+                self._slots = None
+            if self._mm is not None:
+                with contextlib.suppress(BufferError):
+                    self._mm.close()
+                self._mm = None
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_LIVE):
+        c._lock = threading.Lock()  # another thread may have held it at the fork
+        c._slots, c._mm, c._pid = None, None, -1  # the parent's mapping stays the parent's
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def read_counts(folder: str) -> dict[str, int]:
+    """Every ``*.counters`` file in ``folder`` summed, by counter name."""
+    total = dict.fromkeys(COUNTER_SLOTS, 0)
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(SUFFIX)]
+    except OSError:
+        return total
+    for name in names:
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                raw = f.read(_SIZE)
+        except OSError:
+            continue
+        if raw[:8] != MAGIC or len(raw) < 16:
+            continue  # not a counters file (or one being made): skip it
+        body = raw[16:]
+        for i, key in enumerate(COUNTER_SLOTS):
+            if 8 * i + 8 <= len(body):
+                total[key] += int.from_bytes(body[8 * i : 8 * i + 8], "little")
+    return total
+
+
+def holder_summary(counts: dict[str, int]) -> dict[str, Any]:
+    """Reads and bytes per holder, their totals, and the hit rate: the bytes that did not
+    come from the origin over all the bytes read."""
+    holders = {h: {"reads": counts[f"{h}_reads"], "bytes": counts[f"{h}_bytes"]}
+               for h in HOLDERS}
+    reads = sum(v["reads"] for v in holders.values())
+    nbytes = sum(v["bytes"] for v in holders.values())
+    hit = (nbytes - holders["origin"]["bytes"]) / nbytes if nbytes else 0.0
+    return {"holders": holders, "reads": reads, "bytes": nbytes, "hit_rate": hit,
+            "checksum_failures": counts["checksum_failures"],
+            "unavailable": counts["unavailable"]}
 
 _TIER_COUNTERS = ("hits", "bytes", "placed", "placed_bytes", "filled", "filled_bytes",
                   "dropped")
@@ -57,7 +192,7 @@ def job_status(rt: Runtime) -> dict[str, Any]:
             o[k] += int(rec.get("origin_stats", {}).get(k, 0))
     return {"runtime": rt.path, "job": rt.job, "live_processes": len(rt.live_processes()),
             "tiers": list(tiers.values()), "origins": list(origins.values()),
-            "stalls": stall_records(rt.path)}
+            **holder_summary(read_counts(rt.stats)), "stalls": stall_records(rt.path)}
 
 
 def stall_records(runtime: str) -> list[dict[str, Any]]:

@@ -13,14 +13,21 @@ reads it itself. Either way each stored file is read from the origin once.
   drops its locks with it, so a file a dead reader held is simply free again.
 - ``Stream``: the threads. Each streams one shard at a time from the queue (the sampler's
   order of first use when it gave one with ``Store.prefetch``, else the order of the first
-  reads: shard-local order), reading the runs of files that nobody holds, ``CHUNK`` bytes a
-  read, each file checked as it streams through (placer.py's check) before its fill byte is
-  set. A claim per shard (claims.py) keeps two processes from streaming the same shard.
-- ``StreamSource``: the holder a read of a shard not whole in a tier asks first. Files
-  already in the partial copy are read from it; files a stream (or another reader) holds
-  are waited for; files nobody holds are reserved and read by the caller itself, checked,
-  and written into the partial copy (a read far ahead of the streams does not wait for
-  them). The Store verifies the bytes it returns like any holder's.
+  reads: shard-local order). It reserves the shard's pieces in the tiers first (fill.py: in
+  the first tier with room, as many as there is room for; the chain counts the room), then
+  reads, copy by copy, the runs of files of the pieces reserved there that nobody holds,
+  ``CHUNK`` bytes a read, each file checked as it streams through (placer.py's check)
+  before its fill byte is set. A claim per shard (claims.py) keeps two processes from
+  streaming the same shard. Pieces no tier has room for are not streamed: their readers
+  read them from the origin, once.
+- ``StreamSource``: the holder a read of a shard not whole in a tier asks after the partial
+  copies of the tiers (chain.py lists them first). A file already in the copy holding its
+  piece is read from it; a file a stream (or another reader) holds is waited for; a file
+  nobody holds is reserved (its piece too, if no copy holds it yet) and read by the caller
+  itself, checked, and written into its piece's copy (a read far ahead of the streams does
+  not wait for them). A file whose piece no tier has room for is refused: the origin serves
+  it. The Store verifies the bytes it returns like any holder's; the read counters count
+  them as the origin's (they were read from it for this epoch's reads).
 """
 
 from __future__ import annotations
@@ -46,7 +53,8 @@ from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 from stagefs.tiers.placer import _pwrite_all, _run_verifier
 
 if TYPE_CHECKING:
-    from stagefs.tiers.chain import TierChain
+    from stagefs.tiers.chain import Copy, TierChain
+    from stagefs.tiers.fill import Extents
     from stagefs.tiers.tier import DirTier
 
 __all__ = ["CHUNK", "GAIN", "MOST_STREAMS", "Controller", "Reservations", "Stream",
@@ -60,7 +68,11 @@ GAIN = 1.02  # another stream stays if the origin's throughput rose by this fact
 WINDOW_S = 0.5  # throughput is measured over windows this long
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
-_EMPTY = np.zeros(0, dtype=bool)
+_LOOKS = 4  # a read looks for the copies of a shard again at most this often
+
+
+class _Gone(Exception):
+    """The partial copy a read waited on was finished or dropped meanwhile."""
 
 
 class Controller:
@@ -137,13 +149,14 @@ class Reservations:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._held: dict[int, _Held] = {}
+        self._held: dict[tuple[int, str], _Held] = {}  # (shard, copy's final path) ->
 
     def held(self, shard: int, fill: ShardFill) -> _Held | None:
-        """This process's reservation state of the shard's current partial copy (None:
-        its fill map is gone: the copy was finished or dropped)."""
+        """This process's reservation state of the shard's current partial copy in the
+        tier of ``fill`` (None: its fill map is gone: the copy was finished or dropped)."""
+        key = (shard, fill.final)
         with self._lock:
-            h = self._held.get(shard)
+            h = self._held.get(key)
             if h is not None and h.fill.ino == fill.ino:
                 return h  # the same partial copy (maybe through another handle)
             if h is not None and not h.busy.any():
@@ -152,7 +165,7 @@ class Reservations:
                 h = _Held(fill)
             except FileNotFoundError:
                 return None
-            self._held[shard] = h
+            self._held[key] = h
             return h
 
     def take(self, h: _Held, lo: int, hi: int) -> list[tuple[int, int]] | None:
@@ -169,37 +182,48 @@ class Reservations:
             done: list[tuple[int, int]] = []
             for a, b in runs:
                 if not _ofd_lock(h.fd, fcntl.F_WRLCK, a, b - a):
-                    for x, y in done:
-                        _ofd_lock(h.fd, fcntl.F_UNLCK, x, y - x)
-                    return None
+                    break
                 done.append((a, b))
+            # looked at again once locked: another process may have filled one and let go
+            # of it between the look and the lock (its bytes would come over twice)
+            if len(done) < len(runs) or bits[missing].any():
+                for x, y in done:
+                    _ofd_lock(h.fd, fcntl.F_UNLCK, x, y - x)
+                return None
             for a, b in runs:
                 h.busy[a:b] = True
             return runs
 
     def take_next(self, h: _Held, cursor: int, limit: int) -> tuple[int, int] | None:
-        """Reserve the next run from ``cursor`` of files not filled and held by nobody, up
-        to ``limit`` bytes (one file at least); None if there is none."""
+        """Reserve the next run from ``cursor`` of files of the pieces reserved in this copy,
+        not filled and held by nobody, up to ``limit`` bytes (one file at least); None if
+        there is none."""
         ext, bits = h.fill.ext, h.fill.bits
         n = len(ext)
+        free = ~h.fill.mine()  # files of pieces this copy does not hold: never read here
         with self._lock:
             k = cursor
             while k < n:
-                if bits[k] or h.busy[k] or h.bad[k]:
+                if bits[k] or h.busy[k] or h.bad[k] or free[k]:
                     k += 1
                     continue
                 a = int(ext.offs[k])
                 hi = k + 1
                 while (hi < n and not bits[hi] and not h.busy[hi] and not h.bad[hi]
-                       and int(ext.ends[hi]) - a <= limit):
+                       and not free[hi] and int(ext.ends[hi]) - a <= limit):
                     hi += 1
                 if _ofd_lock(h.fd, fcntl.F_WRLCK, k, hi - k):
-                    h.busy[k:hi] = True
-                    return k, hi
-                if hi > k + 1 and _ofd_lock(h.fd, fcntl.F_WRLCK, k, 1):
-                    h.busy[k] = True
-                    return k, k + 1
-                k += 1  # another process reads it now
+                    got = k, hi
+                elif hi > k + 1 and _ofd_lock(h.fd, fcntl.F_WRLCK, k, 1):
+                    got = k, k + 1
+                else:
+                    k += 1  # another process reads it now
+                    continue
+                if bits[got[0] : got[1]].any():  # filled by another process since the look
+                    _ofd_lock(h.fd, fcntl.F_UNLCK, got[0], got[1] - got[0])
+                    continue  # looked at afresh: the run is shorter or starts later
+                h.busy[got[0] : got[1]] = True
+                return got
             return None
 
     def release(self, h: _Held, lo: int, hi: int) -> None:
@@ -249,6 +273,7 @@ class StreamSource:
     """The holder asked first for a shard not whole in a tier (module docstring)."""
 
     name = "stream"
+    holder = "origin"  # what the read counters call it: its bytes came over for this read
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
@@ -257,8 +282,15 @@ class StreamSource:
         return self.stream.read(shard, offset, length)
 
     def drop(self, shard: int) -> None:
-        """A read found bad bytes in the partial copy: start it afresh."""
-        self.stream.chain._drop_fill(shard)
+        """A read found bad bytes in what this thread was given last: start the partial
+        copy they came from afresh (every copy of the shard if they came from several)."""
+        chain = self.stream.chain
+        last = getattr(self.stream._served, "last", None)
+        copies = list(chain._fills.get(shard, ()))
+        if last is not None and last[0] == shard and last[1] is not None:
+            copies = [c for c in copies if c[1] is last[1]]
+        for k, (_, t) in enumerate(copies):
+            chain._drop_fill(shard, t, again=k == len(copies) - 1)
 
     def close(self) -> None:
         pass
@@ -273,6 +305,7 @@ class Stream:
         self.source = StreamSource(self)
         self._clock, self._most = clock, most
         self.res = Reservations()
+        self._served = threading.local()  # (shard, tier or None) of this thread's last read
         self._init()
 
     def _init(self) -> None:
@@ -357,37 +390,38 @@ class Stream:
 
     def _stream_shard(self, shard: int) -> None:
         chain = self.chain
-        if chain._find(shard) or chain.full:
+        if chain._find(shard) or (chain.full and shard not in chain._fills):
             return
         if not chain.claims.acquire(shard):
             return  # another process of the node streams it; reads here wait for it
         try:
             if chain._find(shard):
                 return
-            got = chain._live_fill(shard, create=True)
-            if got is None:
-                if shard in chain._no_fill and not chain._find(shard):
-                    chain._failed.add(shard)
-                    log.warning("shard %d not placed: its files do not tile it", shard)
-                return
+            copies = chain._copies_to_fill(shard)
+            if not copies:
+                return  # whole, not placeable, or no tier has room for any of its pieces
             with self._cond:
                 self.started.append(shard)
-            self._bulk(shard, *got)
+            for fill, tier in copies:
+                if self._closing or chain._find(shard):
+                    return
+                self._bulk(shard, fill, tier)
         finally:
             chain.claims.release(shard)
 
     def _bulk(self, shard: int, fill: ShardFill, tier: DirTier) -> None:
-        """Read every file of the shard nobody has read or reads now, in offset order; then
-        wait for the files others hold, and make the copy whole."""
+        """Read every file of the pieces reserved in this copy that nobody has read or reads
+        now, in offset order; then wait for the files others hold, and make the copy whole
+        if every piece of the shard is in it."""
         h = self.res.held(shard, fill)
         cursor = 0
-        while h is not None and not self._closing and fill.linked() and not fill.complete():
+        while h is not None and not self._closing and fill.linked() and not fill.filled_mine():
             run = self.res.take_next(h, cursor, CHUNK)
             if run is None:
                 if cursor:
                     cursor = 0  # once more from the start, for what others held then
                     continue
-                if h.bad[fill.bits == 0].all():
+                if h.bad[(fill.bits == 0) & fill.mine()].all():
                     break  # what is left failed its check at the origin: not placed
                 with self._cond:  # others read the rest now: wait for them
                     self._cond.wait(0.005)
@@ -404,7 +438,7 @@ class Stream:
             cursor = run[1]
             self._tune()
         if fill.linked() and fill.complete():
-            self.chain._finish(shard)
+            self.chain._finish(shard, fill, tier)
 
     def _copy(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held, lo: int, hi: int,
               *, bulk: bool) -> bytes | None:
@@ -426,7 +460,7 @@ class Stream:
                 try:
                     _pwrite_all(fill.fd, data, pos)
                 except OSError as exc:
-                    chain._drop_fill(shard, again=False)
+                    chain._drop_fill(shard, tier, again=False)
                     chain._tier_failed(tier, exc)
                     raise SourceUnavailable(f"{tier.name}: {exc}") from exc
                 verifier.feed(pos, data)
@@ -443,22 +477,81 @@ class Stream:
         tier.stats.filled += hi - lo
         tier.stats.filled_bytes += b - a
         if fill.complete():
-            chain._finish(shard)
+            chain._finish(shard, fill, tier)
         return data if pos - a == len(data or b"") else None
 
     # -- reads -------------------------------------------------------------------------------
 
     def read(self, shard: int, offset: int, length: int) -> bytes:
-        """Bytes [offset, offset + length) of the shard, from its partial copy once the
-        stream (or another reader) has them there, or read now by this caller."""
+        """Bytes [offset, offset + length) of the shard, from the copies holding their
+        pieces once the stream (or another reader) has them there, or read now by this
+        caller."""
         chain = self.chain
         if not 0 <= shard < len(chain._sizes) or offset < 0 or length < 0 or \
                 offset + length > chain._sizes[shard]:
             raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
-        got = chain._live_fill(shard, create=True)
-        if got is None:
-            return self._from_whole(shard, offset, length, "no partial copy")
-        fill, tier = got
+        ext = chain._extents_of(shard)
+        if not ext.tiles:
+            raise SourceUnavailable("not placed in pieces")
+        end = offset + length
+        lo, hi = ext.touching(offset, end)
+        for attempt in range(_LOOKS):
+            if attempt:  # a copy was finished or dropped meanwhile: look again
+                if chain._find(shard):
+                    return self._from_whole(shard, offset, length, "")
+                chain._look(shard)
+            runs = self._owners(shard, ext, lo, hi)
+            if runs is None:
+                if chain.full:  # no look for a whole copy on every read (holders does)
+                    raise SourceUnavailable("no tier has room for its piece")
+                return self._from_whole(shard, offset, length, "no tier has room for it")
+            try:
+                if len(runs) == 1:
+                    f, t = runs[0][2]
+                    self._served.last = (shard, t)
+                    return self._read_in(shard, f, t, offset, length)
+                out = bytearray(length)  # pieces in several tiers; zero padding between
+                for i, j, (f, t) in runs:
+                    a, b = max(offset, int(ext.offs[i])), min(end, int(ext.ends[j - 1]))
+                    out[a - offset : b - offset] = self._read_in(shard, f, t, a, b - a)
+                self._served.last = (shard, None)
+                return bytes(out)
+            except _Gone:
+                continue
+        raise SourceUnavailable("its partial copies kept changing under the read")
+
+    def _owners(self, shard: int, ext: Extents, lo: int,
+                hi: int) -> list[tuple[int, int, Copy]] | None:
+        """Runs i..j-1 of the files lo..hi-1 whose pieces one partial copy holds, with that
+        copy, the pieces no copy holds reserved now where there is room; None if one of
+        them has no copy."""
+        chain = self.chain
+        if hi <= lo:  # the header (or padding) alone: every copy has it
+            copies = chain._fills.get(shard)
+            return [(lo, hi, copies[0])] if copies else None
+        pieces = range(int(ext.piece[lo]), int(ext.piece[hi - 1]) + 1)
+        missing = [p for p in pieces if chain._owner(shard, p) is None]
+        if missing:
+            if chain.full:
+                return None
+            chain._reserve(shard, missing)
+        runs: list[tuple[int, int, Copy]] = []
+        for p in pieces:
+            got = chain._owner(shard, p)
+            if got is None:
+                return None
+            i, j = max(lo, int(ext.pstart[p])), min(hi, int(ext.pstart[p + 1]))
+            if runs and runs[-1][2][0] is got[0]:
+                runs[-1] = (runs[-1][0], j, got)
+            else:
+                runs.append((i, j, got))
+        return runs
+
+    def _read_in(self, shard: int, fill: ShardFill, tier: DirTier, offset: int,
+                 length: int) -> bytes:
+        """Bytes of files whose pieces ``fill`` holds: from it once they are there, waiting
+        for whoever reads them, or read now by this caller; ``_Gone`` if the copy is
+        finished or dropped meanwhile."""
         end = offset + length
         lo, hi = fill.ext.touching(offset, end)
         whole = (hi > lo and int(fill.ext.offs[lo]) == offset
@@ -472,11 +565,7 @@ class Stream:
                 return data
             h = self.res.held(shard, fill)
             if h is None or not fill.linked():  # finished or dropped meanwhile
-                got = chain._live_fill(shard, create=False)
-                if got is None:
-                    return self._from_whole(shard, offset, length, "the partial copy is gone")
-                fill, tier = got
-                continue
+                raise _Gone
             if h.bad[lo:hi].any():
                 raise SourceUnavailable("failed its check at the origin")
             if whole:

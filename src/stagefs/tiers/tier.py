@@ -1,14 +1,20 @@
-"""A node-local tier: a directory (on /dev/shm or a local disk) holding whole shard files.
+"""A node-local tier: a directory (on /dev/shm or a local disk) holding shards, whole or in
+pieces.
 
 Layout (shared with every other writer): ``<tier dir>/<pack id hex>/<shard file name>``,
-byte-identical to the pack's shard file. A shard is held iff that file exists under its final
-name; writers put it there as ``NAME.partial`` and rename it (tiers/placer.py).
+byte-identical to the pack's shard file. A shard is held whole iff that file exists under
+its final name; writers fill ``NAME.partial`` piece by piece (tiers/fill.py) and rename it
+once every piece is there. A copy whose tier has no room for every piece stays partial.
+
+The room a tier uses is counted in bytes of data (whole copies, reserved pieces) by a
+counter shared by the job's processes (``Room``), changed under the tiers' lock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 import threading
@@ -23,7 +29,7 @@ from stagefs.tiers.base import SourceUnavailable, pread_full
 
 log = logging.getLogger("stagefs")
 
-__all__ = ["DirTier", "TierStats", "fs_type", "prepare_tier_dir", "tier_dir_problem"]
+__all__ = ["DirTier", "Room", "TierStats", "fs_type", "prepare_tier_dir", "tier_dir_problem"]
 
 
 @dataclass
@@ -32,7 +38,8 @@ class TierStats:
 
     hits: int = 0  # reads it served
     bytes: int = 0  # bytes it served
-    placed: int = 0  # shards this process put into it
+    placed: int = 0  # shards this process made whole in it
+    pieces: int = 0  # pieces this process reserved in it
     placed_bytes: int = 0
     filled: int = 0  # files written into partial copies by reads (fill.py)
     filled_bytes: int = 0
@@ -118,12 +125,47 @@ def prepare_tier_dir(path: str) -> None:
                           "name a writable directory") from None
 
 
+class Room:
+    """Bytes a tier holds (whole copies and reserved pieces, of every dataset), counted in
+    one 8-byte file shared by the job's processes: ``<runtime>/claims/room-<hash of the
+    tier path>``. Read and changed only under the tiers' lock. Made, the first time a job
+    uses the tier, from what the tier directory holds (whole files, and the allocated bytes
+    of partial copies: a disk tier allocates each piece as it reserves it)."""
+
+    def __init__(self, folder: str, root: str) -> None:
+        key = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:16]
+        self.path = os.path.join(folder, f"room-{key}")
+        self.root = root
+
+    def used(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(8)
+        except FileNotFoundError:
+            raw = b""
+        if len(raw) == 8:
+            return int.from_bytes(raw, "little", signed=True)
+        total, unwritten = dir_usage(self.root)
+        self._write(total - unwritten)
+        return total - unwritten
+
+    def add(self, n: int) -> None:
+        self._write(max(0, self.used() + n))
+
+    def _write(self, value: int) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
+        finally:
+            os.close(fd)
+
+
 class DirTier:
     """One tier for one dataset: ``pread`` serves held shards through one cached fd each."""
 
     local = True  # node-local: Store.read_many reads it in the calling thread
 
-    def __init__(self, spec: TierSpec, manifest: Manifest) -> None:
+    def __init__(self, spec: TierSpec, manifest: Manifest, room_dir: str | None = None) -> None:
         self.spec = spec
         self.root = spec.path
         self.capacity = spec.capacity
@@ -132,6 +174,8 @@ class DirTier:
         self.dir = os.path.join(self.root, self.pack_id)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.kind = "memory" if fs_type(self.root) in ("tmpfs", "ramfs") else "disk"
+        self.holder = self.kind  # what the read counters call it (stagefs status)
+        self.room = Room(room_dir, self.root) if room_dir is not None else None
         self.name = f"{self.kind} tier {self.root}"
         self._names = [s.name for s in manifest.shards]
         self._sizes = [s.size for s in manifest.shards]
@@ -193,21 +237,25 @@ class DirTier:
         return {self._index[n] for n in names if n in self._index}
 
     def used_bytes(self) -> int:
-        """Bytes in the whole tier directory (every dataset, partial copies included)."""
+        """Bytes of data the tier holds (every dataset): its room counter if it has one,
+        else the bytes allocated in its directory."""
+        if self.room is not None:
+            with contextlib.suppress(OSError):
+                return self.room.used()
         return dir_bytes(self.root)
 
     def no_room(self, size: int) -> str | None:
-        """Why a new copy of ``size`` bytes does not fit (the caller holds the tiers' lock):
-        ``"full"`` (the tier's capacity), ``"no space left on device"`` (its file system,
-        counting what sparse partial copies will still take), or None: it fits."""
-        used, unwritten = dir_usage(self.root)
-        if self.capacity is not None and used + size > self.capacity:
-            return "full"
+        """Why ``size`` more bytes do not fit (the caller holds the tiers' lock): ``"full"``
+        (the tier's capacity), ``"no space left on device"`` (its file system), or None."""
+        if self.capacity is not None:
+            used = self.room.used() if self.room is not None else dir_bytes(self.root)
+            if used + size > self.capacity:
+                return "full"
         try:
             st = os.statvfs(self.root)
         except OSError:
             return None
-        if st.f_bavail * st.f_frsize - unwritten < size:
+        if st.f_bavail * st.f_frsize < size:
             return "no space left on device"
         return None
 
@@ -266,8 +314,10 @@ class DirTier:
 
 
 def dir_bytes(root: str) -> int:
-    """Apparent bytes of the files one and two levels below ``root``."""
-    return dir_usage(root)[0]
+    """Bytes allocated to the files one and two levels below ``root`` (a sparse partial
+    copy counts what it holds, not its apparent size)."""
+    total, unwritten = dir_usage(root)
+    return total - unwritten
 
 
 def dir_usage(root: str) -> tuple[int, int]:

@@ -1,0 +1,94 @@
+"""`stagefs status` counts every read of the job, per sample and per byte, by holder, from
+every process: forked DataLoader workers (which leave with os._exit) and a FUSE server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stagefs
+from stagefs.posix.fuse import fuse_available, is_mounted
+from tiers_helpers import make_tree
+
+pytestmark = pytest.mark.integration
+
+
+def _stagefs(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stagefs.cli", *args], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def status(rt: Path) -> dict[str, Any]:
+    r = _stagefs("status", "--runtime", str(rt), "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    base = tmp_path_factory.mktemp("counts")
+    files = {p: d for p, d in make_tree(base / "raw", n=150).items() if d}
+    stagefs.pack(base / "raw", base / "pack", shard_size="64KiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return base / "pack", files
+
+
+def test_forked_dataloader_workers_are_counted(dataset: tuple[Path, dict[str, bytes]],
+                                               tmp_path: Path) -> None:
+    """Two epochs of a DataLoader with two forked workers (batched reads: read_many): the
+    job's status counts each sample and byte once, the first epoch from the origin, the
+    second from the tier."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    from stagefs.torch import FileDataset
+
+    pack, files = dataset
+    rt, tier = tmp_path / "rt", tmp_path / "tier"
+    samples = total = 0
+    with stagefs.open(pack, tiers=[str(tier)], runtime=str(rt)) as fs:
+        ds = FileDataset(fs, root="")
+        loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
+                                             multiprocessing_context="fork",
+                                             collate_fn=lambda b: b, timeout=120)
+        for _ in range(2):
+            for batch in loader:
+                samples += sum(1 for data, _ in batch if data)  # an empty file: no read
+                total += sum(len(data) for data, _ in batch)
+        assert fs.stats.reads == 0  # the workers read, not this process
+    assert samples == 2 * len(files)
+    st = status(rt)
+    assert (st["reads"], st["bytes"]) == (samples, total), st
+    held = st["holders"]
+    tiered = held["memory"]["bytes"] + held["disk"]["bytes"]
+    assert held["origin"]["bytes"] + tiered == total
+    assert tiered >= total // 2  # the second epoch came from the tier
+    assert st["hit_rate"] == tiered / total
+
+
+@pytest.mark.skipif(fuse_available() is not None, reason=str(fuse_available()))
+def test_fuse_reads_are_counted(dataset: tuple[Path, dict[str, bytes]],
+                                tmp_path: Path) -> None:
+    """Every file read once through a mount with a tier: the server's reads show in the
+    job's status, byte for byte."""
+    pack, files = dataset
+    rt, tier, mp = tmp_path / "rt", tmp_path / "tier", tmp_path / "mnt"
+    mp.mkdir()
+    r = _stagefs("mount", str(pack), str(mp), "--tier", str(tier), "--runtime", str(rt))
+    assert r.returncode == 0, r.stderr
+    try:
+        for rel, data in files.items():
+            with open(mp / rel, "rb") as f:
+                assert f.read() == data
+    finally:
+        r = _stagefs("umount", str(mp))
+        assert r.returncode == 0, r.stderr
+    assert not is_mounted(str(mp))
+    st = status(rt)
+    assert st["bytes"] == sum(len(d) for d in files.values()), st
+    assert st["reads"] == len(files)
+    assert os.listdir(rt / "stats")
