@@ -46,6 +46,7 @@ from stagefs.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 from stagefs.format import KIND_FILE
 from stagefs.namespace import DirEntry
 from stagefs.posix.preload import active as preload_active
+from stagefs.posix.preload import memfd as _memfd
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept",
            "program_kind"]
@@ -58,20 +59,6 @@ BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boots
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _stack: list[Interceptor] = []
 _stack_lock = threading.Lock()
-
-
-def _memfd(data: bytes, name: str) -> int:
-    """An anonymous file holding ``data``: the fd a caller asked for."""
-    fd = os.memfd_create("stagefs:" + os.path.basename(name)[:200], os.MFD_CLOEXEC)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
 
 
 class _FdMixin:

@@ -138,7 +138,10 @@ def write_sidecar(store: Any, root: str, run_dir: str, socket_path: str,
     return path
 
 
-def _memfd(data: bytes, name: str) -> int:
+def memfd(data: bytes, name: str) -> int:
+    """An anonymous file holding ``data`` (its offset at 0): the descriptor a caller gets
+    for a file that has none of its own (the library's helper, and the Python-level
+    interception's ``fileno()`` outside ``stagefs run``)."""
     fd = os.memfd_create("stagefs:" + os.path.basename(name)[:200], os.MFD_CLOEXEC)
     try:
         view = memoryview(data)
@@ -183,7 +186,7 @@ class Helper:
             return
         fd = -1
         try:
-            fd = _memfd(self.store.read_entry(e), os.fsdecode(m.path_of(e)))
+            fd = memfd(self.store.read_entry(e), os.fsdecode(m.path_of(e)))
             socket.send_fds(conn, [b"\0"], [fd])
         except OSError as exc:  # includes the Store's errors (ChecksumError is EIO)
             log.warning("stagefs run: %s", exc)
