@@ -43,6 +43,7 @@ from typing import Any
 from stagefs.errors import ClusterError
 from stagefs.format import Manifest
 from stagefs.net.client import PeerUnavailable
+from stagefs.net.server import HeldFiles
 
 __all__ = ["INVALID", "NOT_HELD", "REQ_TAG", "MpiLimits", "MpiPeer", "MpiStats",
            "MpiTransport", "mpi_library"]
@@ -133,53 +134,13 @@ def _check_threads(mpi: Any) -> None:
             "Or serve peers over TCP (--transport tcp)")
 
 
-class _HeldFiles:
-    """The shard files this node's tiers hold, opened once, checked against the manifest."""
-
-    def __init__(self, manifest: Manifest, locate: Locate) -> None:
-        self.sizes = [s.size for s in manifest.shards]
-        self.locate = locate
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def check(self, shard: int, offset: int, length: int, budget: int) -> int:
-        """The fd to read the range from, or NOT_HELD / INVALID."""
-        if not (0 <= shard < len(self.sizes) and offset >= 0 and 0 <= length <= budget
-                and offset + length <= self.sizes[shard]):
-            return INVALID
-        return self._fd(shard)
-
-    def _fd(self, shard: int) -> int:
-        fd = self._fds.get(shard)
-        if fd is not None:
-            return fd
-        path = self.locate(shard)
-        if path is None:
-            return NOT_HELD
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return NOT_HELD
-        if os.fstat(fd).st_size != self.sizes[shard]:
-            os.close(fd)
-            return NOT_HELD
-        with self._lock:
-            old = self._fds.setdefault(shard, fd)
-        if old != fd:
-            os.close(fd)
-        return old
-
-    def forget(self, shard: int) -> None:
-        with self._lock:
-            fd = self._fds.pop(shard, None)
-        if fd is not None:
-            os.close(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+def _check(files: HeldFiles, shard: int, offset: int, length: int, budget: int) -> int:
+    """The fd to read a requested range from, or NOT_HELD / INVALID."""
+    if not (0 <= shard < len(files.sizes) and offset >= 0 and 0 <= length <= budget
+            and offset + length <= files.sizes[shard]):
+        return INVALID
+    fd = files.fd(shard)
+    return NOT_HELD if fd is None else fd
 
 
 class MpiTransport:
@@ -199,7 +160,7 @@ class MpiTransport:
         self.limits = limits or MpiLimits()
         self.clock = clock
         self.stats = MpiServerStats()
-        self.files = _HeldFiles(manifest, locate)
+        self.files = HeldFiles(manifest, locate)
         self._tag_span = int(self.comm.Get_attr(self.mpi.TAG_UB)) - _FIRST_TAG
         self._tags = itertools.count()
         self._tag_lock = threading.Lock()
@@ -277,7 +238,7 @@ class MpiTransport:
         budget = self.limits.max_reply
         for i in range(n):
             shard, offset, length = req[2 + 3 * i : 5 + 3 * i]
-            fd = self.files.check(shard, offset, length, budget)
+            fd = _check(self.files, shard, offset, length, budget)
             if fd >= 0:
                 budget -= length
                 plan.append((i, fd, offset, length))
@@ -294,7 +255,9 @@ class MpiTransport:
         for i, fd, offset, length in plan:
             got = os.preadv(fd, [view[pos : pos + length]], offset) if length else 0
             if got != length:  # shorter than the manifest says: not a copy we can give
-                self.files.forget(req[2 + 3 * i])
+                dropped = self.files.pop(req[2 + 3 * i])
+                if dropped is not None:
+                    os.close(dropped)
                 lengths[i] = NOT_HELD
                 self.stats.ranges_not_held += 1
                 continue

@@ -50,7 +50,7 @@ from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
 
-__all__ = ["ServerLimits", "ServerStats", "ShardServer", "raise_fd_limit"]
+__all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "raise_fd_limit"]
 
 log = logging.getLogger("stagefs.server")
 
@@ -175,6 +175,55 @@ class _Listener:
         self.sock, self.unix = sock, unix
 
 
+class HeldFiles:
+    """The shard files this node's tiers hold, each opened once and checked against the
+    manifest's size: what a server (TCP, or the MPI transport) reads ranges from. What
+    reaches the file system is a shard index and ``locate``'s answer, never a path from
+    the wire."""
+
+    def __init__(self, manifest: Manifest, locate: Locate) -> None:
+        self.sizes = [s.size for s in manifest.shards]
+        self.locate = locate
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def fd(self, shard: int) -> int | None:
+        """The open file of ``shard``, or None if this node does not hold a whole copy."""
+        fd = self._fds.get(shard)
+        if fd is not None:
+            return fd
+        path = self.locate(shard)
+        if path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        if os.fstat(fd).st_size != self.sizes[shard]:
+            os.close(fd)
+            return None
+        with self._lock:
+            old = self._fds.setdefault(shard, fd)
+        if old != fd:
+            os.close(fd)
+        return old
+
+    def pop(self, shard: int) -> int | None:
+        """Stop using ``shard``'s file (dropped or replaced): its fd, for the caller to
+        close once nothing it queued still reads from it."""
+        with self._lock:
+            return self._fds.pop(shard, None)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
 class ShardServer:
     """Serve ranges of the shards ``locate(shard)`` finds on this node (None: not held), to
     peers over TCP at ``host:port`` and, with ``unix_path``, to this node's readers over a
@@ -197,7 +246,7 @@ class ShardServer:
         self.relay = relay
         self.stats = ServerStats()
         self._sizes = [s.size for s in manifest.shards]
-        self._fds: dict[int, int] = {}
+        self._held = HeldFiles(manifest, locate)
         self._lock = threading.Lock()
         self._authed: set[_Conn] = set()
         self._pending: dict[_Conn, None] = {}  # unauthenticated, oldest first
@@ -302,7 +351,7 @@ class ShardServer:
         """Authenticated connections allowed now."""
         if self.limits.max_connections is not None:
             return self.limits.max_connections
-        return max(16, self._fd_limit - _FD_RESERVE - len(self._fds) - len(self._pending))
+        return max(16, self._fd_limit - _FD_RESERVE - len(self._held) - len(self._pending))
 
     def _accept(self, lst: _Listener) -> None:
         for _ in range(256):  # a burst of connections: take many per wake, not one
@@ -675,24 +724,8 @@ class ShardServer:
     # -- shard files -------------------------------------------------------------------------
 
     def _fd(self, shard: int) -> int:
-        fd = self._fds.get(shard)
-        if fd is not None:
-            return fd
-        path = self.locate(shard)
-        if path is None:
-            return -1
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return -1
-        if os.fstat(fd).st_size != self._sizes[shard]:
-            os.close(fd)
-            return -1
-        with self._lock:
-            old = self._fds.setdefault(shard, fd)
-        if old != fd:
-            os.close(fd)
-        return old
+        fd = self._held.fd(shard)
+        return -1 if fd is None else fd
 
     def forget(self, shard: int) -> None:
         """A shard file was dropped or replaced: reopen it on next use (in the loop's
@@ -700,8 +733,7 @@ class ShardServer:
         if threading.current_thread() is not self._thread and self._thread.is_alive():
             self._call_soon(lambda: self.forget(shard))
             return
-        with self._lock:
-            fd = self._fds.pop(shard, None)
+        fd = self._held.pop(shard)
         if fd is None:
             return
         for conn in [*self._authed, *self._pending]:
@@ -744,10 +776,7 @@ class ShardServer:
         for s in (self._wake_r, self._wake_w):
             s.close()
         self._sel.close()
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        self._held.close()
 
     def __enter__(self) -> ShardServer:
         return self.start()
