@@ -266,3 +266,38 @@ def test_reads_alone_read_each_file_once_from_many_threads(
         assert errors == []
         assert fs.origin.stats.bytes_read == stored_total(pack)
         assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+
+
+def test_a_look_does_not_drop_the_copy_another_thread_makes_meanwhile(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        quiet_streams: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream looks for a shard's partial copies (none yet) while a reader makes one and
+    reserves a piece in it: the reader must find its piece's copy afterwards (else it reads
+    the file from the origin and the stream reads it again)."""
+    from stagefs.tiers import chain as chain_mod
+
+    pack, _ = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs._policy
+        assert isinstance(chain, chain_mod.TierChain)
+        looking, go_on = threading.Event(), threading.Event()
+        real_open = chain_mod.open_fill
+
+        def slow_open(*args: Any) -> Any:
+            got = real_open(*args)  # nothing there yet: the look will find no copy
+            if threading.current_thread().name == "look":
+                looking.set()
+                go_on.wait(30)
+            return got
+
+        monkeypatch.setattr(chain_mod, "open_fill", slow_open)
+        look = threading.Thread(target=chain._look, args=(0,), name="look")
+        look.start()
+        assert looking.wait(30)
+        reserve = threading.Thread(target=chain._reserve, args=(0, [0]))
+        reserve.start()
+        reserve.join(0.5)  # a reserve that does not wait for the look ends here (the bug)
+        go_on.set()
+        look.join(30)
+        reserve.join(30)
+        assert chain._owner(0, 0) is not None

@@ -140,6 +140,9 @@ class TierChain:
 
     def _init_threading(self) -> None:
         self._cond = threading.Condition()
+        # held while this process's list of a shard's partial copies changes: a look (which
+        # rebuilds it from the tiers) must not drop a copy another thread has just made
+        self._fills_lock = threading.RLock()
         self._grace_until: float | None = None
         # one file per open store: several stores of one process each keep their counters
         name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
@@ -272,26 +275,27 @@ class TierChain:
     def _look(self, shard: int) -> None:
         """The shard's partial copies as the tiers name them now: a handle whose copy
         another process finished or dropped is let go, the copies others made are opened."""
-        ext = self._extents_of(shard)
-        if not ext.tiles:
-            self._no_fill.add(shard)
-            return
-        keep: list[Copy] = []
-        for f, t in self._fills.get(shard, ()):
-            if f.linked():
-                keep.append((f, t))
+        with self._fills_lock:
+            ext = self._extents_of(shard)
+            if not ext.tiles:
+                self._no_fill.add(shard)
+                return
+            keep: list[Copy] = []
+            for f, t in self._fills.get(shard, ()):
+                if f.linked():
+                    keep.append((f, t))
+                else:
+                    self._graveyard_fills.append(f)  # a reader may still be using it
+            for t in self.tiers:
+                if not any(t is u for _, u in keep):
+                    opened = open_fill(t.path(shard), self._sizes[shard], ext)
+                    if opened is not None:
+                        keep.append((opened, t))
+            if keep:
+                keep.sort(key=lambda c: self._order[id(c[1])])
+                self._fills[shard] = keep
             else:
-                self._graveyard_fills.append(f)  # a reader may still be using it
-        for t in self.tiers:
-            if not any(t is u for _, u in keep):
-                opened = open_fill(t.path(shard), self._sizes[shard], ext)
-                if opened is not None:
-                    keep.append((opened, t))
-        if keep:
-            keep.sort(key=lambda c: self._order[id(c[1])])
-            self._fills[shard] = keep
-        else:
-            self._fills.pop(shard, None)
+                self._fills.pop(shard, None)
 
     def _reserve(self, shard: int, pieces: Sequence[int]) -> dict[int, Copy]:
         """The copy holding each of these pieces: where one holds it already, else reserved
@@ -299,7 +303,7 @@ class TierChain:
         if the shard is whole somewhere."""
         out: dict[int, Copy] = {}
         try:
-            with self._tier_lock():
+            with self._tier_lock(), self._fills_lock:
                 # looked for again under the lock, in every tier: another process may have
                 # reserved a piece (or finished the shard) since, in a tier this one counts
                 # as full; a piece reserved twice would be placed twice
@@ -321,7 +325,7 @@ class TierChain:
         return out
 
     def _reserve_one(self, shard: int, p: int | None) -> Copy | None:
-        """Reserve piece ``p`` in the first tier with room (the caller holds the lock);
+        """Reserve piece ``p`` in the first tier with room (the caller holds both locks);
         None: only make a copy of the shard there."""
         ext = self._extents_of(shard)
         a, b = ext.span(p) if p is not None else (0, 0)
@@ -390,13 +394,14 @@ class TierChain:
 
     def _forget_fill(self, shard: int, tier: DirTier | None = None) -> None:
         """Let go of the shard's partial copy in ``tier`` (every tier: None)."""
-        copies = self._fills.pop(shard, [])
-        keep = [c for c in copies if tier is not None and c[1] is not tier]
-        for f, t in copies:
-            if tier is None or t is tier:
-                self._graveyard_fills.append(f)  # a reader may still be using it
-        if keep:
-            self._fills[shard] = keep
+        with self._fills_lock:
+            copies = self._fills.pop(shard, [])
+            keep = [c for c in copies if tier is not None and c[1] is not tier]
+            for f, t in copies:
+                if tier is None or t is tier:
+                    self._graveyard_fills.append(f)  # a reader may still be using it
+            if keep:
+                self._fills[shard] = keep
 
     def _drop_fill(self, shard: int, tier: DirTier, *, again: bool = True) -> None:
         """Delete the shard's partial copy in ``tier`` (it served bad bytes, or a write
