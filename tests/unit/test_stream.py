@@ -301,3 +301,27 @@ def test_a_look_does_not_drop_the_copy_another_thread_makes_meanwhile(
         look.join(30)
         reserve.join(30)
         assert chain._owner(0, 0) is not None
+
+
+def test_a_file_filled_between_the_look_and_the_reservation_is_a_tier_hit(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        quiet_streams: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader finds its file not in the partial copy yet, and by the time it reserves it
+    another process has filled it: it reads the copy (a tier hit), not counted as a miss."""
+    from stagefs.tiers import fill as fill_mod
+
+    pack, files = dataset
+    path = sorted(files)[3]
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        assert fs.read(path) == files[path]  # read from the origin into the partial copy
+        misses, hits = chain.misses, chain.tiers[0].stats.hits
+        real = fill_mod.ShardFill.covered
+        looks = iter([False])  # the first look sees it missing (filled right after)
+        monkeypatch.setattr(fill_mod.ShardFill, "covered",
+                            lambda self, a, b: next(looks, None) is not False and real(self, a, b))
+        monkeypatch.setattr(fs, "_holders", lambda shard: (chain.stream.source, chain.origin))
+        assert fs.read(path) == files[path]
+        assert chain.misses == misses
+        assert chain.tiers[0].stats.hits == hits + 1

@@ -570,6 +570,8 @@ class Stream:
                 raise SourceUnavailable("failed its check at the origin")
             if whole:
                 runs = self.res.take(h, lo, hi)
+                if runs == []:
+                    continue  # filled since the look: read from the copy (a tier hit)
                 if runs is not None:
                     return self._read_myself(shard, fill, tier, h, runs, offset, length)
             elif not self.res.someone_holds(h, lo, hi):
