@@ -392,9 +392,10 @@ def partition_report(p: Partition, got: list[dict[str, Any]], final: list[dict[s
     during = p.during()
 
     def daemon(x: dict[str, Any]) -> dict[str, Any]:
-        r = x.get("rereplication", {})
-        return {k: r.get(k) for k in ("isolated", "dead", "from_peers_bytes",
-                                      "from_origin_bytes", "shards_copied")}
+        r, fab = x.get("rereplication", {}), x.get("fabric", {})
+        return {**{k: r.get(k) for k in ("isolated", "dead", "from_peers_bytes",
+                                         "from_origin_bytes", "shards_copied")},
+                "relay": fab.get("relay"), "relay_hedged": fab.get("hedged")}
 
     def reader(g: dict[str, Any]) -> dict[str, Any]:
         return {"origin_bytes": g["origin_bytes"], "errors": g["errors"], "wrong": g["wrong"],
@@ -668,7 +669,8 @@ def partition_summary(r: RunResult) -> str:
                      f"{rd['errors']} errors, {rd['wrong']} wrong samples, epochs "
                      f"{[round(x, 2) for x in rd['epochs_s']]} s; its daemon during the cut: "
                      f"isolated={dd.get('isolated')}, dead={dd.get('dead')}, re-replicated "
-                     f"{dd.get('from_origin_bytes')} B from the origin")
+                     f"{dd.get('from_origin_bytes')} B from the origin; its relays after the "
+                     f"cut: {(c['daemon_after'].get('relay') or {})}")
     o = p["others"]
     lines.append(f"  the others: readers read {o['reader_origin_bytes']} B from the origin, "
                  f"{o['reader_errors']} errors; node 0 during the cut: dead="
