@@ -13,7 +13,11 @@ with N; the efficiency of an epoch is T(1) / T(N), the job's epoch time (its slo
 at one node over at N. Also measured per N: staging time, origin bytes during staging
 against the dataset, origin bytes the readers fell back on, connections per daemon (TCP,
 counted with ss in each node), CPU seconds per daemon and per reader. ``--kill`` kills one
-daemon halfway through the last epoch (SIGKILL) and reports that epoch.
+daemon halfway through the last epoch (SIGKILL) and reports that epoch. ``--partition S``
+cuts the last nodes (``--partition-nodes``, default N/4) off from every other node halfway
+through the first epoch for S seconds, connects them again, and reports what each side did
+(origin fallbacks, deaths seen, re-replication) and how long the rejoin took. Every sample
+a reader reads is checked against the digest of its source file.
 
 Scale on one machine: 2 cores cannot do the work of 64 real nodes, so every rate is scaled
 down by the same factor (``--rate-mbit`` per link, samples/s per node through the compute
