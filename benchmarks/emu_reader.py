@@ -7,7 +7,10 @@ flight (``read_many`` in a thread pool), and "computes" for ``--compute-ms`` per
 sleep: the accelerator, not this machine's CPU). Nodes start each epoch together (a file
 barrier), as an all-reduce would hold them. Writes what it measured to ``--out``:
 per epoch the wall time, the time it waited for data (stall) and the bytes, and the store's
-counters (origin fallbacks, checksum failures).
+counters (origin fallbacks, checksum failures). With ``--digests`` (path -> xxh3-64 of the
+file's bytes, written by emucluster.py from the source files) every sample read is compared
+with what the file holds: ``wrong`` counts the samples that differ, a wrong byte the
+store's own checksums did not catch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import resource
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from xxhash import xxh3_64_hexdigest
 
 import stagefs
 
@@ -47,17 +52,22 @@ def main() -> None:
     ap.add_argument("--barrier", required=True)
     ap.add_argument("--half", default=None,
                     help="epoch:file - touch file when half of that epoch's batches are read")
+    ap.add_argument("--digests", default=None, help="JSON path -> xxh3-64 hex of its bytes")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     with open(a.paths) as f:
         paths: list[str] = json.load(f)
+    digests: dict[str, str] = {}
+    if a.digests:
+        with open(a.digests) as f:
+            digests = json.load(f)
     half_epoch, half_file = (-1, "")
     if a.half:
         e, _, half_file = a.half.partition(":")
         half_epoch = int(e)
     fs = stagefs.connect(a.runtime, timeout=600)
     epochs = []
-    errors = 0
+    errors = wrong = 0
     with ThreadPoolExecutor(a.prefetch) as pool:
         for e in range(a.epochs):
             order = paths[:]
@@ -76,6 +86,9 @@ def main() -> None:
                 try:
                     got = inflight.popleft().result()
                     nbytes += sum(len(d) for d in got)
+                    if digests:
+                        wrong += sum(xxh3_64_hexdigest(d) != digests[p]
+                                     for p, d in zip(batches[step], got, strict=True))
                 except Exception as exc:  # counted: a reader error is a failed run
                     errors += 1
                     print(f"rank {a.rank}: read error: {exc!r}", flush=True)
@@ -83,12 +96,14 @@ def main() -> None:
                 if e == half_epoch and step == len(batches) // 2 and half_file:
                     open(half_file, "w").close()
                 time.sleep(a.compute_ms / 1000)
-            epochs.append({"seconds": time.monotonic() - t0, "stall": stall,
+            epochs.append({"start": t0, "seconds": time.monotonic() - t0, "stall": stall,
                            "samples": len(mine), "bytes": nbytes})
     st = fs.status()
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"rank": a.rank, "epochs": epochs, "errors": errors,
+    out = {"rank": a.rank, "epochs": epochs, "errors": errors, "wrong": wrong,
            "origin_bytes": st["origin"]["bytes_read"],
+           "hedged": st["hedged"], "suspect_peers": st["suspect_peers"],
+           "fabric": st["fabric"],
            "checksum_failures": st["checksum_failures"],
            "local_hits": st["local_hits"],
            "cpu_s": ru.ru_utime + ru.ru_stime}

@@ -13,7 +13,11 @@ with N; the efficiency of an epoch is T(1) / T(N), the job's epoch time (its slo
 at one node over at N. Also measured per N: staging time, origin bytes during staging
 against the dataset, origin bytes the readers fell back on, connections per daemon (TCP,
 counted with ss in each node), CPU seconds per daemon and per reader. ``--kill`` kills one
-daemon halfway through the last epoch (SIGKILL) and reports that epoch.
+daemon halfway through the last epoch (SIGKILL) and reports that epoch. ``--partition S``
+cuts the last nodes (``--partition-nodes``, default N/4) off from every other node halfway
+through the first epoch for S seconds, connects them again, and reports what each side did
+(origin fallbacks, deaths seen, re-replication) and how long the rejoin took. Every sample
+a reader reads is checked against the digest of its source file.
 
 Scale on one machine: 2 cores cannot do the work of 64 real nodes, so every rate is scaled
 down by the same factor (``--rate-mbit`` per link, samples/s per node through the compute
@@ -41,9 +45,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
+
+from xxhash import xxh3_64_hexdigest
 
 import stagefs
 from stagefs._table import table
@@ -66,9 +74,18 @@ class Settings:
     rate_mbit: float = 20.0
     replicas: int = 2
     kill: bool = False
+    partition: float = 0.0  # seconds some nodes are cut off, from the middle of epoch 1
+    partition_nodes: int = 0  # how many (the last ones); 0: a quarter of N, at least one
     dead_after: float = 30.0  # the daemons' --dead-after
     seed: int = 0
     real_link_gbit: float = 100.0  # what one emulated link stands for
+
+    def cut_off(self, n: int) -> list[int]:
+        """The nodes the partition cuts off at N nodes: the last ones."""
+        if not self.partition or n < 2:
+            return []
+        k = self.partition_nodes or max(1, n // 4)
+        return list(range(n - min(k, n - 1), n))
 
     def demand_mbit(self) -> float:
         """The link rate one node's reader needs to keep up: batch bytes per compute."""
@@ -85,12 +102,14 @@ class RunResult:
     stall_s: list[float] = field(default_factory=list)  # mean over nodes
     reader_origin_bytes: int = 0  # readers' fallbacks to the origin
     reader_errors: int = 0
+    wrong_samples: int = 0  # samples whose bytes differ from the source file's
     checksum_failures: int = 0
     connections_max: int = 0  # established TCP connections of one node, the most
     connections_mean: float = 0.0
     daemon_cpu_s: float = 0.0  # mean per daemon, whole run
     reader_cpu_s: float = 0.0  # mean per reader
     killed: int | None = None
+    partition: dict[str, Any] = field(default_factory=dict)  # what the cut-off nodes did
     origin: str = ""
     tcp_peak_per_peer: float = 0.0  # the daemons' own count: most TCP peers at once / peer
     epoch_daemon_cpu_s: float = 0.0  # mean per daemon, during the epochs
@@ -167,6 +186,12 @@ class Net:
                 sh("ip", "link", "del", name, check=False)  # left by a run that was killed
         sh("ip", "link", "del", BRIDGE, check=False)
 
+    def cut(self, k: int, off: bool) -> None:
+        """Cut node k off from every other node (its veth's bridge end down: no carrier,
+        packets dropped, no reset sent), or connect it again. The origin, a file system of
+        this host, stays reachable: a partition of the cluster network only."""
+        sh("ip", "link", "set", f"se{k}h", "down" if off else "up")
+
     def run(self, k: int, cmd: list[str], log: str) -> subprocess.Popen[bytes]:
         out = open(log, "ab")  # noqa: SIM115 - the child's; closed when it ends
         try:
@@ -181,20 +206,22 @@ class Net:
         return sum(1 for line in out.splitlines() if line.strip())
 
 
-def make_dataset(origin: str, s: Settings, n: int) -> tuple[str, list[str], int]:
-    """N x samples_per_node incompressible samples, packed at ``origin``; the pack, the
-    sample paths and the dataset's bytes."""
+def make_dataset(origin: str, s: Settings, n: int) -> tuple[str, dict[str, str], int]:
+    """N x samples_per_node incompressible samples, packed at ``origin``; the pack, every
+    sample's path -> xxh3-64 of its bytes (the readers check what they read against it),
+    and the dataset's bytes."""
     src = tempfile.mkdtemp(prefix="emu-src-", dir="/dev/shm")
     rnd = random.Random(s.seed)
-    paths = []
+    paths: dict[str, str] = {}
     try:
         for i in range(n * s.samples_per_node):
             rel = f"train/c{i % 16:02d}/s{i:06d}.bin"
             p = os.path.join(src, rel)
             os.makedirs(os.path.dirname(p), exist_ok=True)
+            data = rnd.randbytes(s.sample_kib * 1024)
             with open(p, "wb") as f:
-                f.write(rnd.randbytes(s.sample_kib * 1024))
-            paths.append(rel)
+                f.write(data)
+            paths[rel] = xxh3_64_hexdigest(data)
         pack = os.path.join(origin, f"emu-{n}.pack")
         shutil.rmtree(pack, ignore_errors=True)
         stagefs.pack(src, pack, shard_size="4MiB", jobs=2, compress="none")
@@ -301,11 +328,115 @@ def status(net: Net, k: int, rt: str) -> dict[str, Any]:
     return json.loads(p.stdout) if p.stdout.strip() else {}
 
 
+class Partition:
+    """Cuts ``nodes`` off from the rest once triggered, connects them again ``seconds``
+    later, and records what each side saw: the cut-off nodes' and node 0's status a few
+    seconds before the partition heals, and how long after it heals every node sees every
+    other live again (``rejoin_s``)."""
+
+    def __init__(self, net: Net, nodes: list[int], seconds: float, rt: Callable[[int], str]
+                 ) -> None:
+        self.net, self.nodes, self.seconds, self.rt = net, nodes, seconds, rt
+        self.cut_at: float | None = None
+        self.healed_at: float | None = None
+        self.rejoin_s: float | None = None
+        self._pool = ThreadPoolExecutor(len(nodes) + 1)
+        self._during: dict[int, Future[dict[str, Any]]] | None = None
+
+    def _own(self, k: int) -> dict[str, Any]:
+        """Node k's own STATUS, asked in its namespace (3 s for the peers it cannot reach)."""
+        nodes = status(self.net, k, self.rt(k)).get("nodes", [])
+        return nodes[k] if k < len(nodes) and nodes[k] else {}
+
+    def tick(self, triggered: bool) -> None:
+        now = time.monotonic()
+        if self.cut_at is None:
+            if triggered:
+                for k in self.nodes:
+                    self.net.cut(k, True)
+                self.cut_at = now
+            return
+        if self._during is None and now >= self.cut_at + max(self.seconds - 4, self.seconds / 2):
+            self._during = {k: self._pool.submit(self._own, k) for k in [0, *self.nodes]}
+        if self.healed_at is None and now >= self.cut_at + self.seconds:
+            self.heal()
+
+    def heal(self) -> None:
+        for k in self.nodes:
+            self.net.cut(k, False)
+        self.healed_at = time.monotonic()
+
+    def finish(self, timeout: float = 60.0) -> None:
+        """The readers are done: heal (after the whole partition) if not yet, then wait
+        until node 0 reaches every node and no node counts another dead."""
+        if self.cut_at is None:
+            return
+        while self.healed_at is None:
+            self.tick(True)
+            time.sleep(0.05)
+        while time.monotonic() < self.healed_at + timeout:
+            nodes = status(self.net, 0, self.rt(0)).get("nodes", [])
+            if nodes and all(x and not x["rereplication"]["dead"] for x in nodes):
+                self.rejoin_s = time.monotonic() - self.healed_at
+                return
+            time.sleep(0.5)
+
+    def during(self) -> dict[int, dict[str, Any]]:
+        got = {k: f.result() for k, f in (self._during or {}).items()}
+        self._pool.shutdown()
+        return got
+
+
+def partition_report(p: Partition, got: list[dict[str, Any]], final: list[dict[str, Any]],
+                     ) -> dict[str, Any]:
+    """What the cut-off nodes did: their readers' fallbacks to the origin and errors, their
+    daemons' view (isolated or not, whom they took for dead, what they re-replicated), the
+    other side's, and the time to rejoin."""
+    assert p.cut_at is not None and p.healed_at is not None
+    during = p.during()
+
+    def daemon(x: dict[str, Any]) -> dict[str, Any]:
+        r, fab = x.get("rereplication", {}), x.get("fabric", {})
+        return {**{k: r.get(k) for k in ("isolated", "dead", "from_peers_bytes",
+                                         "from_origin_bytes", "shards_copied")},
+                "relay": fab.get("relay"), "relay_hedged": fab.get("hedged")}
+
+    def reader(g: dict[str, Any]) -> dict[str, Any]:
+        return {"origin_bytes": g["origin_bytes"], "errors": g["errors"], "wrong": g["wrong"],
+                "hedged": g["hedged"], "epochs_s": [e["seconds"] for e in g["epochs"]],
+                "stall_s": [e["stall"] for e in g["epochs"]],
+                "relay_failures": (g["fabric"] or {}).get("failures")}
+
+    start0 = got[0]["epochs"][0]["start"]
+    others = [g for k, g in enumerate(got) if k not in p.nodes]
+    return {
+        "nodes": p.nodes, "seconds": p.seconds,
+        "cut_at_s": p.cut_at - start0, "healed_at_s": p.healed_at - start0,  # from epoch 1
+        "epoch_starts_s": [e["start"] - start0 for e in got[0]["epochs"]],
+        "rejoin_s": p.rejoin_s,
+        "cut_off": {k: {"reader": reader(got[k]), "daemon_during": daemon(during.get(k, {})),
+                        "daemon_after": daemon(final[k] if k < len(final) and final[k]
+                                               else {})} for k in p.nodes},
+        "others": {"reader_origin_bytes": sum(g["origin_bytes"] for g in others),
+                   "reader_errors": sum(g["errors"] + g["wrong"] for g in others),
+                   "hedged": sum(g["hedged"] for g in others),
+                   "node0_during": daemon(during.get(0, {})),
+                   "rereplicated_from_peers_bytes": sum(
+                       (x or {}).get("rereplication", {}).get("from_peers_bytes", 0)
+                       for k, x in enumerate(final) if k not in p.nodes),
+                   "rereplicated_from_origin_bytes": sum(
+                       (x or {}).get("rereplication", {}).get("from_origin_bytes", 0)
+                       for k, x in enumerate(final) if k not in p.nodes)},
+    }
+
+
 def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False) -> RunResult:
     res = RunResult(nodes=n, origin=origin)
     os.makedirs(work, exist_ok=True)
     pack, paths, res.dataset_bytes = make_dataset(origin, s, n)
     with open(os.path.join(work, "paths.json"), "w") as f:
+        json.dump(list(paths), f)
+    with open(os.path.join(work, "digests.json"), "w") as f:
         json.dump(paths, f)
     with open(os.path.join(work, "hosts"), "w") as f:
         f.write("".join(f"{node_ip(k)}:{PORT}\n" for k in range(n)))
@@ -347,6 +478,10 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
             os.makedirs(bar, exist_ok=True)
             victim = n - 1 if s.kill and n > 1 else None
             half = os.path.join(work, "half")
+            cut = Partition(net, s.cut_off(n), s.partition, lambda k: f"{shm}/rt{k}")
+            # a partition starts halfway through the first epoch, so that the epochs after
+            # it read from the nodes that rejoined; a kill, halfway through the last
+            half_epoch = 0 if cut.nodes else s.epochs - 1
             readers = [net.run(k, [sys.executable, READER, "--runtime", f"{shm}/rt{k}",
                                    "--rank", str(k), "--nodes", str(n),
                                    "--paths", os.path.join(work, "paths.json"),
@@ -354,17 +489,21 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                                    "--prefetch", str(s.prefetch), "--epochs", str(s.epochs),
                                    "--seed", str(s.seed), "--barrier", bar,
                                    "--out", os.path.join(work, f"reader{k}.json"),
-                                   *(["--half", f"{s.epochs - 1}:{half}"] if k == 0 else [])],
+                                   "--digests", os.path.join(work, "digests.json"),
+                                   *(["--half", f"{half_epoch}:{half}"] if k == 0 else [])],
                                os.path.join(work, f"reader{k}.log")) for k in range(n)]
             conns: list[int] = []
             while any(r.poll() is None for r in readers):
                 if victim is not None and res.killed is None and os.path.exists(half):
                     os.kill(daemons[victim].pid, signal.SIGKILL)
                     res.killed = victim
+                if cut.nodes:
+                    cut.tick(os.path.exists(half))
                 if len(conns) < n:  # once the readers run: each node's connections
                     time.sleep(1.0)
                     conns = [net.connections(k) for k in range(n)]
                 time.sleep(0.05)
+            cut.finish()
             cpu = [cpu_seconds(d.pid) for d in daemons if d.poll() is None]
             res.daemon_cpu_s = statistics.fmean(cpu) if cpu else 0.0
             res.epoch_daemon_cpu_s = statistics.fmean(
@@ -392,7 +531,10 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                 res.stall_s.append(statistics.fmean(g["epochs"][e]["stall"] for g in got))
             res.reader_origin_bytes = sum(g["origin_bytes"] for g in got)
             res.reader_errors = sum(g["errors"] for g in got)
+            res.wrong_samples = sum(g["wrong"] for g in got)
             res.checksum_failures = sum(g["checksum_failures"] for g in got)
+            if cut.cut_at is not None:
+                res.partition = partition_report(cut, got, st.get("nodes", []))
             res.reader_cpu_s = statistics.fmean(g["cpu_s"] for g in got)
         finally:
             for d in daemons:
@@ -428,7 +570,8 @@ def render(rows: list[dict[str, Any]], s: Settings) -> str:
              f"{r['stall_s'][-1]:.2f}", str(r["reader_origin_bytes"]),
              f"{r['connections_max'] / max(2 * (r['nodes'] - 1), 1):.1f}",
              f"{r['daemon_cpu_s']:.1f}",
-             str(r["reader_errors"] + r["checksum_failures"])] for r in rows]
+             str(r["reader_errors"] + r["checksum_failures"] + r["wrong_samples"])]
+            for r in rows]
     scale = s.real_link_gbit * 1000 / s.rate_mbit
     return (table(head, body) + f"\nlinks {s.rate_mbit} Mbit/s each (a real node's "
             f"{s.real_link_gbit:g} Gbit/s scaled by 1/{scale:.0f}); demand per node "
@@ -469,6 +612,11 @@ def main(argv: list[str] | None = None) -> int:
     for f in ("compute_ms", "rate_mbit", "dead_after"):
         ap.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f))
     ap.add_argument("--kill", action="store_true", help="kill one daemon mid last epoch")
+    ap.add_argument("--partition", type=float, default=0.0, metavar="SECONDS",
+                    help="cut some nodes off from the others for SECONDS from the middle of "
+                         "the first epoch, then connect them again")
+    ap.add_argument("--partition-nodes", type=int, default=0, metavar="K",
+                    help="how many nodes the partition cuts off (the last K; default N/4)")
     ap.add_argument("--origin", default=None, help="default: /tmp/pfs if mounted")
     ap.add_argument("--out", default=None, help="a directory for emulated.json/.png")
     ap.add_argument("--tag", default="", help="a suffix for the result files' names")
@@ -479,7 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(**{f: getattr(a, f) for f in ("samples_per_node", "sample_kib", "batch",
                                                 "prefetch", "epochs", "replicas", "seed",
                                                 "compute_ms", "rate_mbit", "dead_after",
-                                                "kill")})
+                                                "kill", "partition", "partition_nodes")})
+    if s.kill and s.partition:
+        ap.error("--kill and --partition: one fault a run")
     origin = a.origin or ("/tmp/pfs" if os.path.ismount("/tmp/pfs") else None)
     if origin is None:
         origin = tempfile.mkdtemp(prefix="emu-origin-")
@@ -493,6 +643,8 @@ def main(argv: list[str] | None = None) -> int:
         r = run_one(n, s, origin, os.path.join(work, f"n{n}"), calibrate=cal)
         print(f"N={n}: staged in {r.staging_s:.1f} s, epochs {[round(x, 2) for x in r.epochs_s]}"
               f" s, connections max {r.connections_max}", flush=True)
+        if r.partition:
+            print(partition_summary(r), flush=True)
         results.append(r)
         if a.out:  # after each N: a long run cut short keeps what it measured
             save(a.out, s, results, a.tag)
@@ -500,8 +652,35 @@ def main(argv: list[str] | None = None) -> int:
     print(render(rows, s))
     if a.out:
         save(a.out, s, results, a.tag)
-        plot(rows, os.path.join(a.out, f"emulated{'-kill' if s.kill else ''}{a.tag}.png"))
+        plot(rows, os.path.join(a.out, f"emulated{kind(s)}{a.tag}.png"))
     return 0
+
+
+def kind(s: Settings) -> str:
+    return "-kill" if s.kill else "-partition" if s.partition else ""
+
+
+def partition_summary(r: RunResult) -> str:
+    p = r.partition
+    lines = [f"N={r.nodes}: nodes {p['nodes']} cut off at {p['cut_at_s']:.1f} s for "
+             f"{p['seconds']:g} s (epochs start at "
+             f"{', '.join(f'{t:.1f}' for t in p['epoch_starts_s'])} s); every node sees every "
+             f"other live {p['rejoin_s'] if p['rejoin_s'] is None else round(p['rejoin_s'], 1)}"
+             f" s after it healed"]
+    for k, c in p["cut_off"].items():
+        rd, dd = c["reader"], c["daemon_during"]
+        lines.append(f"  cut-off node {k}: reader read {rd['origin_bytes']} B from the origin, "
+                     f"{rd['errors']} errors, {rd['wrong']} wrong samples, epochs "
+                     f"{[round(x, 2) for x in rd['epochs_s']]} s; its daemon during the cut: "
+                     f"isolated={dd.get('isolated')}, dead={dd.get('dead')}, re-replicated "
+                     f"{dd.get('from_origin_bytes')} B from the origin; its relays after the "
+                     f"cut: {(c['daemon_after'].get('relay') or {})}")
+    o = p["others"]
+    lines.append(f"  the others: readers read {o['reader_origin_bytes']} B from the origin, "
+                 f"{o['reader_errors']} errors; node 0 during the cut: dead="
+                 f"{o['node0_during'].get('dead')}; re-replicated {o['rereplicated_from_peers_bytes']}"
+                 f" B from peers, {o['rereplicated_from_origin_bytes']} B from the origin")
+    return "\n".join(lines)
 
 
 def save(out_dir: str, s: Settings, results: list[RunResult], tag: str = "") -> None:
@@ -509,7 +688,7 @@ def save(out_dir: str, s: Settings, results: list[RunResult], tag: str = "") -> 
     for r in results:
         calibration.update(r.calibration)
     os.makedirs(out_dir, exist_ok=True)
-    name = f"emulated{'-kill' if s.kill else ''}{tag}.json"
+    name = f"emulated{kind(s)}{tag}.json"
     with open(os.path.join(out_dir, name), "w") as out:
         json.dump({"settings": asdict(s), "calibration": calibration,
                    "runs": efficiency(results)}, out, indent=1)

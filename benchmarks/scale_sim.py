@@ -4,10 +4,12 @@ only, ignored prefetch depth and, re-run, said 100% at any size (it modelled not
 limits).
 
 What is modelled (each a SimPy resource or process):
-- **Links.** Every node has an outgoing and an incoming link of ``link_Bps`` (FIFO, one
-  transfer at a time per direction: tc's tbf behaves so); a transfer holds the sender's out
-  and the receiver's in together, plus one-way latency. Transfers never wait on a link
-  while holding another in a cycle (out is always taken first), so no deadlock.
+- **Links.** Every node has an outgoing and an incoming link of ``link_Bps``, shared
+  fairly by the transfers (flows) on it, as TCP flows through tc's tbf share it: a flow's
+  rate is the smaller of its two links' shares (``link_Bps`` / flows on the link),
+  recomputed on the links a flow starts or ends on (``Links``), and a message adds the
+  one-way latency. The cost of the model is one event per flow and per change of its rate,
+  not per packet: 4,096 nodes run in minutes.
 - **Daemons.** One event loop per node (capacity 1): each request served costs
   ``req_s + bytes * byte_s`` of it; each batch a reader relays through it ``relay_s``.
 - **The origin (shared file system).** A shared pipe of ``pfs_Bps`` with ``pfs_streams``
@@ -22,10 +24,13 @@ What is modelled (each a SimPy resource or process):
   computes for ``compute_s``. Nodes start each epoch together (the all-reduce holds them):
   the job's epoch time is its slowest node's.
 - **A lost node.** At ``kill_at`` of an epoch the node's daemon stops answering: requests
-  already sent to it and new ones wait ``hedge_s`` and go to the next holder (another
-  replica, or the origin if none); the survivors re-replicate its shards from the replicas
-  over the links (background traffic, competing with reads). Its reader goes on (its tier
-  files are still there), reading remote samples straight from the holders.
+  sent to it wait ``hedge_s`` and go to the next holder (another replica, or the origin if
+  none), and readers stop asking it after that delay. ``dead_after_s`` later (the daemons'
+  ``--dead-after``) the survivors re-replicate its shards by the daemons' own rule
+  (rereplicate.plan: the next live node of each shard's ranking copies it from a surviving
+  holder, or from the origin if none survives), over the links, competing with reads;
+  readers ask a taker once it has the copy. Its reader goes on (its tier files are still
+  there), reading remote samples straight from the holders.
 
 Calibration: every constant comes from measurements on the emulated cluster
 (benchmarks/emucluster.py ``--calibrate`` writes them); validation: the model predicts the
@@ -41,13 +46,16 @@ import argparse
 import json
 import random
 import statistics
+import time
 from collections.abc import Generator
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import simpy
 
 from stagefs.cluster.placement import place  # the placement the daemons use
+from stagefs.cluster.rereplicate import plan  # and their re-replication rule
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class Params:
     pfs_streams: int = 8
     pfs_open_s: float = 0.002
     hedge_s: float = 0.5
-    chunk_bytes: int = 64 * 1024  # the grain at which transfers sharing a link interleave
+    dead_after_s: float = 30.0  # the daemons' --dead-after: then they re-replicate
     # a lost node
     kill_at: float | None = None  # fraction of the last epoch
     seed: int = 0
@@ -93,27 +101,88 @@ class Outcome:
     staging_origin_bytes: int = 0
     epochs_s: list[float] = field(default_factory=list)
     origin_fallback_bytes: int = 0
-    rereplicated_bytes: int = 0
+    rereplicated_bytes: int = 0  # a dead node's shards copied from surviving replicas
+    rereplicated_origin_bytes: int = 0  # and those with no surviving replica, from the origin
+    hedged_parts: int = 0  # requests sent to the dead node, gone to the next holder
+
+
+class _Flow:
+    """One transfer on the links: ``left`` bytes at ``rate`` since time ``t``."""
+
+    __slots__ = ("done", "dst", "left", "rate", "src", "t", "version")
+
+    def __init__(self, src: int, dst: int, nbytes: float, t: float, done: simpy.Event) -> None:
+        self.src, self.dst, self.left, self.t, self.done = src, dst, nbytes, t, done
+        self.rate = 0.0
+        self.version = 0
+
+
+class Links:
+    """Every node's outgoing and incoming link, each of ``Bps``, shared fairly by the flows
+    on it (TCP flows through tbf share so): a flow's rate is the smaller of its two links'
+    fair shares, ``Bps / flows on that link``, recomputed for the flows of both links when
+    a flow starts or ends on either. One event per flow and per change of its rate, however
+    many bytes it moves. Not max-min fair: a flow held back by one of its links does not
+    hand its unused share of the other to the rest (a little pessimistic)."""
+
+    def __init__(self, env: simpy.Environment, nodes: int, Bps: float) -> None:
+        self.env, self.Bps = env, Bps
+        # dicts, not sets: flows in the order they started, so a run is repeatable
+        self.out: list[dict[_Flow, None]] = [{} for _ in range(nodes)]
+        self.inl: list[dict[_Flow, None]] = [{} for _ in range(nodes)]
+
+    def rate(self, src: int, dst: int) -> float:
+        """What a flow from ``src`` to ``dst`` gets now (it counted on both links)."""
+        return self.Bps / max(len(self.out[src]), len(self.inl[dst]), 1)
+
+    def send(self, src: int, dst: int, nbytes: float) -> simpy.Event:
+        """Start a flow of ``nbytes``; the event fires when its last byte has arrived."""
+        f = _Flow(src, dst, float(nbytes), self.env.now, self.env.event())
+        self.out[src][f] = None
+        self.inl[dst][f] = None
+        self._reshare(src, dst)
+        return f.done
+
+    def _reshare(self, src: int, dst: int) -> None:
+        for g in {**self.out[src], **self.inl[dst]}:
+            r = self.rate(g.src, g.dst)
+            if r == g.rate:
+                continue
+            now = self.env.now
+            g.left = max(0.0, g.left - g.rate * (now - g.t))
+            g.t, g.rate = now, r
+            g.version += 1
+            self.env.timeout(g.left / r).callbacks.append(partial(self._end, g, g.version))
+
+    def _end(self, g: _Flow, version: int, _event: simpy.Event | None = None) -> None:
+        if version != g.version:  # its rate changed since: a later timeout ends it
+            return
+        del self.out[g.src][g], self.inl[g.dst][g]
+        g.done.succeed()
+        self._reshare(g.src, g.dst)
 
 
 class Sim:
     def __init__(self, n: int, p: Params) -> None:
         self.n, self.p = n, p
         self.env = simpy.Environment()
-        self.out = [simpy.Resource(self.env, 1) for _ in range(n)]
-        self.inl = [simpy.Resource(self.env, 1) for _ in range(n)]
+        self.links = Links(self.env, n, p.link_Bps)
         self.loop = [simpy.Resource(self.env, 1) for _ in range(n)]
         self.pfs = simpy.Resource(self.env, p.pfs_streams)
         self.host = simpy.Resource(self.env, p.host_cores) if p.host_cores else None
         self.rng = random.Random(p.seed)
         self.nshards = p.shards(n)
         self.placement = place(self.nshards, n, p.replicas, seed=p.seed)
+        # who holds each shard now: the placement, then the takers of a dead node's shards
+        # once they have copied them
+        self.holders = [list(h) for h in self.placement.holders]
         self.inflight = [0] * n
         self.hedged_parts = 0
         self.dead: int | None = None
         self.dead_at = float("inf")
         self.res = Outcome(n)
         self.per_shard = max(1, p.shard_bytes // p.sample_bytes)
+        self._orders: dict[int, list[int]] = {}
 
     def cpu(self, seconds: float) -> Generator[Any, Any, None]:
         """CPU work: on the node's own cores (a real cluster), or queued for the emulation
@@ -128,21 +197,10 @@ class Sim:
     # -- moving bytes ----------------------------------------------------------------------
 
     def transfer(self, a: int, b: int, nbytes: int) -> Generator[Any, Any, None]:
-        """``nbytes`` from node a to node b, in packets of ``chunk_bytes``: each packet
-        holds a's out-link and b's in-link for its time on the wire, so transfers that
-        share a link interleave (as TCP flows through tbf do) instead of one waiting for
-        another to end."""
-        p = self.p
-        left = nbytes
-        while left > 0:
-            k = min(left, p.chunk_bytes)
-            with self.out[a].request() as o:
-                yield o
-                with self.inl[b].request() as i:
-                    yield i
-                    yield self.env.timeout(k / p.link_Bps)
-            left -= k
-        yield self.env.timeout(p.latency_s)
+        """``nbytes`` from node a to node b: one flow on a's out-link and b's in-link, then
+        the one-way latency."""
+        yield self.links.send(a, b, nbytes)
+        yield self.env.timeout(self.p.latency_s)
 
     def from_origin(self, nbytes: int) -> Generator[Any, Any, None]:
         p = self.p
@@ -155,24 +213,28 @@ class Sim:
     def stage(self) -> Generator[Any, Any, None]:
         have = [self.env.event() for _ in range(self.nshards)]
         holders = self.placement.holders
+        primaries: list[list[int]] = [[] for _ in range(self.n)]
+        copies: list[list[int]] = [[] for _ in range(self.n)]
+        for s, h in enumerate(holders):
+            primaries[h[0]].append(s)
+            for k in h[1:]:
+                copies[k].append(s)
 
         def primary(node: int) -> Generator[Any, Any, None]:
-            for s in range(self.nshards):
-                if holders[s][0] == node:
-                    yield from self.from_origin(self.p.shard_bytes)
-                    self.res.staging_origin_bytes += self.p.shard_bytes
-                    have[s].succeed()
+            for s in primaries[node]:
+                yield from self.from_origin(self.p.shard_bytes)
+                self.res.staging_origin_bytes += self.p.shard_bytes
+                have[s].succeed()
 
         def replica(node: int) -> Generator[Any, Any, None]:
-            for s in range(self.nshards):
-                if node in holders[s][1:]:
-                    yield have[s]
-                    src = holders[s][0]
-                    with self.loop[src].request() as r:
-                        yield r
-                        yield self.env.timeout(self.p.req_s + self.p.shard_bytes *
-                                               self.p.byte_s)
-                    yield from self.transfer(src, node, self.p.shard_bytes)
+            for s in copies[node]:
+                yield have[s]
+                src = holders[s][0]
+                with self.loop[src].request() as r:
+                    yield r
+                    yield self.env.timeout(self.p.req_s + self.p.shard_bytes *
+                                           self.p.byte_s)
+                yield from self.transfer(src, node, self.p.shard_bytes)
 
         procs = [self.env.process(primary(k)) for k in range(self.n)]
         procs += [self.env.process(replica(k)) for k in range(self.n)]
@@ -180,11 +242,14 @@ class Sim:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def gone(self, node: int) -> bool:
+        return node == self.dead and self.env.now >= self.dead_at
+
     def holder_for(self, node: int, shard: int, avoid: int = -2) -> int | None:
         """The node to ask for ``shard`` (None: this node holds it): the less busy of two
         of its holders not known dead (and not ``avoid``), by requests in flight."""
         known = self.env.now >= self.dead_at + self.p.hedge_s  # a reader's requests to it
-        hs = [h for h in self.placement.holders[shard]
+        hs = [h for h in self.holders[shard]
               if h != avoid and not (known and h == self.dead)]
         if node in hs:
             return None
@@ -205,7 +270,7 @@ class Sim:
         self.inflight[peer] += 1
         try:
             yield self.env.timeout(p.latency_s)  # the request
-            if self.env.now >= self.dead_at and peer == self.dead:
+            if self.gone(peer):
                 yield self.env.timeout(p.hedge_s)  # no answer: to the next holder
                 self.hedged_parts += 1
                 return
@@ -230,8 +295,7 @@ class Sim:
         if local:
             yield from self.cpu(local * p.local_s)
         while groups:
-            relay = node != self.dead
-            if relay:
+            if not self.gone(node):  # relayed through the node's daemon, while it lives
                 with self.loop[node].request() as r:
                     yield r
                     yield from self.cpu(p.relay_s)
@@ -247,11 +311,17 @@ class Sim:
                             retry.setdefault(h2, []).append(sample)
             groups = retry
 
+    def order(self, epoch: int) -> list[int]:
+        """The epoch's global shuffle (seed + epoch), computed once for every node."""
+        if epoch not in self._orders:
+            order = list(range(self.n * self.p.samples_per_node))
+            random.Random(self.p.seed + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        return self._orders[epoch]
+
     def reader(self, node: int, epoch: int) -> Generator[Any, Any, None]:
         p = self.p
-        order = list(range(self.n * p.samples_per_node))
-        random.Random(p.seed + epoch).shuffle(order)
-        mine = order[node :: self.n]
+        mine = self.order(epoch)[node :: self.n]
         batches = [mine[i : i + p.batch] for i in range(0, len(mine), p.batch)]
         fetches = [self.env.process(self.fetch(node, b)) for b in batches[: p.prefetch]]
         for i in range(len(batches)):
@@ -261,19 +331,26 @@ class Sim:
             yield self.env.timeout(p.compute_s)
 
     def rereplicate(self, victim: int) -> Generator[Any, Any, None]:
-        """Each shard the dead node held, copied to the next node of its ranking from a
-        surviving holder (the rereplicator's rule, with the survivors' links)."""
+        """The dead node's shards copied again, by the daemons' rule (rereplicate.plan):
+        each goes to the next live node of its ranking, from a surviving holder, or from
+        the origin when none survives. Readers ask the taker once it has the shard."""
         jobs = []
-        for hs in self.placement.holders:
-            if victim in hs:
-                live = [h for h in hs if h != victim]
-                if not live:
-                    continue
-                taker = next(k for k in self.rng.sample(range(self.n), self.n)
-                             if k != victim and k not in hs)
-                jobs.append(self.env.process(self.transfer(live[0], taker, self.p.shard_bytes)))
-                self.res.rereplicated_bytes += self.p.shard_bytes
+        takers = {n for s, h in enumerate(self.placement.holders) if victim in h
+                  for n in self.placement.live(s, {victim}) if n not in h}
+        for taker in sorted(takers):
+            for shard, sources in plan(self.placement, taker, {victim}).items():
+                jobs.append(self.env.process(self.copy(shard, taker, sources)))
         yield simpy.AllOf(self.env, jobs)
+
+    def copy(self, shard: int, taker: int, sources: list[int]) -> Generator[Any, Any, None]:
+        nbytes = self.p.shard_bytes
+        if sources:
+            yield from self.transfer(sources[0], taker, nbytes)
+            self.res.rereplicated_bytes += nbytes
+        else:
+            yield from self.from_origin(nbytes)
+            self.res.rereplicated_origin_bytes += nbytes
+        self.holders[shard].append(taker)
 
     def run(self) -> Outcome:
         p = self.p
@@ -291,12 +368,14 @@ class Sim:
                          victim: int = victim) -> Generator[Any, Any, None]:
                     yield self.env.timeout(at - self.env.now)
                     self.dead, self.dead_at = victim, self.env.now
+                    yield self.env.timeout(p.dead_after_s)  # the daemons' --dead-after
                     yield from self.rereplicate(victim)
 
                 self.env.process(kill())
             procs = [self.env.process(self.reader(k, e)) for k in range(self.n)]
             self.env.run(simpy.AllOf(self.env, procs))
             self.res.epochs_s.append(self.env.now - start)
+        self.res.hedged_parts = self.hedged_parts
         return self.res
 
 
@@ -311,7 +390,7 @@ def load_calibration(path: str) -> tuple[Params, dict[str, Any]]:
     p = Params(samples_per_node=s["samples_per_node"], sample_bytes=s["sample_kib"] * 1024,
                batch=s["batch"], compute_s=s["compute_ms"] / 1000, prefetch=s["prefetch"],
                epochs=s["epochs"], replicas=s["replicas"], link_Bps=s["rate_mbit"] * 1e6 / 8,
-               seed=s["seed"])
+               seed=s["seed"], dead_after_s=s.get("dead_after", Params.dead_after_s))
     known = {f for f in Params.__dataclass_fields__} - {"local_s"}  # see Params.local_s
     return replace(p, **{k: v for k, v in cal.items() if k in known}), doc
 
@@ -350,32 +429,35 @@ def main(argv: list[str] | None = None) -> int:
         p = fit(p, a.fit, measured[a.fit]["epochs_s"][-1])
         print(f"fitted at N={a.fit}: reader cost per batch {p.reader_batch_s * 1000:.2f} ms")
     base = simulate(1, p)
+    measured_kill = bool(doc["settings"].get("kill"))  # the emulated runs lost a node
     rows: list[dict[str, Any]] = []
     for n in a.nodes:
         for kill in ([False, True] if a.kill else [False]):
-            q = replace(p, kill_at=0.5 if kill else None)
-            o = simulate(n, q)
+            t0 = time.perf_counter()
+            o = simulate(n, replace(p, kill_at=0.5 if kill else None))
             eff = [b / t for b, t in zip(base.epochs_s, o.epochs_s, strict=True)]
-            row = {"nodes": n, "killed": kill, **asdict(o), "efficiency": eff}
-            m = measured.get(n)
-            if m is not None and not kill:
+            row = {"nodes": n, "killed": kill, **asdict(o), "efficiency": eff,
+                   "model_wall_s": time.perf_counter() - t0}
+            m = measured.get(n) if kill == measured_kill else None
+            err = ""
+            if m is not None:
                 row["measured_epochs_s"] = m["epochs_s"]
                 row["measured_staging_s"] = m["staging_s"]
                 row["error_epoch"] = [o.epochs_s[i] / m["epochs_s"][i] - 1
                                       for i in range(len(o.epochs_s))]
                 row["error_staging"] = o.staging_s / m["staging_s"] - 1
+                err = (f"  (measured epoch {m['epochs_s'][-1]:.2f} s: "
+                       f"{row['error_epoch'][-1]:+.1%}; staging {m['staging_s']:.1f} s: "
+                       f"{row['error_staging']:+.1%})")
             rows.append(row)
-            err = (f"  (measured epoch {m['epochs_s'][-1]:.2f} s: "
-                   f"{row['error_epoch'][-1]:+.1%}; staging {m['staging_s']:.1f} s: "
-                   f"{row['error_staging']:+.1%})" if m is not None and not kill else "")
             print(f"N={n}{' node lost' if kill else ''}: staging {o.staging_s:.1f} s, "
                   f"epochs {[round(x, 2) for x in o.epochs_s]} s, efficiency "
-                  f"{statistics.fmean(eff):.3f} (last {eff[-1]:.3f}){err}", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"params": asdict(p), "fit": a.fit, "rows": rows}, f, indent=1)
+                  f"{statistics.fmean(eff):.3f} (last {eff[-1]:.3f}){err} "
+                  f"[{row['model_wall_s']:.0f} s to run]", flush=True)
+            if a.out:  # after each row: a long run cut short keeps what it computed
+                with open(a.out, "w") as f:
+                    json.dump({"params": asdict(p), "fit": a.fit, "rows": rows}, f, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("simpy", reason="the scale model needs SimPy (pip install '.[test]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from scale_sim import Params, simulate
+import simpy
+from scale_sim import Links, Params, Sim, simulate
 
 SMALL = Params(samples_per_node=32, epochs=2, shard_bytes=512 * 1024)  # 8 samples a shard
 
@@ -44,12 +45,72 @@ def test_slow_links_make_epochs_io_bound_and_prefetch_hides_latency() -> None:
 
 def test_a_lost_node_costs_time_and_its_shards_are_copied_again() -> None:
     whole = simulate(8, SMALL)
-    lost = simulate(8, replace(SMALL, kill_at=0.3, hedge_s=2.0))  # more than prefetch hides
-    assert lost.epochs_s[-1] > whole.epochs_s[-1]
+    lost = simulate(8, replace(SMALL, kill_at=0.3, hedge_s=2.0, dead_after_s=0.2))
+    assert lost.epochs_s[-1] > whole.epochs_s[-1]  # a hedge longer than prefetch hides
+    assert lost.hedged_parts > 0
     assert lost.rereplicated_bytes > 0
     assert lost.origin_fallback_bytes == 0  # two replicas: the other one answers
     alone = simulate(8, replace(SMALL, replicas=1, kill_at=0.3))
-    assert alone.origin_fallback_bytes > 0  # one copy: its readers go to the origin
+    assert alone.origin_fallback_bytes > 0  # one copy, not yet copied again: the origin
+    assert alone.rereplicated_origin_bytes == 0  # the epoch ends before --dead-after
+
+
+def test_links_share_fairly_and_a_flow_speeds_up_when_another_ends() -> None:
+    env = simpy.Environment()
+    links = Links(env, 4, 100.0)  # bytes/s per link and direction
+    ends: dict[str, float] = {}
+
+    def flow(name: str, src: int, dst: int, nbytes: float, at: float = 0.0):  # type: ignore[no-untyped-def]
+        yield env.timeout(at)
+        yield links.send(src, dst, nbytes)
+        ends[name] = env.now
+
+    # a and b share node 0's out-link: 50 B/s each; c shares node 1's in-link with a
+    env.process(flow("a", 0, 1, 100))
+    env.process(flow("b", 0, 2, 50))
+    env.process(flow("c", 3, 1, 25))
+    env.run(until=0.1)
+    assert [links.rate(0, 1), links.rate(0, 2), links.rate(3, 1)] == [50.0, 50.0, 50.0]
+    env.run()
+    # c: 25 B at 50 B/s -> 0.5 s; b: 50 B at 50 -> 1.0 s; a: 50 B by 1.0 s at 50 (25 by
+    # c's end at 0.5, 25 more by b's end at 1.0), then the link alone: 50 B at 100 -> 1.5 s
+    assert ends == pytest.approx({"c": 0.5, "b": 1.0, "a": 1.5})
+    assert links.out == [{}] * 4 and links.inl == [{}] * 4
+
+
+def test_a_late_flow_slows_the_running_one_from_its_start_only() -> None:
+    env = simpy.Environment()
+    links = Links(env, 2, 10.0)
+    ends: list[float] = []
+
+    def flow(nbytes: float, at: float):  # type: ignore[no-untyped-def]
+        yield env.timeout(at)
+        yield links.send(0, 1, nbytes)
+        ends.append(env.now)
+
+    env.process(flow(20, 0.0))  # alone for 1 s (10 B), then 5 B/s
+    env.process(flow(5, 1.0))  # 5 B at 5 B/s: ends at 2.0; the first's last 5 B at 10
+    env.run()
+    assert ends == pytest.approx([2.0, 2.5])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_dead_nodes_shards_go_to_the_next_of_their_ranking_from_a_replica_or_origin(
+        replicas: int) -> None:
+    p = replace(SMALL, replicas=replicas, kill_at=0.2, dead_after_s=0.1)
+    sim = Sim(8, p)
+    o = sim.run()
+    victim = 7
+    lost = [s for s, h in enumerate(sim.placement.holders) if victim in h]
+    assert lost
+    for s in lost:  # the daemons' rule: the first K live nodes of the ranking hold it
+        live = sim.placement.live(s, {victim})
+        assert set(live) <= set(sim.holders[s]), (s, live, sim.holders[s])
+    copied = len(lost) * p.shard_bytes
+    if replicas == 1:  # no surviving copy: the taker reads the origin
+        assert (o.rereplicated_bytes, o.rereplicated_origin_bytes) == (0, copied)
+    else:
+        assert (o.rereplicated_bytes, o.rereplicated_origin_bytes) == (copied, 0)
 
 
 def test_the_model_is_deterministic() -> None:
