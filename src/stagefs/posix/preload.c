@@ -326,6 +326,9 @@ static void fill_statx(uint32_t e, struct statx *sx) {
 /* ---- paths ------------------------------------------------------------------------------ */
 
 static char vcwd[PATH_MAX];  /* the current directory when it is in the staged tree, else "" */
+/* the real current directory when the root lies below it (so that a relative path may enter
+ * the tree: `cd /data; cat train/x` with --at /data/train), else "" */
+static char rcwd[PATH_MAX];
 static pthread_mutex_t cwd_lock = PTHREAD_MUTEX_INITIALIZER;
 
 enum { R_REAL, R_STAGED, R_ERR };
@@ -453,14 +456,16 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
         return;
     }
     if (!vcwd[0]) {
-        if (!strstr(path, "..")) return;
         char cwd[PATH_MAX];
-        if (!real_getcwd(cwd, sizeof cwd)) return;
+        pthread_mutex_lock(&cwd_lock);
+        memcpy(cwd, rcwd, strlen(rcwd) + 1);
+        pthread_mutex_unlock(&cwd_lock);
+        if (!cwd[0] && (!strstr(path, "..") || !real_getcwd(cwd, sizeof cwd))) return;
         size_t cl = strlen(cwd);
         if (cl + 1 + n + 1 > PATH_MAX) return;
         char abs[PATH_MAX];
         memcpy(abs, cwd, cl); abs[cl] = '/'; memcpy(abs + cl + 1, path, n + 1);
-        if (!strstr(abs, D.root)) return;
+        if (!starts_root(abs, cl + 1 + n) && !needs_walk(abs)) return;
         walk(r, abs, -1, follow);
         if (r->kind == R_REAL && !r->entered) r->path = path;
         return;
@@ -855,6 +860,7 @@ static void after_fork_child(void) {
 }
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static void leave(void);
 
 static void init(void) {
     resolve_real();
@@ -893,6 +899,7 @@ static void init(void) {
             }
         }
     }
+    if (!vcwd[0]) leave();
 }
 
 __attribute__((constructor)) static void ctor(void) { pthread_once(&once, init); }
@@ -902,6 +909,16 @@ __attribute__((constructor)) static void ctor(void) { pthread_once(&once, init);
 
 #define WRITE_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND)
 
+/* dir/name into out (PATH_MAX bytes); -1 if too long. */
+static int join(char *out, const char *dir, const char *name) {
+    size_t d = strlen(dir), n = strlen(name);
+    if (d + 1 + n + 1 > PATH_MAX) return -1;
+    memcpy(out, dir, d);
+    out[d] = '/';
+    memcpy(out + d + 1, name, n + 1);
+    return 0;
+}
+
 /* Open a shard file holding entry e's bytes: a tier's copy, else the origin's. */
 static int open_shard(uint32_t e, int cloexec, int *src) {
     uint32_t sh = D.shard[e];
@@ -909,12 +926,11 @@ static int open_shard(uint32_t e, int cloexec, int *src) {
     char p[PATH_MAX];
     int fl = O_RDONLY | (cloexec ? O_CLOEXEC : 0);
     for (uint32_t t = 0; t < D.ntiers; t++) {
-        if (snprintf(p, sizeof p, "%s/%s", D.tier_dirs[t], D.shard_names[sh]) >= (int)sizeof p) continue;
+        if (join(p, D.tier_dirs[t], D.shard_names[sh]) != 0) continue;
         int fd = real_openat(AT_FDCWD, p, fl);
         if (fd >= 0) { *src = (int)t; return fd; }
     }
-    if (!D.origin_dir[0]) return -1;
-    if (snprintf(p, sizeof p, "%s/%s", D.origin_dir, D.shard_names[sh]) >= (int)sizeof p) return -1;
+    if (!D.origin_dir[0] || join(p, D.origin_dir, D.shard_names[sh]) != 0) return -1;
     int fd = real_openat(AT_FDCWD, p, fl);
     if (fd >= 0) { *src = (int)D.ntiers; touch_shard(sh); }
     return fd;
@@ -1333,9 +1349,16 @@ static int enter(uint32_t e) {
     return 0;
 }
 
+/* The real current directory changed (or the process starts outside the tree). */
 static void leave(void) {
+    char here[PATH_MAX];
+    int above = real_getcwd(here, sizeof here) != NULL;
+    size_t n = above ? strlen(here) : 0, m = n == 1 ? 0 : n;  /* "/": every root is below */
+    above = above && D.root_len > m && memcmp(D.root, here, m) == 0 && D.root[m] == '/';
     pthread_mutex_lock(&cwd_lock);
     vcwd[0] = 0;
+    if (above) memcpy(rcwd, here, n + 1);
+    else rcwd[0] = 0;
     pthread_mutex_unlock(&cwd_lock);
 }
 
