@@ -600,25 +600,30 @@ static Units units_of(const Row *r) {
 /* Each thread keeps the last unit it verified whole for a read that wanted part of it: cat
  * reads 128 KiB at a time and stdio 64 KiB, so the rest of a 1 MiB piece (or of a small file)
  * comes from this copy, still in the CPU's cache, not from the tier again. Its bytes are the
- * ones hashed. Units larger than SCRATCH_KEEP are read into a buffer freed at once. */
+ * ones hashed. A unit larger than SCRATCH_KEEP, or one read while the thread's buffer is in
+ * use (a signal handler that reads, interrupting a read), goes through a mapping of its own,
+ * unmapped at once (mmap and munmap, unlike malloc, may be called from a handler). */
 enum { SCRATCH_KEEP = 8 << 20 };
-static __thread struct { char *buf; size_t cap; uint64_t key; } scratch;
+static __thread struct { char *buf; size_t cap; uint64_t key; int busy; } scratch;
 static pthread_key_t scratch_owner;  /* frees a thread's buffer when the thread ends */
 
 static void scratch_free(void *buf) { free(buf); }
 
-/* Page aligned: the kernel's copy into it and the copies out of it run at full speed (a
- * buffer 16 bytes off a page boundary, as malloc gives, read pieces at half the speed). */
-static char *aligned(size_t n) {
-    void *b = NULL;
-    return posix_memalign(&b, 4096, n) == 0 ? b : NULL;
-}
+/* Does the thread's buffer hold the unit with this key, for the read that owns it? */
+static int held(uint64_t key) { return scratch.busy == 1 && scratch.key == key; }
 
-static char *scratch_buf(size_t n) {
-    if (scratch.cap >= n) return scratch.buf;
-    if (n > SCRATCH_KEEP) return aligned(n);
-    char *b = aligned(n);
-    if (!b) return NULL;
+/* A buffer for n bytes: the thread's (grown if need be), or one of its own in *owned.
+ * Page aligned: the kernel's copy into it and the copies out of it run at full speed (a
+ * buffer 16 bytes off a page boundary, as malloc gives, read pieces at half the speed). */
+static char *scratch_buf(size_t n, char **owned) {
+    *owned = NULL;
+    if (scratch.busy == 1 && scratch.cap >= n) return scratch.buf;
+    if (scratch.busy > 1 || n > SCRATCH_KEEP) {
+        char *m = real_mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return m == MAP_FAILED ? NULL : (*owned = m);
+    }
+    void *b = NULL;
+    if (posix_memalign(&b, 4096, n) != 0) return NULL;
     free(scratch.buf);
     pthread_setspecific(scratch_owner, b);
     scratch.buf = b;
@@ -627,20 +632,19 @@ static char *scratch_buf(size_t n) {
     return b;
 }
 
-/* Unit k of the file ([us, us+ul) of it) verified in the scratch buffer: a pointer to its
- * bytes (in the scratch buffer, or in *owned, to be freed, if too large to keep), or NULL
- * with V_BAD / V_IO in *v. */
+/* Unit k of the file ([us, us+ul) of it) verified whole in a buffer: a pointer to its bytes
+ * (the thread's buffer, or *owned, to be unmapped after use), or NULL with V_BAD / V_IO in
+ * *v. Called with the thread's buffer marked busy. */
 static const char *unit_verified(int fd, const Row *r, const Units *u, uint64_t k, uint64_t us,
                                  uint64_t ul, char **owned, int *v) {
     uint64_t key = u->key + 2 * k;
     *owned = NULL;
-    if (scratch.key == key) return scratch.buf;
-    char *b = scratch_buf(ul);
+    if (held(key)) return scratch.buf;
+    char *b = scratch_buf(ul, owned);
     if (!b) { errno = ENOMEM; *v = V_IO; return NULL; }
-    if (b != scratch.buf) *owned = b;
-    else scratch.key = 0;
+    if (!*owned) scratch.key = 0;
     if (pread_full(fd, b, ul, r->base + us) != (ssize_t)ul || xxh3_64(b, ul) != u->sums[u->first + k]) {
-        free(*owned);
+        if (*owned) munmap(*owned, ul);
         *owned = NULL;
         *v = V_BAD;
         return NULL;
@@ -670,8 +674,7 @@ static int verify_run(const Units *u, const char *out, uint64_t pos, uint64_t si
  * is hashed (the bytes returned are the ones hashed); a unit wanted in part is verified whole
  * in the scratch buffer and copied from there. V_BAD: the source disagrees with the
  * checksums (or is short); out then holds no bytes of it that a caller may use. */
-static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
-    if (len == 0) return V_OK;
+static int vread_units(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
     uint64_t size = D.size[r->e], end = pos + len;
     Units u = units_of(r);
     uint64_t run = pos;  /* the start of the bytes still to pread straight into out */
@@ -680,7 +683,7 @@ static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
         uint64_t us = k * u.size, ul = size - us < u.size ? size - us : u.size;
         uint64_t lo = pos > us ? pos : us, hi = end < us + ul ? end : us + ul;
         int whole = lo == us && hi == us + ul;
-        if (out && (whole || marked(u.marks, u.first + k)) && scratch.key != u.key + 2 * k)
+        if (out && (whole || marked(u.marks, u.first + k)) && !held(u.key + 2 * k))
             continue;  /* part of the run */
         if (out && run < lo) {  /* the run before this unit: pread, then verify its units */
             if (pread_full(fd, out + (run - pos), lo - run, r->base + run) != (ssize_t)(lo - run) ||
@@ -692,12 +695,20 @@ static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
         const char *b = unit_verified(fd, r, &u, k, us, ul, &owned, &v);
         if (!b) return v;
         if (out) memcpy(out + (lo - pos), b + (lo - us), hi - lo);
-        free(owned);
+        if (owned) munmap(owned, ul);
     }
     if (out && run < end &&
         (pread_full(fd, out + (run - pos), end - run, r->base + run) != (ssize_t)(end - run) ||
          verify_run(&u, out, pos, size, run, end) != V_OK)) return V_BAD;
     return V_OK;
+}
+
+static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
+    if (len == 0) return V_OK;
+    scratch.busy++;  /* 1: this read owns the thread's buffer; more: a handler's read in it */
+    int v = vread_units(fd, r, out, pos, len);
+    scratch.busy--;
+    return v;
 }
 
 /* The copy behind fd failed its checksum: put the helper's verified copy in its place
