@@ -111,9 +111,111 @@ static uint64_t xxh3_17to240(const uint8_t *in, size_t len) {
 }
 
 /* Inputs over 240 bytes: 8 accumulators, 64-byte stripes, 1024-byte blocks (16 stripes for
- * the 192-byte secret), a scramble after each block but the last. */
+ * the 192-byte secret), a scramble after each block but the last. This loop is where a
+ * checksum of a large file spends its time, so it has three forms computing the same
+ * accumulators: plain C (any CPU), SSE2 (every x86-64) and AVX2 (chosen at run time); a
+ * test compiles each with XXH3_FORCE and checks it against the xxhash package. */
 enum { STRIPE = 64, STRIPES_PER_BLOCK = (sizeof SECRET - 64) / 8, BLOCK = STRIPE * STRIPES_PER_BLOCK };
+#define SCRAMBLE_SECRET (SECRET + sizeof SECRET - 64)
+#define LAST_SECRET (SECRET + sizeof SECRET - 71)
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !(defined(XXH3_FORCE) && XXH3_FORCE == 0)
+#define XXH3_X86 1
+#include <immintrin.h>
+
+/* The same loop on 128-bit lanes (two accumulators each): acc[i] += lo32(v) * hi32(v) is
+ * _mm_mul_epu32 of v and v with its halves swapped; acc[i ^ 1] += d is d with its two
+ * 64-bit halves swapped. */
+static inline __m128i acc_sse2(__m128i acc, const uint8_t *in, const uint8_t *sec) {
+    __m128i d = _mm_loadu_si128((const __m128i *)in);
+    __m128i v = _mm_xor_si128(d, _mm_loadu_si128((const __m128i *)sec));
+    __m128i prod = _mm_mul_epu32(v, _mm_shuffle_epi32(v, _MM_SHUFFLE(0, 3, 0, 1)));
+    return _mm_add_epi64(prod, _mm_add_epi64(acc, _mm_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+static inline __m128i scramble_sse2(__m128i acc, const uint8_t *sec) {
+    __m128i v = _mm_xor_si128(_mm_xor_si128(acc, _mm_srli_epi64(acc, 47)),
+                              _mm_loadu_si128((const __m128i *)sec));
+    __m128i p = _mm_set1_epi32((int)P32_1);
+    __m128i lo = _mm_mul_epu32(v, p);
+    __m128i hi = _mm_mul_epu32(_mm_shuffle_epi32(v, _MM_SHUFFLE(0, 3, 0, 1)), p);
+    return _mm_add_epi64(lo, _mm_slli_epi64(hi, 32));
+}
+
+static void xxh3_acc_sse2(uint64_t acc64[8], const uint8_t *in, size_t len) {
+    __m128i a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm_loadu_si128((const __m128i *)(acc64 + 2 * j));
+    size_t done = 0;
+    for (; len - done > BLOCK; done += BLOCK) {
+        for (size_t n = 0; n < STRIPES_PER_BLOCK; n++)
+            for (int j = 0; j < 4; j++)
+                a[j] = acc_sse2(a[j], in + done + n * STRIPE + 16 * j, SECRET + n * 8 + 16 * j);
+        for (int j = 0; j < 4; j++) a[j] = scramble_sse2(a[j], SCRAMBLE_SECRET + 16 * j);
+    }
+    size_t full = (len - done - 1) / STRIPE;
+    for (size_t n = 0; n < full; n++)
+        for (int j = 0; j < 4; j++)
+            a[j] = acc_sse2(a[j], in + done + n * STRIPE + 16 * j, SECRET + n * 8 + 16 * j);
+    for (int j = 0; j < 4; j++) a[j] = acc_sse2(a[j], in + len - STRIPE + 16 * j, LAST_SECRET + 16 * j);
+    for (int j = 0; j < 4; j++) _mm_storeu_si128((__m128i *)(acc64 + 2 * j), a[j]);
+}
+
+#define AVX2 __attribute__((target("avx2")))
+static inline AVX2 __m256i acc_avx2(__m256i acc, const uint8_t *in, const uint8_t *sec) {
+    __m256i d = _mm256_loadu_si256((const __m256i *)in);
+    __m256i v = _mm256_xor_si256(d, _mm256_loadu_si256((const __m256i *)sec));
+    __m256i prod = _mm256_mul_epu32(v, _mm256_shuffle_epi32(v, _MM_SHUFFLE(0, 3, 0, 1)));
+    return _mm256_add_epi64(prod, _mm256_add_epi64(acc, _mm256_shuffle_epi32(d, _MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+static inline AVX2 __m256i scramble_avx2(__m256i acc, const uint8_t *sec) {
+    __m256i v = _mm256_xor_si256(_mm256_xor_si256(acc, _mm256_srli_epi64(acc, 47)),
+                                 _mm256_loadu_si256((const __m256i *)sec));
+    __m256i p = _mm256_set1_epi32((int)P32_1);
+    __m256i lo = _mm256_mul_epu32(v, p);
+    __m256i hi = _mm256_mul_epu32(_mm256_shuffle_epi32(v, _MM_SHUFFLE(0, 3, 0, 1)), p);
+    return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+}
+
+static AVX2 void xxh3_acc_avx2(uint64_t acc64[8], const uint8_t *in, size_t len) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc64);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc64 + 4));
+    size_t done = 0;
+    for (; len - done > BLOCK; done += BLOCK) {
+        for (size_t n = 0; n < STRIPES_PER_BLOCK; n++) {
+            a0 = acc_avx2(a0, in + done + n * STRIPE, SECRET + n * 8);
+            a1 = acc_avx2(a1, in + done + n * STRIPE + 32, SECRET + n * 8 + 32);
+        }
+        a0 = scramble_avx2(a0, SCRAMBLE_SECRET);
+        a1 = scramble_avx2(a1, SCRAMBLE_SECRET + 32);
+    }
+    size_t full = (len - done - 1) / STRIPE;
+    for (size_t n = 0; n < full; n++) {
+        a0 = acc_avx2(a0, in + done + n * STRIPE, SECRET + n * 8);
+        a1 = acc_avx2(a1, in + done + n * STRIPE + 32, SECRET + n * 8 + 32);
+    }
+    a0 = acc_avx2(a0, in + len - STRIPE, LAST_SECRET);
+    a1 = acc_avx2(a1, in + len - STRIPE + 32, LAST_SECRET + 32);
+    _mm256_storeu_si256((__m256i *)acc64, a0);
+    _mm256_storeu_si256((__m256i *)(acc64 + 4), a1);
+}
+
+/* 2: AVX2, 1: SSE2; asked of the CPU once (a race only writes the same value twice). */
+static int xxh3_level(void) {
+#if defined(XXH3_FORCE)
+    return XXH3_FORCE;
+#else
+    static int level;
+    int l = __atomic_load_n(&level, __ATOMIC_RELAXED);
+    if (!l) {
+        __builtin_cpu_init();
+        l = __builtin_cpu_supports("avx2") ? 2 : 1;
+        __atomic_store_n(&level, l, __ATOMIC_RELAXED);
+    }
+    return l;
+#endif
+}
+#else
 static void accumulate(uint64_t acc[8], const uint8_t *stripe, const uint8_t *sec) {
     for (int i = 0; i < 8; i++) {
         uint64_t d = le64(stripe + 8 * i), v = d ^ le64(sec + 8 * i);
@@ -122,22 +224,31 @@ static void accumulate(uint64_t acc[8], const uint8_t *stripe, const uint8_t *se
     }
 }
 
-static uint64_t xxh3_long(const uint8_t *in, size_t len) {
-    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+static void xxh3_acc_scalar(uint64_t acc[8], const uint8_t *in, size_t len) {
     size_t done = 0;
     for (; len - done > BLOCK; done += BLOCK) {
         for (size_t n = 0; n < STRIPES_PER_BLOCK; n++)
             accumulate(acc, in + done + n * STRIPE, SECRET + n * 8);
-        const uint8_t *sec = SECRET + sizeof SECRET - 64;
         for (int i = 0; i < 8; i++) {
             acc[i] ^= acc[i] >> 47;
-            acc[i] ^= le64(sec + 8 * i);
+            acc[i] ^= le64(SCRAMBLE_SECRET + 8 * i);
             acc[i] *= P32_1;
         }
     }
     size_t full = (len - done - 1) / STRIPE;  /* the last stripe goes below, even if full */
     for (size_t n = 0; n < full; n++) accumulate(acc, in + done + n * STRIPE, SECRET + n * 8);
-    accumulate(acc, in + len - STRIPE, SECRET + sizeof SECRET - 71);
+    accumulate(acc, in + len - STRIPE, LAST_SECRET);
+}
+#endif
+
+static uint64_t xxh3_long(const uint8_t *in, size_t len) {
+    uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
+#ifdef XXH3_X86
+    if (xxh3_level() == 2) xxh3_acc_avx2(acc, in, len);
+    else xxh3_acc_sse2(acc, in, len);
+#else
+    xxh3_acc_scalar(acc, in, len);
+#endif
     uint64_t r = (uint64_t)len * P64_1;
     for (int i = 0; i < 4; i++)
         r += mul_fold(acc[2 * i] ^ le64(SECRET + 11 + 16 * i), acc[2 * i + 1] ^ le64(SECRET + 19 + 16 * i));

@@ -290,6 +290,24 @@ def test_dotdot_climbs_out_as_the_kernel_resolves(packed: tuple[Path, Path],
         str(at / "data/arr.npy")]
 
 
+def test_a_relative_path_from_above_enters_the_tree(packed: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    """`cd /data; cat train/x` with --at /data/train: the relative path is served, also when
+    --at exists on disk with other files (which it hides)."""
+    src, pack = packed
+    at = tmp_path / "up" / "data"
+    at.mkdir(parents=True)
+    (at / "a.txt").write_bytes(b"the file on disk, hidden\n")
+    script = ("cd up && cat data/a.txt && ls data && cd / && cat "
+              f"'{str(at / 'data/rand.bin').lstrip('/')}' | md5sum && cd '{tmp_path}/up/data/..' "
+              "&& cat ./data/../data/a.txt")
+    got = run(pack, at, "sh", "-c", f"cd '{tmp_path}' && {script}").stdout
+    a = (src / "a.txt").read_bytes()
+    listing = "".join(n + "\n" for n in sorted(os.listdir(src), key=lambda n: n.encode()))
+    md5 = hashlib.md5((src / "data/rand.bin").read_bytes()).hexdigest()
+    assert got.decode() == a.decode() + listing + f"{md5}  -\n" + a.decode()
+
+
 def _tier_copy(tier: Path, pack: Path, rel: str) -> tuple[Path, int]:
     """The tier's copy of the shard holding ``rel``, and the file's offset in it."""
     with stagefs.open(pack) as fs:

@@ -16,7 +16,9 @@
  *   position lives in the kernel (kernel offset = base + position), so dup'd descriptors and
  *   forked children share it as they would a real file's. Reads are preads of that file,
  *   each piece (or a small file whole) verified against its xxh3 checksum before bytes are
- *   returned; a process remembers which pieces it verified on which source.
+ *   returned, in the caller's buffer when the read wants it whole, else in a buffer of the
+ *   thread that serves the rest of it (vread); a process remembers which pieces it
+ *   verified on which source.
  * - Compressed files, datasets without direct shards (in place, a cluster), and any copy
  *   that fails its checksum go to the helper (a Python process that `stagefs run` starts):
  *   it reads the file through the Store (the one verified read path: every holder in turn)
@@ -324,6 +326,9 @@ static void fill_statx(uint32_t e, struct statx *sx) {
 /* ---- paths ------------------------------------------------------------------------------ */
 
 static char vcwd[PATH_MAX];  /* the current directory when it is in the staged tree, else "" */
+/* the real current directory when the root lies below it (so that a relative path may enter
+ * the tree: `cd /data; cat train/x` with --at /data/train), else "" */
+static char rcwd[PATH_MAX];
 static pthread_mutex_t cwd_lock = PTHREAD_MUTEX_INITIALIZER;
 
 enum { R_REAL, R_STAGED, R_ERR };
@@ -451,14 +456,16 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
         return;
     }
     if (!vcwd[0]) {
-        if (!strstr(path, "..")) return;
         char cwd[PATH_MAX];
-        if (!real_getcwd(cwd, sizeof cwd)) return;
+        pthread_mutex_lock(&cwd_lock);
+        memcpy(cwd, rcwd, strlen(rcwd) + 1);
+        pthread_mutex_unlock(&cwd_lock);
+        if (!cwd[0] && (!strstr(path, "..") || !real_getcwd(cwd, sizeof cwd))) return;
         size_t cl = strlen(cwd);
         if (cl + 1 + n + 1 > PATH_MAX) return;
         char abs[PATH_MAX];
         memcpy(abs, cwd, cl); abs[cl] = '/'; memcpy(abs + cl + 1, path, n + 1);
-        if (!strstr(abs, D.root)) return;
+        if (!starts_root(abs, cl + 1 + n) && !needs_walk(abs)) return;
         walk(r, abs, -1, follow);
         if (r->kind == R_REAL && !r->entered) r->path = path;
         return;
@@ -553,6 +560,11 @@ static ssize_t pread_full(int fd, void *buf, size_t len, uint64_t off) {
     return (ssize_t)done;
 }
 
+enum { V_OK = 0, V_BAD = 1, V_IO = 2 };
+
+/* Marks of what this process verified on each source: a piece, or a file checked whole.
+ * Set once its hash matched (tier copies are written once, renamed into place and never
+ * changed); a later read of it is a plain pread. */
 static uint8_t *marks(uint8_t **slot, uint64_t n) {
     uint8_t *m = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
     if (m || n == 0) return m;
@@ -566,51 +578,137 @@ static uint8_t *marks(uint8_t **slot, uint64_t n) {
     return m;
 }
 
-enum { V_OK = 0, V_BAD = 1, V_IO = 2 };
+static int marked(const uint8_t *m, uint64_t i) { return m && __atomic_load_n(&m[i], __ATOMIC_ACQUIRE); }
+static void mark(uint8_t *m, uint64_t i) { if (m) __atomic_store_n(&m[i], 1, __ATOMIC_RELEASE); }
+
+/* The unit a file is verified in: its pieces (1 MiB), or the whole file when it has none. */
+typedef struct {
+    uint64_t size;       /* of a unit; the last one may be shorter */
+    uint64_t first;      /* the index of the file's first unit in marks and sums */
+    const uint64_t *sums;
+    uint8_t *marks;
+    uint64_t key;        /* the scratch key of the first unit (a unit's bytes, whoever reads them) */
+} Units;
+
+static Units units_of(const Row *r) {
+    uint32_t e = r->e, fp = D.piece ? D.piece[e] : NONE;
+    if (fp != NONE)
+        return (Units){D.piece_size, fp, D.pieces, marks(&vpiece[r->src], D.npieces), 2 * (uint64_t)fp + 2};
+    return (Units){D.size[e] ? D.size[e] : 1, e, D.checksum, marks(&vfile[r->src], D.n), 2 * (uint64_t)e + 1};
+}
+
+/* Each thread keeps the last unit it verified whole for a read that wanted part of it: cat
+ * reads 128 KiB at a time and stdio 64 KiB, so the rest of a 1 MiB piece (or of a small file)
+ * comes from this copy, still in the CPU's cache, not from the tier again. Its bytes are the
+ * ones hashed. A unit larger than SCRATCH_KEEP, or one read while the thread's buffer is in
+ * use (a signal handler that reads, interrupting a read), goes through a mapping of its own,
+ * unmapped at once (mmap and munmap, unlike malloc, may be called from a handler). */
+enum { SCRATCH_KEEP = 8 << 20 };
+static __thread struct { char *buf; size_t cap; uint64_t key; int busy; } scratch;
+static pthread_key_t scratch_owner;  /* frees a thread's buffer when the thread ends */
+
+static void scratch_free(void *buf) { free(buf); }
+
+/* Does the thread's buffer hold the unit with this key, for the read that owns it? */
+static int held(uint64_t key) { return scratch.busy == 1 && scratch.key == key; }
+
+/* A buffer for n bytes: the thread's (grown if need be), or one of its own in *owned.
+ * Page aligned: the kernel's copy into it and the copies out of it run at full speed (a
+ * buffer 16 bytes off a page boundary, as malloc gives, read pieces at half the speed). */
+static char *scratch_buf(size_t n, char **owned) {
+    *owned = NULL;
+    if (scratch.busy == 1 && scratch.cap >= n) return scratch.buf;
+    if (scratch.busy > 1 || n > SCRATCH_KEEP) {
+        char *m = real_mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return m == MAP_FAILED ? NULL : (*owned = m);
+    }
+    void *b = NULL;
+    if (posix_memalign(&b, 4096, n) != 0) return NULL;
+    free(scratch.buf);
+    pthread_setspecific(scratch_owner, b);
+    scratch.buf = b;
+    scratch.cap = n;
+    scratch.key = 0;
+    return b;
+}
+
+/* Unit k of the file ([us, us+ul) of it) verified whole in a buffer: a pointer to its bytes
+ * (the thread's buffer, or *owned, to be unmapped after use), or NULL with V_BAD / V_IO in
+ * *v. Called with the thread's buffer marked busy. */
+static const char *unit_verified(int fd, const Row *r, const Units *u, uint64_t k, uint64_t us,
+                                 uint64_t ul, char **owned, int *v) {
+    uint64_t key = u->key + 2 * k;
+    *owned = NULL;
+    if (held(key)) return scratch.buf;
+    char *b = scratch_buf(ul, owned);
+    if (!b) { errno = ENOMEM; *v = V_IO; return NULL; }
+    if (!*owned) scratch.key = 0;
+    if (pread_full(fd, b, ul, r->base + us) != (ssize_t)ul || xxh3_64(b, ul) != u->sums[u->first + k]) {
+        if (*owned) munmap(*owned, ul);
+        *owned = NULL;
+        *v = V_BAD;
+        return NULL;
+    }
+    mark(u->marks, u->first + k);
+    if (!*owned) scratch.key = key;
+    return b;
+}
+
+/* The bytes [lo, hi) of the file were just read into out (at out + lo - pos): hash each unit
+ * among them this process has not verified yet (the caller saw to it that each such unit
+ * lies whole in [lo, hi); marks are never cleared, so one unmarked now was unmarked then). */
+static int verify_run(const Units *u, const char *out, uint64_t pos, uint64_t size, uint64_t lo,
+                      uint64_t hi) {
+    for (uint64_t k = lo / u->size; k * u->size < hi; k++) {
+        if (marked(u->marks, u->first + k)) continue;
+        uint64_t us = k * u->size, ul = size - us < u->size ? size - us : u->size;
+        if (xxh3_64(out + (us - pos), ul) != u->sums[u->first + k]) return V_BAD;
+        mark(u->marks, u->first + k);
+    }
+    return V_OK;
+}
 
 /* Copy [pos, pos+len) of file r->e (a raw file in a shard, len clipped to its size) from
- * fd to out (NULL: verify only), every byte verified. V_BAD: the source disagrees with
- * the checksums (or is short). */
-static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
-    uint32_t e = r->e;
-    uint64_t size = D.size[e], P = D.piece_size;
-    if (len == 0) return V_OK;
-    uint32_t first_piece = D.piece ? D.piece[e] : NONE;
-    if (first_piece != NONE) {
-        uint8_t *vp = marks(&vpiece[r->src], D.npieces);
-        char *tmp = NULL;
-        for (uint64_t k = pos / P; k * P < pos + len; k++) {
-            uint64_t ps = k * P, pl = size - ps < P ? size - ps : P;
-            uint64_t lo = pos > ps ? pos : ps, hi = pos + len < ps + pl ? pos + len : ps + pl;
-            if (vp && __atomic_load_n(&vp[first_piece + k], __ATOMIC_ACQUIRE)) {
-                if (out && pread_full(fd, out + (lo - pos), hi - lo, r->base + lo) != (ssize_t)(hi - lo)) {
-                    free(tmp); return V_BAD;
-                }
-                continue;
-            }
-            if (!tmp && !(tmp = malloc(P))) { errno = ENOMEM; return V_IO; }
-            if (pread_full(fd, tmp, pl, r->base + ps) != (ssize_t)pl ||
-                xxh3_64(tmp, pl) != D.pieces[first_piece + k]) { free(tmp); return V_BAD; }
-            if (vp) __atomic_store_n(&vp[first_piece + k], 1, __ATOMIC_RELEASE);
-            if (out) memcpy(out + (lo - pos), tmp + (lo - ps), hi - lo);
+ * fd to out (NULL: verify only), every byte verified before it is returned, each unit once
+ * per process. One pread brings every unit the read wants whole straight into out, where it
+ * is hashed (the bytes returned are the ones hashed); a unit wanted in part is verified whole
+ * in the scratch buffer and copied from there. V_BAD: the source disagrees with the
+ * checksums (or is short); out then holds no bytes of it that a caller may use. */
+static int vread_units(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
+    uint64_t size = D.size[r->e], end = pos + len;
+    Units u = units_of(r);
+    uint64_t run = pos;  /* the start of the bytes still to pread straight into out */
+    int v = V_OK;
+    for (uint64_t k = pos / u.size; k * u.size < end; k++) {
+        uint64_t us = k * u.size, ul = size - us < u.size ? size - us : u.size;
+        uint64_t lo = pos > us ? pos : us, hi = end < us + ul ? end : us + ul;
+        int whole = lo == us && hi == us + ul;
+        if (out && (whole || marked(u.marks, u.first + k)) && !held(u.key + 2 * k))
+            continue;  /* part of the run */
+        if (out && run < lo) {  /* the run before this unit: pread, then verify its units */
+            if (pread_full(fd, out + (run - pos), lo - run, r->base + run) != (ssize_t)(lo - run) ||
+                verify_run(&u, out, pos, size, run, lo) != V_OK) return V_BAD;
         }
-        free(tmp);
-        return V_OK;
+        run = hi;
+        if (!out && marked(u.marks, u.first + k)) continue;
+        char *owned;
+        const char *b = unit_verified(fd, r, &u, k, us, ul, &owned, &v);
+        if (!b) return v;
+        if (out) memcpy(out + (lo - pos), b + (lo - us), hi - lo);
+        if (owned) munmap(owned, ul);
     }
-    uint8_t *vf = marks(&vfile[r->src], D.n);
-    if (vf && __atomic_load_n(&vf[e], __ATOMIC_ACQUIRE)) {
-        if (out && pread_full(fd, out, len, r->base + pos) != (ssize_t)len) return V_BAD;
-        return V_OK;
-    }
-    char *tmp = malloc(size ? size : 1);
-    if (!tmp) { errno = ENOMEM; return V_IO; }
-    if (pread_full(fd, tmp, size, r->base) != (ssize_t)size || xxh3_64(tmp, size) != D.checksum[e]) {
-        free(tmp); return V_BAD;
-    }
-    if (vf) __atomic_store_n(&vf[e], 1, __ATOMIC_RELEASE);
-    if (out) memcpy(out, tmp + pos, len);
-    free(tmp);
+    if (out && run < end &&
+        (pread_full(fd, out + (run - pos), end - run, r->base + run) != (ssize_t)(end - run) ||
+         verify_run(&u, out, pos, size, run, end) != V_OK)) return V_BAD;
     return V_OK;
+}
+
+static int vread(int fd, const Row *r, char *out, uint64_t pos, size_t len) {
+    if (len == 0) return V_OK;
+    scratch.busy++;  /* 1: this read owns the thread's buffer; more: a handler's read in it */
+    int v = vread_units(fd, r, out, pos, len);
+    scratch.busy--;
+    return v;
 }
 
 /* The copy behind fd failed its checksum: put the helper's verified copy in its place
@@ -636,9 +734,11 @@ static ssize_t shard_pread(int fd, Row *r, void *buf, size_t n, uint64_t pos) {
     size_t len = n < size - pos ? n : (size_t)(size - pos);
     int v = vread(fd, r, buf, pos, len);
     if (v == V_OK) return (ssize_t)len;
-    if (v == V_IO) return -1;
-    if (replace_with_helper(fd, r) < 0) return -1;
-    return real_pread(fd, buf, n, (off_t)pos);
+    if (v == V_BAD && replace_with_helper(fd, r) == 0) return real_pread(fd, buf, n, (off_t)pos);
+    int err = errno;
+    memset(buf, 0, len);  /* what the failed read left there was not verified */
+    errno = err;
+    return -1;
 }
 
 /* ---- init ------------------------------------------------------------------------------- */
@@ -771,6 +871,7 @@ static void after_fork_child(void) {
 }
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static void leave(void);
 
 static void init(void) {
     resolve_real();
@@ -790,6 +891,7 @@ static void init(void) {
     Dl_info info;
     if (dladdr((void *)&init, &info) && info.dli_fname) D.self_path = strdup(info.dli_fname);
     pthread_atfork(NULL, NULL, after_fork_child);
+    pthread_key_create(&scratch_owner, scratch_free);
     D.active = 1;
     restore_fds(getenv("STAGEFS_PRELOAD_FDS"));
     serve_stdin();
@@ -808,6 +910,7 @@ static void init(void) {
             }
         }
     }
+    if (!vcwd[0]) leave();
 }
 
 __attribute__((constructor)) static void ctor(void) { pthread_once(&once, init); }
@@ -817,6 +920,16 @@ __attribute__((constructor)) static void ctor(void) { pthread_once(&once, init);
 
 #define WRITE_FLAGS (O_WRONLY | O_RDWR | O_CREAT | O_TRUNC | O_APPEND)
 
+/* dir/name into out (PATH_MAX bytes); -1 if too long. */
+static int join(char *out, const char *dir, const char *name) {
+    size_t d = strlen(dir), n = strlen(name);
+    if (d + 1 + n + 1 > PATH_MAX) return -1;
+    memcpy(out, dir, d);
+    out[d] = '/';
+    memcpy(out + d + 1, name, n + 1);
+    return 0;
+}
+
 /* Open a shard file holding entry e's bytes: a tier's copy, else the origin's. */
 static int open_shard(uint32_t e, int cloexec, int *src) {
     uint32_t sh = D.shard[e];
@@ -824,12 +937,11 @@ static int open_shard(uint32_t e, int cloexec, int *src) {
     char p[PATH_MAX];
     int fl = O_RDONLY | (cloexec ? O_CLOEXEC : 0);
     for (uint32_t t = 0; t < D.ntiers; t++) {
-        if (snprintf(p, sizeof p, "%s/%s", D.tier_dirs[t], D.shard_names[sh]) >= (int)sizeof p) continue;
+        if (join(p, D.tier_dirs[t], D.shard_names[sh]) != 0) continue;
         int fd = real_openat(AT_FDCWD, p, fl);
         if (fd >= 0) { *src = (int)t; return fd; }
     }
-    if (!D.origin_dir[0]) return -1;
-    if (snprintf(p, sizeof p, "%s/%s", D.origin_dir, D.shard_names[sh]) >= (int)sizeof p) return -1;
+    if (!D.origin_dir[0] || join(p, D.origin_dir, D.shard_names[sh]) != 0) return -1;
     int fd = real_openat(AT_FDCWD, p, fl);
     if (fd >= 0) { *src = (int)D.ntiers; touch_shard(sh); }
     return fd;
@@ -1248,9 +1360,16 @@ static int enter(uint32_t e) {
     return 0;
 }
 
+/* The real current directory changed (or the process starts outside the tree). */
 static void leave(void) {
+    char here[PATH_MAX];
+    int above = real_getcwd(here, sizeof here) != NULL;
+    size_t n = above ? strlen(here) : 0, m = n == 1 ? 0 : n;  /* "/": every root is below */
+    above = above && D.root_len > m && memcmp(D.root, here, m) == 0 && D.root[m] == '/';
     pthread_mutex_lock(&cwd_lock);
     vcwd[0] = 0;
+    if (above) memcpy(rcwd, here, n + 1);
+    else rcwd[0] = 0;
     pthread_mutex_unlock(&cwd_lock);
 }
 

@@ -1,0 +1,215 @@
+"""How the preload library verifies what it reads: every read route (a unit wanted whole,
+read straight into the caller's buffer; a unit wanted in part, verified whole in the
+thread's buffer; reads that mix both, cross pieces or end at a short last piece) returns
+exactly the plain file's bytes, a bad tier copy is never returned by any of them, and a
+process verifies each piece (or small file) once."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_preload import BIG, _env, _flip, _tier_copy, plain, run
+
+import stagefs
+from conftest import random_bytes
+from stagefs._native import preload_library
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(preload_library() is None,
+                       reason="the preload library is not built (no C compiler at install)"),
+]
+
+MiB = 2**20
+SMALL = "data/rand.bin"  # 200,000 bytes: no pieces, verified whole
+BIG_SIZE = 3 * MiB + 4321
+
+# probe FILE OP... : each OP is p:OFF:LEN (pread), r:LEN:COUNT (COUNT reads at the
+# position), s:OFF (lseek), v:OFF:A,B,C (preadv of three buffers), or w (wait for a line on
+# stdin); prints what each returned and an FNV hash of the bytes, or the errno and whether
+# the buffer holds anything but zeros after a failed read
+PROBE = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+static unsigned char buf[8 << 20];
+static uint64_t fnv(const unsigned char *p, size_t n) {
+    uint64_t h = 14695981039346656037ULL;
+    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ULL;
+    return h;
+}
+/* got bytes from buf, or a failed read of want bytes into buf + at */
+static void show(const char *op, ssize_t got, size_t at, size_t want) {
+    if (got >= 0) { printf("%s %zd %llx\n", op, got, (unsigned long long)fnv(buf, (size_t)got)); return; }
+    int dirty = 0;
+    for (size_t i = at; i < at + want; i++) dirty |= buf[i] != 0xAA && buf[i] != 0;
+    printf("%s error %d dirty %d\n", op, errno, dirty);
+}
+int main(int argc, char **argv) {
+    int fd = open(argv[1], O_RDONLY);
+    if (fd < 0) { perror(argv[1]); return 2; }
+    for (int i = 2; i < argc; i++) {
+        const char *op = argv[i];
+        long long a = 0, b = 0, c = 0, d = 0;
+        memset(buf, 0xAA, sizeof buf);
+        if (op[0] == 'p' && sscanf(op, "p:%lld:%lld", &a, &b) == 2) {
+            show(op, pread(fd, buf, (size_t)b, (off_t)a), 0, (size_t)b);
+        } else if (op[0] == 'r' && sscanf(op, "r:%lld:%lld", &a, &b) == 2) {
+            size_t total = 0;
+            ssize_t got = 0;
+            for (long long k = 0; k < b; k++) {
+                got = read(fd, buf + total, (size_t)a);
+                if (got <= 0) break;
+                total += (size_t)got;
+            }
+            show(op, got < 0 ? got : (ssize_t)total, total, (size_t)a);
+        } else if (op[0] == 's' && sscanf(op, "s:%lld", &a) == 1) {
+            printf("%s %lld\n", op, (long long)lseek(fd, (off_t)a, SEEK_SET));
+        } else if (op[0] == 'v' && sscanf(op, "v:%lld:%lld,%lld,%lld", &a, &b, &c, &d) == 4) {
+            struct iovec iov[3] = {{buf, (size_t)b}, {buf + b, (size_t)c}, {buf + b + c, (size_t)d}};
+            show(op, preadv(fd, iov, 3, (off_t)a), 0, (size_t)(b + c + d));
+        } else if (op[0] == 'w') {
+            fflush(stdout);
+            char line[16];
+            if (!fgets(line, sizeof line, stdin)) return 3;
+        } else {
+            fprintf(stderr, "bad op %s\n", op);
+            return 2;
+        }
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    d = tmp_path_factory.mktemp("readprobe")
+    (d / "probe.c").write_text(PROBE)
+    subprocess.run([cc, "-O1", "-o", d / "probe", d / "probe.c"], check=True)
+    return d / "probe"
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tree, pack): a file of three pieces and a short fourth, and a small file."""
+    src = tmp_path_factory.mktemp("reads") / "src"
+    (src / "data").mkdir(parents=True)
+    (src / BIG).parent.mkdir(parents=True)
+    (src / BIG).write_bytes(random_bytes(BIG_SIZE, 11))
+    (src / SMALL).write_bytes(random_bytes(200_000, 12))
+    pack = src.parent / "pack"
+    stagefs.pack(str(src), str(pack), progress=False)
+    with stagefs.open(pack) as fs:
+        assert fs.manifest.piece_size == MiB
+    return src, pack
+
+
+# each list runs in a new process, so that every unit it reads is not verified yet
+PATTERNS = {
+    BIG: [
+        ["p:0:8388608"],  # the whole file in one read: every piece straight into the buffer
+        ["p:1048000:2000"],  # the end of piece 0 and the start of piece 1, both in part
+        ["p:1000:3145000"],  # part of 0, pieces 1 and 2 whole, part of the short last one
+        ["p:3145728:4321", "p:3145800:100000", "p:3150049:10", "p:9000000:10"],  # the end
+        ["s:0", "r:131072:40"],  # cat: 128 KiB reads through the whole file
+        ["s:1048570", "r:1:12", "r:4095:3"],  # byte reads across a piece's end
+        ["p:1500000:10", "p:0:3000000"],  # piece 1 held in part, then a read through it
+        ["p:2097152:1048576", "p:2097100:1048700"],  # piece 2 whole, then over its edges
+        ["v:1048000:100,1048576,5000"],  # one preadv across three pieces
+        ["s:3145000", "r:65536:3"],  # reads that run into the end of the file
+    ],
+    SMALL: [
+        ["p:0:1048576"],  # the file whole, straight into the buffer
+        ["s:0", "r:4096:60"],  # stdio-sized reads: the file verified whole once
+        ["p:199990:100", "p:0:200000", "p:100:10"],
+        ["v:7:10,150000,60000"],
+    ],
+}
+
+
+@pytest.mark.parametrize("rel", sorted(PATTERNS))
+def test_every_read_route_gives_the_plain_bytes(tree: tuple[Path, Path], tmp_path: Path,
+                                                probe: Path, rel: str) -> None:
+    src, pack = tree
+    at = tmp_path / "data"
+    for tiers in ([tmp_path / "tier"], []):  # the tier's copy; the origin's shard
+        for ops in PATTERNS[rel]:
+            got = run(pack, at, probe, at / rel, *ops, tiers=tiers)
+            assert got.stdout == plain(probe, src / rel, *ops), (tiers, ops, got.stderr)
+    assert b"error" not in plain(probe, src / BIG, *PATTERNS[BIG][3])
+
+
+def _staged_tier(pack: Path, tmp_path: Path) -> Path:
+    tier = tmp_path / "tier"
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "stage", str(pack), "--tier", str(tier),
+                    "--runtime", str(tmp_path / "rt"), "--no-progress"], check=True, env=_env(),
+                   capture_output=True, timeout=120)
+    return tier
+
+
+@pytest.mark.parametrize("ops", [["p:0:8388608"], ["s:0", "r:131072:40"], ["p:2097000:300"],
+                                 ["v:2097152:100,1048576,5000"]])
+def test_a_bad_tier_copy_is_never_returned(tree: tuple[Path, Path], tmp_path: Path,
+                                           probe: Path, ops: list[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte of piece 2 flipped in the tier's copy: whichever way the read meets it, the
+    program gets the origin's bytes; flipped in the origin too, an error and a buffer that
+    holds none of the bad copy."""
+    src, orig = tree
+    pack = tmp_path / "pack"
+    shutil.copytree(orig, pack)
+    tier = _staged_tier(pack, tmp_path)
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
+    copy, off = _tier_copy(tier, pack, BIG)
+    _flip(copy, off + 2 * MiB + 12345)
+    at = tmp_path / "data"
+    got = run(pack, at, probe, at / BIG, *ops, tiers=[tier])
+    assert got.stdout == plain(probe, src / BIG, *ops), got.stderr
+    _flip(pack / copy.name, off + 2 * MiB + 12345)
+    got = run(pack, at, probe, at / BIG, *ops)  # no tier: the origin's bad shard only
+    last = got.stdout.decode().splitlines()[-1]
+    assert last.endswith("error 5 dirty 0"), got.stdout  # EIO, nothing of the bad bytes
+
+
+def test_a_process_verifies_a_copy_once(tree: tuple[Path, Path], tmp_path: Path, probe: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tier copies are written once and renamed into place, never changed (0014): a process
+    hashes each piece and small file once, and reads it again without hashing. So a copy
+    changed in place after a process verified it is not noticed by that process; every
+    process started after it notices, and reads the origin's bytes instead."""
+    src, orig = tree
+    pack = tmp_path / "pack"
+    shutil.copytree(orig, pack)
+    tier = _staged_tier(pack, tmp_path)
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
+    copy, off = _tier_copy(tier, pack, SMALL)
+    at = tmp_path / "data"
+    ops = ["p:0:1048576", "w", "p:0:1048576"]
+    want = plain(probe, src / SMALL, "p:0:1048576").decode()
+    argv = [sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack), "--at", str(at),
+            "--tier", str(tier), "--", str(probe), str(at / SMALL), *ops]
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env()) as p:
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline().decode() == want  # verified, then waits
+        _flip(copy, off + 777)
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
+        second = p.stdout.readline().decode()
+        assert p.wait(timeout=60) == 0
+    assert second != want  # read again without a second hash: the changed byte
+    got = run(pack, at, probe, at / SMALL, "p:0:1048576", tiers=[tier])
+    assert got.stdout.decode() == want  # a new process hashes it, and reads the origin
