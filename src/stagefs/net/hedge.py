@@ -8,9 +8,12 @@ again. With no other live replica to ask (one copy per shard, the default), the 
 to the Store's next holder (the origin) instead: the peer is marked suspect, ``pread``
 raises PeerUnavailable and ``pread_many`` gives None for every range. The request left in
 flight runs on to the client's deadline: a late answer clears the suspicion, a late failure
-counts as one. A peer that fails outright is not hedged: the Store goes to its next holder
-(the shard's next replica, then the origin). So a hung holder costs at most one short delay,
-not a timeout; the Store verifies what comes back and goes to its next holder if it is
+counts as one. A batch whose hedges do not answer either (every replica cut off) gives
+its ranges to the next holder once the hedges have had the origin's delay, and every peer
+asked is suspect: the batch that finds a partition pays the two delays, never a request's
+deadline, and the next batches ask no one. A peer that fails outright is not hedged: the
+Store goes to its next holder (the shard's next replica, then the origin). So a hung
+holder costs at most one short delay, not a timeout; the Store verifies what comes back and goes to its next holder if it is
 wrong. Each request to a peer that is not suspect is sent from a pool thread (one hop); a
 suspect peer refuses at once, from the caller's thread. Each peer counts its requests in
 flight (``outstanding``): the cluster's holder choice sends a read to the less busy of two
