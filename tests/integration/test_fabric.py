@@ -30,7 +30,9 @@ from cluster_helpers import (
     wait_staged,
     write_expected,
 )
+from xxhash import xxh3_64_hexdigest
 
+import stagefs
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
@@ -278,3 +280,91 @@ def test_a_thousand_idle_connections_take_no_thread(tmp_path: Path) -> None:
             s.close()
         srv.close()
         m.close()
+
+
+def _stopped(proc: subprocess.Popen[bytes]) -> None:
+    """SIGSTOP, and wait until the process is stopped (the signal takes effect later)."""
+    proc.send_signal(signal.SIGSTOP)
+    for _ in range(3000):
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {proc.pid} did not stop")
+
+
+def test_unreachable_peers_cost_a_relay_one_hedging_delay_then_none(tmp_path: Path) -> None:
+    """Every other node stops answering while their connections stay open (SIGSTOP: what a
+    partition looks like from this side, no reset, no refusal): the first relayed batch
+    that meets them waits the hedging delays, not the relay's deadline, and marks them
+    suspect; every later batch goes to the origin at once, without a request to them; once
+    they answer again the relay reads them again. Counted, never timed."""
+    c = Cluster(str(tmp_path), 3, replicas=2)
+    fs = stagefs.connect(os.path.join(c.work, "rt0"))
+    daemon0 = PeerClient("", 0, c.token, unix=os.path.join(c.work, "rt0", "fabric.sock"))
+    try:
+        with open(os.path.join(c.work, "expected.json")) as f:
+            expected: dict[str, str] = json.load(f)
+        mine = fs.held_shards()
+        far = [p for p in sorted(expected) if fs.stat(p).st_size
+               and int(fs.manifest.shard[fs.namespace.file_entry(p)]) not in mine]
+        assert len(far) >= 8  # files only nodes 1 and 2 hold: node 0's daemon relays them
+
+        def exact(paths: list[str]) -> bool:
+            return all(xxh3_64_hexdigest(d) == expected[p]
+                       for p, d in zip(paths, fs.read_many(paths), strict=True))
+
+        def relay() -> dict[str, Any]:
+            """The daemon's relay counters, once they count every request this process
+            sent it (none of these files is held on node 0: each request is one relayed
+            batch; the daemon computes its status at most every 0.2 s)."""
+            sent = fs.status()["fabric"]["requests"]
+            for _ in range(600):
+                st = dict(daemon0.status()["fabric"])
+                if st["relay"]["batches"] >= sent:
+                    return st
+                time.sleep(0.05)
+            raise AssertionError(f"the relay counted fewer than {sent} batches: {st}")
+
+        assert exact(far) and fs.origin.stats.reads == 0  # the relay's connections are up
+        for d in c.daemons[1:]:
+            _stopped(d)
+        batches = [far[i : i + 2] for i in range(0, 8, 2)]
+        assert exact(batches[0])
+        first = relay()
+        # the batch that met them waited the hedging delays, not the relay's deadline, and
+        # gave up on each of them (suspect now)
+        assert first["relay"]["late"] == 0 and first["gave_up"] >= 2, first
+        assert first["suspect_peers"] == [1, 2], first
+        origin = fs.origin.stats.reads
+        assert origin > 0
+        for b in batches[1:]:
+            assert exact(b)
+        assert fs.origin.stats.reads > origin
+        st = relay()
+        # every later batch (and each range read again one by one) went to the origin at
+        # once: no request to a stopped peer, none given up on again, nothing late
+        assert st["relay"]["late"] == 0 and st["gave_up"] == first["gave_up"], st
+        assert st["relay"]["parts"] == first["relay"]["parts"], st
+        assert st["relay"]["skipped"] >= first["relay"]["skipped"] + 2 * (len(batches) - 1)
+        # they answer again: after a probe (or the late answer of a request left in
+        # flight), relayed reads go to them again and nothing more to the origin
+        for d in c.daemons[1:]:
+            d.send_signal(signal.SIGCONT)
+        for _ in range(600):
+            if not relay()["suspect_peers"]:
+                break
+            assert exact(far[:2])  # reads drive the probes of suspect peers
+            time.sleep(0.1)
+        assert not relay()["suspect_peers"]
+        origin, relayed = fs.origin.stats.reads, relay()["relay"]
+        assert exact(far)
+        st = relay()
+        assert fs.origin.stats.reads == origin and st["relay"]["batches"] > relayed["batches"]
+        assert st["relay"]["missing"] == relayed["missing"], st  # the peers gave every range
+    finally:
+        daemon0.close()
+        fs.close()
+        for d in c.daemons[1:]:
+            d.send_signal(signal.SIGCONT)
+        c.close()

@@ -62,6 +62,17 @@ def test_a_range_one_holder_did_not_give_goes_to_the_next() -> None:
     f.close()
 
 
+def test_ranges_whose_holders_are_all_down_are_left_at_once_and_counted() -> None:
+    down = Fake("down", {0, 1}, down=True)
+    up = Fake("up", {2})
+    f = Fanout()
+    got = f.read([(0, 0, 1), (1, 0, 1), (2, 0, 1)], lambda s: [down] if s < 2 else [up],
+                 timeout=60)
+    assert got == [None, None, b"up:2:0"] and down.calls == []
+    assert f.stats.skipped == 2 and f.stats.missing == 2 and f.stats.parts == 1
+    f.close()
+
+
 def test_a_holder_that_does_not_answer_by_the_deadline_leaves_its_ranges_none() -> None:
     hung = threading.Event()
     slow, fast = Fake("slow", {0}, hung), Fake("fast", {1})

@@ -274,6 +274,64 @@ def test_a_slow_batch_goes_range_by_range_to_each_shards_other_replica() -> None
     assert len(a.batches) == 1
 
 
+def test_a_slow_batch_whose_other_replicas_do_not_answer_either_gives_way_in_time() -> None:
+    """Every replica cut off (a partition): the hedges do not answer either. The batch
+    gives its ranges to the next holder (the origin) after the delays, not when the
+    requests' own deadlines end; every peer asked is suspect, so the next batch asks no
+    one."""
+    a, b, c = StandIn("a"), StandIn("b"), StandIn("c")
+    b.then, c.then = threading.Event(), threading.Event()
+    h = _peers({0: [a, b], 1: [a, c]})
+    ranges = [(0, 0, 1), (1, 0, 1)]
+    assert h["a"].pread_many(ranges) == [None, None]  # the Store reads them from its origin
+    assert h["a"].hedged == 2 and b.batches == [[(0, 0, 1)]] and c.batches == [[(1, 0, 1)]]
+    assert a.marked and b.marked and c.marked
+    assert (h["a"].gave_up, h["b"].gave_up, h["c"].gave_up) == (1, 1, 1)
+    assert h["a"].pread_many(ranges) == [None, None]  # suspect: asked at once, no request
+    assert h["b"].pread_many(ranges[:1]) == [None]
+    assert len(a.batches) == 1 and len(b.batches) == 1 and a.stats.skipped == 1
+    for p in (a, b, c):
+        p.release.set()  # the requests left in flight run on to their end
+    assert b.then.wait(30) and c.then.wait(30)
+
+
+def test_a_slow_batch_whose_hedge_says_not_held_waits_the_origin_delay_at_most() -> None:
+    """A taker that has not copied the shard yet says "not held" at once; the slow holder
+    has the origin's delay more to answer, then it is suspect and the origin answers."""
+    slow, taker = StandIn("slow"), StandIn("taker", None)
+    taker.release.set()
+    slow.then = threading.Event()
+    h = _peers({0: [slow, taker]})
+    assert h["slow"].pread_many([(0, 0, 1)]) == [None]
+    assert slow.marked and not taker.marked
+    assert h["slow"].gave_up == 1 and h["taker"].gave_up == 0
+    slow.release.set()
+    assert slow.then.wait(30)
+
+
+def test_a_request_waiting_for_a_connection_gives_up_when_the_peer_turns_suspect() -> None:
+    """The one connection to a peer is out (a request the peer does not answer): a second
+    request waiting for it gives up once the peer is found slow, instead of holding its
+    thread until the first one's deadline."""
+    c = PeerClient("127.0.0.1", _refused_port(), b"t" * 32, pool_size=1, timeout=600.0)
+    with c._free:
+        c._out = 1  # the connection is out
+    got: list[BaseException] = []
+
+    def second() -> None:
+        try:
+            c.read([(0, 0, 1)])
+        except PeerUnavailable as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=second)
+    t.start()
+    c.mark_suspect("no answer within the hedging delay")
+    t.join(60)
+    assert not t.is_alive() and len(got) == 1 and "suspect" in str(got[0])
+    assert c.stats.skipped == 1 and c.stats.attempts == 0
+
+
 def test_a_batch_answered_in_time_is_not_hedged() -> None:
     a, b = StandIn("a", b"A"), StandIn("b", b"B")
     a.release.set()

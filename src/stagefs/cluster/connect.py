@@ -189,6 +189,7 @@ class ClusterHolders:
             "origin": self.origin.stats.as_dict(),
             "peers": {n: c.stats.as_dict() for n, c in self.clients.items()},
             "hedged": sum(p.hedged for p in self.peers.values()),
+            "gave_up": sum(p.gave_up for p in self.peers.values()),
             "suspect_peers": sorted(n for n, c in self.clients.items() if c.is_suspect()),
             "fabric": None if self.fabric is None else {
                 **self.fabric.client.stats.as_dict(),

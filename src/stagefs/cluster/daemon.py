@@ -273,9 +273,16 @@ class Daemon:
             **({} if self.transport is None else {"mpi": self.transport.status()}),
             "fabric": {"socket": self.fabric_path, "fd_limit": self.fd_limit,
                        "relay": self.fanout.stats.as_dict(),
-                       "hedged": 0 if self.holders is None else sum(
-                           p.hedged for p in self.holders.peers.values())},
+                       **self._relay_peers()},
         }
+
+    def _relay_peers(self) -> dict[str, Any]:
+        """The relay's peers: batches hedged to another replica, requests given up on after
+        the hedging delays, and the peers suspect now (skipped until they answer again)."""
+        peers = [] if self.holders is None else list(self.holders.peers.values())
+        return {"hedged": sum(p.hedged for p in peers),
+                "gave_up": sum(p.gave_up for p in peers),
+                "suspect_peers": sorted(n for n, c in self.peers.items() if c.is_suspect())}
 
     def _tier_usage(self) -> list[dict[str, Any]]:
         sizes = [sh.size for sh in self.manifest.shards]

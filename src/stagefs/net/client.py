@@ -157,6 +157,7 @@ class PeerClient:
             if self._retry_at is not None:
                 return
             self._retry_at = self.clock() + self._backoff
+            self._free.notify_all()  # requests waiting for a connection give up
         log.info("%s: %s; suspect until it answers again", self.name, why)
 
     def probe(self) -> bool:
@@ -217,6 +218,7 @@ class PeerClient:
             wait = self._backoff
             self._backoff = min(self._backoff * 2, self.backoff_range[1])
             idle, self._idle = self._idle, []
+            self._free.notify_all()  # requests waiting for a connection give up
         for s in idle:
             s.close()
         log.info("%s: %s; skipped, probed again in %g s", self.name, exc, wait)
@@ -290,8 +292,11 @@ class PeerClient:
             self.stats.skipped += 1
             raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
         with self._free:
-            ok = self._free.wait_for(
-                lambda: self._idle or self._out < self.pool_size, self.timeout)
+            ok = self._free.wait_for(lambda: self._idle or self._out < self.pool_size
+                                     or self._retry_at is not None, self.timeout)
+            if self._retry_at is not None:  # found slow or failing while this one waited
+                self.stats.skipped += 1
+                raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
             if not ok:
                 raise PeerUnavailable(f"{self.name}: all {self.pool_size} connections busy "
                                       f"for {self.timeout:g} s")

@@ -47,6 +47,7 @@ class FanoutStats:
     rounds: int = 0  # rounds after the first: ranges sent on to another holder
     late: int = 0  # parts not answered by their batch's deadline
     missing: int = 0  # ranges no holder gave in time
+    skipped: int = 0  # ranges every holder of which was down (suspect): none was asked
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -118,6 +119,8 @@ class Fanout:
                 if h is not None:
                     tried[i].add(id(h))
                     groups.setdefault(id(h), (h, []))[1].append(i)
+                elif first:
+                    st.skipped += 1  # left to the caller's next holder at once
             left = end - time.monotonic()
             if not groups or left <= 0:
                 break

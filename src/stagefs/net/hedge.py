@@ -8,9 +8,12 @@ again. With no other live replica to ask (one copy per shard, the default), the 
 to the Store's next holder (the origin) instead: the peer is marked suspect, ``pread``
 raises PeerUnavailable and ``pread_many`` gives None for every range. The request left in
 flight runs on to the client's deadline: a late answer clears the suspicion, a late failure
-counts as one. A peer that fails outright is not hedged: the Store goes to its next holder
-(the shard's next replica, then the origin). So a hung holder costs at most one short delay,
-not a timeout; the Store verifies what comes back and goes to its next holder if it is
+counts as one. A batch whose hedges do not answer either (every replica cut off) gives
+its ranges to the next holder once the hedges have had the origin's delay, and every peer
+asked is suspect: the batch that finds a partition pays the two delays, never a request's
+deadline, and the next batches ask no one. A peer that fails outright is not hedged: the
+Store goes to its next holder (the shard's next replica, then the origin). So a hung
+holder costs at most one short delay, not a timeout; the Store verifies what comes back and goes to its next holder if it is
 wrong. Each request to a peer that is not suspect is sent from a pool thread (one hop); a
 suspect peer refuses at once, from the caller's thread. Each peer counts its requests in
 flight (``outstanding``): the cluster's holder choice sends a read to the less busy of two
@@ -140,6 +143,7 @@ class HedgedPeer:
         self.batch_times = batch_times or ReplyTimes()  # of batches: longer replies
         self.hedged = 0  # requests also sent to another replica: this peer was slow
         self.outstanding = 0  # requests sent and not answered yet (the holder choice's load)
+        self.gave_up = 0  # requests not answered within the delays, left to the next holder
         self._count = threading.Lock()
         _ALL_PEERS.add(self)
 
@@ -171,6 +175,14 @@ class HedgedPeer:
     def _slow(self, peers: Iterable[HedgedPeer], delay: float, then: str) -> None:
         for h in peers:
             h.client.mark_suspect(f"no answer within {delay:.3f} s; {then}")
+
+    def _give_up(self, peers: Iterable[HedgedPeer], delay: float) -> None:
+        """Requests to ``peers`` not answered within ``delay`` (the hedging and origin
+        delays): what they were asked goes to the next holder, and they are suspect."""
+        peers = list(peers)
+        for h in peers:
+            h.gave_up += 1
+        self._slow(peers, delay, "read from the next holder")
 
     def _refuse(self) -> PeerUnavailable:
         """This peer is suspect: the Store's next holder answers, with no request sent."""
@@ -207,7 +219,7 @@ class HedgedPeer:
                     delay += more
             if not done:  # no answer within the delay: the ones asked are slow
                 if nxt is None:  # no one else to ask: the Store's next holder (the origin)
-                    self._slow(waiting.values(), delay, "read from the next holder")
+                    self._give_up(waiting.values(), delay)
                     raise PeerUnavailable(
                         f"{self.name}: no answer within {delay:.3f} s and no other live "
                         f"replica of shard {shard}; read from the next holder")
@@ -264,33 +276,39 @@ class HedgedPeer:
             if not groups:  # no one else to ask: the Store reads them from its next holder
                 wait_more = self.batch_times.origin_delay() - delay  # the origin is dearer
                 if wait_more <= 0 or not wait([first], wait_more).done:
-                    self._slow((self,), delay + max(0.0, wait_more),
-                               "read from the next holder")
+                    self._give_up((self,), delay + max(0.0, wait_more))
                     return [None] * n
                 groups = {}
             else:
                 self.hedged += len(groups)
                 return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]):
-                                          idx for h, idx in groups.items()}, n, delay)
+                                          (h, idx) for h, idx in groups.items()}, n, delay)
         try:
             return first.result()
         except PeerUnavailable:
             return [None] * n
 
     def _race(self, first: Future[list[bytes | None]],
-              hedges: dict[Future[list[bytes | None]], list[int]], n: int, delay: float
-              ) -> list[bytes | None]:
+              hedges: dict[Future[list[bytes | None]], tuple[HedgedPeer, list[int]]], n: int,
+              delay: float) -> list[bytes | None]:
         """The slow peer's whole answer if it comes before every hedge has; else what the
         hedges gave, and for the ranges they did not give (another replica that has not
-        copied the shard yet says "not held" at once) the slow peer's answer if it comes
-        within the origin's delay; None where no one gave a range. The slow peer is
-        suspect only if another replica gave bytes first: a "not held" proves nothing."""
+        copied the shard yet says "not held" at once) the slow peer's answer; None where no
+        one gave a range. The race lasts the origin's delay from the hedges, no longer: a
+        peer asked that has not answered by then is given up on (suspect: later batches
+        skip it at once), so peers that are all cut off cost one batch the two delays, not
+        the caller's deadline, and the next batches nothing. The slow peer is suspect
+        sooner if another replica gave bytes first; a "not held" proves nothing."""
+        wait_more = self.batch_times.origin_delay()
+        end = perf_counter() + wait_more
         out: list[bytes | None] = [None] * n
         pending = set(hedges)
         watch: set[Future[list[bytes | None]]] = pending | {first}
         won = False
         while pending:
-            done, _ = wait(watch, return_when=FIRST_COMPLETED)
+            done, _ = wait(watch, max(end - perf_counter(), 0.0), FIRST_COMPLETED)
+            if not done:
+                break
             for f in done:
                 watch.discard(f)
                 pending.discard(f)
@@ -302,15 +320,18 @@ class HedgedPeer:
                 got = f.result()
                 if f is first:
                     return [a if a is not None else b for a, b in zip(got, out, strict=True)]
-                for i, data in zip(hedges[f], got, strict=True):
+                for i, data in zip(hedges[f][1], got, strict=True):
                     if data is not None:
                         out[i] = data
                         won = True
-        if won:
+        if pending:
+            self._give_up([hedges[f][0] for f in pending], wait_more)
+        if won and not first.done():
             self._slow((self,), delay, "another replica answered first")
         if None in out:
-            wait_more = max(self.batch_times.origin_delay() - delay, 0.0)
-            if wait([first], wait_more).done and first.exception() is None:
+            if not wait([first], max(end - perf_counter(), 0.0)).done:
+                self._give_up((self,), delay + wait_more)
+            elif first.exception() is None:
                 got = first.result()
                 return [b if b is not None else a for a, b in zip(got, out, strict=True)]
         return out
