@@ -125,3 +125,21 @@ def test_a_second_death_copies_from_the_first_taker_not_the_origin() -> None:
     # other)
     assert plan(p, r[2], {a, b})[s] == []
     assert s not in plan(p, r[4], {a, b})
+
+
+def test_a_silence_counts_from_when_the_probe_was_sent() -> None:
+    """A probe that times out fails its timeout after it was sent: the peer has been silent
+    since it was asked, so a death is declared dead_after from then, not one timeout later
+    (a cut of twice the timeout ended before anyone was declared dead, and the deaths landed
+    at the heal)."""
+    clock = Clock()
+    h = Health([1], dead_after=5.0, clock=clock)
+    h.record(1, True)
+    sent = clock.now
+    clock.now += 2.5  # the probe's timeout
+    h.record(1, False, at=sent)
+    clock.now += 0.5
+    sent = clock.now
+    clock.now += 2.0  # the second probe fails: 5 s after the first was sent
+    h.record(1, False, at=sent)
+    assert h.dead() == frozenset({1})

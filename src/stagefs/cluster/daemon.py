@@ -213,7 +213,9 @@ class Daemon:
                              unreachable_after=o.dead_after)
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
         probes = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
-                                name=f"node {n}", timeout=min(5.0, o.dead_after),
+                                # two probes fit in dead_after: a death is declared
+                                # within about dead_after of the silence, not twice that
+                                name=f"node {n}", timeout=min(5.0, o.dead_after / 2),
                                 connect_timeout=min(3.0, o.dead_after), pool_size=1)
                   for n, (h, p) in enumerate(self.nodes) if n != self.rank}
         self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,

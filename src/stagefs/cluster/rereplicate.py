@@ -61,12 +61,14 @@ class Health:
         self._seen: set[int] = set()
         self.peers = set(peers)
 
-    def record(self, peer: int, ok: bool) -> None:
+    def record(self, peer: int, ok: bool, at: float | None = None) -> None:
+        """A probe's outcome; ``at``: when it was sent (a probe that fails by timing out
+        says so only its timeout later, and the peer was silent from when it was asked)."""
         if ok:
             self._seen.add(peer)
             self._failing.pop(peer, None)
             return
-        first, count = self._failing.get(peer, (self.clock(), 0))
+        first, count = self._failing.get(peer, (self.clock() if at is None else at, 0))
         self._failing[peer] = (first, count + 1)
 
     def failing(self) -> list[int]:
@@ -160,8 +162,9 @@ class Rereplicator:
         turn = [peers[(self._next + i) % len(peers)] for i in range(min(room, len(peers)))]
         self._next = (self._next + len(turn)) % len(peers)
         ask += [n for n in turn if n not in ask]
+        sent = self.health.clock()
         for n, ok in zip(ask, self._pool.map(self._probe, ask), strict=True):
-            self.health.record(n, ok)
+            self.health.record(n, ok, at=sent)
         self.update(self.health.dead())
 
     def update(self, dead: frozenset[int]) -> None:
