@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
 from stagefs._malloc import tune_malloc
 from stagefs.config import TierSpec, env
 from stagefs.errors import (
