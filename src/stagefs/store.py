@@ -283,12 +283,7 @@ class Store:
 
         def read_unit(u: _Unit) -> None:
             i, j, s0, start, span = u
-            if j == i + 1:
-                k = order[i]
-                out[k] = self.read_entry(el[k], names[k])
-            else:
-                self._read_run([order[x] for x in range(i, j)], el, names, out, s0, start,
-                               span)
+            self._read_run(order[i:j], el, names, out, s0, start, span)
 
         def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
             """One call to ``src`` for all its units, each then verified like any read;
@@ -297,8 +292,8 @@ class Store:
             for (i, j, s0, start, span), data in zip(us, got, strict=True):
                 if data is None:
                     self._unavailable()
-                self._read_run([order[x] for x in range(i, j)], el, names, out, s0, start,
-                               span, fetched=(src, data))
+                self._read_run(order[i:j], el, names, out, s0, start, span,
+                               fetched=(src, data))
 
         remote: list[_Unit] = []
         # a holder that takes many ranges in one call -> (it, that call, its units)
@@ -334,16 +329,18 @@ class Store:
                     read_batch(src, many, us)
             # remote reads that come back at once (the page cache, a local disk) go on
             # here, one after the other: threads would only cost (a warm epoch from the PFS
-            # client's page cache: 17.6 k samples/s with them, 29.5 k without); the first
-            # slow one (a shared file system's latency) hands the rest to the reader threads
+            # client's page cache: 17.6 k samples/s with them, 29.5 k without); once they
+            # take SLOW_READ_S each on average (a shared file system's latency), the rest go
+            # to the reader threads. An average, not one read: a read of the page cache
+            # that waited for the CPU (a busy node) must not send a whole batch to threads
             rest = remote
             if len(remote) > 1:
                 clock, k = time.perf_counter, 0
+                t0 = clock()
                 while k < len(remote):
-                    t0 = clock()
                     read_unit(remote[k])
                     k += 1
-                    if clock() - t0 > SLOW_READ_S:
+                    if clock() - t0 > SLOW_READ_S * k:
                         break
                 rest = remote[k:]
                 if threads and len(rest) > 1:
@@ -379,11 +376,14 @@ class Store:
         src: ShardSource | None = None
         try:
             src, got = fetched or self._fetch_from(shard, start, span)
-        except SourceUnavailable:
+        except (SourceUnavailable, ChecksumError, CorruptShardError):
             got = None
         offset, stored = self._offset, self._stored
+        parts: list[bytes | None]
         if got is None:
-            parts: list[bytes | None] = [None] * len(run)
+            parts = [None] * len(run)
+        elif len(run) == 1:
+            parts = [got]  # the whole span is the file
         else:
             blob = memoryview(got)
             parts = [bytes(blob[offset[e] - start : offset[e] - start + stored[e]])
@@ -397,8 +397,7 @@ class Store:
         each is checked as ``read_entry`` checks a whole file (``check``) and counted; a file
         not given or given wrong is read by ``read_entry``, which tries every holder in turn,
         counts and logs, and lets a holder with bad bytes drop its copy."""
-        codec, size, sums = self._codec, self._size, self._checksum
-        accept = check if self.verify else _decoded
+        whole, trust = self._whole, self._trust
         fill = self._from_origin if src is self.origin else None
         again: list[int] = []
         nbytes = 0
@@ -408,7 +407,7 @@ class Store:
                 again.append(k)
                 continue
             try:
-                data = accept(codec[e], raw, size[e], sums[e])
+                data = whole(e, raw, trust(src, e))  # type: ignore[arg-type]
             except CorruptShardError:
                 again.append(k)  # read_entry, below, tries every holder, counts and logs it
                 continue
@@ -478,18 +477,11 @@ class Store:
                     if k >= 0:
                         raise CorruptShardError(f"piece {k} does not match its checksum")
                     data = raw if start == lo and end == hi else raw[start - lo : end - lo]
-                elif not self.verify:
-                    data = decode(codec, raw, size, self._where(e)) if codec else raw
                 else:
-                    data = check(codec, raw, size, self._checksum[e])
+                    data = self._whole(e, raw, trust)
             except CorruptShardError as exc:
-                if sums is not None or not trust:
-                    self._bad(src, e, path, exc, tried, src is holders[-1])
-                    continue
-                # in place: the origin checked the file against the scan; its sum is learnt
-                # from this read, and what it wrote into a tier is checked against that sum
-                data = raw
-                self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
+                self._bad(src, e, path, exc, tried, src is holders[-1])
+                continue
             self._count(src, 1, len(data))
             if src is self.origin and self._from_origin is not None and stored == \
                     self._stored[e]:
@@ -500,6 +492,26 @@ class Store:
         if all(t.endswith("(unavailable)") for t in tried):
             raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
+
+    def _whole(self, e: int, raw: bytes, trust: bool) -> bytes:
+        """The content of whole file ``e`` from the stored bytes a holder gave: decoded and
+        checked against the file's checksum (``check``), or only decoded by a Store that
+        does not verify; else CorruptShardError. Every read of a whole file comes here
+        (``read_entry``, ``read_entries``).
+
+        ``trust`` (``_trust``, asked before the sum was read): in place, the origin checked
+        the file against the scan; its sum is learnt from this read, and what it wrote into
+        a tier is checked against that sum."""
+        codec = self._codec[e]
+        if not self.verify:
+            return decode(codec, raw, self._size[e], "") if codec else raw
+        try:
+            return check(codec, raw, self._size[e], self._checksum[e])
+        except CorruptShardError:
+            if not trust:
+                raise
+        self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
+        return raw
 
     def _derive(self, src: ShardSource, e: int, path: PathArg | None) -> Sequence[int]:
         """Piece checksums for a file that has none in its manifest (a version 1 pack, an
@@ -685,11 +697,6 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<stagefs.Store {self.pack_dir!r} ({len(self.manifest)} entries)>"
-
-
-def _decoded(codec: int, stored: bytes, size: int, expected: int) -> bytes:
-    """``check`` for a Store opened with ``verify=False``: decoded, not compared."""
-    return decode(codec, stored, size, "") if codec else stored
 
 
 def _first_up(hs: Sequence[ShardSource]) -> ShardSource:

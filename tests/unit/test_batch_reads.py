@@ -184,3 +184,16 @@ def test_unverified_batches_decode(dataset: tuple[Path, dict[str, bytes]],
         assert any(int(fs.manifest.codec[fs.namespace.file_entry(p)]) for p in names)
         assert fs.read_many(names) == [files[p] for p in names]
         assert _holders(fs)["memory"] == sum(1 for p in names if files[p])
+
+
+def test_in_place_batches_read_each_origin_byte_once(tmp_path: Path, runtime: Path) -> None:
+    """In place, a file's checksum is learnt from its first read from the origin: a run of
+    neighbours read with one call is taken as read alone takes it, not read again."""
+    files = make_tree(tmp_path / "raw", n=60)
+    names = sorted(files)
+    with stagefs.open(tmp_path / "raw") as fs:
+        got = fs.read_many(names)
+        assert got == [files[p] for p in names]
+        assert fs.origin.stats.bytes_read == sum(len(d) for d in files.values())
+        assert fs.stats.checksum_failures == 0
+        assert fs.read_many(names[::-1]) == [files[p] for p in names[::-1]]  # sums now known
