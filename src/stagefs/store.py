@@ -252,7 +252,11 @@ class Store:
         cuts = [0, *(np.flatnonzero(sh[1:] != sh[:-1]) + 1).tolist(), len(order)]
         # the shards held in a local tier that takes a batch: (tier, its call, positions)
         local: dict[int, tuple[ShardSource, PreadMany, list[int]]] = {}
-        units: list[_Unit] = []  # the others' runs of adjacent files: order[i:j], shard, span
+        # elsewhere, runs of adjacent files (order[i:j], shard, span): for a holder that
+        # takes many ranges in one request (a peer), by holder; for the others (the
+        # origin, partial copies), in one list
+        batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]] = {}
+        remote: list[_Unit] = []
         holders = self._holders
         for g in range(len(cuts) - 1):
             i, end = cuts[g], cuts[g + 1]
@@ -261,6 +265,9 @@ class Store:
             if many is not None and getattr(hs[0], "local", False):
                 local.setdefault(id(hs[0]), (hs[0], many, []))[2].extend(range(i, end))
                 continue
+            src = _first_up(hs)
+            many = getattr(src, "pread_many", None)
+            units = batches.setdefault(id(src), (src, many, []))[2] if many else remote
             while i < end:  # a run grows while the next file starts where it ends
                 start, j = offs[i], i + 1
                 stop = start + lens[i]
@@ -272,43 +279,37 @@ class Store:
         for src, many, idx in local.values():
             got = many([(shards[i], offs[i], lens[i]) for i in idx])
             self._take(src, [order[i] for i in idx], el, names, got, out)
-        if units:
-            self._read_units(units, order, el, names, out)
+        if batches or remote:
+            self._read_remote(batches, remote, order, el, names, out)
         return out
 
-    def _read_units(self, units: list[_Unit], order: list[int], el: list[int],
-                    names: Sequence[PathArg | None], out: list[bytes]) -> None:
-        """Read runs of files that no local tier holds: remote sources from several threads
-        (read_entries)."""
+    def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
+                     remote: list[_Unit], order: list[int], el: list[int],
+                     names: Sequence[PathArg | None], out: list[bytes]) -> None:
+        """Read the runs of files that no local tier holds (read_entries): each peer's in
+        one request, the others one after the other while they come back at once, from
+        several threads once they are slow."""
 
         def read_unit(u: _Unit) -> None:
-            i, j, s0, start, span = u
-            self._read_run(order[i:j], el, names, out, s0, start, span)
+            src, parts = self._fetch_run(u, order, el)
+            self._take(src, order[u[0] : u[1]], el, names, parts, out)
 
         def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
             """One call to ``src`` for all its units, each then verified like any read;
             what it could not give goes to the per-entry path (every holder in turn)."""
+            run: list[int] = []
+            parts: list[bytes | None] = []
             got = pread_many([(s0, start, span) for _, _, s0, start, span in us])
-            for (i, j, s0, start, span), data in zip(us, got, strict=True):
+            for u, data in zip(us, got, strict=True):
                 if data is None:
                     self._unavailable()
-                self._read_run(order[i:j], el, names, out, s0, start, span,
-                               fetched=(src, data))
+                run += order[u[0] : u[1]]
+                parts += self._fetch_run(u, order, el, (src, data))[1]
+            self._take(src, run, el, names, parts, out)
 
-        remote: list[_Unit] = []
-        # a holder that takes many ranges in one call -> (it, that call, its units)
-        batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]] = {}
-        if len(units) > 1:
-            for u in units:
-                src = _first_up(self._holders(u[2]))
-                many: PreadMany | None = getattr(src, "pread_many", None)
-                if many is not None:
-                    batches.setdefault(id(src), (src, many, []))[2].append(u)
-                else:
-                    remote.append(u)
-        if not batches and len(remote) < 2:
-            for u in units:
-                read_unit(u)
+        every = remote + [u for _, _, us in batches.values() for u in us]
+        if len(every) == 1:  # one range: from the first holder that answers
+            read_unit(every[0])
             return
         caller = threading.get_ident()
 
@@ -328,27 +329,29 @@ class Store:
                 else:
                     read_batch(src, many, us)
             # remote reads that come back at once (the page cache, a local disk) go on
-            # here, one after the other: threads would only cost (a warm epoch from the PFS
-            # client's page cache: 17.6 k samples/s with them, 29.5 k without); once they
-            # take SLOW_READ_S each on average (a shared file system's latency), the rest go
-            # to the reader threads. An average, not one read: a read of the page cache
-            # that waited for the CPU (a busy node) must not send a whole batch to threads
-            rest = remote
-            if len(remote) > 1:
-                clock, k = time.perf_counter, 0
-                t0 = clock()
-                while k < len(remote):
-                    read_unit(remote[k])
-                    k += 1
-                    if clock() - t0 > SLOW_READ_S * k:
-                        break
-                rest = remote[k:]
-                if threads and len(rest) > 1:
+            # here, one after the other, and are checked together: threads would only cost
+            # (a warm epoch from the PFS client's page cache: 17.6 k samples/s with them,
+            # 29.5 k without); once they take SLOW_READ_S each on average (a shared file
+            # system's latency), the rest go to the reader threads. An average, not one
+            # read: a read of the page cache that waited for the CPU (a busy node) must not
+            # send a whole batch to threads
+            clock, k = time.perf_counter, 0
+            taken: dict[int, tuple[ShardSource | None, list[int], list[bytes | None]]] = {}
+            t0 = clock()
+            while k < len(remote):
+                u = remote[k]
+                who, parts = self._fetch_run(u, order, el)
+                got = taken.get(id(who)) or taken.setdefault(id(who), (who, [], []))
+                got[1].extend(order[u[0] : u[1]])
+                got[2].extend(parts)
+                k += 1
+                if threads and clock() - t0 > SLOW_READ_S * k and len(remote) - k > 1:
                     pool = self._read_pool()
-                    futures += [pool.submit(for_caller, read_unit, u) for u in rest[1:]]
-                    rest = rest[:1]
-            for u in rest:
-                read_unit(u)
+                    futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]
+                    read_unit(remote[k])
+                    break
+            for who, run, parts in taken.values():
+                self._take(who, run, el, names, parts, out)
         finally:
             for f in futures:  # every read has ended before out is returned or dropped
                 f.exception()
@@ -368,27 +371,25 @@ class Store:
                     self._pool = got
         return got[1]
 
-    def _read_run(self, run: list[int], el: list[int], names: Sequence[PathArg | None],
-                  out: list[bytes], shard: int, start: int, span: int,
-                  fetched: tuple[ShardSource, bytes | None] | None = None) -> None:
-        """Read adjacent files with one call (or take ``fetched``: a holder and the bytes
-        it gave for them, None if it gave none), then take each as ``_take`` does."""
+    def _fetch_run(self, u: _Unit, order: list[int], el: list[int],
+                   fetched: tuple[ShardSource, bytes | None] | None = None
+                   ) -> tuple[ShardSource | None, list[bytes | None]]:
+        """The stored bytes of each file of run ``u``: read with one call from the first
+        holder that answers (or ``fetched``: a holder and the bytes it gave for the run,
+        None if it gave none), not checked yet; None for each if no holder gave them."""
+        i, j, shard, start, span = u
         src: ShardSource | None = None
         try:
             src, got = fetched or self._fetch_from(shard, start, span)
         except (SourceUnavailable, ChecksumError, CorruptShardError):
             got = None
-        offset, stored = self._offset, self._stored
-        parts: list[bytes | None]
         if got is None:
-            parts = [None] * len(run)
-        elif len(run) == 1:
-            parts = [got]  # the whole span is the file
-        else:
-            blob = memoryview(got)
-            parts = [bytes(blob[offset[e] - start : offset[e] - start + stored[e]])
-                     for e in (el[k] for k in run)]
-        self._take(src, run, el, names, parts, out)
+            return src, [None] * (j - i)
+        if j == i + 1:
+            return src, [got]  # the whole span is the file
+        blob, offset, stored = memoryview(got), self._offset, self._stored
+        return src, [bytes(blob[offset[e] - start : offset[e] - start + stored[e]])
+                     for e in (el[k] for k in order[i:j])]
 
     def _take(self, src: ShardSource | None, run: Sequence[int], el: list[int],
               names: Sequence[PathArg | None], got: Sequence[bytes | None],

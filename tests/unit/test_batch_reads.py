@@ -130,7 +130,7 @@ def test_a_corrupt_tier_copy_of_one_file(dataset: tuple[Path, dict[str, bytes]],
         assert fs.read_many(batch) == [files[p] for p in batch]
         assert fs.stats.checksum_failures == 1
         assert _holders(fs) == {"memory": len(batch) - 1, "disk": 0, "peer": 0, "origin": 1}
-        assert not copy.exists()  # the bad copy is dropped, as a read alone drops it
+        assert _tiers(fs)[0].stats.dropped == 1  # the bad copy, as a read alone drops it
         assert fs.read(victim) == files[victim]
 
 
