@@ -47,6 +47,9 @@ from stagefs.tiers.status import HOLDERS, ReadCounters, holder_summary
 __all__ = ["Holders", "ReadStats", "Store", "open"]
 
 _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
+# read_many checks what it fetched every this many bytes, while the bytes are still in the
+# CPU's cache: checked after a batch of 64 samples, xxh3 took 1 us more a sample (of ~110 KB)
+_HOT = 512 * 2**10
 READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
 SLOW_READ_S = 0.001  # a read slower than this waited on a remote file system's latency
 _Unit = tuple[int, int, int, int, int]  # read_entries: order[i:j], shard, start, span
@@ -277,8 +280,18 @@ class Store:
                 units.append((i, j, shards[i], start, stop - start))
                 i = j
         for src, many, idx in local.values():
-            got = many([(shards[i], offs[i], lens[i]) for i in idx])
-            self._take(src, [order[i] for i in idx], el, names, got, out)
+            run: list[int] = []
+            ranges: list[tuple[int, int, int]] = []
+            size = 0
+            for i in idx:  # one call per _HOT bytes: checked while in the CPU's cache
+                run.append(order[i])
+                ranges.append((shards[i], offs[i], lens[i]))
+                size += lens[i]
+                if size >= _HOT:
+                    self._take(src, run, el, names, many(ranges), out)
+                    run, ranges, size = [], [], 0
+            if run:
+                self._take(src, run, el, names, many(ranges), out)
         if batches or remote:
             self._read_remote(batches, remote, order, el, names, out)
         return out
@@ -335,7 +348,7 @@ class Store:
             # system's latency), the rest go to the reader threads. An average, not one
             # read: a read of the page cache that waited for the CPU (a busy node) must not
             # send a whole batch to threads
-            clock, k = time.perf_counter, 0
+            clock, k, size = time.perf_counter, 0, 0
             taken: dict[int, tuple[ShardSource | None, list[int], list[bytes | None]]] = {}
             t0 = clock()
             while k < len(remote):
@@ -344,7 +357,13 @@ class Store:
                 got = taken.get(id(who)) or taken.setdefault(id(who), (who, [], []))
                 got[1].extend(order[u[0] : u[1]])
                 got[2].extend(parts)
+                size += u[4]
                 k += 1
+                if size >= _HOT:  # checked while in the CPU's cache
+                    for who, run, parts in taken.values():
+                        self._take(who, run, el, names, parts, out)
+                    taken.clear()
+                    size = 0
                 if threads and clock() - t0 > SLOW_READ_S * k and len(remote) - k > 1:
                     pool = self._read_pool()
                     futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]

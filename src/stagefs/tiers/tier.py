@@ -282,7 +282,7 @@ class DirTier:
         the range is not in it): a batch of reads in one call, in the calling thread.
 
         A memory tier copies them out of a read-only mapping of each held copy: on tmpfs
-        that is twice the speed of pread (docs/decisions/0007-mapped-batches.md). A disk
+        that is twice the speed of pread (docs/decisions/0016-batched-reads.md). A disk
         tier preads them: a cold page there is one read, not a fault per page.
         """
         out: list[bytes | None] = []
@@ -293,15 +293,16 @@ class DirTier:
                 except SourceUnavailable:
                     out.append(None)
             return out
-        maps, nbytes = self._maps, 0
+        maps, hits, nbytes = self._maps, 0, 0
         for shard, offset, length in ranges:
             mm = maps.get(shard) or self._map(shard)
             if mm is None or offset + length > len(mm):
                 out.append(None)
                 continue
             out.append(mm[offset : offset + length])
+            hits += 1
             nbytes += length
-        self.stats.hits += len(ranges)
+        self.stats.hits += hits
         self.stats.bytes += nbytes
         return out
 
