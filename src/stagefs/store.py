@@ -87,8 +87,8 @@ def _read_threads() -> int:
 class Holders(Protocol):
     """Who holds each shard, and the rest a Store hands to the same object: the node's
     tiers (tiers/chain.py) or a cluster (cluster/connect.py). A holder that offers
-    ``pread_many`` (tiers/base.py ``PreadMany``) gets the ranges of a ``read_many`` that
-    go to it in one call."""
+    ``pread_many`` (tiers/base.py ``PreadMany``: a peer, a node-local tier) gets the ranges
+    of a ``read_many`` that go to it in one call."""
 
     def holders(self, shard: int) -> Sequence[ShardSource]: ...
     def prefetch(self, shards: Iterable[int]) -> None: ...
@@ -220,8 +220,8 @@ class Store:
         order asked: what ``read_entry`` gives each, at a lower cost per sample.
 
         The batch is sorted by shard and offset with the manifest's arrays. The files of a
-        shard held in a local tier are read with one call to the tier (``pread_many``),
-        then checked one after the other. Elsewhere, files next to each other in a shard
+        shard held in a local tier are read with a call to the tier (``pread_many``) per
+        512 KiB, then checked one after the other. Elsewhere, files next to each other in a shard
         are read with one call; what has to come from a remote source (the origin, a
         partial copy that may not hold it yet) is read by up to ``read_threads`` threads
         at once once a read shows the source is slow: a batch of small random reads waits
@@ -279,29 +279,37 @@ class Store:
                     j += 1
                 units.append((i, j, shards[i], start, stop - start))
                 i = j
-        for src, many, idx in local.values():
-            run: list[int] = []
-            ranges: list[tuple[int, int, int]] = []
-            size = 0
-            for i in idx:  # one call per _HOT bytes: checked while in the CPU's cache
-                run.append(order[i])
-                ranges.append((shards[i], offs[i], lens[i]))
-                size += lens[i]
-                if size >= _HOT:
+
+        def read_local() -> None:
+            for src, many, idx in local.values():
+                run: list[int] = []
+                ranges: list[tuple[int, int, int]] = []
+                size = 0
+                for i in idx:  # one call per _HOT bytes: checked while in the CPU's cache
+                    run.append(order[i])
+                    ranges.append((shards[i], offs[i], lens[i]))
+                    size += lens[i]
+                    if size >= _HOT:
+                        self._take(src, run, el, names, many(ranges), out)
+                        run, ranges, size = [], [], 0
+                if run:
                     self._take(src, run, el, names, many(ranges), out)
-                    run, ranges, size = [], [], 0
-            if run:
-                self._take(src, run, el, names, many(ranges), out)
+
         if batches or remote:
-            self._read_remote(batches, remote, order, el, names, out)
+            self._read_remote(batches, remote, order, el, names, out,
+                              read_local if local else None)
+        else:
+            read_local()
         return out
 
     def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
                      remote: list[_Unit], order: list[int], el: list[int],
-                     names: Sequence[PathArg | None], out: list[bytes]) -> None:
+                     names: Sequence[PathArg | None], out: list[bytes],
+                     read_local: Callable[[], None] | None) -> None:
         """Read the runs of files that no local tier holds (read_entries): each peer's in
         one request, the others one after the other while they come back at once, from
-        several threads once they are slow."""
+        several threads once they are slow; then ``read_local`` (the batch's files in the
+        local tiers, if any) while the threads wait on the remote ones."""
 
         def read_unit(u: _Unit) -> None:
             src, parts = self._fetch_run(u, order, el)
@@ -323,6 +331,8 @@ class Store:
         every = remote + [u for _, _, us in batches.values() for u in us]
         if len(every) == 1:  # one range: from the first holder that answers
             read_unit(every[0])
+            if read_local is not None:
+                read_local()
             return
         caller = threading.get_ident()
 
@@ -335,8 +345,9 @@ class Store:
         try:
             # each remote holder's batch at once, in the reader threads (the last one in
             # this thread if it has nothing else to read)
+            alone = not remote and read_local is None
             for b, (src, many, us) in enumerate(batches.values(), 1):
-                if threads and not (not remote and b == len(batches)):
+                if threads and not (alone and b == len(batches)):
                     futures.append(self._read_pool().submit(for_caller, read_batch, src, many,
                                                             us))
                 else:
@@ -371,6 +382,8 @@ class Store:
                     break
             for who, run, parts in taken.values():
                 self._take(who, run, el, names, parts, out)
+            if read_local is not None:
+                read_local()
         finally:
             for f in futures:  # every read has ended before out is returned or dropped
                 f.exception()

@@ -200,3 +200,25 @@ def test_in_place_batches_read_each_origin_byte_once(tmp_path: Path, runtime: Pa
         assert fs.origin.stats.bytes_read == sum(len(d) for d in files.values())
         assert fs.stats.checksum_failures == 0
         assert fs.read_many(names[::-1]) == [files[p] for p in names[::-1]]  # sums now known
+
+
+def test_a_batch_from_a_tier_and_the_origin(dataset: tuple[Path, dict[str, bytes]],
+                                            memory_dir: Path) -> None:
+    """A tier that holds some of the shards: their files come from it in one call, the
+    others from the origin, every file in the order asked."""
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[f"{memory_dir}:160KiB"]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        (memory,) = _tiers(fs)
+        held = memory.held()
+        assert 0 < len(held) < len(fs.manifest.shards)
+        batch = sorted(files)
+        random.Random(9).shuffle(batch)
+        many = Spy(memory, "pread_many")
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        here = [p for p in batch if files[p] and _shard_of(fs, p) in held]
+        assert sum(many.calls) == len(here)
+        got = _holders(fs)
+        assert got["memory"] == len(here)
+        assert got["origin"] == sum(1 for p in batch if files[p]) - len(here)
