@@ -47,9 +47,6 @@ from stagefs.tiers.status import HOLDERS, ReadCounters, holder_summary
 __all__ = ["Holders", "ReadStats", "Store", "open"]
 
 _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
-# read_many checks what it fetched every this many bytes, while the bytes are still in the
-# CPU's cache: checked after a batch of 64 samples, xxh3 took 1 us more a sample (of ~110 KB)
-_HOT = 512 * 2**10
 READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
 SLOW_READ_S = 0.001  # a read slower than this waited on a remote file system's latency
 _Unit = tuple[int, int, int, int, int]  # read_entries: order[i:j], shard, start, span
@@ -220,8 +217,8 @@ class Store:
         order asked: what ``read_entry`` gives each, at a lower cost per sample.
 
         The batch is sorted by shard and offset with the manifest's arrays. The files of a
-        shard held in a local tier are read with a call to the tier (``pread_many``) per
-        512 KiB, then checked one after the other. Elsewhere, files next to each other in a shard
+        shard held in a local tier are read with one call to the tier (``pread_many``),
+        then checked one after the other. Elsewhere, files next to each other in a shard
         are read with one call; what has to come from a remote source (the origin, a
         partial copy that may not hold it yet) is read by up to ``read_threads`` threads
         at once once a read shows the source is slow: a batch of small random reads waits
@@ -282,18 +279,8 @@ class Store:
 
         def read_local() -> None:
             for src, many, idx in local.values():
-                run: list[int] = []
-                ranges: list[tuple[int, int, int]] = []
-                size = 0
-                for i in idx:  # one call per _HOT bytes: checked while in the CPU's cache
-                    run.append(order[i])
-                    ranges.append((shards[i], offs[i], lens[i]))
-                    size += lens[i]
-                    if size >= _HOT:
-                        self._take(src, run, el, names, many(ranges), out)
-                        run, ranges, size = [], [], 0
-                if run:
-                    self._take(src, run, el, names, many(ranges), out)
+                got = many([(shards[i], offs[i], lens[i]) for i in idx])
+                self._take(src, [order[i] for i in idx], el, names, got, out)
 
         if batches or remote:
             self._read_remote(batches, remote, order, el, names, out,
@@ -359,7 +346,7 @@ class Store:
             # system's latency), the rest go to the reader threads. An average, not one
             # read: a read of the page cache that waited for the CPU (a busy node) must not
             # send a whole batch to threads
-            clock, k, size = time.perf_counter, 0, 0
+            clock, k = time.perf_counter, 0
             taken: dict[int, tuple[ShardSource | None, list[int], list[bytes | None]]] = {}
             t0 = clock()
             while k < len(remote):
@@ -368,13 +355,7 @@ class Store:
                 got = taken.get(id(who)) or taken.setdefault(id(who), (who, [], []))
                 got[1].extend(order[u[0] : u[1]])
                 got[2].extend(parts)
-                size += u[4]
                 k += 1
-                if size >= _HOT:  # checked while in the CPU's cache
-                    for who, run, parts in taken.values():
-                        self._take(who, run, el, names, parts, out)
-                    taken.clear()
-                    size = 0
                 if threads and clock() - t0 > SLOW_READ_S * k and len(remote) - k > 1:
                     pool = self._read_pool()
                     futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]

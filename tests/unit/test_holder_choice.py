@@ -20,7 +20,7 @@ from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net.hedge import HedgePolicy, ReplyTimes
 from stagefs.net.server import ShardServer
-from stagefs.store import _HOT, Store, _first_up
+from stagefs.store import Store, _first_up
 from stagefs.tiers.origin import PackOrigin
 
 Cluster = tuple[Store, ClusterHolders, dict[int, ShardServer], dict[str, bytes]]
@@ -156,8 +156,8 @@ def test_the_holder_order_follows_the_ranking_when_a_holder_is_down(
 
 
 def test_read_many_reads_this_nodes_tier_in_one_call(three: Cluster) -> None:
-    """The shards this node holds in its tier are read with a call to the tier for many
-    files (no peer, no origin), the others from the peers, in the order asked."""
+    """The shards this node holds in its tier are read with one call to the tier for the
+    whole batch (no peer, no origin), the others from the peers, in the order asked."""
     store, holders, servers, content = three
     m = store.manifest
     (tier,) = holders.tiers
@@ -178,8 +178,7 @@ def test_read_many_reads_this_nodes_tier_in_one_call(three: Cluster) -> None:
     tier.pread_many = pread_many  # type: ignore[method-assign]
     here = [p for p in paths if int(m.shard[store.namespace.file_entry(p)]) in mine]
     assert store.read_many(paths) == [content[p] for p in paths]
-    assert sum(calls) == len(here) and len(calls) <= 1 + sum(  # a call per 512 KiB
-        len(content[p]) for p in here) // _HOT
+    assert calls == [len(here)]
     assert sum(s.stats.bytes_served for s in servers.values()) == sum(
         len(content[p]) for p in paths if p not in here)
     assert store.origin.stats.reads == 0 and store.stats.reads == len(paths)
