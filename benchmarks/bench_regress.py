@@ -2,10 +2,16 @@
 
 Each round runs one child process per checkout, alternating, on the same data (a pack
 written by each checkout's own packer: the format may differ), and every figure is also
-given as a ratio to a limit measured in the same child: a raw ``os.pread`` loop plus xxh3
-of the same bytes (DESIGN.md, "What fast means"). Medians of --runs rounds.
+given as a ratio to a limit measured in the same child: the verified pread limit, a raw
+``os.pread`` loop plus xxh3 over the same stored bytes of the same files the Store reads
+(DESIGN.md, "What fast means"), and the same bytes copied out of a mapping of those files
+plus xxh3 (what a reader that maps the files could reach). Warm random epochs are read
+twice: from the pack's files in the page cache (no tier), and from a memory tier holding
+every shard (the limits then read the tier's files). In a child, the readers take turns
+over 5 passes and each figure is the median of the passes (a ratio: of the passes'
+ratios); then the median of --runs rounds.
 
-    python benchmarks/bench_regress.py --a /path/to/old/src --b src --runs 5
+    python benchmarks/bench_regress.py --a /path/to/old/src --b src --runs 3 --no-ranges
 
 Range reads: large raw files (--large-mib each) read through ``Store.open`` at random
 offsets in ranges of several sizes, against pread + xxh3 of exactly the bytes asked for
@@ -24,93 +30,136 @@ import sys
 from typing import Any
 
 _CHILD = r"""
-import json, os, random, sys, time
+import json, mmap, os, random, shutil, sys, time
 from xxhash import xxh3_64_intdigest
 import stagefs
 
-raw, large, scratch, tag = sys.argv[1:5]
+raw, large, scratch, tag, ranges = sys.argv[1:6]
 def packed(src, name):
     dest = os.path.join(scratch, name + '-' + tag)
     if not os.path.exists(os.path.join(dest, 'manifest.sfm')):
         stagefs.pack(src, dest, jobs=1, overwrite=True, progress=False)
     return dest
 
-def best(fn, n=3):
+PASSES = 5
+
+def best(fn, n=3):  # the median of n passes
     ts = []
     for _ in range(n):
         t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
-    return min(ts)
+    return sorted(ts)[n // 2]
 
-out = {}
-p = packed(raw, 'small')
-with stagefs.open(p) as fs:
+def shuffled(fs):
     order = [os.path.join(d, f) for d, _, fl in fs.walk('') for f in fl]
     random.Random(1).shuffle(order)
+    return order
+
+def epochs(fs, shard_path):
+    # read, read_many(64) and the limits over one shuffled epoch of fs, the limits reading
+    # the same stored bytes from shard_path(shard) (the files the Store reads)
+    order = shuffled(fs)
     m = fs.manifest
     ents = [fs.namespace.file_entry(x) for x in order]
     spans = [(int(m.shard[e]), int(m.offset[e]), int(m.stored[e])) for e in ents]
-    fds = [os.open(os.path.join(p, s.name), os.O_RDONLY) for s in m.shards]
-    def limit():
+    # the same check as the Store's: decode first where the file is stored compressed
+    assert all(int(m.codec[e]) == 0 and m.size[e] == m.stored[e] for e in ents)
+    fds = [os.open(shard_path(s), os.O_RDONLY) for s in range(len(m.shards))]
+    maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for fd in fds]
+    def limit():  # the verified pread limit: pread + xxh3 of the same bytes
         for s, o, k in spans:
             xxh3_64_intdigest(os.pread(fds[s], k, o))
+    def mapped():  # the same bytes copied out of a mapping of the same files, + xxh3
+        for s, o, k in spans:
+            xxh3_64_intdigest(maps[s][o:o + k])
     def read():
         for x in order:
             fs.read(x)
     def read_many():
         for i in range(0, len(order), 64):
             fs.read_many(order[i:i + 64])
-    def stat():
-        st = fs.stat
-        for x in order:
-            st(x)
-    for fn in (limit, read, read_many, stat):
+    fns = (limit, mapped, read, read_many)
+    for fn in fns:
         fn()
-    t_lim = best(limit)
-    out['warm'] = {'limit_samples_per_s': len(order) / t_lim}
-    for name, fn in (('read', read), ('read_many', read_many)):
-        t = best(fn)
-        out['warm'][name + '_samples_per_s'] = len(order) / t
-        out['warm'][name + '_vs_limit'] = t_lim / t
-    out['warm']['stat_per_s'] = len(order) / best(stat)
+    # passes alternate the readers, and each ratio is the median of the passes' ratios:
+    # a neighbour's load that comes and goes weighs on both sides of a ratio alike
+    t = {fn.__name__: [] for fn in fns}
+    for _ in range(PASSES):
+        for fn in fns:
+            t0 = time.perf_counter(); fn(); t[fn.__name__].append(time.perf_counter() - t0)
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    ratio = lambda a, b: med([x / y for x, y in zip(t[a], t[b])])
+    got = {'limit_samples_per_s': len(order) / med(t['limit']),
+           'mapped_limit_samples_per_s': len(order) / med(t['mapped'])}
+    for name in ('read', 'read_many'):
+        got[name + '_samples_per_s'] = len(order) / med(t[name])
+        got[name + '_vs_limit'] = ratio('limit', name)
+        got[name + '_vs_mapped_limit'] = ratio('mapped', name)
+    got['read_many_vs_read'] = ratio('read', 'read_many')
+    for mm in maps:
+        mm.close()
     for fd in fds:
         os.close(fd)
+    return got
 
-p = packed(large, 'large')
-with stagefs.open(p) as fs:
-    m = fs.manifest
-    files = [os.path.join(d, f) for d, _, fl in fs.walk('') for f in fl if f.endswith('.bin')]
-    ents = [fs.namespace.file_entry(x) for x in files]
-    fds = [os.open(os.path.join(p, s.name), os.O_RDONLY) for s in m.shards]
-    handles = [fs.open(x) for x in files]
-    out['ranges'] = {}
-    for size in (4096, 65536, 1 << 20, 8 << 20):
-        rng = random.Random(size)
-        picks = []
-        for _ in range(max(64, (256 << 20) // size // 4)):
-            i = rng.randrange(len(files))
-            off = rng.randrange(0, int(m.size[ents[i]]) - size)
-            picks.append((i, off))
-        nbytes = size * len(picks)
-        def ours():
-            for i, off in picks:
-                f = handles[i]; f.seek(off); f.read(size)
-        def pread_only():
-            for i, off in picks:
-                e = ents[i]
-                os.pread(fds[int(m.shard[e])], size, int(m.offset[e]) + off)
-        def pread_xxh3():
-            for i, off in picks:
-                e = ents[i]
-                xxh3_64_intdigest(os.pread(fds[int(m.shard[e])], size, int(m.offset[e]) + off))
-        for fn in (ours, pread_only, pread_xxh3):
-            fn()
-        t, t_p, t_px = best(ours), best(pread_only), best(pread_xxh3)
-        out['ranges'][str(size)] = {'MB_per_s': nbytes / t / 1e6,
-                                    'pread_MB_per_s': nbytes / t_p / 1e6,
-                                    'pread_xxh3_MB_per_s': nbytes / t_px / 1e6,
-                                    'vs_pread_xxh3': t_px / t, 'vs_pread': t_p / t}
-    for h in handles:
-        h.close()
+out = {}
+p = packed(raw, 'small')
+with stagefs.open(p) as fs:  # no tier: the pack's files, in the page cache
+    out['warm'] = epochs(fs, lambda s: os.path.join(p, fs.manifest.shards[s].name))
+    st = fs.stat
+    order = shuffled(fs)
+    def stat():
+        for x in order:
+            st(x)
+    stat()
+    out['warm']['stat_per_s'] = len(order) / best(stat)
+# every shard copied into a memory tier first: reads served by the tier's copies
+tier = os.path.join('/dev/shm', f'stagefs-bench-regress-{tag}-{os.getpid()}')
+try:
+    with stagefs.open(p, tiers=[tier], runtime=tier + '-rt') as fs:
+        fs.chain.stage()
+        assert fs.held_shards() == set(range(len(fs.manifest.shards)))
+        out['tier'] = epochs(fs, fs.chain.tiers[0].path)
+finally:
+    shutil.rmtree(tier, ignore_errors=True)
+    shutil.rmtree(tier + '-rt', ignore_errors=True)
+
+if ranges == '1':  # range reads of large files
+    p = packed(large, 'large')
+    with stagefs.open(p) as fs:
+        m = fs.manifest
+        files = [os.path.join(d, f) for d, _, fl in fs.walk('') for f in fl if f.endswith('.bin')]
+        ents = [fs.namespace.file_entry(x) for x in files]
+        fds = [os.open(os.path.join(p, s.name), os.O_RDONLY) for s in m.shards]
+        handles = [fs.open(x) for x in files]
+        out['ranges'] = {}
+        for size in (4096, 65536, 1 << 20, 8 << 20):
+            rng = random.Random(size)
+            picks = []
+            for _ in range(max(64, (256 << 20) // size // 4)):
+                i = rng.randrange(len(files))
+                off = rng.randrange(0, int(m.size[ents[i]]) - size)
+                picks.append((i, off))
+            nbytes = size * len(picks)
+            def ours():
+                for i, off in picks:
+                    f = handles[i]; f.seek(off); f.read(size)
+            def pread_only():
+                for i, off in picks:
+                    e = ents[i]
+                    os.pread(fds[int(m.shard[e])], size, int(m.offset[e]) + off)
+            def pread_xxh3():
+                for i, off in picks:
+                    e = ents[i]
+                    xxh3_64_intdigest(os.pread(fds[int(m.shard[e])], size, int(m.offset[e]) + off))
+            for fn in (ours, pread_only, pread_xxh3):
+                fn()
+            t, t_p, t_px = best(ours), best(pread_only), best(pread_xxh3)
+            out['ranges'][str(size)] = {'MB_per_s': nbytes / t / 1e6,
+                                        'pread_MB_per_s': nbytes / t_p / 1e6,
+                                        'pread_xxh3_MB_per_s': nbytes / t_px / 1e6,
+                                        'vs_pread_xxh3': t_px / t, 'vs_pread': t_p / t}
+        for h in handles:
+            h.close()
 print(json.dumps(out))
 """
 
@@ -127,9 +176,11 @@ def _large_tree(root: str, files: int, mib: int) -> str:
     return root
 
 
-def _run(src: str, raw: str, large: str, scratch: str, tag: str) -> dict[str, Any]:
+def _run(src: str, raw: str, large: str, scratch: str, tag: str, ranges: bool
+         ) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, raw, large, scratch, tag], env=env,
+    proc = subprocess.run([sys.executable, "-c", _CHILD, raw, large, scratch, tag,
+                           "1" if ranges else "0"], env=env,
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"the run of {src} failed:\n{proc.stderr}")
@@ -154,6 +205,7 @@ def main() -> int:
     ap.add_argument("--large-files", type=int, default=6)
     ap.add_argument("--large-mib", type=int, default=48)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-ranges", action="store_true", help="skip the range reads")
     ap.add_argument("--scratch", default="/tmp/stagefs-bench-regress")
     ap.add_argument("--out", default="benchmarks/results/regress.json")
     args = ap.parse_args()
@@ -172,18 +224,26 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for _ in range(args.runs):
         for tag, src in (("a", args.a), ("b", args.b)):
-            runs[tag].append(_run(src, raw, large, args.scratch, tag))
+            runs[tag].append(_run(src, raw, large, args.scratch, tag, not args.no_ranges))
     rows = []
-    for label, keys in (("warm read, vs limit", ("warm", "read_vs_limit")),
-                        ("warm read_many(64), vs limit", ("warm", "read_many_vs_limit")),
-                        ("warm read, samples/s", ("warm", "read_samples_per_s")),
-                        ("warm read_many(64), samples/s", ("warm", "read_many_samples_per_s")),
-                        ("stat/s", ("warm", "stat_per_s"))):
-        a, b = _median(runs["a"], *keys), _median(runs["b"], *keys)
-        rows.append([label, f"{a:,.3g}", f"{b:,.3g}", f"x{b / a:.3f}"])
+    for where, title in (("warm", "pack files (page cache)"), ("tier", "memory tier")):
+        for label, key in (("read, samples/s", "read_samples_per_s"),
+                           ("read_many(64), samples/s", "read_many_samples_per_s"),
+                           ("verified pread limit, samples/s", "limit_samples_per_s"),
+                           ("mapped copy + xxh3, samples/s", "mapped_limit_samples_per_s"),
+                           ("read_many(64) / read", "read_many_vs_read"),
+                           ("read / verified pread limit", "read_vs_limit"),
+                           ("read_many(64) / verified pread limit", "read_many_vs_limit"),
+                           ("read_many(64) / mapped copy + xxh3", "read_many_vs_mapped_limit")):
+            a, b = _median(runs["a"], where, key), _median(runs["b"], where, key)
+            rows.append([f"{title}: {label}", f"{a:,.3g}", f"{b:,.3g}", f"x{b / a:.3f}"])
+    a, b = _median(runs["a"], "warm", "stat_per_s"), _median(runs["b"], "warm", "stat_per_s")
+    rows.append(["stat/s", f"{a:,.3g}", f"{b:,.3g}", f"x{b / a:.3f}"])
     print(table(["figure (median)", "a (before)", "b (after)", "b / a"], rows), "\n")
     rrows = []
-    for size in ("4096", "65536", str(1 << 20), str(8 << 20)):
+    if args.no_ranges:
+        rrows.append(["(not measured: --no-ranges)", "", "", "", "", ""])
+    for size in ("4096", "65536", str(1 << 20), str(8 << 20)) * (not args.no_ranges):
         for tag in ("a", "b"):
             got = [_median(runs[tag], "ranges", size, k) for k in
                    ("MB_per_s", "pread_xxh3_MB_per_s", "vs_pread_xxh3", "vs_pread")]

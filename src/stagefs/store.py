@@ -18,6 +18,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from stagefs._malloc import tune_malloc
 from stagefs.config import TierSpec, env
 from stagefs.errors import (
@@ -46,7 +49,7 @@ __all__ = ["Holders", "ReadStats", "Store", "open"]
 _COALESCE_LIMIT = 8 * 2**20  # read_many merges adjacent ranges up to this span
 READ_THREADS = 8  # read_many's origin reads in flight at once ($STAGEFS_READ_THREADS)
 SLOW_READ_S = 0.001  # a read slower than this waited on a remote file system's latency
-_Unit = tuple[int, int, int, int, int]  # read_many: order[i:j], shard, start, span
+_Unit = tuple[int, int, int, int, int]  # read_entries: order[i:j], shard, start, span
 _STREAM = 8 * 2**20  # bytes per read while a file without piece checksums is verified whole
 _V1_NOTICED: set[str] = set()  # manifests whose version 1 notice was logged (once each)
 
@@ -81,8 +84,8 @@ def _read_threads() -> int:
 class Holders(Protocol):
     """Who holds each shard, and the rest a Store hands to the same object: the node's
     tiers (tiers/chain.py) or a cluster (cluster/connect.py). A holder that offers
-    ``pread_many`` (tiers/base.py ``PreadMany``) gets the ranges of a ``read_many`` that
-    go to it in one call."""
+    ``pread_many`` (tiers/base.py ``PreadMany``: a peer, a node-local tier) gets the ranges
+    of a ``read_many`` that go to it in one call."""
 
     def holders(self, shard: int) -> Sequence[ShardSource]: ...
     def prefetch(self, shards: Iterable[int]) -> None: ...
@@ -197,81 +200,127 @@ class Store:
     def read_many(self, paths: Iterable[PathArg]) -> list[bytes]:
         """The contents of many files, in the order asked: the batched fast path.
 
-        Ranges are read in the order of their bytes, and ranges that sit next to each other
-        in a shard are read with one call. What has to come from a remote source (the
-        origin, a partial copy that may not hold it yet) is read by up to ``read_threads``
-        threads at once once a read shows the source is slow: a batch of small random reads
-        waits on the file system's latency, not its bandwidth (on the test PFS, 32 samples
-        of 107 KB took 24-61 ms one after the other, 14-30 ms with 8 threads).
+        The paths are looked up first (a missing one raises the error ``read`` raises, before
+        anything is read), then read as ``read_entries`` reads entries.
         """
-        find, file_entry = self._find, self.namespace.file_entry
         plist = paths if isinstance(paths, list) else list(paths)
-        ents = []
-        for p in plist:
-            e = find(p)
-            if e < 0:
-                e = file_entry(p)
-            ents.append(e)
-        shard, offset, stored = self._shard, self._offset, self._stored
-        pos = [(shard[e], offset[e], stored[e]) for e in ents]
-        order = sorted(range(len(ents)), key=pos.__getitem__)
-        out: list[bytes] = [b""] * len(ents)
-        units: list[_Unit] = []
-        n, i = len(order), 0
-        while i < n:
-            s0, start, length = pos[order[i]]
-            end, j = start + length, i + 1
-            while j < n:  # extend the run while the next range starts where this one ends
-                s1, o1, l1 = pos[order[j]]
-                if s1 != s0 or o1 != end or end + l1 - start > _COALESCE_LIMIT:
-                    break
-                end += l1
-                j += 1
-            units.append((i, j, s0, start, end - start))
-            i = j
+        find = self._find
+        ents = [find(p) for p in plist]
+        if -1 in ents:  # not a plain path to a regular file: the full resolution, its errors
+            file_entry = self.namespace.file_entry
+            ents = [e if e >= 0 else file_entry(p) for e, p in zip(ents, plist, strict=True)]
+        return self.read_entries(ents, plist)
+
+    def read_entries(self, entries: Sequence[int] | npt.NDArray[np.integer[Any]],
+                     paths: Sequence[PathArg | None] | None = None) -> list[bytes]:
+        """The verified bytes of many entries (``paths``: their names in errors), in the
+        order asked: what ``read_entry`` gives each, at a lower cost per sample.
+
+        The batch is sorted by shard and offset with the manifest's arrays. The files of a
+        shard held in a local tier are read with one call to the tier (``pread_many``),
+        then checked one after the other. Elsewhere, files next to each other in a shard
+        are read with one call; what has to come from a remote source (the origin, a
+        partial copy that may not hold it yet) is read by up to ``read_threads`` threads
+        at once once a read shows the source is slow: a batch of small random reads waits
+        on the file system's latency, not its bandwidth (on the test PFS, 32 samples of
+        107 KB took 24-61 ms one after the other, 14-30 ms with 8 threads); a peer that
+        takes many ranges in one request (``pread_many``) gets all of its ranges at once.
+        Whatever a holder cannot give, or gives wrong, is read again by ``read_entry``: every
+        holder in turn, counted and logged as a read alone would be.
+        """
+        n = len(entries)
+        names: Sequence[PathArg | None] = paths if paths is not None else [None] * n
+        if n < 2:
+            return [self.read_entry(int(e), names[0]) for e in entries]
+        ents = np.asarray(entries, dtype=np.int64)
+        el: list[int] = ents.tolist()
+        a = self.manifest.arrays
+        out: list[bytes] = [b""] * n
+        for k in np.flatnonzero(a["kind"][ents] != KIND_FILE).tolist():
+            out[k] = self.read_entry(el[k], names[k])  # raises what a read raises
+        # empty files are read from no holder (b"")
+        pick = np.flatnonzero(a["size"][ents] > 0)
+        if not len(pick):
+            return out
+        sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]
+        by = np.lexsort((off, sh))
+        pick, sh, off = pick[by], sh[by], off[by]
+        order: list[int] = pick.tolist()  # positions in out, in the order of their bytes
+        shards: list[int] = sh.tolist()
+        offs: list[int] = off.tolist()
+        lens: list[int] = a["stored"][ents[pick]].tolist()
+        cuts = [0, *(np.flatnonzero(sh[1:] != sh[:-1]) + 1).tolist(), len(order)]
+        # the shards held in a local tier that takes a batch: (tier, its call, positions)
+        local: dict[int, tuple[ShardSource, PreadMany, list[int]]] = {}
+        # elsewhere, runs of adjacent files (order[i:j], shard, span): for a holder that
+        # takes many ranges in one request (a peer), by holder; for the others (the
+        # origin, partial copies), in one list
+        batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]] = {}
+        remote: list[_Unit] = []
+        holders = self._holders
+        for g in range(len(cuts) - 1):
+            i, end = cuts[g], cuts[g + 1]
+            hs = holders(shards[i])
+            many: PreadMany | None = getattr(hs[0], "pread_many", None)
+            if many is not None and getattr(hs[0], "local", False):
+                local.setdefault(id(hs[0]), (hs[0], many, []))[2].extend(range(i, end))
+                continue
+            src = _first_up(hs)
+            many = getattr(src, "pread_many", None)
+            units = batches.setdefault(id(src), (src, many, []))[2] if many else remote
+            while i < end:  # a run grows while the next file starts where it ends
+                start, j = offs[i], i + 1
+                stop = start + lens[i]
+                while j < end and offs[j] == stop and stop + lens[j] - start <= _COALESCE_LIMIT:
+                    stop += lens[j]
+                    j += 1
+                units.append((i, j, shards[i], start, stop - start))
+                i = j
+
+        def read_local() -> None:
+            for src, many, idx in local.values():
+                got = many([(shards[i], offs[i], lens[i]) for i in idx])
+                self._take(src, [order[i] for i in idx], el, names, got, out)
+
+        if batches or remote:
+            self._read_remote(batches, remote, order, el, names, out,
+                              read_local if local else None)
+        else:
+            read_local()
+        return out
+
+    def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
+                     remote: list[_Unit], order: list[int], el: list[int],
+                     names: Sequence[PathArg | None], out: list[bytes],
+                     read_local: Callable[[], None] | None) -> None:
+        """Read the runs of files that no local tier holds (read_entries): each peer's in
+        one request, the others one after the other while they come back at once, from
+        several threads once they are slow; then ``read_local`` (the batch's files in the
+        local tiers, if any) while the threads wait on the remote ones."""
 
         def read_unit(u: _Unit) -> None:
-            i, j, s0, start, span = u
-            if j == i + 1:
-                k = order[i]
-                out[k] = self.read_entry(ents[k], plist[k])
-            else:
-                self._read_run(order[i:j], ents, plist, out, s0, start, span)
+            src, parts = self._fetch_run(u, order, el)
+            self._take(src, order[u[0] : u[1]], el, names, parts, out)
 
         def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
             """One call to ``src`` for all its units, each then verified like any read;
             what it could not give goes to the per-entry path (every holder in turn)."""
+            run: list[int] = []
+            parts: list[bytes | None] = []
             got = pread_many([(s0, start, span) for _, _, s0, start, span in us])
-            for (i, j, s0, start, span), data in zip(us, got, strict=True):
-                if data is not None:
-                    self._read_run(order[i:j], ents, plist, out, s0, start, span,
-                                   fetched=(src, data))
-                    continue
-                self._unavailable()
-                for k in order[i:j]:
-                    out[k] = self.read_entry(ents[k], plist[k])
+            for u, data in zip(us, got, strict=True):
+                if data is None:
+                    self._unavailable()
+                run += order[u[0] : u[1]]
+                parts += self._fetch_run(u, order, el, (src, data))[1]
+            self._take(src, run, el, names, parts, out)
 
-        remote: list[_Unit] = []
-        local: list[_Unit] = []
-        # a holder that takes many ranges in one call -> (it, that call, its units)
-        batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]] = {}
-        if len(units) > 1:
-            holders = self._holders
-            for u in units:
-                hs = holders(u[2])
-                if getattr(hs[0], "local", False):
-                    local.append(u)
-                    continue
-                src = _first_up(hs)
-                many: PreadMany | None = getattr(src, "pread_many", None)
-                if many is not None:
-                    batches.setdefault(id(src), (src, many, []))[2].append(u)
-                else:
-                    remote.append(u)
-        if not batches and len(remote) < 2:
-            for u in units:
-                read_unit(u)
-            return out
+        every = remote + [u for _, _, us in batches.values() for u in us]
+        if len(every) == 1:  # one range: from the first holder that answers
+            read_unit(every[0])
+            if read_local is not None:
+                read_local()
+            return
         caller = threading.get_ident()
 
         def for_caller(read: Callable[..., None], *args: Any) -> None:
@@ -283,7 +332,7 @@ class Store:
         try:
             # each remote holder's batch at once, in the reader threads (the last one in
             # this thread if it has nothing else to read)
-            alone = not local and not remote
+            alone = not remote and read_local is None
             for b, (src, many, us) in enumerate(batches.values(), 1):
                 if threads and not (alone and b == len(batches)):
                     futures.append(self._read_pool().submit(for_caller, read_batch, src, many,
@@ -291,33 +340,36 @@ class Store:
                 else:
                     read_batch(src, many, us)
             # remote reads that come back at once (the page cache, a local disk) go on
-            # here, one after the other: threads would only cost (a warm epoch from the PFS
-            # client's page cache: 17.6 k samples/s with them, 29.5 k without); the first
-            # slow one (a shared file system's latency) hands the rest to the reader threads
-            rest = remote
-            if len(remote) > 1:
-                clock, k = time.perf_counter, 0
-                while k < len(remote):
-                    t0 = clock()
-                    read_unit(remote[k])
-                    k += 1
-                    if clock() - t0 > SLOW_READ_S:
-                        break
-                rest = remote[k:]
-                if threads and len(rest) > 1:
+            # here, one after the other, and are checked together: threads would only cost
+            # (a warm epoch from the PFS client's page cache: 17.6 k samples/s with them,
+            # 29.5 k without); once they take SLOW_READ_S each on average (a shared file
+            # system's latency), the rest go to the reader threads. An average, not one
+            # read: a read of the page cache that waited for the CPU (a busy node) must not
+            # send a whole batch to threads
+            clock, k = time.perf_counter, 0
+            taken: dict[int, tuple[ShardSource | None, list[int], list[bytes | None]]] = {}
+            t0 = clock()
+            while k < len(remote):
+                u = remote[k]
+                who, parts = self._fetch_run(u, order, el)
+                got = taken.get(id(who)) or taken.setdefault(id(who), (who, [], []))
+                got[1].extend(order[u[0] : u[1]])
+                got[2].extend(parts)
+                k += 1
+                if threads and clock() - t0 > SLOW_READ_S * k and len(remote) - k > 1:
                     pool = self._read_pool()
-                    futures += [pool.submit(for_caller, read_unit, u) for u in rest[1:]]
-                    rest = rest[:1]
-            for u in rest:
-                read_unit(u)
-            for u in local:
-                read_unit(u)
+                    futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]
+                    read_unit(remote[k])
+                    break
+            for who, run, parts in taken.values():
+                self._take(who, run, el, names, parts, out)
+            if read_local is not None:
+                read_local()
         finally:
             for f in futures:  # every read has ended before out is returned or dropped
                 f.exception()
         for f in futures:
             f.result()  # the first error, as the caller would have seen it reading alone
-        return out
 
     def _read_pool(self) -> ThreadPoolExecutor:
         """This process's reader threads (a forked child makes its own)."""
@@ -332,40 +384,55 @@ class Store:
                     self._pool = got
         return got[1]
 
-    def _read_run(self, run: list[int], ents: list[int], paths: Sequence[PathArg],
-                  out: list[bytes], shard: int, start: int, span: int,
-                  fetched: tuple[ShardSource, bytes] | None = None) -> None:
-        """Read adjacent ranges with one call (or take ``fetched``: a holder and the bytes
-        it gave for them), then verify each file on its own."""
-        m = self.manifest
+    def _fetch_run(self, u: _Unit, order: list[int], el: list[int],
+                   fetched: tuple[ShardSource, bytes | None] | None = None
+                   ) -> tuple[ShardSource | None, list[bytes | None]]:
+        """The stored bytes of each file of run ``u``: read with one call from the first
+        holder that answers (or ``fetched``: a holder and the bytes it gave for the run,
+        None if it gave none), not checked yet; None for each if no holder gave them."""
+        i, j, shard, start, span = u
         src: ShardSource | None = None
         try:
             src, got = fetched or self._fetch_from(shard, start, span)
-            blob = memoryview(got)
         except (SourceUnavailable, ChecksumError, CorruptShardError):
-            blob = None
+            got = None
+        if got is None:
+            return src, [None] * (j - i)
+        if j == i + 1:
+            return src, [got]  # the whole span is the file
+        blob, offset, stored = memoryview(got), self._offset, self._stored
+        return src, [bytes(blob[offset[e] - start : offset[e] - start + stored[e]])
+                     for e in (el[k] for k in order[i:j])]
+
+    def _take(self, src: ShardSource | None, run: Sequence[int], el: list[int],
+              names: Sequence[PathArg | None], got: Sequence[bytes | None],
+              out: list[bytes]) -> None:
+        """``got[i]`` is what ``src`` gave for the file at ``out[run[i]]`` (None: nothing):
+        each is checked as ``read_entry`` checks a whole file (``check``) and counted; a file
+        not given or given wrong is read by ``read_entry``, which tries every holder in turn,
+        counts and logs, and lets a holder with bad bytes drop its copy."""
+        whole, trust = self._whole, self._trust
         fill = self._from_origin if src is self.origin else None
-        reads = nbytes = 0
-        for i in run:
-            e = ents[i]
-            data = None
-            if blob is not None:
-                rel = m.offset[e] - start
-                stored = blob[rel : rel + m.stored[e]]
-                try:
-                    data = (check(m.codec[e], bytes(stored), m.size[e], self._checksum[e])
-                            if self.verify else decode(m.codec[e], bytes(stored), m.size[e], ""))
-                except CorruptShardError:
-                    pass  # read_entry, below, tries every holder, counts and logs it
-                else:
-                    reads += bool(m.size[e])  # an empty file is read from no holder
-                    nbytes += len(data)
-                    if fill is not None:
-                        fill(shard, m.offset[e], stored, self.verify)
-            # a bad or missing span falls back to the per-entry path, which tries every holder
-            out[i] = data if data is not None else self.read_entry(e, paths[i])
-        if reads:
-            self._count(src, reads, nbytes)
+        again: list[int] = []
+        nbytes = 0
+        for k, raw in zip(run, got, strict=True):
+            e = el[k]
+            if raw is None:
+                again.append(k)
+                continue
+            try:
+                data = whole(e, raw, trust(src, e))  # type: ignore[arg-type]
+            except CorruptShardError:
+                again.append(k)  # read_entry, below, tries every holder, counts and logs it
+                continue
+            out[k] = data
+            nbytes += len(data)
+            if fill is not None:
+                fill(self._shard[e], self._offset[e], raw, self.verify)
+        if len(again) < len(run):
+            self._count(src, len(run) - len(again), nbytes)
+        for k in again:
+            out[k] = self.read_entry(el[k], names[k])
 
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
                    length: int = -1) -> bytes:
@@ -424,18 +491,11 @@ class Store:
                     if k >= 0:
                         raise CorruptShardError(f"piece {k} does not match its checksum")
                     data = raw if start == lo and end == hi else raw[start - lo : end - lo]
-                elif not self.verify:
-                    data = decode(codec, raw, size, self._where(e)) if codec else raw
                 else:
-                    data = check(codec, raw, size, self._checksum[e])
+                    data = self._whole(e, raw, trust)
             except CorruptShardError as exc:
-                if sums is not None or not trust:
-                    self._bad(src, e, path, exc, tried, src is holders[-1])
-                    continue
-                # in place: the origin checked the file against the scan; its sum is learnt
-                # from this read, and what it wrote into a tier is checked against that sum
-                data = raw
-                self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
+                self._bad(src, e, path, exc, tried, src is holders[-1])
+                continue
             self._count(src, 1, len(data))
             if src is self.origin and self._from_origin is not None and stored == \
                     self._stored[e]:
@@ -446,6 +506,26 @@ class Store:
         if all(t.endswith("(unavailable)") for t in tried):
             raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
+
+    def _whole(self, e: int, raw: bytes, trust: bool) -> bytes:
+        """The content of whole file ``e`` from the stored bytes a holder gave: decoded and
+        checked against the file's checksum (``check``), or only decoded by a Store that
+        does not verify; else CorruptShardError. Every read of a whole file comes here
+        (``read_entry``, ``read_entries``).
+
+        ``trust`` (``_trust``, asked before the sum was read): in place, the origin checked
+        the file against the scan; its sum is learnt from this read, and what it wrote into
+        a tier is checked against that sum."""
+        codec = self._codec[e]
+        if not self.verify:
+            return decode(codec, raw, self._size[e], "") if codec else raw
+        try:
+            return check(codec, raw, self._size[e], self._checksum[e])
+        except CorruptShardError:
+            if not trust:
+                raise
+        self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
+        return raw
 
     def _derive(self, src: ShardSource, e: int, path: PathArg | None) -> Sequence[int]:
         """Piece checksums for a file that has none in its manifest (a version 1 pack, an

@@ -110,7 +110,22 @@ def test_getitems_is_one_batched_read(tree: tuple[Path, Path]) -> None:
     pack = tree[1]
     ds = FileDataset(pack)
     idx = [5, 200, 7, 5, 99]
-    assert ds.__getitems__(idx) == [ds[i] for i in idx]
+    want = [ds[i] for i in idx]
+    store = ds.store
+    calls: list[int] = []
+    real = store.read_entries
+
+    def read_entries(entries: Any, paths: Any = None) -> list[bytes]:
+        calls.append(len(entries))
+        return real(entries, paths)
+
+    def no_lookup(path: Any) -> int:
+        raise AssertionError(f"{path!r} looked up again: the dataset knows its entries")
+
+    store.read_entries = read_entries  # type: ignore[method-assign]
+    store._find = store.namespace.file_entry = no_lookup  # type: ignore[method-assign]
+    assert ds.__getitems__(idx) == want
+    assert calls == [len(idx)]  # one batched read, the Store's fast route
 
 
 def test_worker_state_is_small(tree: tuple[Path, Path]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +153,32 @@ def test_the_holder_order_follows_the_ranking_when_a_holder_is_down(
         nxt = p.ranking(shard)[2]
         assert order[:2] == [holders.peers[b], holders.peers[nxt]]
         assert order[-2:] == [holders.peers[a], store.origin]
+
+
+def test_read_many_reads_this_nodes_tier_in_one_call(three: Cluster) -> None:
+    """The shards this node holds in its tier are read with one call to the tier for the
+    whole batch (no peer, no origin), the others from the peers, in the order asked."""
+    store, holders, servers, content = three
+    m = store.manifest
+    (tier,) = holders.tiers
+    mine = sorted(holders.held_shards())
+    assert mine and len(mine) < len(m.shards)
+    os.makedirs(os.path.join(tier.root, m.pack_id.hex()), exist_ok=True)
+    for s in mine:  # as the node's daemon staged them
+        shutil.copyfile(os.path.join(store.pack_dir, m.shards[s].name), tier.path(s))
+    paths = sorted(content)
+    random.Random(7).shuffle(paths)
+    calls: list[int] = []
+    real = tier.pread_many
+
+    def pread_many(ranges: list[tuple[int, int, int]]) -> list[bytes | None]:
+        calls.append(len(ranges))
+        return real(ranges)
+
+    tier.pread_many = pread_many  # type: ignore[method-assign]
+    here = [p for p in paths if int(m.shard[store.namespace.file_entry(p)]) in mine]
+    assert store.read_many(paths) == [content[p] for p in paths]
+    assert calls == [len(here)]
+    assert sum(s.stats.bytes_served for s in servers.values()) == sum(
+        len(content[p]) for p in paths if p not in here)
+    assert store.origin.stats.reads == 0 and store.stats.reads == len(paths)

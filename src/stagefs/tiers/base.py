@@ -56,9 +56,10 @@ class ShardSource(Protocol):
 
 
 PreadMany = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]
-"""``pread_many(ranges)``, offered by a remote holder (a peer) besides ``pread``: the bytes
-of each (shard, offset, length) in one exchange, None where it cannot give them (down, not
-held). Store.read_many sends each such holder all its ranges at once and verifies each."""
+"""``pread_many(ranges)``, offered besides ``pread`` by a peer and by a node-local tier: the
+bytes of each (shard, offset, length) in one exchange or call, None where it cannot give
+them (down, not held). Store.read_many sends each such holder all its ranges at once (a
+local one in the calling thread) and verifies each."""
 
 
 @dataclass

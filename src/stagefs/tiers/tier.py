@@ -16,9 +16,10 @@ import contextlib
 import errno
 import hashlib
 import logging
+import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from stagefs.config import TierSpec, format_size
@@ -181,6 +182,7 @@ class DirTier:
         self._sizes = [s.size for s in manifest.shards]
         self._index = {n: i for i, n in enumerate(self._names)}
         self._fds: dict[int, int] = {}
+        self._maps: dict[int, mmap.mmap] = {}  # memory tier: held copies mapped (pread_many)
         self._lock = threading.Lock()
         self.stats = TierStats()
         self.stopped: str | None = None  # why placement into this tier stopped, if it did
@@ -275,9 +277,56 @@ class DirTier:
         self.stats.bytes += length
         return data
 
+    def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        """The bytes of each (shard, offset, length), None where the shard is not held (or
+        the range is not in it): a batch of reads in one call, in the calling thread.
+
+        A memory tier copies them out of a read-only mapping of each held copy: on tmpfs
+        that is twice the speed of pread (docs/decisions/0016-batched-reads.md). A disk
+        tier preads them: a cold page there is one read, not a fault per page.
+        """
+        out: list[bytes | None] = []
+        if self.kind != "memory":
+            for shard, offset, length in ranges:
+                try:
+                    out.append(self.pread(shard, offset, length))
+                except SourceUnavailable:
+                    out.append(None)
+            return out
+        maps, hits, nbytes = self._maps, 0, 0
+        for shard, offset, length in ranges:
+            mm = maps.get(shard) or self._map(shard)
+            if mm is None or offset + length > len(mm):
+                out.append(None)
+                continue
+            out.append(mm[offset : offset + length])
+            hits += 1
+            nbytes += length
+        self.stats.hits += hits
+        self.stats.bytes += nbytes
+        return out
+
+    def _map(self, shard: int) -> mmap.mmap | None:
+        """A read-only mapping of the held copy of ``shard`` (kept until it is dropped)."""
+        fd = self._fds.get(shard)
+        if fd is None and not (self.holds(shard) and (fd := self._fds.get(shard)) is not None):
+            return None
+        size = self._sizes[shard]
+        try:
+            # copies are replaced by rename and dropped by unlink, never cut short: a mapping
+            # stays whole; the size is checked in case something else cut it
+            if os.fstat(fd).st_size != size:
+                return None
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        except (OSError, ValueError):
+            return None
+        with self._lock:
+            return self._maps.setdefault(shard, mm)
+
     def drop(self, shard: int) -> None:
         """A read found this copy corrupt: delete it (all processes stop using it)."""
         with self._lock:
+            self._maps.pop(shard, None)  # unmapped once no batch under way holds it
             fd = self._fds.pop(shard, None)
         if fd is not None:
             os.close(fd)
@@ -302,6 +351,7 @@ class DirTier:
 
     def forget(self, shard: int) -> None:
         with self._lock:
+            self._maps.pop(shard, None)
             fd = self._fds.pop(shard, None)
         if fd is not None:
             os.close(fd)
@@ -311,6 +361,7 @@ class DirTier:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            self._maps.clear()  # each unmapped once no batch under way holds it
 
 
 def dir_bytes(root: str) -> int:

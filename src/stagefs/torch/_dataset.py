@@ -184,9 +184,9 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         return len(self.entries)
 
     def read_samples(self, indices: Sequence[int]) -> list[bytes]:
-        """The bytes of samples ``indices``, in one batched read (Store.read_many)."""
-        path_of = self.store.manifest.path_of
-        return self.store.read_many([path_of(int(self.entries[i])) for i in indices])
+        """The bytes of samples ``indices``, in one batched read (Store.read_entries: the
+        entries are known, no path is looked up again)."""
+        return self.store.read_entries(self.entries[np.asarray(indices, dtype=np.int64)])
 
     def _item(self, i: int, data: bytes) -> Any:
         sample = self.transform(data) if self.transform is not None else data
@@ -212,7 +212,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         return self._item(i, data)
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """A batch in one call (the DataLoader's batched fetch): one Store.read_many."""
+        """A batch in one call (the DataLoader's batched fetch): one Store.read_entries."""
         idx = [_index(i, len(self.entries)) for i in indices]
         p = self._ahead() or self._ahead_in_worker(idx)
         got: list[bytes | None] = [p.take(i) for i in idx] if p is not None else [None] * len(idx)

@@ -94,7 +94,7 @@ class Sampler(torch.utils.data.Sampler[int]):
     next samples' bytes are read ahead into memory within the budget: in this process for
     a dataset read here (num_workers=0); without tiers, by each DataLoader worker for the
     batches it will be given; with tiers, the workers' batched reads (several in flight,
-    Store.read_many) fetch what the tiers do not hold yet.
+    Store.read_entries) fetch what the tiers do not hold yet.
 
     ``closed=True`` (default: ``$STAGEFS_CLOSED=1``), for MLPerf Storage's CLOSED division:
     nothing the storage does is informed by the seed. ``prefetch`` is ignored (no staging in
@@ -244,7 +244,7 @@ class Sampler(torch.utils.data.Sampler[int]):
             return
         self._stage(order)
         # the loop has started: from here the DataLoader's workers read their batches
-        # (Store.read_many: several reads in flight each) and this process, whose one thread
+        # (Store.read_entries: several reads in flight each) and this process, whose one thread
         # drives the loop, is left alone: a read-ahead here took the GIL from it
         # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
         self._stop_tier_ahead(wait=False)

@@ -1,0 +1,221 @@
+"""Store.read_many / read_entries from the tiers: one call per tier for a batch, every file
+checked as a read alone checks it, a bad copy read again per file along the same holders as
+``read``, errors as ``read`` raises them, the order asked kept."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import stagefs
+from stagefs.errors import IsADirectoryError_, NotFoundError
+from stagefs.tiers.tier import DirTier
+from tiers_helpers import make_tree
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    base = tmp_path_factory.mktemp("batch")
+    files = make_tree(base / "raw", n=160)
+    stagefs.pack(base / "raw", base / "pack", shard_size="64KiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return base / "pack", files
+
+
+@pytest.fixture
+def memory_dir(runtime: Path) -> Iterator[Path]:
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm on this machine")
+    d = Path("/dev/shm") / f"stagefs-test-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class Spy:
+    """Counts the calls to one method of one real object and the items they carried."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.calls: list[int] = []
+        real: Callable[..., Any] = getattr(obj, name)
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(len(args[0]) if name == "pread_many" else 1)
+            return real(*args, **kwargs)
+
+        setattr(obj, name, spy)
+
+
+def _tiers(fs: stagefs.Store) -> list[DirTier]:
+    assert fs.chain is not None
+    return fs.chain.tiers
+
+
+def _shard_of(fs: stagefs.Store, path: str) -> int:
+    return int(fs.manifest.shard[fs.namespace.file_entry(path)])
+
+
+def _holders(fs: stagefs.Store) -> dict[str, int]:
+    return {h: v["reads"] for h, v in fs.status()["holders"].items()}
+
+
+def test_a_batch_from_two_tiers_is_one_call_to_each(dataset: tuple[Path, dict[str, bytes]],
+                                                    memory_dir: Path, tmp_path: Path) -> None:
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[f"{memory_dir}:160KiB", str(tmp_path / "disk")]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        memory, disk = _tiers(fs)
+        assert (memory.kind, disk.kind) == ("memory", "disk")
+        in_memory, on_disk = memory.held(), disk.held()
+        assert in_memory and on_disk and len(in_memory | on_disk) == len(fs.manifest.shards)
+        names = sorted(files)
+        batch = random.Random(5).sample(names, 60)
+        batch += batch[:7] + [batch[3]] * 3  # duplicates, also next to each other
+        want = [files[p] for p in batch]
+        staged = fs.origin.stats.reads  # the copies' reads
+        spies = {t.kind: Spy(t, "pread_many") for t in (memory, disk)}
+        mapped, alone = Spy(memory, "pread"), Spy(fs, "read_entry")
+        got = fs.read_many(batch)
+        assert got == want  # in the order asked
+        nonempty = [p for p in batch if files[p]]
+        shards = {_shard_of(fs, p) for p in nonempty}
+        assert shards & in_memory and shards & on_disk  # several shards, in both tiers
+        for kind, held in (("memory", in_memory), ("disk", on_disk)):
+            assert spies[kind].calls == [sum(_shard_of(fs, p) in held for p in nonempty)]
+        assert alone.calls == [] and mapped.calls == []  # no file read alone; memory: mapped
+        assert _holders(fs) == {
+            "memory": sum(_shard_of(fs, p) in in_memory for p in nonempty),
+            "disk": sum(_shard_of(fs, p) in on_disk for p in nonempty), "peer": 0, "origin": 0}
+        # the same through read_entries (entries known: no path looked up), and read
+        ents = np.array([fs.namespace.file_entry(p) for p in batch])
+        assert fs.read_entries(ents) == want
+        assert [fs.read(p) for p in batch] == want
+        assert fs.stats.checksum_failures == 0 and fs.origin.stats.reads == staged
+
+
+def test_a_corrupt_tier_copy_of_one_file(dataset: tuple[Path, dict[str, bytes]],
+                                         memory_dir: Path) -> None:
+    """The bad file comes from the origin, as a read alone would get it; the others of the
+    batch, its shard's included, from the tier; the counters say so."""
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[str(memory_dir)]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        m = fs.manifest
+        raw = [p for p in sorted(files) if len(files[p]) > 100
+               and int(m.codec[fs.namespace.file_entry(p)]) == 0]
+        victim = raw[len(raw) // 2]
+        e = fs.namespace.file_entry(victim)
+        shard = int(m.shard[e])
+        neighbours = [p for p in sorted(files) if files[p] and _shard_of(fs, p) == shard
+                      and p != victim]
+        others = [p for p in sorted(files) if files[p] and _shard_of(fs, p) != shard][:20]
+        assert neighbours and others
+        copy = Path(_tiers(fs)[0].path(shard))
+        with open(copy, "r+b") as f:
+            at = int(m.offset[e]) + 50
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0xFF]))
+        batch = [*others[:10], victim, *neighbours, *others[10:]]
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        assert fs.stats.checksum_failures == 1
+        assert _holders(fs) == {"memory": len(batch) - 1, "disk": 0, "peer": 0, "origin": 1}
+        assert _tiers(fs)[0].stats.dropped == 1  # the bad copy, as a read alone drops it
+        assert fs.read(victim) == files[victim]
+
+
+def test_a_missing_path_fails_the_batch_as_read_fails(
+        dataset: tuple[Path, dict[str, bytes]], memory_dir: Path) -> None:
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[str(memory_dir)]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        good = sorted(p for p in files if files[p])[:5]
+        with pytest.raises(NotFoundError) as alone:
+            fs.read("c1/nope.bin")
+        with pytest.raises(NotFoundError) as batched:
+            fs.read_many([*good, "c1/nope.bin", good[0]])
+        assert str(batched.value) == str(alone.value) and "c1/nope.bin" in str(batched.value)
+        assert isinstance(batched.value, FileNotFoundError)
+        assert _holders(fs)["memory"] == 0  # looked up first: nothing was read
+        with pytest.raises(IsADirectoryError_, match="c1"):
+            fs.read_many([good[0], "c1"])
+        with pytest.raises(IsADirectoryError_):
+            fs.read_entries([fs.namespace.file_entry(good[0]), fs.namespace.entry("c1")])
+
+
+def test_empty_and_small_batches(dataset: tuple[Path, dict[str, bytes]],
+                                 memory_dir: Path) -> None:
+    pack, files = dataset
+    empties = [p for p in sorted(files) if not files[p]]
+    some = [p for p in sorted(files) if files[p]][:3]
+    assert empties
+    with stagefs.open(pack, tiers=[str(memory_dir)]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        assert fs.read_many([]) == [] and fs.read_entries([]) == []
+        assert fs.read_many(empties) == [b""] * len(empties)
+        assert fs.read_many(some[:1]) == [files[some[0]]]
+        mixed = [empties[0], *some, empties[-1], some[0]]
+        assert fs.read_many(mixed) == [files[p] for p in mixed]
+        assert fs.read_many(iter(mixed)) == [files[p] for p in mixed]
+
+
+def test_unverified_batches_decode(dataset: tuple[Path, dict[str, bytes]],
+                                   memory_dir: Path) -> None:
+    """verify=False: compressed files are still decoded, from the tier and the origin."""
+    pack, files = dataset
+    names = sorted(files)
+    with stagefs.open(pack, verify=False) as fs:
+        assert fs.read_many(names) == [files[p] for p in names]
+    with stagefs.open(pack, tiers=[str(memory_dir)], verify=False) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        assert any(int(fs.manifest.codec[fs.namespace.file_entry(p)]) for p in names)
+        assert fs.read_many(names) == [files[p] for p in names]
+        assert _holders(fs)["memory"] == sum(1 for p in names if files[p])
+
+
+def test_in_place_batches_read_each_origin_byte_once(tmp_path: Path, runtime: Path) -> None:
+    """In place, a file's checksum is learnt from its first read from the origin: a run of
+    neighbours read with one call is taken as read alone takes it, not read again."""
+    files = make_tree(tmp_path / "raw", n=60)
+    names = sorted(files)
+    with stagefs.open(tmp_path / "raw") as fs:
+        got = fs.read_many(names)
+        assert got == [files[p] for p in names]
+        assert fs.origin.stats.bytes_read == sum(len(d) for d in files.values())
+        assert fs.stats.checksum_failures == 0
+        assert fs.read_many(names[::-1]) == [files[p] for p in names[::-1]]  # sums now known
+
+
+def test_a_batch_from_a_tier_and_the_origin(dataset: tuple[Path, dict[str, bytes]],
+                                            memory_dir: Path) -> None:
+    """A tier that holds some of the shards: their files come from it in one call, the
+    others from the origin, every file in the order asked."""
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[f"{memory_dir}:160KiB"]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        (memory,) = _tiers(fs)
+        held = memory.held()
+        assert 0 < len(held) < len(fs.manifest.shards)
+        batch = sorted(files)
+        random.Random(9).shuffle(batch)
+        many = Spy(memory, "pread_many")
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        here = [p for p in batch if files[p] and _shard_of(fs, p) in held]
+        assert many.calls == [len(here)]
+        got = _holders(fs)
+        assert got["memory"] == len(here)
+        assert got["origin"] == sum(1 for p in batch if files[p]) - len(here)
