@@ -17,6 +17,7 @@ import pytest
 import stagefs
 from conftest import build_sample_tree, random_bytes, text_bytes
 from stagefs._native import preload_library
+from tiers_helpers import compile_c
 
 pytestmark = [
     pytest.mark.integration,
@@ -236,13 +237,7 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def c_probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    d = tmp_path_factory.mktemp("cprobe")
-    (d / "probe.c").write_text(C_PROBE)
-    subprocess.run([cc, "-O1", "-pthread", "-o", d / "probe", d / "probe.c"], check=True)
-    return d / "probe"
+    return compile_c(tmp_path_factory, "cprobe", C_PROBE, "-pthread")
 
 
 def test_a_c_program_threads_fork_dup_reuse_mmap(packed: tuple[Path, Path], tmp_path: Path,

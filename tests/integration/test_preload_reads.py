@@ -17,6 +17,7 @@ from test_preload import BIG, _env, _flip, _tier_copy, plain, run
 import stagefs
 from conftest import random_bytes
 from stagefs._native import preload_library
+from tiers_helpers import compile_c
 
 pytestmark = [
     pytest.mark.integration,
@@ -94,13 +95,7 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("no C compiler")
-    d = tmp_path_factory.mktemp("readprobe")
-    (d / "probe.c").write_text(PROBE)
-    subprocess.run([cc, "-O1", "-o", d / "probe", d / "probe.c"], check=True)
-    return d / "probe"
+    return compile_c(tmp_path_factory, "readprobe", PROBE)
 
 
 @pytest.fixture(scope="module")

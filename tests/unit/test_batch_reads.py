@@ -18,16 +18,12 @@ import pytest
 import stagefs
 from stagefs.errors import IsADirectoryError_, NotFoundError
 from stagefs.tiers.tier import DirTier
-from tiers_helpers import make_tree
+from tiers_helpers import make_tree, packed_tree
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
-    base = tmp_path_factory.mktemp("batch")
-    files = make_tree(base / "raw", n=160)
-    stagefs.pack(base / "raw", base / "pack", shard_size="64KiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
-    return base / "pack", files
+    return packed_tree(tmp_path_factory.mktemp("batch"), n=160)
 
 
 @pytest.fixture

@@ -18,16 +18,12 @@ from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.runtime import Runtime, proc_start
 from stagefs.tiers.fill import Extents
 from stagefs.tiers.status import job_status
-from tiers_helpers import make_tree
+from tiers_helpers import packed_tree
 
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
-    base = tmp_path_factory.mktemp("fill")
-    files = make_tree(base / "raw", n=160)
-    stagefs.pack(base / "raw", base / "pack", shard_size="64KiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
-    return base / "pack", files
+    return packed_tree(tmp_path_factory.mktemp("fill"), n=160)
 
 
 @pytest.fixture
