@@ -12,7 +12,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
-HEADER = Path(__file__).resolve().parents[2] / "src" / "stagefs" / "_xxh3.h"
+import stagefs
+
+# the installed package's copy (CI runs the tests against the wheel, with no src/ beside)
+HEADER = Path(stagefs.__file__).resolve().parent / "_xxh3.h"
 
 PROGRAM = r"""
 #include <stdio.h>
