@@ -264,8 +264,8 @@ class DirTier:
     # -- ShardSource ----------------------------------------------------------------------
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        fd = self._fds.get(shard)
-        if fd is None and not (self.holds(shard) and (fd := self._fds.get(shard)) is not None):
+        fd = self._held_fd(shard)
+        if fd is None:
             raise SourceUnavailable(f"{self.name}: shard {shard} not held")
         try:
             data = pread_full(fd, length, offset)
@@ -276,6 +276,13 @@ class DirTier:
         self.stats.hits += 1
         self.stats.bytes += length
         return data
+
+    def _held_fd(self, shard: int) -> int | None:
+        """The open fd of the held copy of ``shard`` (opened now if it is here), or None."""
+        fd = self._fds.get(shard)
+        if fd is None and self.holds(shard):
+            fd = self._fds.get(shard)
+        return fd
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """The bytes of each (shard, offset, length), None where the shard is not held (or
@@ -308,8 +315,8 @@ class DirTier:
 
     def _map(self, shard: int) -> mmap.mmap | None:
         """A read-only mapping of the held copy of ``shard`` (kept until it is dropped)."""
-        fd = self._fds.get(shard)
-        if fd is None and not (self.holds(shard) and (fd := self._fds.get(shard)) is not None):
+        fd = self._held_fd(shard)
+        if fd is None:
             return None
         size = self._sizes[shard]
         try:
