@@ -3,8 +3,8 @@ large sequential reads, several shards at once, in the order they will be needed
 read of a file not in a tier yet waits for the stream or, if no stream has it in flight,
 reads it itself. Either way each stored file is read from the origin once.
 
-- ``Controller``: how many shards stream at once. It adds one stream while the bytes read
-  from the origin per second rise by ``GAIN`` and settles on the last count that did (a
+- ``Controller``: how many shards stream at once. It doubles the streams while the bytes
+  read from the origin per second rise by ``GAIN`` and settles on the best count (a
   parallel file system gives one stream a share of its link, and more streams more of it,
   up to a point: 380 MB/s with one stream, 446 MB/s with six on the test PFS).
 - ``Reservations``: who reads which stored file of a shard from the origin now. In this
@@ -22,10 +22,14 @@ reads it itself. Either way each stored file is read from the origin once.
   read them from the origin, once.
 - ``StreamSource``: the holder a read of a shard not whole in a tier asks after the partial
   copies of the tiers (chain.py lists them first). A file already in the copy holding its
-  piece is read from it; a file a stream (or another reader) holds is waited for; a file
-  nobody holds is reserved (its piece too, if no copy holds it yet) and read by the caller
-  itself, checked, and written into its piece's copy (a read far ahead of the streams does
-  not wait for them). A file whose piece no tier has room for is refused: the origin serves
+  piece is read from it; a file a stream (or another reader) holds is waited for, and so
+  is a file the stream on its shard will reach within ``STREAM_WAIT_S`` at the rate its
+  reads run (a reader's own small read would take throughput from the streams: with a
+  uniform shuffle over a few shards, readers reading ahead themselves made 57% of the first
+  epoch's origin bytes small reads, and the epoch ran at half the link's limit); any other
+  file nobody holds is reserved (its piece too, if no copy holds it yet) and read by the
+  caller itself, checked, and written into its piece's copy (a read far ahead of the
+  streams does not wait for them). A file whose piece no tier has room for is refused: the origin serves
   it. The Store verifies the bytes it returns like any holder's; the read counters count
   them as the origin's (they were read from it for this epoch's reads).
 """
@@ -66,6 +70,7 @@ CHUNK = 4 * 2**20  # bytes per sequential origin read of a stream
 MOST_STREAMS = 8  # shards streamed at once, at most
 GAIN = 1.02  # another stream stays if the origin's throughput rose by this factor
 WINDOW_S = 0.5  # throughput is measured over windows this long
+STREAM_WAIT_S = 1.0  # a read waits for a stream that brings its bytes within this long
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
 _LOOKS = 4  # a read looks for the copies of a shard again at most this often
@@ -76,10 +81,14 @@ class _Gone(Exception):
 
 
 class Controller:
-    """The number of streams, found at run time: start with one, add one per window while
-    the origin's throughput (bytes read by this process per second) rises by ``gain``, then
-    settle on the best count. A window in which the streams were not all busy (nothing more
-    to stream) says nothing and is not judged. ``clock`` is injected for tests."""
+    """The number of streams, found at run time: start with one and double the count each
+    window while the origin's throughput (bytes read by this process per second) rises by
+    ``gain``; when a step does not pay, search between the last count that did and the one
+    that did not (halving the gap each window), then settle on the best count. Doubling
+    finds eight streams in three windows, where one more a window took seven: the first
+    epoch of a small dataset is over in a few windows. A window in which the streams were
+    not all busy (nothing more to stream) says nothing and is not judged. ``clock`` is
+    injected for tests."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, most: int = MOST_STREAMS,
                  window: float = WINDOW_S, gain: float = GAIN) -> None:
@@ -87,6 +96,8 @@ class Controller:
         self.target = 1
         self.settled = self.most == 1
         self.rates: dict[int, float] = {}  # streams -> throughput measured with them
+        self._good = 0  # the best count that paid so far (0: none measured)
+        self._bad: int | None = None  # the smallest count found not to pay over _good
         self._t0: float | None = None
         self._b0 = 0
 
@@ -104,15 +115,17 @@ class Controller:
         self._t0, self._b0 = now, total_bytes
         if self.settled or not busy:
             return self.target
-        before = self.rates.get(self.target - 1)
         self.rates[self.target] = rate
-        if before is not None and rate < before * self.gain:
-            self.target -= 1  # the last stream added did not pay: back to the count before
-            self.settled = True
-        elif self.target < self.most:
-            self.target += 1
+        if not self._good or rate >= self.rates[self._good] * self.gain:
+            self._good = self.target  # it paid
         else:
-            self.settled = True
+            self._bad = self.target
+        # double while every step paid, else halve the gap to the count that did not
+        nxt = min(2 * self._good, self.most) if self._bad is None else \
+            (self._good + self._bad) // 2
+        if nxt <= self._good:  # nothing left to try between them (or at the ceiling)
+            nxt, self.settled = self._good, True
+        self.target = nxt
         return self.target
 
 
@@ -314,6 +327,8 @@ class Stream:
         self._queue: deque[int] = deque()
         self._threads: list[threading.Thread] = []
         self._running = 0
+        self._at: dict[int, int] = {}  # shard -> offset its stream (one a node) has reached
+        self._rate = 0.0  # bytes/s of one stream's reads, as last measured
         self._closing = False
         self.started: list[int] = []  # shards in the order this process began streaming them
 
@@ -402,12 +417,29 @@ class Stream:
                 return  # whole, not placeable, or no tier has room for any of its pieces
             with self._cond:
                 self.started.append(shard)
-            for fill, tier in copies:
-                if self._closing or chain._find(shard):
-                    return
-                self._bulk(shard, fill, tier)
+                self._at[shard] = 0
+            try:
+                for fill, tier in copies:
+                    if self._closing or chain._find(shard):
+                        return
+                    self._bulk(shard, fill, tier)
+            finally:
+                with self._cond:
+                    self._at.pop(shard, None)
+                    self._cond.notify_all()
         finally:
             chain.claims.release(shard)
+
+    def coming(self, shard: int, offset: int) -> bool:
+        """Whether a stream of this process will bring the shard's bytes at ``offset``
+        within ``STREAM_WAIT_S``: it is on the shard, reading it in offset order, and is
+        that close to the offset at the rate its reads have run at."""
+        at = self._at.get(shard)
+        if at is None:
+            return False
+        if offset <= at or not self._rate:  # behind it (held by a reader), or no rate yet
+            return True
+        return (offset - at) / self._rate <= STREAM_WAIT_S
 
     def _bulk(self, shard: int, fill: ShardFill, tier: DirTier) -> None:
         """Read every file of the pieces reserved in this copy that nobody has read or reads
@@ -426,6 +458,7 @@ class Stream:
                 with self._cond:  # others read the rest now: wait for them
                     self._cond.wait(0.005)
                 continue
+            t0 = self._clock()
             try:
                 self._copy(shard, fill, tier, h, *run, bulk=True)
             except (OSError, StagefsError, SourceUnavailable) as exc:
@@ -436,9 +469,18 @@ class Stream:
             finally:
                 self.res.release(h, *run)
             cursor = run[1]
+            self._measure(shard, int(fill.ext.ends[cursor - 1]), int(fill.ext.ends[cursor - 1])
+                          - int(fill.ext.offs[run[0]]), self._clock() - t0)
             self._tune()
         if fill.linked() and fill.complete():
             self.chain._finish(shard, fill, tier)
+
+    def _measure(self, shard: int, at: int, nbytes: int, seconds: float) -> None:
+        """A stream read ``nbytes`` of the shard in ``seconds``, up to offset ``at``."""
+        self._at[shard] = at
+        if seconds > 0 and nbytes >= CHUNK // 2:  # a short run says little of the rate
+            rate = nbytes / seconds
+            self._rate = rate if not self._rate else 0.75 * self._rate + 0.25 * rate
 
     def _copy(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held, lo: int, hi: int,
               *, bulk: bool) -> bytes | None:
@@ -568,7 +610,10 @@ class Stream:
                 raise _Gone
             if h.bad[lo:hi].any():
                 raise SourceUnavailable("failed its check at the origin")
-            if whole:
+            if self.coming(shard, offset):
+                pass  # the stream on the shard brings these bytes soon in its large
+                # sequential reads: a reader's own small read would slow it down
+            elif whole:
                 runs = self.res.take(h, lo, hi)
                 if runs == []:
                     continue  # filled since the look: read from the copy (a tier hit)
