@@ -12,7 +12,11 @@ mount as it serves the API: the first read of a shard queues it for streaming, s
 shard's other files arrive in large sequential reads before they are asked for (read-ahead
 in shard order across files), and a file is read from the origin once. The kernel may keep
 up to ``MAX_BACKGROUND`` reads in flight (its read-ahead of several files at once) and read
-``MAX_READ`` bytes per request.
+``MAX_READ`` bytes per request, read-ahead included where the server may raise the mount's
+window (root; see ``raise_readahead``).
+
+Warm, nothing reaches this process but the ``isatty`` ioctl of each buffered ``open()``
+(Python < 3.14), which the kernel always forwards and libfuse answers in C.
 """
 
 from __future__ import annotations
