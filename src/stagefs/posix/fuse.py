@@ -12,7 +12,11 @@ mount as it serves the API: the first read of a shard queues it for streaming, s
 shard's other files arrive in large sequential reads before they are asked for (read-ahead
 in shard order across files), and a file is read from the origin once. The kernel may keep
 up to ``MAX_BACKGROUND`` reads in flight (its read-ahead of several files at once) and read
-``MAX_READ`` bytes per request.
+``MAX_READ`` bytes per request, read-ahead included where the server may raise the mount's
+window (root; see ``raise_readahead``).
+
+Warm, nothing reaches this process but the ``isatty`` ioctl of each buffered ``open()``
+(Python < 3.14), which the kernel always forwards and libfuse answers in C.
 """
 
 from __future__ import annotations
@@ -79,17 +83,50 @@ def is_mounted(mountpoint: str) -> bool:
     """Whether a file system is mounted exactly at ``mountpoint`` (per /proc/self/mountinfo)."""
     target = os.path.realpath(mountpoint)
     try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            for line in f:
-                field = line.split(b" ")[4].decode("unicode_escape")
-                if field == target:
-                    return True
+        return _mount_device(target) is not None
     except OSError:
         return os.path.ismount(target)
-    return False
 
 
-def _operations(store: Any) -> Any:
+def _mount_device(mountpoint: str) -> str | None:
+    """The ``major:minor`` of the file system mounted at ``mountpoint`` (the topmost, and
+    its BDI's name in /sys/class/bdi), or None; read from /proc/self/mountinfo, which asks
+    no file system."""
+    dev = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split(b" ")
+            if fields[4].decode("unicode_escape") == mountpoint:
+                dev = fields[2].decode()
+    return dev
+
+
+def raise_readahead(mountpoint: str, kib: int = MAX_READ >> 10) -> int | None:
+    """Let the kernel read ahead ``kib`` KiB in one request on this mount; the new window,
+    or None where this process may not set it (it needs root).
+
+    The kernel caps a FUSE mount's read-ahead at its BDI's ``read_ahead_kb`` (128 KiB by
+    default), whatever ``max_readahead`` the server asks for; a cold read of a larger file
+    then costs one request to this server per 128 KiB, one after another.
+    """
+    knob = "/proc/self/mountinfo"
+    try:
+        dev = _mount_device(mountpoint)
+        if dev is None:
+            return None
+        knob = f"/sys/class/bdi/{dev}/read_ahead_kb"
+        with open(knob, "r+") as f:
+            if int(f.read()) < kib:
+                f.seek(0)
+                f.write(str(kib))
+        with open(knob) as f:
+            return int(f.read())
+    except (OSError, ValueError) as exc:
+        log.debug("read-ahead of %s left as it is (%s: %s)", mountpoint, knob, exc)
+        return None
+
+
+def _operations(store: Any, mountpoint: str) -> Any:
     fusepy = _binding()
     from stagefs.fileobj import WHOLE_READ_LIMIT, open_entry
 
@@ -106,6 +143,9 @@ def _operations(store: Any) -> Any:
             self._no_open = False
 
         def init_with_config(self, conn: Any, config: Any) -> None:
+            # mounted by now (the kernel sends INIT once mount(2) is done), and the
+            # INIT reply below keeps the window within max_readahead
+            raise_readahead(mountpoint)
             if conn is not None:
                 self._no_open = bool(conn.capable & _CAP_NO_OPEN_SUPPORT)
                 conn.want |= conn.capable & _CAP_CACHE_SYMLINKS
@@ -235,7 +275,7 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
         opts["allow_other"] = True
     logging.getLogger("fuse").setLevel(logging.ERROR)  # ENOENT lookups are normal traffic
     try:
-        fusepy.FUSE(_operations(store), mp, foreground=True, nothreads=False, debug=debug,
+        fusepy.FUSE(_operations(store, mp), mp, foreground=True, nothreads=False, debug=debug,
                     **opts)
     except RuntimeError as exc:
         code = exc.args[0] if exc.args else None

@@ -1,0 +1,124 @@
+"""What reaches the ``stagefs mount`` server: its requests, counted from libfuse's own trace
+(the server mounted with ``debug``), for a cold read and for warm reads."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from stagefs.posix.fuse import MAX_READ, fuse_available, is_mounted, unmount
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(fuse_available() is not None, reason=str(fuse_available())),
+]
+
+_SERVE = "import sys, stagefs; from stagefs.posix import fuse; " \
+         "fuse.mount(stagefs.open(sys.argv[1]), sys.argv[2], debug=True)"
+_OP = re.compile(rb"opcode: (\w+)")
+_FORGETS = {"FORGET", "BATCH_FORGET"}  # the kernel letting go of inodes, no question asked
+
+
+class Traced:
+    """A mount whose server writes every request it gets to a log; ``mark(name)`` starts a
+    new phase (a lookup of a missing name, the trace's only landmark), ``requests(name)``
+    counts that phase's requests by opcode."""
+
+    def __init__(self, log: Path, mp: Path) -> None:
+        self.log, self.mp = log, mp
+
+    def mark(self, name: str) -> None:
+        assert not (self.mp / f".phase-{name}").exists()
+
+    def requests(self, name: str) -> Counter[str]:
+        text = self.log.read_bytes()
+        start = text.index(f"LOOKUP /.phase-{name}".encode())
+        start = text.index(b"\n", start)
+        end = text.find(b"LOOKUP /.phase-", start)  # the next mark, from its request line
+        part = text[start : text.rindex(b"unique:", start, end) if end >= 0 else len(text)]
+        ops = Counter(m.decode() for m in _OP.findall(part))
+        return Counter({k: n for k, n in ops.items() if k not in _FORGETS})
+
+
+@pytest.fixture
+def traced(tmp_path: Path) -> Iterator[tuple[Traced, dict[str, bytes]]]:
+    rng = random.Random(5)
+    files = {f"d/s{i:02d}.bin": rng.randbytes(rng.randint(20_000, 120_000)) for i in range(20)}
+    files["d/big.bin"] = rng.randbytes(MAX_READ)
+    for rel, data in files.items():
+        (tmp_path / "raw" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "raw" / rel).write_bytes(data)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    mp, log = tmp_path / "mnt", tmp_path / "server.log"
+    mp.mkdir()
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-c", _SERVE, str(tmp_path / "pack"),
+                                   str(mp)], stdout=out, stderr=out, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not is_mounted(str(mp)):
+            assert server.poll() is None, log.read_text(errors="replace")[-2000:]
+            assert time.monotonic() < deadline, "the mount did not come up"
+            time.sleep(0.02)
+        yield Traced(log, mp), files
+    finally:
+        if is_mounted(str(mp)):
+            unmount(str(mp))
+        server.wait(timeout=60)
+
+
+def _read_fd(path: Path) -> bytes:
+    """A whole file by os.open + os.read: no isatty probe, unlike a buffered open()."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, MAX_READ + 1):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="only root may raise a mount's read-ahead (/sys/class/bdi)")
+def test_a_cold_large_file_is_one_read_request(traced: tuple[Traced, dict[str, bytes]]) -> None:
+    t, files = traced
+    t.mark("cold")
+    assert _read_fd(t.mp / "d/big.bin") == files["d/big.bin"]
+    # the kernel's default window (128 KiB) would ask for it in 8 requests, one by one
+    assert t.requests("cold")["READ"] == 1
+
+
+def test_warm_reads_reach_the_server_only_for_open_s_tty_probe(
+        traced: tuple[Traced, dict[str, bytes]]) -> None:
+    t, files = traced
+    t.mark("cold")
+    for rel, data in files.items():
+        assert _read_fd(t.mp / rel) == data
+    t.mark("warm-fd")
+    for rel, data in files.items():
+        assert _read_fd(t.mp / rel) == data
+    t.mark("warm-open")
+    for rel, data in files.items():
+        with open(t.mp / rel, "rb") as f:
+            assert f.read() == data
+    t.mark("end")
+    cold = t.requests("cold")
+    assert cold["READ"] >= len(files) and cold["LOOKUP"] >= len(files)
+    # warm: names, attributes and pages come from the kernel, and no_open spares the opens
+    assert t.requests("warm-fd") == Counter()
+    # a buffered open() (Python < 3.14) asks isatty(): an ioctl, which the kernel always
+    # sends to a FUSE server (answered by libfuse, in C); nothing else
+    probe = t.requests("warm-open")
+    assert set(probe) <= {"IOCTL"} and probe["IOCTL"] <= len(files)
