@@ -187,6 +187,7 @@ static void resolve_real(void) {
 enum { F_NONE = 0, F_SHARD = 1, F_MEM = 2, F_DIRFD = 3 };
 
 typedef struct {
+    uint32_t seq;    /* even: stable; odd: being written (a sequence lock, one per row) */
     uint8_t kind;    /* F_*: 0 = not staged */
     uint8_t src;     /* F_SHARD: which source (tier index, or ntiers for the origin) */
     uint32_t e;      /* the entry */
@@ -197,25 +198,70 @@ typedef struct {
 
 static Row *rows;
 static int max_fd;
-static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int top_fd = -1;  /* the highest descriptor ever given a row */
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;  /* the list of staged DIR streams */
 static uint8_t *vfile[MAX_SOURCES], *vpiece[MAX_SOURCES];  /* verified marks per source */
 static uint8_t *touched;  /* shards this process asked the helper to place */
 
 static int sys_fstat(int fd, struct stat *st) { return (int)syscall(SYS_fstat, fd, st); }
 
+/* The descriptor table takes no lock: a signal handler that reads a staged descriptor while
+ * the thread it interrupted is inside a read, an open or a close must not wait for that
+ * thread (it would wait forever). Each row has a sequence lock: a reader copies the row and
+ * tries again if a writer was in it meanwhile (it never waits on a writer that cannot run);
+ * writers of one row (only the opener, closer or reader of that one descriptor) take it
+ * with a compare-and-swap. */
+#if defined(__x86_64__) || defined(__i386__)
+#define cpu_relax() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+static void row_copy(int fd, Row *out) {
+    Row *r = &rows[fd];
+    for (;;) {
+        uint32_t s1 = __atomic_load_n(&r->seq, __ATOMIC_ACQUIRE);
+        if (s1 & 1) { cpu_relax(); continue; }
+        out->kind = __atomic_load_n(&r->kind, __ATOMIC_RELAXED);
+        out->src = __atomic_load_n(&r->src, __ATOMIC_RELAXED);
+        out->e = __atomic_load_n(&r->e, __ATOMIC_RELAXED);
+        out->base = __atomic_load_n(&r->base, __ATOMIC_RELAXED);
+        out->dev = __atomic_load_n(&r->dev, __ATOMIC_RELAXED);
+        out->ino = __atomic_load_n(&r->ino, __ATOMIC_RELAXED);
+        out->dpos = __atomic_load_n(&r->dpos, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&r->seq, __ATOMIC_RELAXED) == s1) { out->seq = s1; return; }
+    }
+}
+
+static void row_begin(int fd) {
+    uint32_t *seq = &rows[fd].seq;
+    for (;;) {
+        uint32_t s = __atomic_load_n(seq, __ATOMIC_RELAXED);
+        if (!(s & 1) && __atomic_compare_exchange_n(seq, &s, s + 1, 0, __ATOMIC_ACQUIRE,
+                                                    __ATOMIC_RELAXED))
+            break;
+        cpu_relax();
+    }
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+}
+
+static void row_end(int fd) { __atomic_add_fetch(&rows[fd].seq, 1, __ATOMIC_RELEASE); }
+
 /* The row of fd, if fd is staged and still refers to the file recorded; else 0. */
 static int get_row(int fd, Row *out) {
     if (!D.active || fd < 0 || fd >= max_fd || !__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE))
         return 0;
-    pthread_mutex_lock(&lock);
-    *out = rows[fd];
-    pthread_mutex_unlock(&lock);
+    row_copy(fd, out);
     if (!out->kind) return 0;
     struct stat st;
     if (sys_fstat(fd, &st) != 0 || (uint64_t)st.st_dev != out->dev || (uint64_t)st.st_ino != out->ino) {
-        pthread_mutex_lock(&lock);  /* closed behind the wrappers' back, and maybe reused */
-        if (rows[fd].dev == out->dev && rows[fd].ino == out->ino) rows[fd].kind = F_NONE;
-        pthread_mutex_unlock(&lock);
+        row_begin(fd);  /* closed behind the wrappers' back, and maybe reused */
+        if (rows[fd].dev == out->dev && rows[fd].ino == out->ino)
+            __atomic_store_n(&rows[fd].kind, F_NONE, __ATOMIC_RELAXED);
+        row_end(fd);
         return 0;
     }
     return 1;
@@ -223,18 +269,27 @@ static int get_row(int fd, Row *out) {
 
 static void set_row(int fd, const Row *r) {
     if (fd < 0 || fd >= max_fd) return;
-    pthread_mutex_lock(&lock);
-    rows[fd] = *r;
-    __atomic_store_n(&rows[fd].kind, r->kind, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&lock);
+    for (int top = __atomic_load_n(&top_fd, __ATOMIC_RELAXED); fd > top;)
+        if (__atomic_compare_exchange_n(&top_fd, &top, fd, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            break;
+    row_begin(fd);
+    Row *w = &rows[fd];
+    __atomic_store_n(&w->src, r->src, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->e, r->e, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->base, r->base, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->dev, r->dev, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->ino, r->ino, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->dpos, r->dpos, __ATOMIC_RELAXED);
+    __atomic_store_n(&w->kind, r->kind, __ATOMIC_RELEASE);
+    row_end(fd);
 }
 
 static void clear_row(int fd) {
     if (!D.active || fd < 0 || fd >= max_fd || !__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE))
         return;
-    pthread_mutex_lock(&lock);
-    rows[fd].kind = F_NONE;
-    pthread_mutex_unlock(&lock);
+    row_begin(fd);
+    __atomic_store_n(&rows[fd].kind, F_NONE, __ATOMIC_RELAXED);
+    row_end(fd);
 }
 
 /* A row for fd with kind and entry, its file identified by fstat. */
@@ -868,6 +923,10 @@ static void serve_stdin(void) {
 static void after_fork_child(void) {
     pthread_mutex_init(&lock, NULL);
     pthread_mutex_init(&cwd_lock, NULL);
+    /* a row another thread was writing at the fork stays half written: that thread is not
+     * in the child, and the descriptor it opened or closed was not handed to the program */
+    for (int fd = 0; rows && fd <= top_fd && fd < max_fd; fd++)
+        if (rows[fd].seq & 1) { rows[fd].kind = F_NONE; rows[fd].seq++; }
 }
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -1536,9 +1595,10 @@ API ssize_t getdents64(int fd, void *buf, size_t n) {
         used += rec;
         pos++;
     }
-    pthread_mutex_lock(&lock);
-    if (rows[fd].kind == F_DIRFD && rows[fd].ino == r.ino) rows[fd].dpos = pos;
-    pthread_mutex_unlock(&lock);
+    row_begin(fd);
+    if (rows[fd].kind == F_DIRFD && rows[fd].ino == r.ino)
+        __atomic_store_n(&rows[fd].dpos, pos, __ATOMIC_RELAXED);
+    row_end(fd);
     return (ssize_t)used;
 }
 
