@@ -92,3 +92,38 @@ def test_fuse_reads_are_counted(dataset: tuple[Path, dict[str, bytes]],
     assert st["bytes"] == sum(len(d) for d in files.values()), st
     assert st["reads"] == len(files)
     assert os.listdir(rt / "stats")
+
+
+def test_a_program_under_stagefs_run_is_counted_and_downloads_once(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+    """`cat` of every file twice under `stagefs run` with a memory-or-disk tier: the first
+    run's reads go through the helper (the Store's cold path: one download shared with the
+    stream placing the shards), the second's straight to the tier copies from the preload
+    library; status counts every sample and byte of both, and the origin gave each stored
+    byte once."""
+    from stagefs._native import preload_library
+
+    if preload_library() is None:
+        pytest.skip("the preload library is not built (no C compiler at install)")
+    pack, files = dataset
+    rt, tier, at = tmp_path / "rt", tmp_path / "tier", tmp_path / "data"
+    names = sorted(files)
+    script = "for f in \"$@\"; do cat \"$f\"; done | md5sum"
+    env = dict(os.environ, STAGEFS_RUNTIME=str(rt))
+    want = subprocess.run(["sh", "-c", script, "sh", *names], capture_output=True, text=True,
+                          check=True, cwd=pack.parent / "raw").stdout
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack),
+                            "--at", str(at), "--tier", str(tier), "--", "sh", "-c",
+                            f"cd '{at}' && {script}", "sh", *names],
+                           capture_output=True, text=True, timeout=120, env=env, check=False)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want
+    st = status(rt)
+    total = sum(len(d) for d in files.values())
+    assert (st["reads"], st["bytes"]) == (2 * len(files), 2 * total), st
+    held = st["holders"]
+    assert held["memory"]["reads"] + held["disk"]["reads"] >= len(files)  # the second run
+    with stagefs.open(pack) as fs:
+        stored = sum(s.size for s in fs.manifest.shards)
+    assert sum(o["bytes_read"] for o in st["origins"]) <= stored  # one download

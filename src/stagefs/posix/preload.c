@@ -85,6 +85,8 @@ static struct {
     const uint8_t *kind, *codec, *strings;
     char *root; size_t root_len;
     char *socket_path, *empty_dir, *origin_dir, *self_path, *sidecar_path;
+    char *stats_dir;   /* where this process's read counters go ("": not counted) */
+    char *tier_kinds;  /* per tier: 'm' memory, 'd' disk (the holder status names) */
     char **tier_dirs, **shard_names;
     uid_t uid; gid_t gid;
     long page;
@@ -548,6 +550,62 @@ static int entry_path(uint32_t e, char *out, size_t size) {
     return 0;
 }
 
+/* ---- read counters (stagefs status) ----------------------------------------------------- */
+
+/* The Store's format (tiers/status.py, docs/status.md): a file per process in the job's
+ * stats directory, a 16-byte header ("SFSCNT1\n", the pid) and u64 slots, per holder
+ * (memory, disk, peer, origin) its reads (samples) and bytes. The library counts what it
+ * reads itself: a sample per open of a staged file held in a tier or read from the origin's
+ * shard, and the bytes each read returns. Files the helper serves are counted by the helper's
+ * Store. Each count is an atomic add to shared memory: nothing is lost when a process ends
+ * or is killed. Made at the first count of each process (a forked child makes its own; an
+ * exec'd program goes on in the file of its pid). */
+enum { C_SLOTS = 30, C_SIZE = 16 + 8 * C_SLOTS, H_MEMORY = 0, H_DISK = 1, H_ORIGIN = 3 };
+static uint64_t *counts;
+static int counts_state;  /* 0: not made in this process, 1: being made, 2: made, 3: failed */
+
+static uint64_t *counters(void) {
+    int st = __atomic_load_n(&counts_state, __ATOMIC_ACQUIRE);
+    if (st == 2) return counts;
+    int zero = 0;
+    if (st != 0 || !D.stats_dir || !D.stats_dir[0] ||
+        !__atomic_compare_exchange_n(&counts_state, &zero, 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return NULL;  /* another thread makes it now: this count is skipped */
+    int saved = errno;
+    char p[PATH_MAX];
+    uint64_t *m = NULL;
+    int n = snprintf(p, sizeof p, "%s/%d-preload.counters", D.stats_dir, (int)getpid());
+    int fd = n > 0 && n < (int)sizeof p ?
+        real_openat(AT_FDCWD, p, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600) : -1;
+    struct stat st2;
+    if (fd >= 0 && sys_fstat(fd, &st2) == 0) {
+        char head[16] = "SFSCNT1\n";
+        uint64_t pid = (uint64_t)getpid();
+        memcpy(head + 8, &pid, 8);
+        if ((st2.st_size >= C_SIZE || ftruncate(fd, C_SIZE) == 0) && pwrite(fd, head, 16, 0) == 16) {
+            void *mm = real_mmap(NULL, C_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+            if (mm != MAP_FAILED) m = (uint64_t *)((char *)mm + 16);
+        }
+    }
+    if (fd >= 0) real_close(fd);
+    errno = saved;
+    counts = m;
+    __atomic_store_n(&counts_state, m ? 2 : 3, __ATOMIC_RELEASE);
+    return m;
+}
+
+static int holder_of(int src) {
+    return src < (int)D.ntiers ? (D.tier_kinds[src] == 'm' ? H_MEMORY : H_DISK) : H_ORIGIN;
+}
+
+static void count_read(int src, uint64_t samples, uint64_t nbytes) {
+    uint64_t *c = counters();
+    if (!c) return;
+    int h = holder_of(src);
+    if (samples) __atomic_add_fetch(&c[2 * h], samples, __ATOMIC_RELAXED);
+    if (nbytes) __atomic_add_fetch(&c[2 * h + 1], nbytes, __ATOMIC_RELAXED);
+}
+
 /* ---- the helper ------------------------------------------------------------------------- */
 
 /* Send one request line; with want_fd, receive a status byte (0, or an errno value) and a
@@ -788,7 +846,7 @@ static ssize_t shard_pread(int fd, Row *r, void *buf, size_t n, uint64_t pos) {
     if (pos >= size || n == 0) return 0;
     size_t len = n < size - pos ? n : (size_t)(size - pos);
     int v = vread(fd, r, buf, pos, len);
-    if (v == V_OK) return (ssize_t)len;
+    if (v == V_OK) { count_read(r->src, 0, len); return (ssize_t)len; }
     if (v == V_BAD && replace_with_helper(fd, r) == 0) return real_pread(fd, buf, n, (off_t)pos);
     int err = errno;
     memset(buf, 0, len);  /* what the failed read left there was not verified */
@@ -833,7 +891,7 @@ static void warn(const char *fmt, const char *a) {
 static int load(const char *sidecar) {
     char *b; size_t blen;
     if (read_whole(sidecar, &b, &blen) != 0) { warn("cannot read %s: the staged path is not served", sidecar); return -1; }
-    if (blen < SIDECAR_HEAD || memcmp(b, "STGFSPLD", 8) != 0 || le4(b + 8) != 1) {
+    if (blen < SIDECAR_HEAD || memcmp(b, "STGFSPLD", 8) != 0 || le4(b + 8) != 2) {
         warn("%s is not a preload index of this stagefs: the staged path is not served", sidecar);
         return -1;
     }
@@ -845,11 +903,13 @@ static int load(const char *sidecar) {
     uint64_t off[N_ARRAYS], cnt[N_ARRAYS];
     for (int i = 0; i < N_ARRAYS; i++) { off[i] = le(b + 64 + 16 * i); cnt[i] = le(b + 72 + 16 * i); }
     char *s = b + SIDECAR_HEAD, *end = b + blen;
-    char *fields[5];
-    for (int i = 0; i < 5; i++) { if (s >= end) goto bad; fields[i] = s; s += strlen(s) + 1; }
+    char *fields[7];
+    for (int i = 0; i < 7; i++) { if (s >= end) goto bad; fields[i] = s; s += strlen(s) + 1; }
     D.root = fields[0]; D.root_len = strlen(D.root);
     D.socket_path = fields[2]; D.empty_dir = fields[3]; D.origin_dir = fields[4];
+    D.stats_dir = fields[5]; D.tier_kinds = fields[6];
     if (D.ntiers >= MAX_SOURCES) D.ntiers = MAX_SOURCES - 1;
+    if (strlen(D.tier_kinds) < D.ntiers) goto bad;
     D.tier_dirs = calloc(D.ntiers + 1, sizeof(char *));
     D.shard_names = calloc(D.nshards + 1, sizeof(char *));
     if (!D.tier_dirs || !D.shard_names) goto bad;
@@ -921,6 +981,8 @@ static void serve_stdin(void) {
 }
 
 static void after_fork_child(void) {
+    counts = NULL;
+    counts_state = 0;  /* the child counts in a file of its own */
     pthread_mutex_init(&lock, NULL);
     pthread_mutex_init(&cwd_lock, NULL);
     /* a row another thread was writing at the fork stays half written: that thread is not
@@ -1018,9 +1080,19 @@ static int open_entry(uint32_t e, int flags) {
     if (D.direct && D.codec[e] == 0 && (D.piece || D.size[e] <= D.piece_size || D.size[e] <= (64u << 20))) {
         int src = 0;
         int fd = open_shard(e, cloexec, &src);
+        if (fd >= 0 && src == (int)D.ntiers && D.ntiers) {
+            /* not whole in a tier: the helper reads it through the Store, where reads and
+             * the streams that place its shard share one download from the origin, and
+             * partial copies serve the pieces they hold; the origin's shard directly only
+             * if the helper cannot be reached */
+            int m = helper_file(e, cloexec);
+            if (m >= 0) { real_close(fd); return make_row(m, F_MEM, e, 0, 0); }
+        }
         if (fd >= 0) {
             if (real_lseek(fd, (off_t)D.offset[e], SEEK_SET) < 0) { real_close(fd); return -1; }
-            return make_row(fd, F_SHARD, e, D.offset[e], src);
+            int r = make_row(fd, F_SHARD, e, D.offset[e], src);
+            if (r >= 0) count_read(src, 1, 0);
+            return r;
         }
     }
     int fd = helper_file(e, cloexec);

@@ -40,7 +40,7 @@ log = logging.getLogger("stagefs")
 ENV_INDEX = "STAGEFS_PRELOAD_INDEX"
 SIDECAR = "preload.idx"
 _MAGIC = b"STGFSPLD"
-_VERSION = 1
+_VERSION = 2
 _FLAG_DIRECT = 1  # raw files may be read straight from the tiers and the origin's shards
 # the manifest arrays the library uses, in the order of the sidecar's table (preload.c A_*)
 _ARRAYS = ("path_off", "hash", "parent", "kind", "mode", "mtime_ns", "size", "shard", "offset",
@@ -130,7 +130,12 @@ def write_sidecar(store: Any, root: str, run_dir: str, socket_path: str,
     names = [s.name for s in m.shards]
     head = _HEAD.pack(_MAGIC, _VERSION, _FLAG_DIRECT if direct else 0, m.n, m.piece_size,
                       store.namespace._dev, length, body, len(names), len(tiers))
-    strings = [root, os.path.abspath(m.path), socket_path, empty_dir, origin, *tiers, *names]
+    counts = getattr(store, "_counts", None)  # the job's stats dir: stagefs status sums it
+    stats = counts.folder if counts is not None else ""
+    kinds = "".join("m" if t.kind == "memory" else "d" for t in chain.tiers) \
+        if chain is not None and direct else ""
+    strings = [root, os.path.abspath(m.path), socket_path, empty_dir, origin, stats, kinds,
+               *tiers, *names]
     blob = head + table + b"".join(os.fsencode(s) + b"\0" for s in strings)
     path = os.path.join(run_dir, SIDECAR)
     with open(path, "wb") as f:
