@@ -49,7 +49,7 @@ __all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
 log = logging.getLogger("stagefs.client")
 
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
-_BATCH_BYTES = 4 * 2**20  # data asked for in one READ; larger reads are pipelined requests
+_BATCH_BYTES = 16 * 2**20  # data in one READ (relayed: one relay each); more: pipelined
 _WINDOW = 32  # requests in flight on one connection
 BACKOFF = (0.5, 30.0)  # a suspect peer is probed again after this long, doubling
 
