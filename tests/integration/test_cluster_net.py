@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import socket
-from collections.abc import Iterator
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 from cluster_helpers import make_pack
@@ -15,7 +21,7 @@ from stagefs.errors import AuthenticationError, ConfigError
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.client import PeerClient, PeerSource, PeerUnavailable
+from stagefs.net.client import _BATCH_BYTES, PeerClient, PeerSource, PeerUnavailable
 from stagefs.net.server import ServerLimits, ShardServer
 from stagefs.tiers.base import SourceUnavailable
 
@@ -231,3 +237,139 @@ def test_never_binds_all_interfaces(packed: tuple[str, dict[str, bytes]]) -> Non
     with pytest.raises(ConfigError, match="all interfaces"):
         ShardServer(m, b"t" * 32, lambda s: None, "0.0.0.0")
     m.close()
+
+
+def test_a_batch_of_every_kind_of_range_returns_the_right_bytes(tmp_path: Path) -> None:
+    """Ranges sent by sendfile and by preadv, empty ones, ranges of shards not held and
+    past the end, in one batch over the size at which the client cuts requests: each range
+    the bytes of the shard file, in order, None where not served."""
+    pack, _ = make_pack(str(tmp_path), files=60, shard_size="4MiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    held = set(range(0, len(m.shards), 2))
+    srv = ShardServer(m, auth.new_token(), lambda s: os.path.join(pack, m.shards[s].name)
+                      if s in held else None, "127.0.0.1", 0).start()
+    c = PeerClient(*srv.address, srv.token, pack_id=m.pack_id)
+    try:
+        shards = {s: _shard_bytes(pack, m, s) for s in range(len(m.shards))}
+        ranges = []
+        for s, data in shards.items():
+            for n in (1, 4096, 64 * 2**10 - 1, 64 * 2**10, 200_000, len(data) // 2):
+                ranges += [(s, 0, n), (s, len(data) - n, n), (s, 7, 0)]
+            ranges.append((s, len(data) - 1, 2))  # past the end
+        ranges.append((len(m.shards), 0, 1))  # no such shard
+        ranges *= 1 + 2 * _BATCH_BYTES // sum(n for _, _, n in ranges)  # 3 requests or more
+        out = c.read(ranges)
+        for (s, o, n), got in zip(ranges, out, strict=True):
+            if s in held and o + n <= len(shards[s]):
+                assert type(got) is bytes and got == shards[s][o : o + n]
+            else:
+                assert got is None
+    finally:
+        c.close()
+        srv.close()
+        m.close()
+
+
+def _fake_peer(token: bytes, pack_id: bytes, reply: Callable[[P.Read], list[bytes]]
+               ) -> tuple[tuple[str, int], threading.Thread]:
+    """A peer that proves the token, then answers one READ with ``reply(read)``: pieces
+    sent one after the other, a short pause between them."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+
+    def run() -> None:
+        conn, _ = lst.accept()
+        lst.close()
+        with conn:
+            ns = auth.new_nonce()
+            conn.sendall(P.encode(P.Challenge(ns, pack_id)))
+            dec = P.FrameDecoder()
+            msgs: list[P.Message] = []
+            while len(msgs) < 2:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                dec.feed(data)
+                for msg in dec.messages():
+                    msgs.append(msg)
+                    if isinstance(msg, P.Auth):
+                        conn.sendall(P.encode(P.AuthOk(auth.server_proof(token, ns,
+                                                                         msg.nonce))))
+            assert isinstance(msgs[1], P.Read)
+            for piece in reply(msgs[1]):
+                conn.sendall(piece)
+                time.sleep(0.01)
+            with contextlib.suppress(OSError):
+                while conn.recv(65536):
+                    pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return lst.getsockname(), t
+
+
+def _data(rid: int, slots: list[tuple[int, int]], body: bytes, extra: int = 0) -> bytes:
+    table = struct.pack("!II", rid, len(slots)) + b"".join(struct.pack("!BI", *s)
+                                                          for s in slots)
+    return P.HEADER.pack(P.MAGIC, P.VERSION, P.T_DATA, 0, len(table) + len(body) + extra
+                         ) + table + body
+
+
+def _cut(frame: bytes, at: Sequence[int]) -> list[bytes]:
+    edges = [0, *at, len(frame)]
+    return [frame[a:b] for a, b in itertools.pairwise(edges) if b > a]
+
+
+_A, _B = b"a" * 70_000, b"b" * 300
+
+HOSTILE = {
+    # the frame announces fewer bytes than its slots do
+    "short frame": lambda r: [_data(r.request_id, [(P.OK, 70_000), (P.OK, 300)], _A + _B,
+                                    extra=-1)],
+    # a slot that is not served but has a length
+    "not held with bytes": lambda r: [_data(r.request_id, [(P.OK, 70_000),
+                                                           (P.NOT_HELD, 300)], _A + _B)],
+    # an unknown status
+    "unknown status": lambda r: [_data(r.request_id, [(P.OK, 70_000), (9, 0)], _A)],
+    # a slot table that does not fit in the frame
+    "table past the frame": lambda r: [P.HEADER.pack(P.MAGIC, P.VERSION, P.T_DATA, 0, 10)
+                                       + struct.pack("!II", r.request_id, 2) + b"\0\0"],
+    # the connection ends inside a range
+    "cut inside a range": lambda r: [_data(r.request_id, [(P.OK, 70_000), (P.OK, 300)],
+                                           _A + _B)[:40_000]],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_a_malformed_data_reply_is_never_bytes(kind: str) -> None:
+    token, pack_id = auth.new_token(), b"p" * 16
+    addr, t = _fake_peer(token, pack_id, HOSTILE[kind])
+    c = PeerClient(*addr, token, pack_id=pack_id, timeout=5.0)
+    try:
+        with pytest.raises(PeerUnavailable):
+            c.read([(0, 0, 70_000), (0, 70_000, 300)])
+        assert c.suspect()
+    finally:
+        c.close()
+        t.join(10)
+
+
+def test_a_reply_that_comes_in_pieces_is_whole() -> None:
+    """A DATA reply cut anywhere (inside the header, the slot table, a range) and sent in
+    pieces: the ranges are whole and in order."""
+    token, pack_id = auth.new_token(), b"p" * 16
+    frame: list[bytes] = []
+
+    def reply(r: P.Read) -> list[bytes]:
+        frame.append(_data(r.request_id, [(P.OK, 70_000), (P.INVALID, 0), (P.OK, 300)],
+                           _A + _B))
+        return _cut(frame[0], [5, 14, 22, 30, 1000, 69_000, 70_025])
+
+    addr, t = _fake_peer(token, pack_id, reply)
+    c = PeerClient(*addr, token, pack_id=pack_id, timeout=5.0)
+    try:
+        assert c.read([(0, 0, 70_000), (5, 0, 1), (0, 70_000, 300)]) == [_A, None, _B]
+    finally:
+        c.close()
+        t.join(10)

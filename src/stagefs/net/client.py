@@ -18,6 +18,7 @@ training job.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import os
@@ -32,7 +33,14 @@ from stagefs._malloc import tune_malloc
 from stagefs.errors import AuthenticationError, ProtocolError
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.sockio import Deadline, recv_message, send_message, send_parts, set_timeouts
+from stagefs.net.sockio import (
+    Deadline,
+    recv_message,
+    send_message,
+    send_parts,
+    set_recv_timeout,
+    set_timeouts,
+)
 from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
@@ -41,25 +49,74 @@ __all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
 log = logging.getLogger("stagefs.client")
 
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
-_SCRATCH = 16 * 2**20  # replies up to this size are received into a reused buffer
-_BATCH_BYTES = 4 * 2**20  # data asked for in one READ; larger reads are pipelined requests
+_BATCH_BYTES = 16 * 2**20  # data in one READ (relayed: one relay each); more: pipelined
 _WINDOW = 32  # requests in flight on one connection
 BACKOFF = (0.5, 30.0)  # a suspect peer is probed again after this long, doubling
 
 
-_tls = threading.local()
+_fork = [0]  # how many times this process's line has forked: a child's pools are not its own
+os.register_at_fork(after_in_child=lambda: _fork.__setitem__(0, _fork[0] + 1))
 
 
-def _scratch(n: int) -> bytearray | None:
-    """This thread's receive buffer, shared by every peer client of the thread (one buffer
-    per thread, not per peer: a thousand peers cost no more memory than one) and reused
-    across replies, which are copied out of it before the next one is received."""
-    if n > _SCRATCH:
-        return None
-    buf: bytearray | None = getattr(_tls, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _tls.buf = bytearray(min(_SCRATCH, max(n, 2**20, 2 * len(buf or b""))))
-    return buf
+class _ReplyRecv:
+    """Receives of one reply frame under its total deadline. The kernel timeout of each
+    receive is the time left when it was last armed, and it is armed again once 1/16 of the
+    deadline has passed since: a setsockopt before each of a reply's ranges would cost more
+    than receiving it, and a peer that trickles bytes gets at most 1/16 more than the
+    deadline."""
+
+    __slots__ = ("armed", "at", "seconds", "sock", "step")
+
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
+        self.sock = sock
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self.step = seconds / 16
+        self.armed = float("-inf")
+
+    def _arm(self) -> None:
+        now = time.monotonic()
+        if now - self.armed > self.step:
+            left = self.at - now
+            if left <= 0:
+                raise TimeoutError(errno.ETIMEDOUT, f"peer did not send its reply within "
+                                   f"{self.seconds:g} s")
+            set_recv_timeout(self.sock, left)
+            self.armed = now
+
+    def bytes(self, n: int) -> bytes:
+        """Exactly ``n`` bytes, received straight into the bytes object returned (no copy
+        in user space; one system call unless the kernel timeout or a signal cuts it)."""
+        self._arm()
+        try:
+            data = self.sock.recv(n, socket.MSG_WAITALL)
+            if len(data) == n:
+                return data
+            parts = [data]
+            got = len(data)
+            while data and got < n:
+                self._arm()
+                data = self.sock.recv(n - got, socket.MSG_WAITALL)
+                parts.append(data)
+                got += len(data)
+        except BlockingIOError:  # the kernel timeout passed with nothing received
+            raise TimeoutError(errno.ETIMEDOUT, "peer did not answer in time") from None
+        if got < n:
+            raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
+        return b"".join(parts)
+
+    def message(self) -> P.Message:
+        """The next message; a DATA reply's ranges each received into its own bytes
+        object, the frame checked as ``protocol.decode_payload`` checks it."""
+        mtype, length = P.parse_header(self.bytes(P.HEADER.size))
+        if mtype != P.T_DATA:
+            return P.decode_payload(mtype, self.bytes(length) if length else b"")
+        rid, count = P.data_head(self.bytes(P.DATA_HEAD), length)
+        statuses, lengths = P.data_slots(self.bytes(count * P.SLOT_SIZE) if count else b"",
+                                         count, length)
+        chunks = [self.bytes(n) if st == P.OK else None
+                  for st, n in zip(statuses, lengths, strict=True)]
+        return P.Data(rid, tuple(chunks), tuple(statuses))
 
 
 class PeerUnavailable(SourceUnavailable):
@@ -115,7 +172,7 @@ class PeerClient:
         self._reset()
 
     def _reset(self) -> None:
-        self._pid = os.getpid()
+        self._fork = _fork[0]
         self._lock = threading.Lock()
         self._free = threading.Condition(self._lock)  # a connection came back
         self._out = 0  # connections taken from the pool or being made
@@ -125,7 +182,7 @@ class PeerClient:
         self._prober: threading.Thread | None = None
 
     def _check_pid(self) -> None:
-        if self._pid != os.getpid():  # forked: the parent's sockets are not ours to use
+        if self._fork != _fork[0]:  # forked: the parent's sockets are not ours to use
             for s in self._idle:
                 with contextlib.suppress(OSError):
                     s.detach()  # forget the fd without shutting the parent's connection
@@ -149,7 +206,7 @@ class PeerClient:
 
     def is_suspect(self) -> bool:
         """Suspect now, without starting a probe (for status reports)."""
-        return self._pid == os.getpid() and self._retry_at is not None
+        return self._fork == _fork[0] and self._retry_at is not None
 
     def mark_suspect(self, why: str) -> None:
         """Skip this peer until it answers again (a hedged read found it slow)."""
@@ -317,7 +374,7 @@ class PeerClient:
 
     def _give(self, sock: socket.socket) -> None:
         with self._lock:
-            if len(self._idle) < self.pool_size and self._pid == os.getpid():
+            if len(self._idle) < self.pool_size and self._fork == _fork[0]:
                 self._idle.append(sock)
                 return
         sock.close()
@@ -330,9 +387,9 @@ class PeerClient:
     def _pipeline(self, msgs: Sequence[P.Message],
                   handle: Callable[[int, P.Message], None]) -> None:
         """Send every request at once on one pooled connection, then take the replies in
-        order, handing each to ``handle`` before the next is received (its DATA chunks are
-        views of the reused receive buffer). The server works on request k+1 while we copy
-        reply k out. Each reply has its own total deadline."""
+        order, handing each to ``handle`` (a DATA reply's ranges received each straight into
+        its own bytes object: the bytes the caller gets, no copy). The server works on
+        request k+1 while we receive reply k. Each reply has its own total deadline."""
         sock, pooled = self._take()
         try:
             self._exchange_on(sock, pooled, msgs, handle)
@@ -346,8 +403,7 @@ class PeerClient:
             send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, self.timeout))
             self.stats.sent += len(msgs)
             for i in range(len(msgs)):
-                reply = recv_message(sock, scratch=_scratch,
-                                     deadline=Deadline(sock, self.timeout))
+                reply = _ReplyRecv(sock, self.timeout).message()
                 received = True
                 if isinstance(reply, P.Error):
                     raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
@@ -417,7 +473,7 @@ class PeerClient:
             self.stats.requests += 1
             self.stats.ranges += len(batch)
             for (i, _, _, n), c in zip(batch, reply.chunks, strict=True):
-                data = None if c is None or len(c) != n else bytes(c)
+                data = None if c is None or len(c) != n else bytes(c)  # the same object: no copy
                 if data is not None:
                     self.stats.bytes += n
                 parts.setdefault(i, []).append(data)

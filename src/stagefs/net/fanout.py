@@ -114,8 +114,14 @@ class Fanout:
         first = True
         while todo:
             groups: dict[int, tuple[BatchHolder, list[int]]] = {}
+            of: dict[int, Sequence[BatchHolder]] = {}  # a shard's holders, once per round
+            up: dict[int, bool] = {}  # a holder's health, once per round
             for i in todo:
-                h = self._next(holders(ranges[i][0]), tried[i])
+                shard = ranges[i][0]
+                hs = of.get(shard)
+                if hs is None:
+                    hs = of[shard] = holders(shard)
+                h = self._next(hs, tried[i], up)
                 if h is not None:
                     tried[i].add(id(h))
                     groups.setdefault(id(h), (h, []))[1].append(i)
@@ -150,10 +156,17 @@ class Fanout:
         return out
 
     @staticmethod
-    def _next(hs: Sequence[BatchHolder], tried: set[int]) -> BatchHolder | None:
-        """The first holder not asked yet that is not down."""
+    def _next(hs: Sequence[BatchHolder], tried: set[int], up: dict[int, bool]
+              ) -> BatchHolder | None:
+        """The first holder not asked yet that is not down (``up``: the answers of
+        ``is_down`` so far this round)."""
         for h in hs:
-            if id(h) not in tried and not h.is_down():
+            if id(h) in tried:
+                continue
+            ok = up.get(id(h))
+            if ok is None:
+                ok = up[id(h)] = not h.is_down()
+            if ok:
                 return h
         return None
 

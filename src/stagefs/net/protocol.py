@@ -17,11 +17,13 @@ from typing import Any
 from stagefs.errors import ProtocolError
 
 __all__ = [
+    "DATA_HEAD",
     "HEADER",
     "MAGIC",
     "MAX_FRAME",
     "MAX_RANGES",
     "NONCE_SIZE",
+    "SLOT_SIZE",
     "VERSION",
     "Auth",
     "AuthOk",
@@ -34,6 +36,8 @@ __all__ = [
     "Read",
     "Status",
     "StatusRequest",
+    "data_head",
+    "data_slots",
     "decode_payload",
     "encode",
     "encode_parts",
@@ -51,6 +55,8 @@ MAX_RANGES = 65536  # ranges in one READ
 _RANGE = struct.Struct("!IQI")  # shard, offset, length
 _SLOT = struct.Struct("!BI")  # status, length
 _COUNT = struct.Struct("!II")  # request id, count
+DATA_HEAD = _COUNT.size  # a DATA payload begins with its request id and slot count
+SLOT_SIZE = _SLOT.size
 _ERR = struct.Struct("!H")
 
 # message types
@@ -256,27 +262,46 @@ def decode_payload(mtype: int, payload: bytes | bytearray | memoryview) -> Messa
     raise ProtocolError(f"unknown message type {mtype}")
 
 
-def _decode_data(p: memoryview) -> Data:
-    n = len(p)
-    _need(n >= _COUNT.size, "DATA", n)
-    rid, count = _COUNT.unpack_from(p)
-    table_end = _COUNT.size + count * _SLOT.size
-    _need(count <= MAX_RANGES and table_end <= n, "DATA", n)
-    chunks: list[memoryview | None] = []
+def data_head(head: bytes | bytearray | memoryview, payload_len: int) -> tuple[int, int]:
+    """(request id, count) from the first ``DATA_HEAD`` bytes of a DATA payload of
+    ``payload_len`` bytes: the slot table that follows must fit in it."""
+    _need(len(head) == _COUNT.size and payload_len >= _COUNT.size, "DATA", payload_len)
+    rid, count = _COUNT.unpack_from(head)
+    _need(count <= MAX_RANGES and _COUNT.size + count * _SLOT.size <= payload_len, "DATA",
+          payload_len)
+    return rid, count
+
+
+def data_slots(table: bytes | bytearray | memoryview, count: int, payload_len: int
+               ) -> tuple[list[int], list[int]]:
+    """(statuses, lengths) of the ``count`` slots in ``table``, checked: an OK slot's bytes
+    follow the table back to back and fill the rest of the payload exactly, a NOT_HELD or
+    INVALID slot has length 0. A receiver that takes the bytes slot by slot off a stream
+    (net/client.py) checks the frame as the whole-frame decoder does."""
+    _need(len(table) == count * _SLOT.size, "DATA", payload_len)
     statuses: list[int] = []
-    pos = table_end
-    for st, length in _SLOT.iter_unpack(p[_COUNT.size : table_end]):
-        if st == OK:
-            if pos + length > n:
-                raise ProtocolError("DATA frame shorter than the lengths it announces")
-            chunks.append(p[pos : pos + length])
-            pos += length
-        elif st in (NOT_HELD, INVALID) and length == 0:
-            chunks.append(None)
-        else:
+    lengths: list[int] = []
+    for st, length in _SLOT.iter_unpack(table):
+        if not (st == OK or (st in (NOT_HELD, INVALID) and length == 0)):
             raise ProtocolError(f"DATA slot with status {st} and length {length}")
         statuses.append(st)
-    _need(pos == n, "DATA", n)
+        lengths.append(length)
+    body = payload_len - _COUNT.size - len(table)
+    if sum(lengths) != body:
+        raise ProtocolError(f"DATA frame of {body} data bytes announces {sum(lengths)}")
+    return statuses, lengths
+
+
+def _decode_data(p: memoryview) -> Data:
+    n = len(p)
+    rid, count = data_head(p[: _COUNT.size], n)
+    table_end = _COUNT.size + count * _SLOT.size
+    statuses, lengths = data_slots(p[_COUNT.size : table_end], count, n)
+    chunks: list[memoryview | None] = []
+    pos = table_end
+    for st, length in zip(statuses, lengths, strict=True):
+        chunks.append(p[pos : pos + length] if st == OK else None)
+        pos += length
     return Data(rid, tuple(chunks), tuple(statuses))
 
 

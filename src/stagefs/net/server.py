@@ -484,12 +484,15 @@ class ShardServer:
         budget = self.limits.max_reply
         relay: list[int] = []
         small = 0
+        held: dict[int, int] = {}  # a shard's file, looked up once per request
         for i, r in enumerate(req.ranges):
             if r.shard >= len(self._sizes) or r.offset + r.length > self._sizes[r.shard] \
                     or r.length > budget:
                 continue
             budget -= r.length
-            fd = self._fd(r.shard)
+            fd = held.get(r.shard)
+            if fd is None:
+                fd = held[r.shard] = self._fd(r.shard)
             if fd >= 0:
                 status[i], fds[i] = P.OK, fd
                 if r.length < _SENDFILE_MIN:
