@@ -64,19 +64,33 @@ def run_windows(c: Controller, clock: FakeClock, rate_with: Any, windows: int,
 
 def test_the_controller_doubles_streams_while_throughput_rises() -> None:
     clock = FakeClock()
-    c = Controller(clock, most=8)
+    c = Controller(clock, most=8, first=1)
     # a link that one stream reads at 380 MB/s, and more a little faster, up to 446 MB/s
     rates = {1: 380e6, 2: 410e6, 3: 430e6, 4: 440e6}
     seen = run_windows(c, clock, lambda n: rates.get(n, 446e6), 10)
     # doubling to eight did not pay (1.4%): six and five are tried, then back to four
     assert seen[:6] == [2, 4, 8, 6, 5, 4]
     assert c.target == 4 and c.settled
-    assert seen[-1] == 4
+    # from four at first (the default), the same search in fewer windows
+    c = Controller(clock, most=8)
+    assert c.target == stream_mod.FIRST_STREAMS == 4
+    seen = run_windows(c, clock, lambda n: rates.get(n, 446e6), 6)
+    assert seen[:4] == [8, 6, 5, 4] and c.settled
+
+
+def test_the_controller_searches_between_a_count_that_paid_and_one_that_did_not() -> None:
+    """Throughput that rises up to twelve streams and falls after: sixteen pays no more than
+    eight, so the search goes between them and settles on twelve."""
+    clock = FakeClock()
+    c = Controller(clock, most=32, first=1)
+    seen = run_windows(c, clock, lambda n: 100e6 * n if n <= 12 else 100e6 * (24 - n), 12)
+    assert seen[:8] == [2, 4, 8, 16, 12, 14, 13, 12]
+    assert c.target == 12 and c.settled and seen[-1] == 12
 
 
 def test_the_controller_stops_at_its_ceiling_and_ignores_idle_windows() -> None:
     clock = FakeClock()
-    c = Controller(clock, most=3)
+    c = Controller(clock, most=3, first=1)
     run_windows(c, clock, lambda n: 100e6, 5, busy=False)  # nothing to stream: no judgement
     assert c.target == 1 and not c.settled
     run_windows(c, clock, lambda n: n * 100e6, 6)  # every stream pays
@@ -87,7 +101,7 @@ def test_the_controller_measures_bytes_not_calls() -> None:
     """A window is judged by the bytes read in it: updates inside one window change
     nothing, whatever their number."""
     clock = FakeClock()
-    c = Controller(clock, window=0.5)
+    c = Controller(clock, window=0.5, first=1)
     c.update(0, True)
     for k in range(100):
         clock.now += 0.001
@@ -157,7 +171,8 @@ def test_the_stream_follows_the_prefetch_order(dataset: tuple[Path, dict[str, by
     pack, files = dataset
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
         assert fs.chain is not None
-        fs.chain.stream.controller.most = 1  # one stream: the order is the queue's
+        ctl = fs.chain.stream.controller
+        ctl.most = ctl.target = 1  # one stream: the order is the queue's
         n = len(fs.manifest.shards)
         order = list(range(n))
         random.Random(2).shuffle(order)

@@ -39,16 +39,26 @@ def _readahead() -> str:
     return mode
 
 
-class PackOrigin:
-    """Reads shard ranges with ``os.pread`` from the pack directory, one fd per shard.
+BULK_READ = 1 << 20  # a read this large is a stream's or the placer's: its own descriptor
 
-    Each shard is opened on first use, so a whole job costs the origin one open per shard,
-    counted in ``stats``. Its header is checked against the manifest only when something
+
+class PackOrigin:
+    """Reads shard ranges with ``os.pread`` from the pack directory, one fd per shard (two
+    for a shard that is also streamed: below).
+
+    Each shard is opened on first use, so a whole job costs the origin one open per shard
+    (two if streamed), counted in ``stats``. Its header is checked against the manifest only when something
     is wrong (``diagnose``: a read failed its checksum or came up short), or at once with
     ``check_headers=True`` (a Store that does not verify checksums): every file read is
     verified against its own checksum anyway, and on a parallel file system the first read
     at offset 0 of a file sets off the client's sequential read-ahead (about 0.5 MB on the
     test PFS), per shard and per process, before the first sample arrives.
+
+    Reads of ``BULK_READ`` bytes or more (the streams' and the placer's, each in offset
+    order through a shard) go through a second descriptor of the shard, opened when first
+    needed and marked sequential: the kernel then reads ahead while the stream checks and
+    writes the chunk it has (one stream on the test PFS: 365 MB/s against 315 MB/s with the
+    random hint, medians of 5), and the samples' descriptor keeps its random hint.
     """
 
     name = "origin"
@@ -60,23 +70,25 @@ class PackOrigin:
         self._random = _readahead() == "off"  # checked here: a bad value fails the open
         self.stats = OriginStats()
         self._fds: dict[int, int] = {}
+        self._bulk_fds: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def path(self, shard: int) -> str:
         return os.path.join(self.pack_dir, self.manifest.shards[shard].name)
 
-    def _fd(self, shard: int) -> int:
-        fd = self._fds.get(shard)
+    def _fd(self, shard: int, bulk: bool = False) -> int:
+        fds = self._bulk_fds if bulk else self._fds
+        fd = fds.get(shard)
         if fd is not None:
             return fd
         with self._lock:
-            fd = self._fds.get(shard)
+            fd = fds.get(shard)
             if fd is None:
-                fd = self._open(shard)
-                self._fds[shard] = fd
+                fd = self._open(shard, bulk)
+                fds[shard] = fd
         return fd
 
-    def _open(self, shard: int) -> int:
+    def _open(self, shard: int, bulk: bool = False) -> int:
         if not 0 <= shard < len(self.manifest.shards):
             raise SourceUnavailable(f"{self.pack_dir}: no shard {shard} in this pack")
         path = self.path(shard)
@@ -89,7 +101,10 @@ class PackOrigin:
         except OSError as exc:
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
         self.stats.opens += 1
-        if self._random:
+        if bulk:
+            with contextlib.suppress(OSError, AttributeError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        elif self._random:
             _reads_are_random(fd)
         # no fstat: the manifest knows the size, and a truncated shard shows up as a short
         # read; on a parallel file system a stat of an open file is not free
@@ -123,7 +138,7 @@ class PackOrigin:
             return
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        fd = self._fd(shard)
+        fd = self._fd(shard, length >= BULK_READ)
         try:
             data = pread_full(fd, length, offset)
         except OSError as exc:
@@ -151,6 +166,7 @@ class PackOrigin:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            for fds in (self._fds, self._bulk_fds):
+                for fd in fds.values():
+                    os.close(fd)
+                fds.clear()
