@@ -137,6 +137,10 @@ def main() -> None:
            "origin_bytes": st["origin"]["bytes_read"],
            "hedged": st["hedged"], "suspect_peers": st["suspect_peers"],
            "fabric": st["fabric"],
+           # the direct connections to peers: a reader opens them only while its node's
+           # daemon does not answer (killed), each a connect and a token exchange
+           "peer_connects": sum(c.get("connects", 0) for c in st["peers"].values()),
+           "peer_requests": sum(c.get("requests", 0) for c in st["peers"].values()),
            "checksum_failures": st["checksum_failures"],
            "local_hits": st["local_hits"],
            "cpu_s": ru.ru_utime + ru.ru_stime}

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -139,6 +140,7 @@ class RunResult:
     node_epochs_s: list[list[float]] = field(default_factory=list)  # [epoch][node]
     node_stall_s: list[list[float]] = field(default_factory=list)
     node_reader_cpu: list[list[float]] = field(default_factory=list)
+    node_peer_connects: list[int] = field(default_factory=list)  # readers' own, to peers
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -163,7 +165,13 @@ class Net:
     NEIGH: ClassVar[dict[str, str]] = {"gc_thresh1": "8192", "gc_thresh2": "16384",
                                        "gc_thresh3": "32768"}
 
+    LOCK = "/tmp/stagefs-emucluster.lock"
+
     def __enter__(self) -> Net:
+        # one emulated cluster at a time on a host: the namespaces, the bridge and its
+        # subnet are the host's, and a harness starting cleans up what it finds of them
+        self._lock = open(self.LOCK, "w")  # held until __exit__
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         self.close()
         for key, value in self.NEIGH.items():
             path = f"/proc/sys/net/ipv4/neigh/default/{key}"
@@ -192,10 +200,13 @@ class Net:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-        for key, value in self._neigh.items():
-            with open(f"/proc/sys/net/ipv4/neigh/default/{key}", "w") as f:
-                f.write(value)
+        try:
+            self.close()
+            for key, value in self._neigh.items():
+                with open(f"/proc/sys/net/ipv4/neigh/default/{key}", "w") as f:
+                    f.write(value)
+        finally:
+            self._lock.close()  # and the lock with it
 
     def close(self) -> None:
         for ns in sorted(set(sh("ip", "netns", "list", check=False).stdout.split())):
@@ -638,6 +649,14 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                 res.epoch_daemon_cpu.append(w["daemons_cpu"] / n)
                 res.epoch_reader_cpu.append(w["readers_cpu"] / n)
             res.batches = got[0]["epochs"][-1]["batches"]
+            res.node_peer_connects = [g.get("peer_connects", 0) for g in got]
+            if res.killed is not None and s.epochs > 1:
+                # the lost node's reader: with its daemon gone it connects to each peer it
+                # reads from (a connect, a token exchange): its extra CPU per connection
+                v = res.killed
+                extra = res.node_reader_cpu[-1][v] - res.node_reader_cpu[-2][v]
+                res.calibration["connect_s"] = max(extra, 0.0) / max(
+                    res.node_peer_connects[v], 1)
             if calibrate and res.requests:
                 # the daemons' CPU during the epochs: their background work (per daemon and
                 # second, measured idle) and the rest per request served or relayed; the
