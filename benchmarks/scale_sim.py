@@ -26,7 +26,8 @@ What is modelled (each a SimPy resource or process):
 - **A lost node.** At ``kill_at`` of an epoch the node's daemon stops answering: requests
   sent to it wait ``hedge_s`` (a node down; a round trip when its kernel refuses them,
   ``lost_refuses``: a daemon killed, as the emulation does) and go to the next holder
-  (another replica, or the origin if none), and readers stop asking it after that delay. ``dead_after_s`` later (the daemons'
+  (another replica, or the origin if none), and a reader stops asking it once one of its
+  requests to it failed. ``dead_after_s`` later (the daemons'
   ``--dead-after``) the survivors re-replicate its shards by the daemons' own rule
   (rereplicate.plan: the next live node of each shard's ranking copies it from a surviving
   holder, or from the origin if none survives), over the links, competing with reads;
@@ -199,6 +200,7 @@ class Sim:
         self._orders: dict[int, list[int]] = {}
         self.ahead: dict[int, list[simpy.Process]] = {}  # a node's next-epoch fetches
         self.direct: set[int] = set()  # peers the lost node's reader has connected to
+        self.knows: set[int] = set()  # nodes whose requests found the lost node dead
 
     def cpu(self, seconds: float) -> Generator[Any, Any, None]:
         """CPU work: on the node's own cores (a real cluster), or queued for the emulation
@@ -264,9 +266,8 @@ class Sim:
     def holder_for(self, node: int, shard: int, avoid: int = -2) -> int | None:
         """The node to ask for ``shard`` (None: this node holds it): the less busy of two
         of its holders not known dead (and not ``avoid``), by requests in flight."""
-        known = self.env.now >= self.dead_at + self.p.lost_wait()  # requests to it failed
-        hs = [h for h in self.holders[shard]
-              if h != avoid and not (known and h == self.dead)]
+        hs = [h for h in self.holders[shard]  # not one a request of this node found dead
+              if h != avoid and not (h == self.dead and node in self.knows)]
         if node in hs:
             return None
         if not hs:
@@ -293,6 +294,7 @@ class Sim:
             if self.gone(peer):
                 yield self.env.timeout(p.lost_wait() - p.latency_s)  # to the next holder
                 self.hedged_parts += 1
+                self.knows.add(node)  # this node asks it no more
                 return
             with self.loop[peer].request() as r:
                 yield r

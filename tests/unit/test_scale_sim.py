@@ -136,3 +136,13 @@ def test_the_daemons_background_work_takes_the_emulation_hosts_cores() -> None:
     # on their own cores (a real cluster) the same work costs no reader anything
     own = replace(SMALL, daemon_bg_s=0.3)
     assert simulate(8, own).epochs_s == simulate(8, SMALL).epochs_s
+
+
+def test_each_reader_finds_the_lost_node_dead_by_a_request_of_its_own() -> None:
+    # a short hedge: nodes that had not asked the lost node by then still do, and pay once
+    sim = Sim(16, replace(SMALL, kill_at=0.2, hedge_s=0.01, dead_after_s=100.0))
+    o = sim.run()
+    assert sim.dead == 15 and sim.dead not in sim.knows
+    assert len(sim.knows) >= 2  # several readers, each by its own failed request
+    assert o.hedged_parts >= len(sim.knows)
+    assert o.origin_fallback_bytes == 0  # the other replica answered each
