@@ -335,10 +335,11 @@ class Sim:
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's global shuffle (seed + epoch), computed once for every node."""
-        if epoch not in self._orders:
+        if epoch not in self._orders:  # this epoch's and the next (read ahead) are kept
             order = list(range(self.n * self.p.samples_per_node))
             random.Random(self.p.seed + epoch).shuffle(order)
-            self._orders = {epoch: order}
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
         return self._orders[epoch]
 
     def batches(self, node: int, epoch: int) -> list[list[int]]:
