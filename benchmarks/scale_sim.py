@@ -410,7 +410,10 @@ class Sim:
         for e in range(p.epochs):
             start = self.env.now
             if p.kill_at is not None and e == p.epochs - 1 and self.n > 1:
-                victim = self.n - 1
+                # the last node, as emucluster.py --kill, or the last one that holds a
+                # shard (rendezvous placement leaves a few nodes none: losing one costs
+                # its reader's daemon only)
+                victim = max(k for h in self.placement.holders for k in h)
                 est = self.res.epochs_s[-1] if self.res.epochs_s else (
                     p.samples_per_node / p.batch * p.compute_s)
 
