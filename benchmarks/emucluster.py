@@ -717,7 +717,8 @@ def render(rows: list[dict[str, Any]], s: Settings) -> str:
     return (table(head, body) + f"\nlinks {s.rate_mbit} Mbit/s each (a real node's "
             f"{s.real_link_gbit:g} Gbit/s scaled by 1/{scale:.0f}); demand per node "
             f"{s.demand_mbit():.1f} Mbit/s; {s.samples_per_node} samples of {s.sample_kib} "
-            f"KiB per node, batch {s.batch}, compute {s.compute_ms:g} ms, prefetch "
+            f"KiB per node, batch {s.batch} ({-(-s.samples_per_node // s.batch)} steps an "
+            f"epoch), compute {s.compute_ms:g} ms, prefetch "
             f"{s.prefetch}, replicas {s.replicas}")
 
 

@@ -21,8 +21,13 @@ What is modelled (each a SimPy resource or process):
   ``prefetch`` batches in flight; a batch's samples held on the node cost ``local_s`` each
   in the reader, the others are split per holder (the less busy of two of the K, by
   requests in flight) and fetched in parallel through the node's daemon; then the step
-  computes for ``compute_s``. Nodes start each epoch together (the all-reduce holds them):
-  the job's epoch time is its slowest node's.
+  computes for ``compute_s``. The next epoch's first batches are asked for before it
+  starts (``epoch_ahead``, as emu_reader.py does). Nodes start each epoch together (the
+  all-reduce holds them): the job's epoch time is its slowest node's.
+- **The emulation host** (``host_cores``): every node's CPU work (requests served and
+  relayed, the readers' ``reader_batch_s`` per batch, the daemons' background
+  ``daemon_bg_s`` a second, the lost node's reader's ``connect_s`` per connection) queues
+  for these cores; without it each node has its own (a real cluster).
 - **A lost node.** At ``kill_at`` of an epoch the node's daemon stops answering: requests
   sent to it wait ``hedge_s`` (a node down; a round trip when its kernel refuses them,
   ``lost_refuses``: a daemon killed, as the emulation does) and go to the next holder
@@ -35,11 +40,13 @@ What is modelled (each a SimPy resource or process):
   there), reading remote samples straight from the holders.
 
 Calibration: every constant comes from measurements on the emulated cluster
-(benchmarks/emucluster.py ``--calibrate`` writes them); validation: the model predicts the
-emulated runs at 32 and 64 nodes, compared side by side with what was measured (docs/scale.md).
+(benchmarks/emucluster.py writes them: CPU costs at the smallest N > 1 of its run,
+``connect_s`` where a node was lost), none fitted to an epoch time; validation: the model
+predicts the emulated runs at 32 and 64 nodes and with a node lost, side by side with what
+was measured (docs/scale.md).
 
     python benchmarks/scale_sim.py --calibration benchmarks/results/emulated.json \\
-        --nodes 32 64 512 1024 4096 --kill
+        benchmarks/results/emulated-kill.json --nodes 32 64 512 1024 4096 --kill
 """
 
 from __future__ import annotations
