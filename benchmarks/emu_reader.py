@@ -108,7 +108,8 @@ def main() -> None:
                 nxt += 1
 
         for e, batches in enumerate(plan):
-            fill(e)  # with the epoch ahead: the first batches go out before the barrier
+            if a.epoch_ahead:  # the first batches go out before the barrier
+                fill(e)
             barrier(a.barrier, f"epoch{e}", a.rank, a.nodes)
             t0, c0, stall, nbytes = time.monotonic(), cpu_now(), 0.0, 0
             for step in range(len(batches)):
