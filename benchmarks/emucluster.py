@@ -19,11 +19,16 @@ through the first epoch for S seconds, connects them again, and reports what eac
 (origin fallbacks, deaths seen, re-replication) and how long the rejoin took. Every sample
 a reader reads is checked against the digest of its source file.
 
-Scale on one machine: 2 cores cannot do the work of 64 real nodes, so every rate is scaled
-down by the same factor (``--rate-mbit`` per link, samples/s per node through the compute
-time), keeping each node's I/O demand well under its link and the sum of all nodes' work
-under what this machine's cores process. The results name the ratio: a real node with a
-100 Gbit/s link and the same per-link share of its demand.
+Scale on one machine: 2 cores cannot do the work of 64 real nodes, so the rates are scaled
+down by one ratio at every N: each link gives 20 Mbit/s, a real node's 100 Gbit/s scaled by
+1/5000, and each node reads 5 samples of 64 KiB a second (batches of 4, 800 ms of compute a
+batch: 2.6 Mbit/s, 13% of its link; a real node's 13 Gbit/s at that ratio). Samples take as
+long on a link as they would at full scale, so the daemons' delays (hedging, deadlines, in
+seconds) mean what they mean on a real cluster; the samples a second per node are what is
+scaled down, so that the sum of 64 nodes' work (their daemons' and readers' CPU) stays near
+half of this machine's 2 cores. The harness measures it: the host's busy cores (every
+process, /proc/stat) and our daemons' and readers' during each epoch, and the load average
+before and after each N.
 
     python benchmarks/emucluster.py --nodes 1 8 16 32 64 --out benchmarks/results
 
@@ -35,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
+import itertools
 import json
 import os
 import random
@@ -44,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,7 +76,7 @@ class Settings:
     samples_per_node: int = 128
     sample_kib: int = 64
     batch: int = 4
-    compute_ms: float = 200.0
+    compute_ms: float = 800.0  # 5 samples/s a node: 64 nodes' work fits 2 cores (scale.md)
     prefetch: int = 4
     epochs: int = 2
     rate_mbit: float = 20.0
@@ -79,6 +87,8 @@ class Settings:
     dead_after: float = 30.0  # the daemons' --dead-after
     seed: int = 0
     real_link_gbit: float = 100.0  # what one emulated link stands for
+    epoch_ahead: bool = True  # readers ask for the next epoch's first batches before it
+    idle_s: float = 4.0  # after staging: the daemons' background CPU measured this long
 
     def cut_off(self, n: int) -> list[int]:
         """The nodes the partition cuts off at N nodes: the last ones."""
@@ -115,6 +125,22 @@ class RunResult:
     epoch_daemon_cpu_s: float = 0.0  # mean per daemon, during the epochs
     requests: int = 0  # served by all daemons during the epochs (peer requests + relays)
     calibration: dict[str, float] = field(default_factory=dict)
+    # what the run cost the emulation host, per epoch (from the first node's start to the
+    # last node's end): its busy cores (/proc/stat, every process), the cores our daemons
+    # and readers used, CPU per daemon and per reader; the load average before and after
+    host_busy_cores: list[float] = field(default_factory=list)
+    ours_cores: list[float] = field(default_factory=list)
+    others_cores: list[float] = field(default_factory=list)  # busy - ours: the harness, others
+    epoch_daemon_cpu: list[float] = field(default_factory=list)  # mean per live daemon
+    epoch_reader_cpu: list[float] = field(default_factory=list)  # mean per reader
+    daemon_idle_cpu_per_s: float = 0.0  # background, staged and no reader yet
+    load_before: list[float] = field(default_factory=list)
+    load_after: list[float] = field(default_factory=list)
+    batches: int = 0  # per node and epoch (steps per epoch)
+    node_epochs_s: list[list[float]] = field(default_factory=list)  # [epoch][node]
+    node_stall_s: list[list[float]] = field(default_factory=list)
+    node_reader_cpu: list[list[float]] = field(default_factory=list)
+    node_peer_connects: list[int] = field(default_factory=list)  # readers' own, to peers
 
 
 def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -139,7 +165,13 @@ class Net:
     NEIGH: ClassVar[dict[str, str]] = {"gc_thresh1": "8192", "gc_thresh2": "16384",
                                        "gc_thresh3": "32768"}
 
+    LOCK = "/tmp/stagefs-emucluster.lock"
+
     def __enter__(self) -> Net:
+        # one emulated cluster at a time on a host: the namespaces, the bridge and its
+        # subnet are the host's, and a harness starting cleans up what it finds of them
+        self._lock = open(self.LOCK, "w")  # held until __exit__
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         self.close()
         for key, value in self.NEIGH.items():
             path = f"/proc/sys/net/ipv4/neigh/default/{key}"
@@ -168,10 +200,13 @@ class Net:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-        for key, value in self._neigh.items():
-            with open(f"/proc/sys/net/ipv4/neigh/default/{key}", "w") as f:
-                f.write(value)
+        try:
+            self.close()
+            for key, value in self._neigh.items():
+                with open(f"/proc/sys/net/ipv4/neigh/default/{key}", "w") as f:
+                    f.write(value)
+        finally:
+            self._lock.close()  # and the lock with it
 
     def close(self) -> None:
         for ns in sorted(set(sh("ip", "netns", "list", check=False).stdout.split())):
@@ -231,6 +266,73 @@ def make_dataset(origin: str, s: Settings, n: int) -> tuple[str, dict[str, str],
     size = sum(int(m.stored[e]) for e in m.files())
     m.close()
     return pack, paths, size
+
+
+def loadavg() -> list[float]:
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def host_jiffies() -> tuple[int, int]:
+    """All CPUs' busy and total time since boot (/proc/stat), in clock ticks."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+class Sampler:
+    """Samples, every ``every`` seconds in a thread, the host's busy and total CPU time and
+    the CPU seconds of our daemons and readers (each process's last value kept: a killed
+    one counts what it used). ``window(t0, t1)`` gives what was used between two times."""
+
+    def __init__(self, every: float = 0.5) -> None:
+        self.every = every
+        self.pids: dict[str, list[int]] = {"daemons": [], "readers": []}
+        self.last: dict[int, float] = {}
+        self.rows: list[tuple[float, int, int, float, float]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Sampler:
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+    def sample(self) -> None:
+        busy, total = host_jiffies()
+        sums = []
+        for kind in ("daemons", "readers"):
+            acc = 0.0
+            for pid in self.pids[kind]:
+                self.last[pid] = max(self.last.get(pid, 0.0), cpu_seconds(pid))
+                acc += self.last[pid]
+            sums.append(acc)
+        self.rows.append((time.monotonic(), busy, total, sums[0], sums[1]))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.every)
+
+    def at(self, t: float) -> tuple[float, ...]:
+        rows = self.rows
+        for a, b in itertools.pairwise(rows):
+            if a[0] <= t <= b[0]:
+                w = (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else 0.0
+                return tuple(x + w * (y - x) for x, y in zip(a, b, strict=True))
+        return tuple(map(float, rows[0] if t < rows[0][0] else rows[-1]))
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        a, b = self.at(t0), self.at(t1)
+        span = max(t1 - t0, 1e-9)
+        ncpu = os.cpu_count() or 1
+        return {"host_busy_cores": ncpu * (b[1] - a[1]) / max(b[2] - a[2], 1),
+                "daemons_cpu": b[3] - a[3], "readers_cpu": b[4] - a[4],
+                "ours_cores": (b[3] - a[3] + b[4] - a[4]) / span}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -446,7 +548,8 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
     shm = f"/dev/shm/stagefs-emu/{n}"
     shutil.rmtree(shm, ignore_errors=True)
     tier_bytes = 4 * s.replicas * s.samples_per_node * s.sample_kib * 1024 + 64 * 2**20
-    with Net(n, s.rate_mbit) as net:
+    res.load_before = loadavg()
+    with Net(n, s.rate_mbit) as net, Sampler() as sampler:
         t0 = time.monotonic()
         daemons = [net.run(k, [sys.executable, "-m", "stagefs.cli", "serve", pack,
                                "--hosts", os.path.join(work, "hosts"), "--rank", str(k),
@@ -471,8 +574,14 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                 res.calibration.update(calibrate_origin(pack))
                 if n > 1:
                     res.calibration.update(calibrate_net(net, work))
+            sampler.pids["daemons"] = [d.pid for d in daemons]
+            # the daemons' background work (probes, housekeeping): staged, no reader yet
+            i0 = [cpu_seconds(d.pid) for d in daemons]
+            time.sleep(s.idle_s)
+            res.daemon_idle_cpu_per_s = statistics.fmean(
+                cpu_seconds(d.pid) - c for d, c in zip(daemons, i0, strict=True)) / s.idle_s
             before = {x["rank"]: x["server"]["requests"] + x["server"]["relayed_requests"]
-                      for x in st.get("nodes", []) if x}
+                      for x in status(net, 0, f"{shm}/rt0").get("nodes", []) if x}
             cpu0 = [cpu_seconds(d.pid) for d in daemons]
             bar = os.path.join(work, "barrier")
             os.makedirs(bar, exist_ok=True)
@@ -490,8 +599,10 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                                    "--seed", str(s.seed), "--barrier", bar,
                                    "--out", os.path.join(work, f"reader{k}.json"),
                                    "--digests", os.path.join(work, "digests.json"),
+                                   *([] if s.epoch_ahead else ["--no-epoch-ahead"]),
                                    *(["--half", f"{half_epoch}:{half}"] if k == 0 else [])],
                                os.path.join(work, f"reader{k}.log")) for k in range(n)]
+            sampler.pids["readers"] = [r.pid for r in readers]
             conns: list[int] = []
             while any(r.poll() is None for r in readers):
                 if victim is not None and res.killed is None and os.path.exists(half):
@@ -515,10 +626,6 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                                - before.get(x["rank"], 0) for x in live)
             res.tcp_peak_per_peer = max((x["server"]["tcp_peak"] for x in live), default=0) / max(
                 n - 1, 1)
-            if calibrate and res.requests:
-                # the daemons' event loop per request served or relayed, during the epochs
-                per = res.epoch_daemon_cpu_s * len(live) / res.requests
-                res.calibration.update({"req_s": per, "relay_s": per, "byte_s": 0.0})
             res.connections_max, res.connections_mean = max(conns), statistics.fmean(conns)
             got = []
             for k, r in enumerate(readers):
@@ -526,9 +633,42 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                     raise SystemExit(f"N={n}: reader {k} failed; see {work}/reader{k}.log")
                 with open(os.path.join(work, f"reader{k}.json")) as f:
                     got.append(json.load(f))
+            sampler.sample()
             for e in range(s.epochs):
                 res.epochs_s.append(max(g["epochs"][e]["seconds"] for g in got))
                 res.stall_s.append(statistics.fmean(g["epochs"][e]["stall"] for g in got))
+                res.node_epochs_s.append([round(g["epochs"][e]["seconds"], 3) for g in got])
+                res.node_stall_s.append([round(g["epochs"][e]["stall"], 3) for g in got])
+                res.node_reader_cpu.append([round(g["epochs"][e]["cpu_s"], 3) for g in got])
+                w = sampler.window(min(g["epochs"][e]["start"] for g in got),
+                                   max(g["epochs"][e]["start"] + g["epochs"][e]["seconds"]
+                                       for g in got))
+                res.host_busy_cores.append(w["host_busy_cores"])
+                res.ours_cores.append(w["ours_cores"])
+                res.others_cores.append(w["host_busy_cores"] - w["ours_cores"])
+                res.epoch_daemon_cpu.append(w["daemons_cpu"] / n)
+                res.epoch_reader_cpu.append(w["readers_cpu"] / n)
+            res.batches = got[0]["epochs"][-1]["batches"]
+            res.node_peer_connects = [g.get("peer_connects", 0) for g in got]
+            if res.killed is not None and s.epochs > 1:
+                # the lost node's reader: with its daemon gone it connects to each peer it
+                # reads from (a connect, a token exchange): its extra CPU per connection
+                v = res.killed
+                extra = res.node_reader_cpu[-1][v] - res.node_reader_cpu[-2][v]
+                res.calibration["connect_s"] = max(extra, 0.0) / max(
+                    res.node_peer_connects[v], 1)
+            if calibrate and res.requests:
+                # the daemons' CPU during the epochs: their background work (per daemon and
+                # second, measured idle) and the rest per request served or relayed; the
+                # readers' own CPU (their Python, the fabric client) per batch
+                span = sum(statistics.fmean(g["epochs"][e]["seconds"] for g in got)
+                           for e in range(s.epochs))
+                work_cpu = sum(res.epoch_daemon_cpu) * n - res.daemon_idle_cpu_per_s * n * span
+                per = max(work_cpu, 0.0) / res.requests
+                res.calibration.update({
+                    "req_s": per, "relay_s": per, "byte_s": 0.0,
+                    "daemon_bg_s": res.daemon_idle_cpu_per_s,
+                    "reader_batch_s": statistics.fmean(res.epoch_reader_cpu) / res.batches})
             res.reader_origin_bytes = sum(g["origin_bytes"] for g in got)
             res.reader_errors = sum(g["errors"] for g in got)
             res.wrong_samples = sum(g["wrong"] for g in got)
@@ -547,6 +687,7 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                     d.kill()
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(pack, ignore_errors=True)
+    res.load_after = loadavg()
     return res
 
 
@@ -576,7 +717,8 @@ def render(rows: list[dict[str, Any]], s: Settings) -> str:
     return (table(head, body) + f"\nlinks {s.rate_mbit} Mbit/s each (a real node's "
             f"{s.real_link_gbit:g} Gbit/s scaled by 1/{scale:.0f}); demand per node "
             f"{s.demand_mbit():.1f} Mbit/s; {s.samples_per_node} samples of {s.sample_kib} "
-            f"KiB per node, batch {s.batch}, compute {s.compute_ms:g} ms, prefetch "
+            f"KiB per node, batch {s.batch} ({-(-s.samples_per_node // s.batch)} steps an "
+            f"epoch), compute {s.compute_ms:g} ms, prefetch "
             f"{s.prefetch}, replicas {s.replicas}")
 
 
@@ -611,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f))
     for f in ("compute_ms", "rate_mbit", "dead_after"):
         ap.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f))
+    ap.add_argument("--no-epoch-ahead", dest="epoch_ahead", action="store_false",
+                    help="readers start each epoch's read-ahead at its barrier, not before")
     ap.add_argument("--kill", action="store_true", help="kill one daemon mid last epoch")
     ap.add_argument("--partition", type=float, default=0.0, metavar="SECONDS",
                     help="cut some nodes off from the others for SECONDS from the middle of "
@@ -627,7 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(**{f: getattr(a, f) for f in ("samples_per_node", "sample_kib", "batch",
                                                 "prefetch", "epochs", "replicas", "seed",
                                                 "compute_ms", "rate_mbit", "dead_after",
-                                                "kill", "partition", "partition_nodes")})
+                                                "kill", "partition", "partition_nodes",
+                                                "epoch_ahead")})
     if s.kill and s.partition:
         ap.error("--kill and --partition: one fault a run")
     origin = a.origin or ("/tmp/pfs" if os.path.ismount("/tmp/pfs") else None)
@@ -642,7 +787,10 @@ def main(argv: list[str] | None = None) -> int:
         cal = n == min(a.nodes) or n == min((m for m in a.nodes if m > 1), default=0)
         r = run_one(n, s, origin, os.path.join(work, f"n{n}"), calibrate=cal)
         print(f"N={n}: staged in {r.staging_s:.1f} s, epochs {[round(x, 2) for x in r.epochs_s]}"
-              f" s, connections max {r.connections_max}", flush=True)
+              f" s, connections max {r.connections_max}; host busy "
+              f"{[round(x, 2) for x in r.host_busy_cores]} cores (ours "
+              f"{[round(x, 2) for x in r.ours_cores]}), load before {r.load_before[0]:.2f} "
+              f"after {r.load_after[0]:.2f}", flush=True)
         if r.partition:
             print(partition_summary(r), flush=True)
         results.append(r)

@@ -21,11 +21,18 @@ What is modelled (each a SimPy resource or process):
   ``prefetch`` batches in flight; a batch's samples held on the node cost ``local_s`` each
   in the reader, the others are split per holder (the less busy of two of the K, by
   requests in flight) and fetched in parallel through the node's daemon; then the step
-  computes for ``compute_s``. Nodes start each epoch together (the all-reduce holds them):
-  the job's epoch time is its slowest node's.
+  computes for ``compute_s``. The next epoch's first batches are asked for before it
+  starts (``epoch_ahead``, as emu_reader.py does). Nodes start each epoch together (the
+  all-reduce holds them): the job's epoch time is its slowest node's.
+- **The emulation host** (``host_cores``): every node's CPU work (requests served and
+  relayed, the readers' ``reader_batch_s`` per batch, the daemons' background
+  ``daemon_bg_s`` a second, the lost node's reader's ``connect_s`` per connection) queues
+  for these cores; without it each node has its own (a real cluster).
 - **A lost node.** At ``kill_at`` of an epoch the node's daemon stops answering: requests
-  sent to it wait ``hedge_s`` and go to the next holder (another replica, or the origin if
-  none), and readers stop asking it after that delay. ``dead_after_s`` later (the daemons'
+  sent to it wait ``hedge_s`` (a node down; a round trip when its kernel refuses them,
+  ``lost_refuses``: a daemon killed, as the emulation does) and go to the next holder
+  (another replica, or the origin if none), and a reader stops asking it once one of its
+  requests to it failed. ``dead_after_s`` later (the daemons'
   ``--dead-after``) the survivors re-replicate its shards by the daemons' own rule
   (rereplicate.plan: the next live node of each shard's ranking copies it from a surviving
   holder, or from the origin if none survives), over the links, competing with reads;
@@ -33,11 +40,13 @@ What is modelled (each a SimPy resource or process):
   there), reading remote samples straight from the holders.
 
 Calibration: every constant comes from measurements on the emulated cluster
-(benchmarks/emucluster.py ``--calibrate`` writes them); validation: the model predicts the
-emulated runs at 32 and 64 nodes, compared side by side with what was measured (docs/scale.md).
+(benchmarks/emucluster.py writes them: CPU costs at the smallest N > 1 of its run,
+``connect_s`` where a node was lost), none fitted to an epoch time; validation: the model
+predicts the emulated runs at 32 and 64 nodes and with a node lost, side by side with what
+was measured (docs/scale.md).
 
     python benchmarks/scale_sim.py --calibration benchmarks/results/emulated.json \\
-        --nodes 32 64 512 1024 4096 --kill
+        benchmarks/results/emulated-kill.json --nodes 32 64 512 1024 4096 --kill
 """
 
 from __future__ import annotations
@@ -78,16 +87,29 @@ class Params:
     # a sample read from the node's own tier, in the reader: warm Store.read of 110 KB
     # samples ran at 25-30 k/s here (benchmarks/results/foundation.json)
     local_s: float = 0.000035
-    reader_batch_s: float = 0.0003  # the reader's own cost per batch (lookups, verify)
+    reader_batch_s: float = 0.0003  # the reader's own CPU per batch (its Python, client)
+    daemon_bg_s: float = 0.0  # a daemon's background CPU a second (probes, housekeeping)
     host_cores: int | None = None  # the emulation: every node's CPU work on these cores
+    epoch_ahead: bool = True  # readers ask for the next epoch's first batches before it
     pfs_Bps: float = 100e6
     pfs_streams: int = 8
     pfs_open_s: float = 0.002
     hedge_s: float = 0.5
+    # how a node is lost: silent (a node down: requests to it wait ``hedge_s``), or its
+    # kernel refusing (a daemon killed on a node that is up, as emucluster.py --kill does:
+    # its connections reset, requests fail after a round trip)
+    lost_refuses: bool = False
+    # a reader whose node's daemon is lost reads from the holders itself: each peer's first
+    # request opens a connection (two round trips: connect, token) and costs this CPU
+    connect_s: float = 0.0
     dead_after_s: float = 30.0  # the daemons' --dead-after: then they re-replicate
     # a lost node
     kill_at: float | None = None  # fraction of the last epoch
     seed: int = 0
+
+    def lost_wait(self) -> float:
+        """How long a request to the lost node waits before it goes to the next holder."""
+        return 2 * self.latency_s if self.lost_refuses else self.hedge_s
 
     def shards(self, n: int) -> int:
         per_shard = max(1, self.shard_bytes // self.sample_bytes)
@@ -183,6 +205,9 @@ class Sim:
         self.res = Outcome(n)
         self.per_shard = max(1, p.shard_bytes // p.sample_bytes)
         self._orders: dict[int, list[int]] = {}
+        self.ahead: dict[int, list[simpy.Process]] = {}  # a node's next-epoch fetches
+        self.direct: set[int] = set()  # peers the lost node's reader has connected to
+        self.knows: set[int] = set()  # nodes whose requests found the lost node dead
 
     def cpu(self, seconds: float) -> Generator[Any, Any, None]:
         """CPU work: on the node's own cores (a real cluster), or queued for the emulation
@@ -248,9 +273,8 @@ class Sim:
     def holder_for(self, node: int, shard: int, avoid: int = -2) -> int | None:
         """The node to ask for ``shard`` (None: this node holds it): the less busy of two
         of its holders not known dead (and not ``avoid``), by requests in flight."""
-        known = self.env.now >= self.dead_at + self.p.hedge_s  # a reader's requests to it
-        hs = [h for h in self.holders[shard]
-              if h != avoid and not (known and h == self.dead)]
+        hs = [h for h in self.holders[shard]  # not one a request of this node found dead
+              if h != avoid and not (h == self.dead and node in self.knows)]
         if node in hs:
             return None
         if not hs:
@@ -269,10 +293,15 @@ class Sim:
             return
         self.inflight[peer] += 1
         try:
+            if self.gone(node) and peer not in self.direct:  # the lost node's reader
+                self.direct.add(peer)
+                yield from self.cpu(p.connect_s)
+                yield self.env.timeout(4 * p.latency_s)
             yield self.env.timeout(p.latency_s)  # the request
             if self.gone(peer):
-                yield self.env.timeout(p.hedge_s)  # no answer: to the next holder
+                yield self.env.timeout(p.lost_wait() - p.latency_s)  # to the next holder
                 self.hedged_parts += 1
+                self.knows.add(node)  # this node asks it no more
                 return
             with self.loop[peer].request() as r:
                 yield r
@@ -313,22 +342,47 @@ class Sim:
 
     def order(self, epoch: int) -> list[int]:
         """The epoch's global shuffle (seed + epoch), computed once for every node."""
-        if epoch not in self._orders:
+        if epoch not in self._orders:  # this epoch's and the next (read ahead) are kept
             order = list(range(self.n * self.p.samples_per_node))
             random.Random(self.p.seed + epoch).shuffle(order)
-            self._orders = {epoch: order}
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = order
         return self._orders[epoch]
 
-    def reader(self, node: int, epoch: int) -> Generator[Any, Any, None]:
-        p = self.p
+    def batches(self, node: int, epoch: int) -> list[list[int]]:
         mine = self.order(epoch)[node :: self.n]
-        batches = [mine[i : i + p.batch] for i in range(0, len(mine), p.batch)]
-        fetches = [self.env.process(self.fetch(node, b)) for b in batches[: p.prefetch]]
+        return [mine[i : i + self.p.batch] for i in range(0, len(mine), self.p.batch)]
+
+    def reader(self, node: int, epoch: int) -> Generator[Any, Any, None]:
+        """One node's epoch, as emu_reader.py runs it: at each step, ``prefetch`` batches
+        in flight (this one included), then compute. With the epoch ahead, the batches
+        after this epoch's last are the next epoch's first (its order is known), started
+        here and waited for by the next epoch's reader."""
+        p = self.p
+        batches = self.batches(node, epoch)
+        fetches = self.ahead.pop(node, [])
+        nxt: list[list[int]] = []
+        if p.epoch_ahead and epoch + 1 < p.epochs:
+            nxt = self.batches(node, epoch + 1)
+        ahead: list[simpy.Process] = []
         for i in range(len(batches)):
+            while (j := len(fetches) + len(ahead)) < min(i + p.prefetch,
+                                                         len(batches) + len(nxt)):
+                if j < len(batches):
+                    fetches.append(self.env.process(self.fetch(node, batches[j])))
+                else:
+                    ahead.append(self.env.process(self.fetch(node, nxt[len(ahead)])))
             yield fetches[i]
-            if i + p.prefetch < len(batches):
-                fetches.append(self.env.process(self.fetch(node, batches[i + p.prefetch])))
             yield self.env.timeout(p.compute_s)
+        if ahead:
+            self.ahead[node] = ahead
+
+    def background(self, node: int) -> Generator[Any, Any, None]:
+        """A daemon's background work (health probes, housekeeping): ``daemon_bg_s`` of
+        CPU a second, on the host's cores, while it lives."""
+        while not self.gone(node):
+            yield from self.cpu(self.p.daemon_bg_s)
+            yield self.env.timeout(1.0)
 
     def rereplicate(self, victim: int) -> Generator[Any, Any, None]:
         """The dead node's shards copied again, by the daemons' rule (rereplicate.plan):
@@ -357,10 +411,16 @@ class Sim:
         self.env.process(self.stage())
         self.env.run()
         self.res.staging_s = self.env.now
+        if self.host is not None and p.daemon_bg_s:
+            for k in range(self.n):
+                self.env.process(self.background(k))
         for e in range(p.epochs):
             start = self.env.now
             if p.kill_at is not None and e == p.epochs - 1 and self.n > 1:
-                victim = self.n - 1
+                # the last node, as emucluster.py --kill, or the last one that holds a
+                # shard (rendezvous placement leaves a few nodes none: losing one costs
+                # its reader's daemon only)
+                victim = max(k for h in self.placement.holders for k in h)
                 est = self.res.epochs_s[-1] if self.res.epochs_s else (
                     p.samples_per_node / p.batch * p.compute_s)
 
@@ -383,6 +443,9 @@ def simulate(n: int, p: Params) -> Outcome:
     return Sim(n, p).run()
 
 
+KILL_CONSTANTS = {"connect_s"}  # measured only where a node was lost (emulated-kill.json)
+
+
 def load_calibration(path: str) -> tuple[Params, dict[str, Any]]:
     with open(path) as f:
         doc = json.load(f)
@@ -390,44 +453,41 @@ def load_calibration(path: str) -> tuple[Params, dict[str, Any]]:
     p = Params(samples_per_node=s["samples_per_node"], sample_bytes=s["sample_kib"] * 1024,
                batch=s["batch"], compute_s=s["compute_ms"] / 1000, prefetch=s["prefetch"],
                epochs=s["epochs"], replicas=s["replicas"], link_Bps=s["rate_mbit"] * 1e6 / 8,
-               seed=s["seed"], dead_after_s=s.get("dead_after", Params.dead_after_s))
+               seed=s["seed"], dead_after_s=s.get("dead_after", Params.dead_after_s),
+               epoch_ahead=s.get("epoch_ahead", False),
+               lost_refuses=bool(s.get("kill")))  # --kill: a daemon SIGKILLed, its node up
     known = {f for f in Params.__dataclass_fields__} - {"local_s"}  # see Params.local_s
     return replace(p, **{k: v for k, v in cal.items() if k in known}), doc
 
 
-def fit(p: Params, n: int, measured_s: float) -> Params:
-    """Calibrate the one constant not measured directly: the reader's CPU per batch (its
-    Python, its wake-ups on a busy host), so that the model gives the epoch time measured at
-    ``n`` nodes; the other sizes are then predictions."""
-    lo, hi = 0.0, 0.05
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        if simulate(n, replace(p, reader_batch_s=mid)).epochs_s[-1] < measured_s:
-            lo = mid
-        else:
-            hi = mid
-    return replace(p, reader_batch_s=(lo + hi) / 2)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calibration", required=True,
-                    help="emulated.json written by benchmarks/emucluster.py")
+    ap.add_argument("--calibration", required=True, nargs="+",
+                    help="emulated.json written by benchmarks/emucluster.py: the first gives "
+                         "the workload and the constants, the others the constants it lacks "
+                         "(emulated-kill.json: connect_s, measured where a node was lost)")
+    ap.add_argument("--measured", default=None,
+                    help="the emulated runs to compare with (default: the calibration's); "
+                         "a --kill run's settings say how the node was lost")
     ap.add_argument("--nodes", type=int, nargs="+", default=[32, 64, 512, 1024, 4096])
     ap.add_argument("--kill", action="store_true", help="also with a node lost mid-epoch")
     ap.add_argument("--out", default=None, help="write scale_sim.json here")
-    ap.add_argument("--fit", type=int, default=None, metavar="N",
-                    help="fit the reader's cost per batch to the emulated run at N nodes")
     ap.add_argument("--host-cores", type=int, default=None,
                     help="model the emulation: every node's CPU on this many cores")
     a = ap.parse_args(argv)
-    p, doc = load_calibration(a.calibration)
+    p, doc = load_calibration(a.calibration[0])
+    for path in a.calibration[1:]:
+        with open(path) as f:
+            more = json.load(f).get("calibration", {})
+        p = replace(p, **{k: v for k, v in more.items() if k in KILL_CONSTANTS})
+    if a.measured:
+        with open(a.measured) as f:
+            doc = json.load(f)
+        # how the emulation lost its node: a daemon SIGKILLed, its kernel refusing
+        p = replace(p, lost_refuses=bool(doc["settings"].get("kill")))
     measured = {r["nodes"]: r for r in doc["runs"]}
     if a.host_cores:
         p = replace(p, host_cores=a.host_cores)
-    if a.fit is not None:
-        p = fit(p, a.fit, measured[a.fit]["epochs_s"][-1])
-        print(f"fitted at N={a.fit}: reader cost per batch {p.reader_batch_s * 1000:.2f} ms")
     base = simulate(1, p)
     measured_kill = bool(doc["settings"].get("kill"))  # the emulated runs lost a node
     rows: list[dict[str, Any]] = []
@@ -456,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{row['model_wall_s']:.0f} s to run]", flush=True)
             if a.out:  # after each row: a long run cut short keeps what it computed
                 with open(a.out, "w") as f:
-                    json.dump({"params": asdict(p), "fit": a.fit, "rows": rows}, f, indent=1)
+                    json.dump({"params": asdict(p), "rows": rows}, f, indent=1)
     return 0
 
 if __name__ == "__main__":

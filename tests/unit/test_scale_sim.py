@@ -45,7 +45,7 @@ def test_slow_links_make_epochs_io_bound_and_prefetch_hides_latency() -> None:
 
 def test_a_lost_node_costs_time_and_its_shards_are_copied_again() -> None:
     whole = simulate(8, SMALL)
-    lost = simulate(8, replace(SMALL, kill_at=0.3, hedge_s=2.0, dead_after_s=0.2))
+    lost = simulate(8, replace(SMALL, kill_at=0.1, hedge_s=2.0, dead_after_s=0.2))
     assert lost.epochs_s[-1] > whole.epochs_s[-1]  # a hedge longer than prefetch hides
     assert lost.hedged_parts > 0
     assert lost.rereplicated_bytes > 0
@@ -115,3 +115,34 @@ def test_a_dead_nodes_shards_go_to_the_next_of_their_ranking_from_a_replica_or_o
 
 def test_the_model_is_deterministic() -> None:
     assert simulate(6, SMALL) == simulate(6, SMALL)
+
+
+def test_reading_the_next_epoch_ahead_hides_the_wait_for_its_first_batches() -> None:
+    far = replace(SMALL, latency_s=0.1)  # a round trip of a step: the first batch waits
+    steps = SMALL.samples_per_node // SMALL.batch
+    behind = simulate(8, replace(far, epoch_ahead=False))
+    ahead = simulate(8, far)
+    assert behind.epochs_s[1] > steps * SMALL.compute_s + 2 * far.latency_s
+    assert ahead.epochs_s[1] == pytest.approx(steps * SMALL.compute_s, rel=0.02)
+    # the first epoch has nothing before it to read ahead during
+    assert ahead.epochs_s[0] == pytest.approx(behind.epochs_s[0])
+
+
+def test_the_daemons_background_work_takes_the_emulation_hosts_cores() -> None:
+    host = replace(SMALL, host_cores=1)
+    quiet = simulate(8, host)
+    busy = simulate(8, replace(host, daemon_bg_s=0.3))  # 8 daemons: 2.4 cores of 1
+    assert busy.epochs_s[-1] > 1.5 * quiet.epochs_s[-1]
+    # on their own cores (a real cluster) the same work costs no reader anything
+    own = replace(SMALL, daemon_bg_s=0.3)
+    assert simulate(8, own).epochs_s == simulate(8, SMALL).epochs_s
+
+
+def test_each_reader_finds_the_lost_node_dead_by_a_request_of_its_own() -> None:
+    # a short hedge: nodes that had not asked the lost node by then still do, and pay once
+    sim = Sim(16, replace(SMALL, kill_at=0.2, hedge_s=0.01, dead_after_s=100.0))
+    o = sim.run()
+    assert sim.dead == 15 and sim.dead not in sim.knows
+    assert len(sim.knows) >= 2  # several readers, each by its own failed request
+    assert o.hedged_parts >= len(sim.knows)
+    assert o.origin_fallback_bytes == 0  # the other replica answered each
