@@ -108,6 +108,7 @@ class RunResult:
     staging_s: float = 0.0
     dataset_bytes: int = 0
     staging_origin_bytes: int = 0
+    staging_origin_meta: int = 0  # opens + stats of shard files on the origin, all daemons
     epochs_s: list[float] = field(default_factory=list)  # the job's: its slowest node's
     stall_s: list[float] = field(default_factory=list)  # mean over nodes
     reader_origin_bytes: int = 0  # readers' fallbacks to the origin
@@ -570,6 +571,9 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
             st = status(net, 0, f"{shm}/rt0")
             res.staging_origin_bytes = sum(x["staging"]["origin_bytes"]
                                            for x in st.get("nodes", []) if x)
+            res.staging_origin_meta = sum(x["staging"].get("origin_opens", 0)
+                                          + x["staging"].get("origin_stats", 0)
+                                          for x in st.get("nodes", []) if x)
             if calibrate:
                 res.calibration.update(calibrate_origin(pack))
                 if n > 1:
@@ -704,10 +708,11 @@ def efficiency(results: list[RunResult]) -> list[dict[str, Any]]:
 
 
 def render(rows: list[dict[str, Any]], s: Settings) -> str:
-    head = ["nodes", "staging s", "origin/dataset", "epoch s (last)", "efficiency (last)",
+    head = ["nodes", "staging s", "origin/dataset", "origin meta ops", "epoch s (last)",
+            "efficiency (last)",
             "stall s", "reader origin B", "TCP conns/peer", "daemon cpu s", "errors"]
     body = [[str(r["nodes"]), f"{r['staging_s']:.1f}", f"{r['staging_origin_ratio']:.3f}",
-             f"{r['epochs_s'][-1]:.2f}", f"{r['efficiency'][-1]:.3f}",
+             str(r["staging_origin_meta"]), f"{r['epochs_s'][-1]:.2f}", f"{r['efficiency'][-1]:.3f}",
              f"{r['stall_s'][-1]:.2f}", str(r["reader_origin_bytes"]),
              f"{r['connections_max'] / max(2 * (r['nodes'] - 1), 1):.1f}",
              f"{r['daemon_cpu_s']:.1f}",

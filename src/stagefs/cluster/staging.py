@@ -45,6 +45,8 @@ class StagingStats:
     shards_reused: int = 0  # found in the tiers at start (restart)
     origin_reads: int = 0
     origin_bytes: int = 0
+    origin_opens: int = 0  # metadata operations on the origin (the shared FS's server)
+    origin_stats: int = 0
     forwarded_shards: int = 0  # pulled from a peer instead of the origin
     forwarded_bytes: int = 0
     forward_fallbacks: int = 0  # no peer could give it: read the origin instead
@@ -194,6 +196,7 @@ class Stager:
         origin = getattr(self.chain.origin, "stats", None)
         if origin is not None:
             self.stats.origin_reads, self.stats.origin_bytes = origin.reads, origin.bytes_read
+            self.stats.origin_opens, self.stats.origin_stats = origin.opens, origin.stats
         if outcome in ("placed", "held"):
             self.stats.shards_held += 1
             self.stats.bytes_held += self.manifest.shards[shard].size
