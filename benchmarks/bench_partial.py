@@ -4,7 +4,8 @@ the dataset read D - C from the origin, and the held set stays put.
 The dataset (D: the bytes of its stored files) is a pack on the PFS; the tiers are a RAM tier
 smaller than one shard (/dev/shm) and a disk tier (/var/tmp) holding the rest of the
 capacity C. Every configuration reads three epochs, each in its own random order, with
-``Store.read_many`` (64 samples a call), page cache dropped before the first. Per epoch:
+``Store.read_many`` (64 samples a call), the page cache dropped before each epoch (the RAM
+tier is tmpfs: it stays; the disk tier is read from the disk). Per epoch:
 time, origin bytes against D - C, the bytes each tier holds, and whether the pieces held
 after epoch 2 are the ones held after epoch 3 (no thrash). Configurations alternate within a
 run; medians over ``--runs``. With ``--rate-mbit`` the PFS link is capped for the run
@@ -65,6 +66,7 @@ def one_config(pack: str, paths: list[str], share: float, d: int, base: str,
             for e in range(epochs):
                 order = list(paths)
                 random.Random(run * 100 + e).shuffle(order)
+                drop_caches()  # the origin's bytes from the PFS, not from this page cache
                 o0 = fs.origin.stats.bytes_read
                 t0 = time.perf_counter()
                 for i in range(0, len(order), BATCH):
