@@ -181,7 +181,7 @@ class PeerClient:
         self._backoff = self.backoff_range[0]
         self._prober: threading.Thread | None = None
 
-    def _check_pid(self) -> None:
+    def _check_fork(self) -> None:
         if self._fork != _fork[0]:  # forked: the parent's sockets are not ours to use
             for s in self._idle:
                 with contextlib.suppress(OSError):
@@ -193,7 +193,7 @@ class PeerClient:
     def suspect(self) -> bool:
         """True while the peer is suspect (it failed or was slow lately): skip it. Once its
         back-off has passed, a probe in the background (never the caller) checks it."""
-        self._check_pid()
+        self._check_fork()
         retry_at = self._retry_at
         if retry_at is None:
             return False
@@ -222,7 +222,7 @@ class PeerClient:
         answered (it is no longer suspect). An idle pooled connection is asked for its
         STATUS (a probe every second opens no connection); else a new one is made, which
         proves the token, and joins the pool."""
-        self._check_pid()
+        self._check_fork()
         self.stats.probes += 1
         with self._lock:
             sock = self._idle.pop() if self._idle else None
@@ -487,7 +487,7 @@ class PeerClient:
         return reply.info
 
     def close(self) -> None:
-        self._check_pid()
+        self._check_fork()
         with self._lock:
             idle, self._idle = self._idle, []
         for s in idle:

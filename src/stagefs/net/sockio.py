@@ -15,7 +15,6 @@ import os
 import socket
 import struct
 import time
-from collections.abc import Callable
 
 from stagefs.net import protocol as P
 
@@ -75,12 +74,10 @@ def _timeout(exc: OSError) -> OSError:
     return exc
 
 
-def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
-               deadline: Deadline | None = None) -> bytearray | memoryview:
+def recv_exact(sock: socket.socket, n: int, deadline: Deadline | None = None) -> bytearray:
     """Exactly ``n`` bytes, or ConnectionError (closed), TimeoutError or OSError. With
-    ``into`` (at least ``n`` bytes), they are received there and a view of them returned.
-    With ``deadline``, all of them arrive before it or TimeoutError."""
-    buf: bytearray | memoryview = bytearray(n) if into is None else into[:n]
+    ``deadline``, all of them arrive before it or TimeoutError."""
+    buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     try:
@@ -96,21 +93,16 @@ def recv_exact(sock: socket.socket, n: int, into: memoryview | None = None,
     return buf
 
 
-def recv_message(sock: socket.socket, max_frame: int = P.MAX_FRAME,
-                 scratch: Callable[[int], bytearray | None] | None = None, *,
+def recv_message(sock: socket.socket, max_frame: int = P.MAX_FRAME, *,
                  deadline: Deadline | None = None,
                  first: bytes | bytearray | memoryview = b"") -> P.Message:
     """The next message, whole before ``deadline``. ``first``: bytes of its header already
-    received. With ``scratch`` (n -> a buffer of at least n bytes, or None), the payload is
-    received into that buffer (no allocation per message): the message's DATA chunks are
-    then views of it, valid until the buffer's next use."""
+    received. (A peer client receives DATA replies range by range instead: net/client.py.)"""
     head = recv_exact(sock, P.HEADER.size - len(first), deadline=deadline)
     mtype, length = P.parse_header(bytes(first) + bytes(head) if first else head, max_frame)
     if not length:
         return P.decode_payload(mtype, b"")
-    buf = scratch(length) if scratch is not None else None
-    into = memoryview(buf) if buf is not None else None
-    return P.decode_payload(mtype, recv_exact(sock, length, into, deadline))
+    return P.decode_payload(mtype, recv_exact(sock, length, deadline))
 
 
 def send_message(sock: socket.socket, msg: P.Message, deadline: Deadline | None = None) -> None:
