@@ -164,20 +164,28 @@ class TierChain:
             if self._find(shard):
                 return self._route[shard]
             self._next_check[shard] = now + RECHECK_S
-            self._look(shard)
+            if self._look(shard) and self._find(shard):
+                # made whole since _find looked (by a stream thread between its rename and
+                # its route, or by another process): with no copy and no route the read
+                # would go to the origin for bytes a tier holds
+                return self._route[shard]
             for f, t in list(self._fills.get(shard, ())):
                 if f.complete() and self._finish(shard, f, t):
                     # complete but never made whole: the process that filled it last ended
                     # first (a DataLoader worker leaves with os._exit, its stream mid-copy)
                     return self._route[shard]
-        elif shard not in self._fills:
+        elif shard not in self._fills and self._look(shard) and self._find(shard):
             # a partial copy another process started: looked for on every miss (a failed
             # open() per tier when there is none, against a read from the origin; a process
             # forked while a read-ahead filled the first batches read them again otherwise)
-            self._look(shard)
+            return self._route[shard]
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
         copies = self._fills.get(shard)
+        if not copies and shard in self._route:
+            # made whole meanwhile by a stream thread (_finish routes it, then lets the
+            # partial copy go): the tier, not the origin, holds its bytes
+            return self._route[shard]
         if shard in self._no_fill or (self.full and not copies):
             return self._origin_only
         # the pieces each tier holds, then the stream (it waits for or reads what a copy
@@ -272,19 +280,22 @@ class TierChain:
             return []
         return list(self._fills.get(shard, ()))
 
-    def _look(self, shard: int) -> None:
+    def _look(self, shard: int) -> bool:
         """The shard's partial copies as the tiers name them now: a handle whose copy
-        another process finished or dropped is let go, the copies others made are opened."""
+        another process (or thread) finished or dropped is let go, the copies others made
+        are opened. True if a handle was let go: the shard may be whole now."""
+        gone = False
         with self._fills_lock:
             ext = self._extents_of(shard)
             if not ext.tiles:
                 self._no_fill.add(shard)
-                return
+                return False
             keep: list[Copy] = []
             for f, t in self._fills.get(shard, ()):
                 if f.linked():
                     keep.append((f, t))
                 else:
+                    gone = True
                     self._graveyard_fills.append(f)  # a reader may still be using it
             for t in self.tiers:
                 if not any(t is u for _, u in keep):
@@ -296,6 +307,7 @@ class TierChain:
                 self._fills[shard] = keep
             else:
                 self._fills.pop(shard, None)
+        return gone
 
     def _reserve(self, shard: int, pieces: Sequence[int]) -> dict[int, Copy]:
         """The copy holding each of these pieces: where one holds it already, else reserved
@@ -386,10 +398,12 @@ class TierChain:
         fd = os.dup(f.fd)
         if not t.adopt(shard, fd):
             os.close(fd)
+        # routed before the partial copy is let go: a read between the two would find
+        # neither, and (the tiers full) go to the origin for bytes a tier holds
+        self._route[shard] = (t, self.origin)
         self._forget_fill(shard)
         t.stats.placed += 1
         t.stats.placed_bytes += self._sizes[shard]
-        self._route[shard] = (t, self.origin)
         return True
 
     def _forget_fill(self, shard: int, tier: DirTier | None = None) -> None:
