@@ -27,8 +27,8 @@ typedef struct {
     Py_ssize_t n;  /* entries */
     PyTypeObject *stat_type;
     PyObject *fallback_stat;
-    long long dev, uid, gid;
-    PyObject *dev_o, *uid_o, *gid_o, *blksize_o;  /* the same in every result: made once */
+    long long dev, uid, gid, piece_size;
+    PyObject *dev_o, *uid_o, *gid_o, *blksize_o, *piece_o;  /* the same in every result: made once */
 } Index;
 
 static void release(Index *self) {
@@ -45,7 +45,7 @@ static void Index_dealloc(Index *self) {
     Py_XDECREF(self->stat_type);
     Py_XDECREF(self->fallback_stat);
     Py_XDECREF(self->dev_o); Py_XDECREF(self->uid_o);
-    Py_XDECREF(self->gid_o); Py_XDECREF(self->blksize_o);
+    Py_XDECREF(self->gid_o); Py_XDECREF(self->blksize_o); Py_XDECREF(self->piece_o);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -56,9 +56,9 @@ static int get(PyObject *arr, Py_buffer *view) {
 static int Index_init(Index *self, PyObject *args, PyObject *kw) {
     PyObject *slots, *hashes, *path_off, *strings, *kind, *mode, *size, *mtime, *stat_type,
         *fallback;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOLLL", &slots, &hashes, &path_off, &strings, &kind,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOLLLL", &slots, &hashes, &path_off, &strings, &kind,
                           &mode, &size, &mtime, &stat_type, &fallback, &self->dev, &self->uid,
-                          &self->gid))
+                          &self->gid, &self->piece_size))
         return -1;
     if (get(slots, &self->slots) || get(hashes, &self->hashes) ||
         get(path_off, &self->path_off) || get(strings, &self->strings) ||
@@ -86,7 +86,9 @@ static int Index_init(Index *self, PyObject *args, PyObject *kw) {
     self->uid_o = PyLong_FromLongLong(self->uid);
     self->gid_o = PyLong_FromLongLong(self->gid);
     self->blksize_o = PyLong_FromLong(65536);
-    if (!self->dev_o || !self->uid_o || !self->gid_o || !self->blksize_o) return -1;
+    self->piece_o = PyLong_FromLongLong(self->piece_size);
+    if (!self->dev_o || !self->uid_o || !self->gid_o || !self->blksize_o || !self->piece_o)
+        return -1;
     return 0;
 }
 
@@ -181,7 +183,9 @@ static PyObject *Index_stat(Index *self, PyObject *path) {
     SET3(7, 8, 9, PyLong_FromLongLong(sec));
     SET3(10, 11, 12, PyFloat_FromDouble(fsec));
     SET3(13, 14, 15, PyLong_FromLongLong(ns));
-    SET(16, SHARED(self->blksize_o));
+    /* the preferred I/O size, as namespace.py's blksize() says */
+    SET(16, SHARED(self->piece_size > 0 && size > (uint64_t)self->piece_size ? self->piece_o
+                                                                        : self->blksize_o));
     SET(17, PyLong_FromUnsignedLongLong((size + 511) >> 9));
     SET(18, PyLong_FromLong(0));
     return r;
@@ -210,7 +214,7 @@ static PyTypeObject IndexType = {
     .tp_dealloc = (destructor)Index_dealloc,
     .tp_methods = Index_methods,
     .tp_doc = "Index(slots, hashes, path_off, strings, kind, mode, size, mtime_ns, "
-              "stat_result, fallback_stat, dev, uid, gid)",
+              "stat_result, fallback_stat, dev, uid, gid, piece_size)",
 };
 
 /* xxh3_64(data) -> int: the hash the index probes with (tests compare it with xxhash's). */

@@ -234,8 +234,18 @@ class Namespace:
         nlink = self._nlink(e) if self._kind[e] == KIND_DIR else 1
         return _stat_result(
             (self._mode[e], e + 1, self._dev, nlink, self._uid, self._gid, size, secs, secs,
-             secs, fsecs, fsecs, fsecs, ns, ns, ns, 65536, (size + 511) >> 9, 0)
+             secs, fsecs, fsecs, fsecs, ns, ns, ns, self.blksize(size), (size + 511) >> 9, 0)
         )
+
+    def blksize(self, size: int) -> int:
+        """The preferred I/O size of a file of ``size`` bytes: one piece (the unit its bytes
+        are verified in) for a file of several pieces: cat and cp read that much at a time,
+        so each read is a whole piece, hashed in the reader's buffer with no copy of ours (as
+        a parallel file system gives its stripe size); 64 KiB for another file (stdio and
+        Python size their buffers by it). The preload library and the C index say the
+        same."""
+        piece = self.manifest.piece_size
+        return piece if piece and size > piece else 65536
 
     def _nlink(self, e: int) -> int:
         r = self.manifest.children(e)
@@ -397,7 +407,7 @@ def _accelerated(
     a = manifest.arrays
     index = index_type(a["slots"], a["hash"], a["path_off"], a["strings"], a["kind"],
                        a["mode"], a["size"], a["mtime_ns"], os.stat_result, fallback, dev,
-                       uid, gid)
+                       uid, gid, manifest.piece_size)
     manifest.on_close(index.release)
     return index
 

@@ -111,6 +111,26 @@ def test_coreutils_see_the_plain_tree(packed: tuple[Path, Path], tmp_path: Path)
     assert run(pack, at, *_sh(at, script)).stdout == plain(*_sh(src, script))
 
 
+def test_the_preferred_io_size_is_a_piece_for_a_file_of_pieces(packed: tuple[Path, Path],
+                                                               tmp_path: Path) -> None:
+    """st_blksize of a file larger than a piece is the piece size (cat then reads whole
+    pieces, verified in its own buffer), 64 KiB for a smaller file; the preload library,
+    the C index and the Python namespace say the same."""
+    src, pack = packed
+    at = tmp_path / "data"
+    small = next(str(p.relative_to(src)) for p in sorted(src.rglob("*.jpg")))
+    got = run(pack, at, "stat", "-c", "%o", at / BIG, at / small).stdout.split()
+    with stagefs.open(pack) as fs:
+        ns = fs.namespace
+        piece = fs.manifest.piece_size
+        assert piece and (src / BIG).stat().st_size > piece >= (src / small).stat().st_size
+        want = [ns.blksize((src / r).stat().st_size) for r in (BIG, small)]
+        assert want == [piece, 65536]
+        assert [int(x) for x in got] == want
+        assert [ns.stat(r).st_blksize for r in (BIG, small)] == want
+        assert [ns.stat_entry(ns.entry(r)).st_blksize for r in (BIG, small)] == want
+
+
 def test_a_shell_works_inside_the_tree(packed: tuple[Path, Path], tmp_path: Path) -> None:
     src, pack = packed
     at = tmp_path / "data"

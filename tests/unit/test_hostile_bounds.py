@@ -80,7 +80,7 @@ def _index(arrays: dict[str, Any]) -> Any:
     speedups = pytest.importorskip("stagefs._speedups", reason="the C accelerator is not built")
     return speedups.Index(arrays["slots"], arrays["hash"], arrays["path_off"], arrays["strings"],
                           arrays["kind"], arrays["mode"], arrays["size"], arrays["mtime_ns"],
-                          os.stat_result, lambda p: "fallback", 1, 0, 0)
+                          os.stat_result, lambda p: "fallback", 1, 0, 0, 2**20)
 
 
 def _arrays(path: Path) -> dict[str, Any]:

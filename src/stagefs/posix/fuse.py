@@ -168,7 +168,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 "st_mode": s.st_mode, "st_ino": s.st_ino, "st_nlink": s.st_nlink,
                 "st_uid": s.st_uid, "st_gid": s.st_gid, "st_size": s.st_size,
                 "st_atime": s.st_atime_ns, "st_mtime": s.st_mtime_ns,
-                "st_ctime": s.st_ctime_ns, "st_blocks": s.st_blocks, "st_blksize": 65536,
+                "st_ctime": s.st_ctime_ns, "st_blocks": s.st_blocks, "st_blksize": s.st_blksize,
             }
 
         def readlink(self, path: str) -> str:

@@ -353,7 +353,10 @@ static void fill_stat(uint32_t e, struct stat *st) {
     st->st_uid = D.uid;
     st->st_gid = D.gid;
     st->st_size = (off_t)D.size[e];
-    st->st_blksize = 65536;
+    /* the preferred I/O size: a file in pieces, one piece (cat and cp read that much at a
+     * time, so each read is a whole piece, hashed in their buffer, with no copy of ours);
+     * another file, 64 KiB (stdio and Python size their buffers by it) */
+    st->st_blksize = D.size[e] > D.piece_size && D.piece_size ? (blksize_t)D.piece_size : 65536;
     st->st_blocks = (blkcnt_t)((D.size[e] + 511) >> 9);
     int64_t ns = D.mtime[e];
     int64_t s = ns >= 0 ? ns / 1000000000 : -((-ns + 999999999) / 1000000000);
