@@ -485,3 +485,45 @@ def test_run_says_what_it_cannot_serve(packed: tuple[Path, Path], tmp_path: Path
         return
     proc = run(pack, at, tmp_path / "static")
     assert "is statically linked" in proc.stderr.decode()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="no strace (.ci/run installs it)")
+def test_cold_files_with_a_tier_never_open_the_origin_shard_per_file(
+        packed: tuple[Path, Path], tmp_path: Path) -> None:
+    """With a tier, a file whose shard is not whole there is read through the helper (one
+    download shared with the stream that places the shard): the library does not open the
+    origin's shard for it (an open on the shared file system is a metadata operation per
+    file); the helper's Store opens it once. The tier is too small for any piece, so the
+    shard never becomes whole there while the files are read."""
+    src, pack = packed
+    at, tier = tmp_path / "data", tmp_path / "tier"
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        by_shard: dict[int, list[str]] = {}
+        for p in sorted(src.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                rel = str(p.relative_to(src))
+                e = fs.namespace.file_entry(rel)
+                if int(m.stored[e]):
+                    by_shard.setdefault(int(m.shard[e]), []).append(rel)
+        shard, rels = max(by_shard.items(), key=lambda kv: len(kv[1]))
+        name = m.shards[shard].name
+    assert len(rels) >= 5
+    log = tmp_path / "opens.log"
+    got = run(pack, at, "strace", "-f", "-qq", "-e", "trace=openat,open", "-o", log, "cat",
+              *(at / r for r in rels), tiers=[Path(f"{tier}:4096")])
+    assert got.stdout == b"".join((src / r).read_bytes() for r in rels)
+    opens = [line for line in log.read_text().splitlines() if str(pack / name) in line]
+    assert not opens, opens  # cat's process never opened the origin's shard
+
+
+def test_the_program_has_no_child_it_did_not_start(packed: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    """The helper is not a child of the program `stagefs run` becomes: a program that
+    waits for all its children (strace -f, a process supervisor) would wait for the helper
+    while the helper waits for it to end."""
+    _, pack = packed
+    code = ("import os\n"
+            "try:\n    os.waitpid(-1, 0)\nexcept ChildProcessError:\n    print('none')\n")
+    got = run(pack, tmp_path / "data", sys.executable, "-c", code, tiers=[tmp_path / "tier"])
+    assert got.stdout == b"none\n"

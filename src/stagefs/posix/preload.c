@@ -1055,7 +1055,7 @@ static int join(char *out, const char *dir, const char *name) {
 }
 
 /* Open a shard file holding entry e's bytes: a tier's copy, else the origin's. */
-static int open_shard(uint32_t e, int cloexec, int *src) {
+static int open_shard(uint32_t e, int cloexec, int *src, int origin) {
     uint32_t sh = D.shard[e];
     if (sh >= D.nshards) return -1;
     char p[PATH_MAX];
@@ -1065,6 +1065,7 @@ static int open_shard(uint32_t e, int cloexec, int *src) {
         int fd = real_openat(AT_FDCWD, p, fl);
         if (fd >= 0) { *src = (int)t; return fd; }
     }
+    if (!origin) return -1;
     if (!D.origin_dir[0] || join(p, D.origin_dir, D.shard_names[sh]) != 0) return -1;
     int fd = real_openat(AT_FDCWD, p, fl);
     if (fd >= 0) { *src = (int)D.ntiers; touch_shard(sh); }
@@ -1082,14 +1083,16 @@ static int open_entry(uint32_t e, int flags) {
     if (D.kind[e] != K_FILE) { errno = ELOOP; return -1; }  /* O_NOFOLLOW on a link */
     if (D.direct && D.codec[e] == 0 && (D.piece || D.size[e] <= D.piece_size || D.size[e] <= (64u << 20))) {
         int src = 0;
-        int fd = open_shard(e, cloexec, &src);
-        if (fd >= 0 && src == (int)D.ntiers && D.ntiers) {
+        int fd = open_shard(e, cloexec, &src, !D.ntiers);
+        if (fd < 0 && D.ntiers) {
             /* not whole in a tier: the helper reads it through the Store, where reads and
              * the streams that place its shard share one download from the origin, and
-             * partial copies serve the pieces they hold; the origin's shard directly only
-             * if the helper cannot be reached */
+             * partial copies serve the pieces they hold (the origin's shard is not even
+             * opened here: an open on the shared file system is a metadata operation);
+             * the origin's shard directly only if the helper cannot be reached */
             int m = helper_file(e, cloexec);
-            if (m >= 0) { real_close(fd); return make_row(m, F_MEM, e, 0, 0); }
+            if (m >= 0) return make_row(m, F_MEM, e, 0, 0);
+            fd = open_shard(e, cloexec, &src, 1);
         }
         if (fd >= 0) {
             if (real_lseek(fd, (off_t)D.offset[e], SEEK_SET) < 0) { real_close(fd); return -1; }

@@ -239,17 +239,23 @@ def launch(open_store: Callable[[], Any], root: str) -> dict[str, str]:
     parent = os.getpid()
     pidfd = os.pidfd_open(parent)
     r, w = os.pipe()
+    # forked twice: the helper is not a child of the program this process becomes (a
+    # program that waits for all its children, as strace -f does, would wait for the helper
+    # while the helper waits for it to end)
     pid = os.fork()
-    if pid == 0:  # the helper
-        os.close(r)
-        _helper_main(open_store, root, run_dir, sock_path, empty, pidfd, w)
-        os._exit(0)
+    if pid == 0:
+        try:
+            if os.fork() == 0:  # the helper
+                os.close(r)
+                _helper_main(open_store, root, run_dir, sock_path, empty, pidfd, w)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
     os.close(w)
     os.close(pidfd)
     with os.fdopen(r, "rb") as f:
         said = f.read().decode("utf-8", "replace")
     if said != "ok":
-        os.waitpid(pid, 0)
         shutil.rmtree(run_dir, ignore_errors=True)
         raise StagefsError(said or "the stagefs run helper ended before it was ready")
     preload = os.environ.get("LD_PRELOAD", "")
