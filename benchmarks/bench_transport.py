@@ -5,12 +5,16 @@ socket loop moving the same bytes (the ceiling).
 Two MPI ranks (this script starts ``mpiexec -n 2`` itself): rank 1 holds an ImageNet-like
 pack in a memory tier (/dev/shm) and serves it four ways at once (the daemon's TCP
 ShardServer, the MPI transport, one window per shard file, a raw socket server sending the
-requested ranges with scatter sendmsg from the mapped files, no framing); rank 0 reads every
+requested ranges as cheaply as the kernel allows, no framing: sendfile for a range of 64
+KiB or more, scatter sendmsg from the mapped files for smaller ones); rank 0 reads every
 sample in batches of --batch ranges through each, in turn, --runs times, and checks once that
 MPI gives the bytes TCP gives. Then both ranks sit idle for --idle seconds and rank 1
 reports the CPU its process used meanwhile (the MPI serving thread polls without spinning).
 
     python benchmarks/bench_transport.py --files 2000 --runs 5 --out benchmarks/results
+
+``--without "mpi get"`` leaves a way out (MPI_Get through MPICH's active-message fallback
+takes about 40 s a pass on this machine).
 
 Figures are medians of --runs, printed as a table and saved to transport.json.
 """
@@ -33,6 +37,7 @@ import time
 from typing import Any
 
 RANGE = struct.Struct("!IQI")
+SENDFILE_MIN = 64 * 2**10  # as the daemon's server (net/server.py)
 
 
 def make_pack(root: str, files: int) -> str:
@@ -46,21 +51,39 @@ def make_pack(root: str, files: int) -> str:
     return pack
 
 
-def raw_server(sock: socket.socket, maps: list[memoryview]) -> None:
+def raw_server(sock: socket.socket, maps: list[memoryview], fds: list[int]) -> None:
+    """The ceiling: ranges sent as the kernel sends them cheapest, with no framing: a large
+    range by sendfile from the tier file (page cache to socket, no copy through this
+    process), small ones gathered from the mapped files into one sendmsg: what the
+    daemon's server does, less everything else."""
     c, _ = sock.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    while True:
-        h = c.recv(4, socket.MSG_WAITALL)
-        if len(h) < 4:
-            return
-        body = c.recv(struct.unpack("!I", h)[0] * RANGE.size, socket.MSG_WAITALL)
-        views = [maps[s][o : o + n] for s, o, n in RANGE.iter_unpack(body)]
+    out = c.fileno()
+
+    def send_views(views: list[memoryview]) -> None:
         while views:
             sent = c.sendmsg(views[:512])
             while views and sent >= len(views[0]):
                 sent -= len(views.pop(0))
             if sent:
                 views[0] = views[0][sent:]
+
+    while True:
+        h = c.recv(4, socket.MSG_WAITALL)
+        if len(h) < 4:
+            return
+        body = c.recv(struct.unpack("!I", h)[0] * RANGE.size, socket.MSG_WAITALL)
+        small: list[memoryview] = []
+        for s, o, n in RANGE.iter_unpack(body):
+            if n < SENDFILE_MIN:
+                small.append(maps[s][o : o + n])
+                continue
+            send_views(small)
+            small = []
+            while n:
+                k = os.sendfile(out, fds[s], o, n)
+                o, n = o + k, n - k
+        send_views(small)
 
 
 def idle_wait(mpi: Any, comm: Any) -> None:
@@ -70,7 +93,8 @@ def idle_wait(mpi: Any, comm: Any) -> None:
         time.sleep(0.005)
 
 
-def rank_main(work: str, pack: str, batch: int, runs: int, idle: float) -> None:
+def rank_main(work: str, pack: str, batch: int, runs: int, idle: float,
+              without: list[str]) -> None:
     from stagefs.cluster.mpi_transport import MpiTransport, mpi_library
     from stagefs.config import TierSpec
     from stagefs.format import MANIFEST_NAME, Manifest
@@ -115,7 +139,7 @@ def rank_main(work: str, pack: str, batch: int, runs: int, idle: float) -> None:
         raw = socket.socket()
         raw.bind(("127.0.0.1", 0))
         raw.listen(1)
-        threading.Thread(target=raw_server, args=(raw, maps), daemon=True).start()
+        threading.Thread(target=raw_server, args=(raw, maps, fds), daemon=True).start()
         addr = (server.address, raw.getsockname())
     else:
         wins = [mpi.Win.Create(None, 1, comm=comm) for _ in range(nshards)]
@@ -171,6 +195,7 @@ def rank_main(work: str, pack: str, batch: int, runs: int, idle: float) -> None:
         if client.read(batches[0]) != peer.read(batches[0]):
             raise RuntimeError("MPI and TCP gave different bytes")
         ways = {"raw socket": raw_loop, "tcp": tcp, "mpi p2p": mpi_p2p, "mpi get": mpi_get}
+        ways = {k: fn for k, fn in ways.items() if k not in without}
         times: dict[str, list[float]] = {k: [] for k in ways}
         for fn in ways.values():
             fn()  # warm
@@ -243,11 +268,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--idle", type=float, default=5.0, help="seconds of idling measured")
     ap.add_argument("--out", default=None, help="directory for transport.json")
+    ap.add_argument("--without", action="append", default=[],
+                    choices=("mpi p2p", "mpi get"), help="an MPI way to leave out (repeat)")
     ap.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)  # set by mpiexec run
     a = ap.parse_args()
     if a.rank_of:
         work, pack = a.rank_of.split(os.pathsep)
-        rank_main(work, pack, a.batch, a.runs, a.idle)
+        rank_main(work, pack, a.batch, a.runs, a.idle, a.without)
         return
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
@@ -256,6 +283,7 @@ def main() -> None:
         pack = make_pack(work, a.files)
         subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__),
                         "--batch", str(a.batch), "--runs", str(a.runs), "--idle", str(a.idle),
+                        *(x for w in a.without for x in ("--without", w)),
                         "--rank-of", work + os.pathsep + pack], check=True)
         with open(os.path.join(work, "out.json")) as f:
             res = json.load(f)
