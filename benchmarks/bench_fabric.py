@@ -190,18 +190,9 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
                         if d is None or xxh3_64_intdigest(d) != sums[i]:
                             raise RuntimeError("a peer read returned wrong bytes")
 
-        def raw_epoch() -> None:
-            for i in range(0, len(ranges), BATCH):
-                batch = ranges[i : i + BATCH]
-                rs.sendall(len(batch).to_bytes(4, "big")
-                           + b"".join(struct.pack("!IQI", *r) for r in batch))
-                n, got = sum(r[2] for r in batch), 0
-                while got < n:
-                    got += rs.recv_into(rview[got:n], n - got)
-
-        def raw_checked_epoch() -> None:
-            """The raw loop with the check every other row makes: each sample's xxh3
-            against the manifest's, as it arrives."""
+        def raw_epoch(check: bool = False) -> None:
+            """The raw loop; with ``check``, each sample's xxh3 against the manifest's as
+            it arrives (the check every other row makes)."""
             for i in range(0, len(ranges), BATCH):
                 batch = ranges[i : i + BATCH]
                 rs.sendall(len(batch).to_bytes(4, "big")
@@ -210,10 +201,13 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
                 while got < n:
                     got += rs.recv_into(rview[got:n], n - got)
                 pos = 0
-                for k, r in enumerate(batch):
+                for k, r in enumerate(batch if check else ()):
                     if xxh3_64_intdigest(rview[pos : pos + r[2]]) != sums[i + k]:
                         raise RuntimeError("the raw loop returned wrong bytes")
                     pos += r[2]
+
+        def raw_checked_epoch() -> None:
+            raw_epoch(check=True)
 
         times: dict[str, list[float]] = {"fabric": [], "direct": [], "raw": [],
                                          "raw_checked": []}
