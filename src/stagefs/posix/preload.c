@@ -1054,7 +1054,7 @@ static int join(char *out, const char *dir, const char *name) {
     return 0;
 }
 
-/* Open a shard file holding entry e's bytes: a tier's copy, else the origin's. */
+/* Open a shard file holding entry e's bytes: a tier's copy, else (with origin) the origin's. */
 static int open_shard(uint32_t e, int cloexec, int *src, int origin) {
     uint32_t sh = D.shard[e];
     if (sh >= D.nshards) return -1;

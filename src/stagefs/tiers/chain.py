@@ -165,20 +165,19 @@ class TierChain:
                 return self._route[shard]
             self._next_check[shard] = now + RECHECK_S
             if self._look(shard) and self._find(shard):
-                # made whole since _find looked (by a stream thread between its rename and
-                # its route, or by another process): with no copy and no route the read
-                # would go to the origin for bytes a tier holds
+                # made whole (by another process) since _find looked: with no copy and no
+                # route the read would go to the origin for bytes a tier holds
                 return self._route[shard]
             for f, t in list(self._fills.get(shard, ())):
                 if f.complete() and self._finish(shard, f, t):
                     # complete but never made whole: the process that filled it last ended
                     # first (a DataLoader worker leaves with os._exit, its stream mid-copy)
                     return self._route[shard]
-        elif shard not in self._fills and self._look(shard) and self._find(shard):
+        elif shard not in self._fills:
             # a partial copy another process started: looked for on every miss (a failed
             # open() per tier when there is none, against a read from the origin; a process
             # forked while a read-ahead filled the first batches read them again otherwise)
-            return self._route[shard]
+            self._look(shard)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
         copies = self._fills.get(shard)
