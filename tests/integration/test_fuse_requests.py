@@ -122,3 +122,52 @@ def test_warm_reads_reach_the_server_only_for_open_s_tty_probe(
     # sends to a FUSE server (answered by libfuse, in C); nothing else
     probe = t.requests("warm-open")
     assert set(probe) <= {"IOCTL"} and probe["IOCTL"] <= len(files)
+
+
+def test_a_listed_directory_s_files_open_and_stat_without_a_lookup(
+        traced: tuple[Traced, dict[str, bytes]]) -> None:
+    t, files = traced
+    t.mark("list")
+    listed = {e.name: e.inode() for e in os.scandir(t.mp / "d")}  # names only: no stat
+    t.mark("cold")
+    for rel, data in files.items():
+        assert _read_fd(t.mp / rel) == data
+        s = os.stat(t.mp / rel)
+        assert (s.st_size, s.st_ino) == (len(data), listed[rel[2:]])
+    t.mark("end")
+    assert sorted(listed) == sorted(rel[2:] for rel in files)
+    # READDIRPLUS carried every entry whole: the kernel asks no LOOKUP and no GETATTR
+    cold = t.requests("cold")
+    assert cold["READ"] >= len(files)
+    assert cold["LOOKUP"] == 0 and cold["GETATTR"] == 0, cold
+    assert t.requests("list")["READDIRPLUS"] >= 1
+
+
+def test_a_long_listing_over_many_readdirplus_requests_is_whole(tmp_path: Path) -> None:
+    names = [f"n{i:04d}-{'x' * (i % 40)}" for i in range(700)]
+    for n in names:
+        (tmp_path / "raw" / "big").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "raw" / "big" / n).write_bytes(n.encode())
+    (tmp_path / "raw" / "big" / "sub").mkdir()
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    server = subprocess.Popen([sys.executable, "-c", _SERVE.replace("debug=True", "debug=False"),
+                               str(tmp_path / "pack"), str(mp)], stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not is_mounted(str(mp)):
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.02)
+        got = subprocess.run(["ls", "-a", str(mp / "big")], capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert sorted(got) == sorted([".", "..", "sub", *names])  # each once, none lost
+        assert {n: (mp / "big" / n).read_bytes() for n in names[::50]} == {
+            n: n.encode() for n in names[::50]}
+        assert (mp / "big" / "sub").is_dir() and os.stat(mp / "big" / ".").st_ino == \
+            os.stat(mp / "big").st_ino
+    finally:
+        if is_mounted(str(mp)):
+            unmount(str(mp))
+        server.wait(timeout=60)

@@ -15,8 +15,11 @@ up to ``MAX_BACKGROUND`` reads in flight (its read-ahead of several files at onc
 ``MAX_READ`` bytes per request, read-ahead included where the server may raise the mount's
 window (root; see ``raise_readahead``).
 
-Warm, nothing reaches this process but the ``isatty`` ioctl of each buffered ``open()``
-(Python < 3.14), which the kernel always forwards and libfuse answers in C.
+A listing answers READDIRPLUS with every entry's attributes, so a program that lists its
+dataset (an ImageFolder, ``os.walk``) then opens and stats each file with no LOOKUP: cold,
+a file costs this process one READ. Warm, nothing reaches this process but the ``isatty``
+ioctl of each buffered ``open()`` (Python < 3.14), which the kernel always forwards and
+libfuse answers in C.
 """
 
 from __future__ import annotations
@@ -163,7 +166,10 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 config.readdir_ino = 1
 
         def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
-            s = ns.lstat(path)
+            return self._attrs(ns.lstat(path))
+
+        @staticmethod
+        def _attrs(s: Any) -> dict[str, Any]:
             return {
                 "st_mode": s.st_mode, "st_ino": s.st_ino, "st_nlink": s.st_nlink,
                 "st_uid": s.st_uid, "st_gid": s.st_gid, "st_size": s.st_size,
@@ -175,11 +181,31 @@ def _operations(store: Any, mountpoint: str) -> Any:
             return str(ns.readlink(path))
 
         def readdir(self, path: str, fh: int) -> Iterator[Any]:
+            for name, attrs, _ in self._listing(path, 0, False):
+                yield name, attrs, 0
+
+        def readdir_plus(self, path: str, start: int
+                         ) -> Iterator[tuple[str, dict[str, Any], bool]]:
+            """The listing from its ``start``-th item on, each child with its whole
+            attributes (READDIRPLUS: the kernel keeps them as looked up, so opening a
+            listed file asks this process nothing)."""
+            return self._listing(path, start, True)
+
+        def _listing(self, path: str, start: int, whole: bool
+                     ) -> Iterator[tuple[str, dict[str, Any], bool]]:
+            """".", "..", then the children, from the ``start``-th on: name, attributes
+            (whole, or the mode and inode a plain READDIR carries), whether whole. The dot
+            entries carry an inode number too: readdir(3) skips an entry whose is 0."""
             e = ns.dir_entry(path)
-            yield ".", st.S_IFDIR, 0
-            yield "..", st.S_IFDIR, 0
-            for c in m.children(e):
-                yield os.fsdecode(m.name_of(c)), {"st_mode": int(m.mode[c]), "st_ino": c + 1}, 0
+            up = int(m.parent[e]) if e else 0
+            for dot, d in ((".", e), ("..", up))[start:]:
+                yield dot, {"st_mode": st.S_IFDIR, "st_ino": d + 1}, False
+            for c in m.children(e)[max(0, start - 2):]:
+                name = os.fsdecode(m.name_of(c))
+                if whole:
+                    yield name, self._attrs(ns.stat_entry(int(c))), True
+                else:
+                    yield name, {"st_mode": int(m.mode[c]), "st_ino": int(c) + 1}, False
 
         # No per-open state: the read-only mount makes the kernel refuse opens for writing
         # with EROFS itself, and reads find the file by path.
@@ -243,6 +269,41 @@ def _operations(store: Any, mountpoint: str) -> Any:
     return Operations()
 
 
+_READDIR_PLUS = 1  # libfuse 3: readdir's flag (FUSE_READDIR_PLUS) and the filler's (FILL_DIR_PLUS)
+_FILL_DIR_PLUS = 2
+
+
+def _fuse_class(fusepy: Any) -> Any:
+    """The binding's FUSE with READDIRPLUS answered in full.
+
+    The binding fills a listing with the mode and inode only, so the kernel, which asks
+    for READDIRPLUS, learns no entry from it and sends a LOOKUP, one request to this
+    process's Python, for each file a program then opens. Here a READDIRPLUS listing
+    carries every entry's attributes (libfuse makes the nodes in C), and a training loop
+    that lists its dataset (an ImageFolder, os.walk) opens each file with no request at
+    all before the READ.
+    """
+
+    class Fuse(fusepy.FUSE):  # type: ignore[misc,name-defined]
+        def readdir_fuse_3(self, path: bytes | None, buf: Any, filler: Any, offset: int,
+                           fip: Any, flags: int) -> int:
+            plus = getattr(self.operations, "readdir_plus", None)
+            if not flags & _READDIR_PLUS or plus is None or path is None:
+                return int(super().readdir_fuse_3(path, buf, filler, offset, fip, flags))
+            # each entry with its offset (its place + 1): libfuse 3.14 sends no attributes
+            # for entries given at offset 0
+            items = plus(path.decode(self.encoding, self.errors), offset)
+            for k, (name, attrs, whole) in enumerate(items, start=offset + 1):
+                s = fusepy.c_stat()
+                fusepy.set_st_attrs(s, attrs, use_ns=True)
+                fill = _FILL_DIR_PLUS if whole else 0
+                if filler(buf, name.encode(self.encoding, self.errors), s, k, fill):
+                    break
+            return 0
+
+    return Fuse
+
+
 def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
     """The absolute mount point, once it is an existing directory, not mounted, and empty
     (unless ``nonempty``: a mount hides what the directory holds until it is unmounted)."""
@@ -275,8 +336,8 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
         opts["allow_other"] = True
     logging.getLogger("fuse").setLevel(logging.ERROR)  # ENOENT lookups are normal traffic
     try:
-        fusepy.FUSE(_operations(store, mp), mp, foreground=True, nothreads=False, debug=debug,
-                    **opts)
+        _fuse_class(fusepy)(_operations(store, mp), mp, foreground=True, nothreads=False,
+                            debug=debug, **opts)
     except RuntimeError as exc:
         code = exc.args[0] if exc.args else None
         if code == 8:  # libfuse: the loop ended on a signal (SIGINT/SIGTERM/SIGHUP); unmounted
