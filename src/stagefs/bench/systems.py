@@ -284,6 +284,12 @@ class StagefsFuse(_StagefsBase):
 
     def epoch(self, ctx: Context, run: int, epoch: int) -> Iterator[tuple[str, Any]]:
         root, files = ctx.fuse_mount, self.files
+        if epoch == 0:
+            # a training script lists its dataset before the first epoch (ImageFolder,
+            # os.walk); through the mount that listing brings every file's attributes
+            # (READDIRPLUS), and its time counts in this epoch's
+            for _ in os.walk(root):
+                pass
         for i in _order(len(files), run, epoch):
             rel = files[i]
             with open(os.path.join(root, rel), "rb") as f:
