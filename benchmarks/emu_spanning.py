@@ -56,8 +56,7 @@ fab = PeerClient("", 0, token, unix=f"{rt}/fabric.sock", pack_id=m.pack_id)
 
 def read(items):
     t0 = time.perf_counter()
-    # one request per holder, as a reader's FabricHolder sends a batch
-    got = fab.read([(s, o, n) for s, o, n, _ in items], [holder[s] for s, _, _, _ in items])
+    got = fab.read([(s, o, n) for s, o, n, _ in items])
     dt = time.perf_counter() - t0
     for d, (_, _, _, p) in zip(got, items):
         if d is None or xxh3_64_hexdigest(d) != digests[p]:
