@@ -210,8 +210,7 @@ class ClusterHolders:
             "suspect_peers": sorted(n for n, c in self.clients.items() if c.is_suspect()),
             "fabric": None if self.fabric is None else {
                 **self.fabric.client.stats.as_dict(),
-                "suspect": self.fabric.client.is_suspect(),
-                "last_failure": self.fabric.client.last_failure},
+                "suspect": self.fabric.client.is_suspect()},
         }
 
     def reopen(self) -> tuple[Callable[..., Store], tuple[Any, ...]]:

@@ -17,7 +17,6 @@ deadline (net/fanout.py). It does not verify relayed bytes: the reader does.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -231,15 +230,13 @@ class Daemon:
 
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
-    def _relay(self, ranges: Sequence[tuple[int, int, int]], stream: bool = True
+    def _relay(self, ranges: Sequence[tuple[int, int, int]]
                ) -> list[bytes | None] | ReplyStream:
         """Ranges of shards this node does not hold, from their other holders, all peers at
         once; None for a range none gave within ``relay_timeout``. Where one live peer
         holds every range's shard (a reader sends one request per peer: cluster/fabric.py),
         that peer's reply itself, its bytes left in the connection for the server to pass
-        on by splice. With ``stream`` False (the rest of a passed-on reply whose peer
-        failed, which the reader is owed), bytes only, from the origin where no peer gives
-        them."""
+        on by splice."""
         holders = self.holders
         if holders is None:  # not bootstrapped yet
             return [None] * len(ranges)
@@ -249,13 +246,6 @@ class Daemon:
             return [h for h in holders.holders(shard)
                     if h is not origin and not getattr(h, "local", False)]
 
-        if not stream:
-            got = self.fanout.read(ranges, peers_of, self.o.relay_timeout)
-            for i, d in enumerate(got):
-                if d is None:
-                    with contextlib.suppress(SourceUnavailable, OSError):
-                        got[i] = origin.pread(*ranges[i])
-            return got
         peer = holders.common_holder({r[0] for r in ranges})
         if peer is not None and len(ranges) <= P.MAX_RANGES \
                 and sum(r[2] for r in ranges) <= self.server.limits.max_reply:

@@ -142,11 +142,9 @@ class ReplyStream:
     with ``splice``, never through Python (net/server.py). The connection stays taken from
     the client's pool until ``done``: given back if every byte was taken, else closed."""
 
-    def __init__(self, client: PeerClient, sock: socket.socket, head: DataHead,
-                 ranges: Sequence[tuple[int, int, int]]) -> None:
+    def __init__(self, client: PeerClient, sock: socket.socket, head: DataHead) -> None:
         self.client = client
         self.sock = sock
-        self.ranges = ranges
         self.statuses = head.statuses
         self.lengths = head.lengths
         self.size = sum(n for st, n in zip(head.statuses, head.lengths, strict=True)
@@ -168,28 +166,6 @@ class ReplyStream:
         self.size = 0
         self.done(True)
         return out
-
-    def after(self, taken: int) -> list[tuple[int, int, int]]:
-        """The (shard, offset, length) ranges of the reply's bytes after its first
-        ``taken``: what is still to come when the peer fails there."""
-        out = []
-        for (shard, offset, n), st in zip(self.ranges, self.statuses, strict=True):
-            if st != P.OK:
-                continue
-            if taken < n:
-                out.append((shard, offset + taken, n - taken))
-            taken = max(0, taken - n)
-        return out
-
-    def fail(self, exc: BaseException) -> None:
-        """The peer failed mid-reply: its connection is closed and it is suspect; once."""
-        if self._done:
-            return
-        self._done = True
-        try:
-            self.client._failed(self.sock, exc)
-        finally:
-            self.client._release()
 
     def done(self, whole: bool) -> None:
         """Give the connection back (``whole``: every byte of the reply was taken), else
@@ -261,7 +237,6 @@ class PeerClient:
         self.answered_at = float("-inf")
         self.backoff_range = backoff
         self.stats = ClientStats()
-        self.last_failure = ""  # what the last failure was, for status reports
         self._ids = itertools.count(1)
         tune_malloc()  # replies become sample-sized bytes: keep their memory for reuse
         self._reset()
@@ -363,7 +338,6 @@ class PeerClient:
 
     def _failed(self, sock: socket.socket | None, exc: BaseException) -> None:
         self.stats.failures += 1
-        self.last_failure = f"{type(exc).__name__}: {exc}"
         if sock is not None:
             sock.close()
         with self._lock:
@@ -601,7 +575,7 @@ class PeerClient:
             self._failed(sock, exc)
             self._release()
             raise PeerUnavailable(str(exc))
-        return ReplyStream(self, sock, head, ranges)
+        return ReplyStream(self, sock, head)
 
     def _read_batches(self, batches: list[list[tuple[int, int, int, int]]],
                       parts: dict[int, list[bytes | None]]) -> None:

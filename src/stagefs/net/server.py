@@ -59,9 +59,7 @@ log = logging.getLogger("stagefs.server")
 Locate = Callable[[int], str | None]
 # a relay answers a reader's ranges with their bytes (None: no peer gave it), or with one
 # peer's reply whose bytes are still in its connection (spliced on to the reader)
-# (called with ``stream=False`` for bytes only, from the origin where no peer gives them:
-# the rest of a reply whose peer failed after its head went out)
-Relay = Callable[..., "list[bytes | None] | ReplyStream"]
+Relay = Callable[[Sequence[tuple[int, int, int]]], "list[bytes | None] | ReplyStream"]
 _SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: preadv + sendmsg
 _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
@@ -114,7 +112,6 @@ class ServerStats:
     relay_peak: int = 0  # the most relays out at once (one per peer a reader's batch touches)
     relayed_streams: int = 0  # peers' replies passed on whole, by splice
     relayed_spliced: int = 0  # bytes of those, which never went through this process
-    relay_refills: int = 0  # of those, whose peer failed mid-reply: the rest read elsewhere
     bytes_served: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -165,18 +162,15 @@ class _Relayed:
 
     def move(self, out: int, count: int) -> int:
         """Move up to ``count`` bytes to ``out``; how many (0: blocked, on the peer when
-        the pipe is empty, else on ``out``). _PeerLost if the peer's connection ends,
-        OSError if the reader's does."""
+        the pipe is empty, else on ``out``). OSError if the peer's connection ends."""
         if not self.inpipe:
             try:
                 k = os.splice(self.peer, self.w, min(self.left, _PIPE), flags=_SPLICE)
             except BlockingIOError:
                 return 0
-            except OSError as exc:
-                raise _PeerLost(self, exc) from exc
             if k == 0:
-                raise _PeerLost(self, ConnectionResetError(
-                    errno.ECONNRESET, f"{self.stream.client.name}: closed mid-reply"))
+                raise OSError(errno.ECONNRESET, f"{self.stream.client.name}: closed "
+                              "mid-reply")
             self.left -= k
             self.inpipe += k
         try:
@@ -186,27 +180,16 @@ class _Relayed:
         self.inpipe -= k
         return k
 
-    def end(self, whole: bool, failed: BaseException | None = None) -> None:
-        """Every byte passed on (``whole``), or the reply given up, or the peer ``failed``:
-        the peer's connection goes back to its pool or is closed; once."""
+    def end(self, whole: bool) -> None:
+        """Every byte passed on (``whole``), or the reply given up: the peer's connection
+        goes back to its pool or is closed; once."""
         if self.closed:
             return
         self.closed = True
         self.conn.relays.discard(self)
         os.close(self.r)
         os.close(self.w)
-        if failed is not None:
-            self.stream.fail(failed)
-        else:
-            self.stream.done(whole and not self.left and not self.inpipe)
-
-
-class _PeerLost(Exception):
-    """The peer of a relayed reply failed while its bytes were being passed on."""
-
-    def __init__(self, relayed: _Relayed, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.relayed, self.cause = relayed, cause
+        self.stream.done(whole and not self.left and not self.inpipe)
 
 
 class _Spliced:
@@ -631,6 +614,14 @@ class ShardServer:
 
         def finish(got: list[bytes | None] | ReplyStream) -> None:  # in the loop's thread
             if isinstance(got, ReplyStream):
+                if not conn.closed and not _turn(conn, reply):
+                    # waiting for its turn it would hold the peer's connection while a
+                    # reply before it on this reader's connection may need that peer: its
+                    # bytes are taken into memory (in a relay thread) instead
+                    stream = got
+                    self._relays().submit(lambda: self._call_soon(
+                        lambda: finish(_rest(stream))))
+                    return
                 got = self._pass_on(conn, got, relay, status, data)
             self._relays_out -= 1
             for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
@@ -652,39 +643,12 @@ class ShardServer:
             try:
                 assert self.relay is not None
                 got = self.relay(asked)
-                if isinstance(got, ReplyStream):
-                    if self._offer(conn, reply, lambda: finish(got)):
-                        return
-                    # not its turn: waiting for it, it would hold the peer's connection
-                    # (one per peer, shared by every relay) while the replies before it
-                    # are taken, and one of them may need that very peer; its bytes are
-                    # taken here instead, by the thread that holds the connection
-                    got = _rest(got)
             except Exception:  # a relay that fails leaves the reader to go on
                 log.exception("relay of %d ranges failed", len(asked))
                 got = [None] * len(asked)
             self._call_soon(lambda: finish(got))
 
         self._relays().submit(work)
-
-    def _offer(self, conn: _Conn, reply: _Reply, take: Callable[[], None]) -> bool:
-        """From a relay thread: whether ``reply`` is the next to go out on ``conn`` (asked
-        in the loop's thread, which then runs ``take``); False once the server stops."""
-        answer: list[bool] = []
-        asked = threading.Event()
-
-        def look() -> None:  # in the loop's thread
-            ok = not conn.closed and bool(conn.replies) and conn.replies[0] is reply
-            if ok:
-                take()
-            answer.append(ok)
-            asked.set()
-
-        self._call_soon(look)
-        while not asked.wait(_TICK):
-            if self._stop.is_set():
-                return False
-        return answer[0]
 
     def _pass_on(self, conn: _Conn, stream: ReplyStream, relay: list[int], status: list[int],
                  data: list[Any]) -> list[Any]:
@@ -715,13 +679,12 @@ class ShardServer:
             self._end_relay(rel, True)
         return got
 
-    def _end_relay(self, rel: _Relayed, whole: bool, failed: BaseException | None = None
-                   ) -> None:
+    def _end_relay(self, rel: _Relayed, whole: bool) -> None:
         if rel.conn.waits_on is rel:
             rel.conn.waits_on = None
             with contextlib.suppress(KeyError, ValueError, OSError):
                 self._sel.unregister(rel.stream.sock)
-        rel.end(whole, failed)
+        rel.end(whole)
 
     def _peer_sent(self, rel: _Relayed) -> None:
         """A relayed reply's peer has sent more: go on passing it to its reader."""
@@ -765,58 +728,10 @@ class ShardServer:
                 if r.close_after:
                     self._close(conn)
                     return
-        except _PeerLost as lost:
-            self._refill(conn, replies[0], lost)
         except OSError:  # reset, broken pipe, a shard file cut short: this connection ends
             self._close(conn)
             return
         self._interest(conn)
-
-    def _refill(self, conn: _Conn, reply: _Reply, lost: _PeerLost) -> None:
-        """The peer of a reply being passed on failed after its head went out (the head
-        says which ranges come, and how long each is): the rest of its bytes are read from
-        the shards' other holders, or the origin, in a relay thread, and the reply goes on
-        from where it stopped. If they cannot be had, the reader's connection is closed
-        (its reader then reads them itself); never a wrong or missing byte in a frame."""
-        rel = lost.relayed
-        stream = rel.stream
-        taken = stream.size - rel.left - rel.inpipe  # what the reader has had
-        rest = stream.after(taken)
-        spliced = [p for p in reply.parts if isinstance(p, _Spliced) and p.relayed is rel]
-        self.stats.relay_refills += 1
-        log.info("%s: failed mid-reply (%s); the rest (%d bytes) from other holders",
-                 stream.client.name, lost.cause, sum(r[2] for r in rest))
-        self._end_relay(rel, False, lost.cause)
-        reply.ready = False
-        relay = self.relay
-        assert relay is not None
-
-        def fill(blob: bytes | None) -> None:  # in the loop's thread
-            if conn.closed:
-                return
-            if blob is None or len(blob) != sum(p.count for p in spliced):
-                self._close(conn)
-                return
-            view, pos = memoryview(blob), 0
-            for i, p in enumerate(reply.parts):
-                if isinstance(p, _Spliced) and p.relayed is rel:
-                    reply.parts[i] = view[pos : pos + p.count]
-                    pos += p.count
-            reply.ready = True
-            self._flush(conn)
-            self._arm(conn)
-
-        def work() -> None:  # in a relay thread
-            blob: bytes | None = None
-            try:
-                got = relay(rest, stream=False)
-                if isinstance(got, list) and all(d is not None for d in got):
-                    blob = b"".join(d for d in got if d is not None)
-            except Exception:
-                log.exception("the rest of a relayed reply could not be read")
-            self._call_soon(lambda: fill(blob))
-
-        self._relays().submit(work)
 
     def _send(self, conn: _Conn, parts: collections.deque[_Part]) -> bool:
         """Send ``parts`` from the front; True when all of them are out."""
@@ -1028,6 +943,17 @@ class ShardServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _turn(conn: _Conn, reply: _Reply) -> bool:
+    """Whether every reply before ``reply`` on ``conn`` has its parts (none waits for a
+    relay): then nothing before it can need a peer's connection it would hold."""
+    for r in conn.replies:
+        if r is reply:
+            return True
+        if not r.ready:
+            return False
+    return True
 
 
 def _rest(stream: ReplyStream) -> list[bytes | None]:
