@@ -178,10 +178,7 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
 
         def fabric_epoch() -> None:
             for i in range(0, len(ranges), BATCH):
-                batch = ranges[i : i + BATCH]
-                # as a reader's FabricHolder sends it: one request per holder
-                check(fabric.read(batch, [holder[r[0]] for r in batch]),
-                      range(i, min(i + BATCH, len(ranges))))
+                check(fabric.read(ranges[i : i + BATCH]), range(i, min(i + BATCH, len(ranges))))
 
         def direct_epoch() -> None:
             for n, c in direct.items():
@@ -230,7 +227,7 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
         all_t, alone_t = [], []
         for _ in range(max(20, runs * 4)):
             t0 = time.perf_counter()
-            fabric.read(spanning, [holder[r[0]] for r in spanning])
+            fabric.read(spanning)
             all_t.append(time.perf_counter() - t0)
             slowest = 0.0
             for part in per_peer.values():

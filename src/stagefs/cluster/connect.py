@@ -136,26 +136,12 @@ class ClusterHolders:
             here: list[ShardSource] = [t for t in self.tiers if t.holds(shard)]
             if here:
                 return here + self._static_after[nodes]
-        first, after, down = self._split(shard)
-        if len(first) > 1:
-            first = self._two_choices(first)
-        out: list[ShardSource] = [*first, *after, *down, self.origin]
-        if self.rank in nodes and shard not in self._mine:
-            # a copy this node made when a holder died (whatever this reader knows of the
-            # dead: one open() when there is none)
-            here = [t for t in self.tiers if t.holds(shard)]
-            return here + out
-        return out
-
-    def _split(self, shard: int) -> tuple[list[HedgedPeer], list[HedgedPeer], list[HedgedPeer]]:
-        """The shard's peers in ranking order: the live ones among its first K live nodes
-        (its holders now, this node counted), the live ones after them, the suspect ones."""
         k = len(self.placement.holders[shard])  # K, or every node (--replicate-all)
         first: list[HedgedPeer] = []
-        after: list[HedgedPeer] = []
-        down: list[HedgedPeer] = []
+        after: list[ShardSource] = []
+        down: list[ShardSource] = []
         live = 0  # live nodes of the ranking seen so far, this node included
-        for n in self._ranked_nodes[shard]:
+        for n in nodes:
             if n == self.rank:
                 live += 1
                 continue
@@ -167,18 +153,15 @@ class ClusterHolders:
                 live += 1
             else:
                 after.append(peer)
-        return first, after, down
-
-    def common_holder(self, shards: Iterable[int]) -> HedgedPeer | None:
-        """A live peer that is among the holders now of every one of ``shards`` (the one
-        with fewest requests in flight), or None."""
-        common: list[HedgedPeer] | None = None
-        for shard in shards:
-            first = self._split(shard)[0]
-            common = first if common is None else [p for p in common if p in first]
-            if not common:
-                return None
-        return None if not common else min(common, key=lambda p: p.outstanding)
+        if len(first) > 1:
+            first = self._two_choices(first)
+        out: list[ShardSource] = [*first, *after, *down, self.origin]
+        if self.rank in nodes and shard not in self._mine:
+            # a copy this node made when a holder died (whatever this reader knows of the
+            # dead: one open() when there is none)
+            here = [t for t in self.tiers if t.holds(shard)]
+            return here + out
+        return out
 
     def _two_choices(self, first: list[HedgedPeer]) -> list[HedgedPeer]:
         """Two of the live holders drawn at random, the one with fewer requests in flight

@@ -27,7 +27,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +51,9 @@ from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_ste
 from stagefs.config import format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
-from stagefs.net import protocol as P
-from stagefs.net.client import PeerClient, PeerUnavailable, ReplyStream
+from stagefs.net.client import PeerClient
 from stagefs.net.fanout import Fanout
-from stagefs.net.hedge import HedgedPeer, HedgePolicy
+from stagefs.net.hedge import HedgePolicy
 from stagefs.net.server import ServerLimits, ShardServer, raise_fd_limit
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
@@ -230,13 +229,9 @@ class Daemon:
 
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
-    def _relay(self, ranges: Sequence[tuple[int, int, int]]
-               ) -> list[bytes | None] | ReplyStream:
+    def _relay(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """Ranges of shards this node does not hold, from their other holders, all peers at
-        once; None for a range none gave within ``relay_timeout``. Where one live peer
-        holds every range's shard (a reader sends one request per peer: cluster/fabric.py),
-        that peer's reply itself, its bytes left in the connection for the server to pass
-        on by splice."""
+        once; None for a range none gave within ``relay_timeout``."""
         holders = self.holders
         if holders is None:  # not bootstrapped yet
             return [None] * len(ranges)
@@ -246,44 +241,7 @@ class Daemon:
             return [h for h in holders.holders(shard)
                     if h is not origin and not getattr(h, "local", False)]
 
-        peer = holders.common_holder({r[0] for r in ranges})
-        if peer is not None and len(ranges) <= P.MAX_RANGES \
-                and sum(r[2] for r in ranges) <= self.server.limits.max_reply:
-            st = self.fanout.stats  # the relay's counters: a stream is a batch of one part
-            st.batches += 1
-            st.ranges += len(ranges)
-            st.parts += 1
-            try:
-                return self._stream(peer, ranges, peers_of)
-            except PeerUnavailable as exc:  # suspect now: the fanout asks the other holders
-                if isinstance(exc.__cause__, TimeoutError):
-                    peer.gave_up += 1  # as a hedged batch would count it
-                st.batches -= 1  # counted again by the fanout
-                st.ranges -= len(ranges)
         return self.fanout.read(ranges, peers_of, self.o.relay_timeout)
-
-    def _stream(self, peer: HedgedPeer, ranges: Sequence[tuple[int, int, int]],
-                peers_of: Callable[[int], Sequence[Any]]) -> list[bytes | None] | ReplyStream:
-        """``peer``'s reply to all of ``ranges``: as a stream if it gave every one, else
-        its bytes and the rest from the fanout. Its head must come within the hedging delay
-        when another replica could answer (the origin's when none could), as a hedged
-        batch's would; a peer that misses it is suspect."""
-        others = any(len(peers_of(s)) > 1 for s in {r[0] for r in ranges})
-        times = peer.batch_times
-        peer._begin()
-        try:
-            stream = peer.client.stream(ranges, times.delay() if others
-                                        else times.origin_delay())
-        finally:
-            peer._end()
-        if all(st == P.OK for st in stream.statuses):
-            return stream
-        got = stream.rest()
-        missing = [i for i, d in enumerate(got) if d is None]
-        more = self.fanout.read([ranges[i] for i in missing], peers_of, self.o.relay_timeout)
-        for i, d in zip(missing, more, strict=True):
-            got[i] = d
-        return got
 
     # -- what STATUS answers ---------------------------------------------------------------
 

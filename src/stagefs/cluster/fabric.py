@@ -57,25 +57,10 @@ class FabricHolder:
                               f"shard {shard}")
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
-        """One request per peer that holds the ranges (its shards' first holder), all
-        pipelined: the daemon relays each whole to that one peer, and passes its bytes on
-        without reading them (net/server.py)."""
         try:
-            return self.client.read(ranges, self._groups(ranges))
+            return self.client.read(ranges)
         except SourceUnavailable:
             return [None] * len(ranges)
-
-    def _groups(self, ranges: Sequence[tuple[int, int, int]]) -> list[int]:
-        key: dict[int, int] = {}  # shard -> its first holder's number
-        holder: dict[int, int] = {}  # id of a holder -> its number
-        out = []
-        for shard, _, _ in ranges:
-            k = key.get(shard)
-            if k is None:
-                hs = self._direct(shard)
-                k = key[shard] = holder.setdefault(id(hs[0]) if hs else 0, len(holder))
-            out.append(k)
-        return out
 
     def close(self) -> None:
         self.client.close()

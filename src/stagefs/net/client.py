@@ -43,8 +43,8 @@ from stagefs.net.sockio import (
 )
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["ClientStats", "DataHead", "PeerAuthenticationError", "PeerClient", "PeerSource",
-           "PeerUnavailable", "ReplyStream"]
+__all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
+           "PeerUnavailable"]
 
 log = logging.getLogger("stagefs.client")
 
@@ -105,88 +105,18 @@ class _ReplyRecv:
             raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
         return b"".join(parts)
 
-    def head(self) -> P.Message | DataHead:
-        """The next message, but of a DATA reply only its head: its ranges' bytes stay in
-        the socket (``DataHead``), the frame checked as ``protocol.decode_payload`` does."""
+    def message(self) -> P.Message:
+        """The next message; a DATA reply's ranges each received into its own bytes
+        object, the frame checked as ``protocol.decode_payload`` checks it."""
         mtype, length = P.parse_header(self.bytes(P.HEADER.size))
         if mtype != P.T_DATA:
             return P.decode_payload(mtype, self.bytes(length) if length else b"")
         rid, count = P.data_head(self.bytes(P.DATA_HEAD), length)
         statuses, lengths = P.data_slots(self.bytes(count * P.SLOT_SIZE) if count else b"",
                                          count, length)
-        return DataHead(rid, statuses, lengths)
-
-    def message(self) -> P.Message:
-        """The next message; a DATA reply's ranges each received into its own bytes
-        object."""
-        got = self.head()
-        if not isinstance(got, DataHead):
-            return got
         chunks = [self.bytes(n) if st == P.OK else None
-                  for st, n in zip(got.statuses, got.lengths, strict=True)]
-        return P.Data(got.request_id, tuple(chunks), tuple(got.statuses))
-
-
-@dataclass(frozen=True, slots=True)
-class DataHead:
-    """A DATA reply's head: each range's status and length; its bytes follow in order."""
-
-    request_id: int
-    statuses: list[int]
-    lengths: list[int]
-
-
-class ReplyStream:
-    """A DATA reply whose head has arrived and whose ranges' bytes are still in the
-    connection, in order (``size`` of them): the node daemon moves them on to its reader
-    with ``splice``, never through Python (net/server.py). The connection stays taken from
-    the client's pool until ``done``: given back if every byte was taken, else closed."""
-
-    def __init__(self, client: PeerClient, sock: socket.socket, head: DataHead) -> None:
-        self.client = client
-        self.sock = sock
-        self.statuses = head.statuses
-        self.lengths = head.lengths
-        self.size = sum(n for st, n in zip(head.statuses, head.lengths, strict=True)
-                        if st == P.OK)
-        self._done = False
-
-    def rest(self) -> list[bytes | None]:
-        """Take each OK range's bytes here instead (None for the others), and give the
-        connection back. Raises PeerUnavailable if the peer fails meanwhile."""
-        recv = _ReplyRecv(self.sock, self.client.timeout)
-        try:
-            out = [recv.bytes(n) if st == P.OK else None
-                   for st, n in zip(self.statuses, self.lengths, strict=True)]
-        except OSError as exc:
-            self._done = True
-            self.client._failed(self.sock, exc)
-            self.client._release()
-            raise PeerUnavailable(f"{self.client.name}: {exc}") from exc
-        self.size = 0
-        self.done(True)
-        return out
-
-    def done(self, whole: bool) -> None:
-        """Give the connection back (``whole``: every byte of the reply was taken), else
-        close it; once."""
-        if self._done:
-            return
-        self._done = True
-        c = self.client
-        try:
-            if whole:
-                self.sock.setblocking(True)
-                set_timeouts(self.sock, c.timeout)
-                c.stats.requests += 1
-                c.stats.ranges += len(self.statuses)
-                c.stats.bytes += self.size
-                c._answered()
-                c._give(self.sock)
-            else:
-                self.sock.close()
-        finally:
-            c._release()
+                  for st, n in zip(statuses, lengths, strict=True)]
+        return P.Data(rid, tuple(chunks), tuple(statuses))
 
 
 class PeerUnavailable(SourceUnavailable):
@@ -467,20 +397,13 @@ class PeerClient:
             self._release()
 
     def _exchange_on(self, sock: socket.socket, pooled: bool, msgs: Sequence[P.Message],
-                     handle: Callable[[int, Any], None], *, head_only: bool = False,
-                     timeout: float | None = None) -> socket.socket:
-        """Send ``msgs``, hand each reply to ``handle``; the connection used (``sock``, or
-        a new one where a pooled one had gone stale). With ``head_only`` (one message), a
-        DATA reply is handed over as its ``DataHead`` and the connection is not given back:
-        its bytes are still to be taken."""
+                     handle: Callable[[int, P.Message], None]) -> None:
         received = False
-        seconds = self.timeout if timeout is None else timeout
         try:
-            send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, seconds))
+            send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, self.timeout))
             self.stats.sent += len(msgs)
             for i in range(len(msgs)):
-                recv = _ReplyRecv(sock, seconds)
-                reply = recv.head() if head_only else recv.message()
+                reply = _ReplyRecv(sock, self.timeout).message()
                 received = True
                 if isinstance(reply, P.Error):
                     raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
@@ -493,8 +416,8 @@ class PeerClient:
                 # the peer closed this pooled connection while it sat idle (its idle
                 # timeout, a restart): not a failure of the peer; once more on a new one
                 sock.close()
-                return self._exchange_on(self._connect(), False, msgs, handle,  # same slot
-                                         head_only=head_only, timeout=timeout)
+                self._exchange_on(self._connect(), False, msgs, handle)  # in the same slot
+                return
             self._failed(sock, exc)
             raise PeerUnavailable(f"{self.name}: {exc}") from exc
         except (OSError, ProtocolError) as exc:
@@ -503,38 +426,26 @@ class PeerClient:
         except BaseException:
             sock.close()
             raise
-        if head_only:
-            return sock
         self._answered()
         self._give(sock)
-        return sock
 
     # -- requests --------------------------------------------------------------------------
 
-    def read(self, ranges: Sequence[tuple[int, int, int]],
-             groups: Sequence[int] | None = None) -> list[bytes | None]:
+    def read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """The bytes of each (shard, offset, length), or None where the peer does not hold
         it. Raises PeerUnavailable if the peer cannot answer.
 
         The ranges go in requests of about ``_BATCH_BYTES`` each, pipelined on one
-        connection (a range over the reply limit is split and joined again); with
-        ``groups`` (a key per range), no request mixes ranges of two keys (the node
-        fabric's reader: one request per peer that holds them, which the daemon relays
-        whole)."""
+        connection (a range over the reply limit is split and joined again)."""
         out: list[bytes | None] = [None] * len(ranges)
-        order: Sequence[int] = range(len(ranges)) if groups is None else sorted(
-            range(len(ranges)), key=groups.__getitem__)
         pieces: list[tuple[int, int, int, int]] = []  # index, shard, offset, length
-        for i in order:
-            s, o, n = ranges[i]
+        for i, (s, o, n) in enumerate(ranges):
             for start in range(0, max(n, 1), _REPLY_LIMIT):
                 pieces.append((i, s, o + start, min(_REPLY_LIMIT, n - start)))
         batches: list[list[tuple[int, int, int, int]]] = [[]]
         size = 0
         for p in pieces:
-            if batches[-1] and (size + p[3] > _BATCH_BYTES or len(batches[-1]) >= P.MAX_RANGES
-                                or (groups is not None and groups[p[0]] != groups[
-                                    batches[-1][-1][0]])):
+            if batches[-1] and (size + p[3] > _BATCH_BYTES or len(batches[-1]) >= P.MAX_RANGES):
                 batches.append([])
                 size = 0
             batches[-1].append(p)
@@ -547,35 +458,6 @@ class PeerClient:
                 out[i] = chunks[0] if len(chunks) == 1 else b"".join(
                     c for c in chunks if c is not None)
         return out
-
-    def stream(self, ranges: Sequence[tuple[int, int, int]], timeout: float | None = None
-               ) -> ReplyStream:
-        """One READ of ``ranges`` whose reply's head must arrive within ``timeout`` seconds
-        (default: the client's); its bytes are left in the connection (``ReplyStream``).
-        Raises PeerUnavailable as ``read`` does (the peer is then suspect), and ValueError
-        for more ranges or bytes than one reply may carry."""
-        if len(ranges) > P.MAX_RANGES or sum(r[2] for r in ranges) > _REPLY_LIMIT:
-            raise ValueError("too many ranges or bytes for one reply")
-        rid = next(self._ids) & 0xFFFFFFFF
-        msg = P.Read(rid, tuple(P.Range(sh, o, n) for sh, o, n in ranges))
-        heads: list[Any] = []
-        sock, pooled = self._take()
-        try:
-            sock = self._exchange_on(sock, pooled, [msg], lambda _i, h: heads.append(h),
-                                     head_only=True, timeout=timeout)
-        except BaseException:
-            self._release()
-            raise
-        head = heads[0]
-        if not isinstance(head, DataHead) or head.request_id != rid or len(
-                head.statuses) != len(ranges) or any(
-                st == P.OK and n != r[2]
-                for st, n, r in zip(head.statuses, head.lengths, ranges, strict=True)):
-            exc = ProtocolError(f"{self.name}: reply does not match the request")
-            self._failed(sock, exc)
-            self._release()
-            raise PeerUnavailable(str(exc))
-        return ReplyStream(self, sock, head)
 
     def _read_batches(self, batches: list[list[tuple[int, int, int, int]]],
                       parts: dict[int, list[bytes | None]]) -> None:

@@ -49,26 +49,19 @@ from stagefs.errors import ConfigError, ProtocolError
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.client import ReplyStream
-from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "raise_fd_limit"]
 
 log = logging.getLogger("stagefs.server")
 
 Locate = Callable[[int], str | None]
-# a relay answers a reader's ranges with their bytes (None: no peer gave it), or with one
-# peer's reply whose bytes are still in its connection (spliced on to the reader)
-Relay = Callable[[Sequence[tuple[int, int, int]]], "list[bytes | None] | ReplyStream"]
+Relay = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]
 _SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: preadv + sendmsg
 _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
 _MAX_QUEUED = 64  # replies queued on one connection before it is read again
 _IOV = 512  # buffers per sendmsg (IOV_MAX is 1024)
 _TICK = 1.0  # the loop wakes at least this often (stop, paused accepts)
-_PIPE = 2**20  # bytes a splice pipe holds (the most an unprivileged process may ask)
-_F_SETPIPE_SZ = 1031
-_SPLICE = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +102,6 @@ class ServerStats:
     relayed_requests: int = 0  # requests of this node's readers that went to peers too
     relayed_ranges: int = 0
     relayed_missing: int = 0  # of which no peer gave: NOT_HELD, the reader goes on
-    relay_peak: int = 0  # the most relays out at once (one per peer a reader's batch touches)
-    relayed_streams: int = 0  # peers' replies passed on whole, by splice
-    relayed_spliced: int = 0  # bytes of those, which never went through this process
     bytes_served: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -140,77 +130,14 @@ class _File:
         self.fd, self.offset, self.count = fd, offset, count
 
 
-class _Relayed:
-    """A peer's reply being passed on to a reader: its bytes go from the peer's connection
-    through a pipe to the reader's socket with ``splice``, never through Python."""
-
-    __slots__ = ("closed", "conn", "inpipe", "left", "peer", "r", "stream", "w")
-
-    def __init__(self, stream: ReplyStream, conn: _Conn) -> None:
-        self.stream = stream
-        self.conn = conn
-        self.peer = stream.sock.fileno()
-        self.left = stream.size  # still in the peer's connection
-        self.inpipe = 0
-        self.closed = False
-        self.r, self.w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        with contextlib.suppress(OSError):
-            import fcntl
-
-            fcntl.fcntl(self.w, _F_SETPIPE_SZ, _PIPE)
-        stream.sock.setblocking(False)
-
-    def move(self, out: int, count: int) -> int:
-        """Move up to ``count`` bytes to ``out``; how many (0: blocked, on the peer when
-        the pipe is empty, else on ``out``). OSError if the peer's connection ends."""
-        if not self.inpipe:
-            try:
-                k = os.splice(self.peer, self.w, min(self.left, _PIPE), flags=_SPLICE)
-            except BlockingIOError:
-                return 0
-            if k == 0:
-                raise OSError(errno.ECONNRESET, f"{self.stream.client.name}: closed "
-                              "mid-reply")
-            self.left -= k
-            self.inpipe += k
-        try:
-            k = os.splice(self.r, out, min(self.inpipe, count), flags=_SPLICE)
-        except BlockingIOError:
-            return 0
-        self.inpipe -= k
-        return k
-
-    def end(self, whole: bool) -> None:
-        """Every byte passed on (``whole``), or the reply given up: the peer's connection
-        goes back to its pool or is closed; once."""
-        if self.closed:
-            return
-        self.closed = True
-        self.conn.relays.discard(self)
-        os.close(self.r)
-        os.close(self.w)
-        self.stream.done(whole and not self.left and not self.inpipe)
-
-
-class _Spliced:
-    """``count`` bytes of a reply to pass on from a peer's (``_Relayed``)."""
-
-    __slots__ = ("count", "relayed")
-
-    def __init__(self, relayed: _Relayed, count: int) -> None:
-        self.relayed, self.count = relayed, count
-
-
-_Part = memoryview | _File | _Spliced
-
-
 class _Reply:
     """One reply frame as parts to send; not ready while a relay is still out."""
 
     __slots__ = ("close_after", "parts", "ready", "started")
 
-    def __init__(self, parts: list[_Part] | None = None, close_after: bool = False) -> None:
-        self.parts: collections.deque[_Part] = collections.deque(parts or ())
+    def __init__(self, parts: list[memoryview | _File] | None = None,
+                 close_after: bool = False) -> None:
+        self.parts: collections.deque[memoryview | _File] = collections.deque(parts or ())
         self.ready = parts is not None
         self.started = False
         self.close_after = close_after
@@ -221,8 +148,7 @@ _HANDSHAKE, _READY, _CLOSED = 0, 1, 2
 
 class _Conn:
     __slots__ = ("authed_at", "closed", "deadline", "decoder", "events", "fd", "frame_at",
-                 "io_at", "last", "nonce", "relays", "replies", "sock", "state", "unix",
-                 "waits_on", "where")
+                 "io_at", "last", "nonce", "replies", "sock", "state", "unix", "where")
 
     def __init__(self, sock: socket.socket, where: str, unix: bool, now: float) -> None:
         self.sock = sock
@@ -240,8 +166,6 @@ class _Conn:
         self.io_at = 0.0  # when the reply being sent must be out
         self.last = now  # last activity: the idle deadline counts from here
         self.deadline = 0.0
-        self.relays: set[_Relayed] = set()  # peers' replies being passed on to this reader
-        self.waits_on: _Relayed | None = None  # the one whose peer has not sent enough yet
 
 
 class _Listener:
@@ -333,7 +257,6 @@ class ShardServer:
         self._rbuf = bytearray(_RECV)
         self._done: collections.deque[Callable[[], None]] = collections.deque()
         self._relay_pool: ThreadPoolExecutor | None = None
-        self._relays_out = 0  # relays submitted and not finished (the loop's thread only)
         self._accept_paused: list[_Listener] = []
         self._paused_until = 0.0
         self._torn_down = False
@@ -396,8 +319,6 @@ class ShardServer:
                     self._run_done()
                 elif isinstance(obj, _Listener):
                     self._accept(obj)
-                elif isinstance(obj, _Relayed):
-                    self._peer_sent(obj)
                 elif not obj.closed:
                     if ev & selectors.EVENT_READ:
                         self._on_read(obj)
@@ -605,28 +526,13 @@ class ShardServer:
             return
         st.relayed_requests += 1
         st.relayed_ranges += len(relay)
-        self._relays_out += 1
-        st.relay_peak = max(st.relay_peak, self._relays_out)
         reply = _Reply()
         conn.replies.append(reply)
         asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
                  for i in relay]
 
-        def finish(got: list[bytes | None] | ReplyStream) -> None:  # in the loop's thread
-            if isinstance(got, ReplyStream):
-                if not conn.closed and not _turn(conn, reply):
-                    # waiting for its turn it would hold the peer's connection while a
-                    # reply before it on this reader's connection may need that peer: its
-                    # bytes are taken into memory (in a relay thread) instead
-                    stream = got
-                    self._relays().submit(lambda: self._call_soon(
-                        lambda: finish(_rest(stream))))
-                    return
-                got = self._pass_on(conn, got, relay, status, data)
-            self._relays_out -= 1
+        def finish(got: list[bytes | None]) -> None:  # in the loop's thread
             for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
-                if chunk is _PASSED:
-                    continue
                 if chunk is not None and len(chunk) == length:
                     status[i], data[i] = P.OK, chunk
                 else:
@@ -639,7 +545,6 @@ class ShardServer:
                 self._arm(conn)
 
         def work() -> None:  # in a relay thread
-            got: list[bytes | None] | ReplyStream
             try:
                 assert self.relay is not None
                 got = self.relay(asked)
@@ -650,52 +555,6 @@ class ShardServer:
 
         self._relays().submit(work)
 
-    def _pass_on(self, conn: _Conn, stream: ReplyStream, relay: list[int], status: list[int],
-                 data: list[Any]) -> list[Any]:
-        """A peer's reply to ranges ``relay`` of a reader's request, its bytes still in the
-        peer's connection: each OK range becomes a part spliced on from there. What
-        ``finish`` then takes: _PASSED for those, None for the others (NOT_HELD)."""
-        if conn.closed:
-            stream.done(False)
-            return [None] * len(relay)
-        try:
-            rel = _Relayed(stream, conn)
-        except OSError as exc:  # no descriptor for a pipe: the reader's next holder answers
-            log.warning("cannot pass a relayed reply on (%s)", exc)
-            stream.done(False)
-            return [None] * len(relay)
-        conn.relays.add(rel)
-        st = self.stats
-        st.relayed_streams += 1
-        st.relayed_spliced += stream.size
-        got: list[Any] = []
-        for i, code, n in zip(relay, stream.statuses, stream.lengths, strict=True):
-            if code == P.OK:
-                status[i], data[i] = P.OK, _Spliced(rel, n)
-                got.append(_PASSED)
-            else:
-                got.append(None)
-        if not rel.left:
-            self._end_relay(rel, True)
-        return got
-
-    def _end_relay(self, rel: _Relayed, whole: bool) -> None:
-        if rel.conn.waits_on is rel:
-            rel.conn.waits_on = None
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self._sel.unregister(rel.stream.sock)
-        rel.end(whole)
-
-    def _peer_sent(self, rel: _Relayed) -> None:
-        """A relayed reply's peer has sent more: go on passing it to its reader."""
-        with contextlib.suppress(KeyError, ValueError, OSError):
-            self._sel.unregister(rel.stream.sock)
-        conn = rel.conn
-        if conn.waits_on is rel:
-            conn.waits_on = None
-        if not conn.closed and not rel.closed:
-            self._flush(conn)
-
     def _relays(self) -> ThreadPoolExecutor:
         if self._relay_pool is None:
             self._relay_pool = ThreadPoolExecutor(self.limits.relay_threads,
@@ -704,10 +563,10 @@ class ShardServer:
 
     # -- writing replies ---------------------------------------------------------------------
 
-    def _queue(self, conn: _Conn, parts: list[bytes | memoryview] | list[_Part],
+    def _queue(self, conn: _Conn, parts: list[bytes | memoryview] | list[memoryview | _File],
                close_after: bool = False) -> None:
-        views: list[_Part] = [p if isinstance(p, _File | _Spliced) else memoryview(p)
-                              for p in parts if isinstance(p, _File | _Spliced) or len(p)]
+        views: list[memoryview | _File] = [p if isinstance(p, _File) else memoryview(p)
+                                           for p in parts if isinstance(p, _File) or len(p)]
         conn.replies.append(_Reply(views, close_after))
         self._flush(conn)
 
@@ -733,25 +592,11 @@ class ShardServer:
             return
         self._interest(conn)
 
-    def _send(self, conn: _Conn, parts: collections.deque[_Part]) -> bool:
+    def _send(self, conn: _Conn, parts: collections.deque[memoryview | _File]) -> bool:
         """Send ``parts`` from the front; True when all of them are out."""
         sock, out = conn.sock, conn.fd
         while parts:
             head = parts[0]
-            if isinstance(head, _Spliced):
-                rel = head.relayed
-                k = rel.move(out, head.count)
-                if not k:  # the peer has not sent it yet, or the reader's socket is full
-                    if not rel.inpipe and conn.waits_on is None:
-                        conn.waits_on = rel
-                        self._sel.register(rel.stream.sock, selectors.EVENT_READ, rel)
-                    return False
-                head.count -= k
-                if not head.count:
-                    parts.popleft()
-                    if not rel.left and not rel.inpipe:
-                        self._end_relay(rel, True)
-                continue
             if isinstance(head, _File):
                 try:
                     k = os.sendfile(out, head.fd, head.offset, head.count)
@@ -766,7 +611,7 @@ class ShardServer:
                 continue
             views: list[memoryview] = []
             for p in itertools.islice(parts, _IOV):
-                if not isinstance(p, memoryview):
+                if isinstance(p, _File):
                     break
                 views.append(p)
             try:
@@ -792,8 +637,8 @@ class ShardServer:
         ev = 0
         if len(conn.replies) < _MAX_QUEUED:
             ev |= selectors.EVENT_READ
-        if conn.replies and conn.replies[0].ready and conn.waits_on is None:
-            ev |= selectors.EVENT_WRITE  # (else the peer's connection is watched instead)
+        if conn.replies and conn.replies[0].ready:
+            ev |= selectors.EVENT_WRITE
         if ev == conn.events:
             return
         if not ev:
@@ -877,8 +722,6 @@ class ShardServer:
                 self.stats.tcp_peers -= 1
         self.stats.active -= 1
         conn.replies.clear()
-        for rel in list(conn.relays):
-            self._end_relay(rel, False)
         conn.sock.close()
 
     # -- shard files -------------------------------------------------------------------------
@@ -945,49 +788,24 @@ class ShardServer:
         self.close()
 
 
-def _turn(conn: _Conn, reply: _Reply) -> bool:
-    """Whether every reply before ``reply`` on ``conn`` has its parts (none waits for a
-    relay): then nothing before it can need a peer's connection it would hold."""
-    for r in conn.replies:
-        if r is reply:
-            return True
-        if not r.ready:
-            return False
-    return True
-
-
-def _rest(stream: ReplyStream) -> list[bytes | None]:
-    try:
-        return stream.rest()
-    except SourceUnavailable:
-        return [None] * len(stream.statuses)
-
-
 _TABLE = struct.Struct("!BI")
-_Chunk = memoryview | _File | _Spliced | bytes
-_PASSED = object()  # a relayed range passed on by splice (``_pass_on``)
+_Chunk = memoryview | _File | bytes
 
 
 def _data_parts(request_id: int, status: list[int], data: Sequence[_Chunk | None]
-                ) -> list[_Part]:
+                ) -> list[memoryview | _File]:
     """A DATA frame as parts: header and slot table in one buffer, then each OK range (a
-    view of the reply's buffer, a relayed chunk, a file range for sendfile, or a peer's
-    bytes to splice on)."""
+    view of the reply's buffer, a relayed chunk, or a file range for sendfile)."""
     table = bytearray(struct.pack("!II", request_id, len(status)))
-    body: list[_Part] = []
+    body: list[memoryview | _File] = []
     size = 0
     for st, d in zip(status, data, strict=True):
         if st == P.OK and d is not None:
-            part = d if isinstance(d, _File | _Spliced) else memoryview(d)
-            n = part.nbytes if isinstance(part, memoryview) else part.count
+            part = d if isinstance(d, _File) else memoryview(d)
+            n = part.count if isinstance(part, _File) else part.nbytes
             table += _TABLE.pack(P.OK, n)
             if n:
-                last = body[-1] if body else None
-                if isinstance(part, _Spliced) and isinstance(last, _Spliced) \
-                        and last.relayed is part.relayed:
-                    last.count += n  # one peer's bytes back to back: spliced as one run
-                else:
-                    body.append(part)
+                body.append(part)
             size += n
         else:
             table += _TABLE.pack(st if st != P.OK else P.NOT_HELD, 0)
