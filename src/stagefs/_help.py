@@ -50,7 +50,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
     "mount": (("stagefs mount /data/imagenet.pack /mnt/imagenet --tier /dev/shm/$USER/data:16GiB",
                "stagefs mount --connect /mnt/imagenet   # the cluster's dataset",
                "stagefs mount -f /data/imagenet.pack ~/mnt   # until Ctrl-C"),
-              _STORE + _CONNECT, True),
+              (*_STORE, *_CONNECT, "STAGEFS_FUSE_PUSH"), True),
     "umount": (("stagefs umount /mnt/imagenet", "stagefs umount ~/mnt"), (), False),
     "stage": (("stagefs stage /data/imagenet.pack --tier /dev/shm/$USER/data:16GiB "
                "--tier /nvme/$USER/data:80%",

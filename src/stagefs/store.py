@@ -435,9 +435,10 @@ class Store:
             out[k] = self.read_entry(el[k], names[k])
 
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
-                   length: int = -1) -> bytes:
+                   length: int = -1, *, count: bool = True) -> bytes:
         """The verified bytes of entry ``e``: the whole file, or ``length`` bytes from
-        ``start`` (to the end if ``length`` is negative).
+        ``start`` (to the end if ``length`` is negative). ``count=False``: not counted in
+        the read counters (a sample a front end counted already, ``count_delivered``).
 
         The one read path: each holder of the shard in turn (the tiers, then the origin)
         until one returns bytes that pass the checksum: the file's for a whole file, the
@@ -456,8 +457,8 @@ class Store:
             if start >= end:
                 return b""
             piece = self.manifest.piece_size
-            if codec or size <= piece:
-                return self.read_entry(e, path)[start:end]  # one piece: the whole file
+            if codec or size <= piece:  # one piece: the whole file
+                return self.read_entry(e, path, count=count)[start:end]
             if self.verify:
                 sums = self.manifest.piece_sums(e) or self._derived.get(e)
                 derive = sums is None
@@ -496,7 +497,8 @@ class Store:
             except CorruptShardError as exc:
                 self._bad(src, e, path, exc, tried, src is holders[-1])
                 continue
-            self._count(src, 1, len(data))
+            if count:
+                self._count(src, 1, len(data))
             if src is self.origin and self._from_origin is not None and stored == \
                     self._stored[e]:
                 self._from_origin(shard, offset, raw, self.verify)
@@ -572,6 +574,13 @@ class Store:
         if self._counts is not None:
             holder = "origin" if src is self.origin else getattr(src, "holder", "peer")
             self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes)
+
+    def count_delivered(self, nbytes: int) -> None:
+        """One sample of ``nbytes`` that a front end delivered without a read through this
+        Store (the FUSE mount pushing a streamed file into the kernel's page cache, which
+        then serves the program's read): counted as the origin's, as a stream's bytes are
+        in the first epoch."""
+        self._count(self.origin, 1, nbytes)
 
     def _unavailable(self) -> None:
         self.stats.unavailable += 1

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -12,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,4 +172,137 @@ def test_a_long_listing_over_many_readdirplus_requests_is_whole(tmp_path: Path) 
     finally:
         if is_mounted(str(mp)):
             unmount(str(mp))
+        server.wait(timeout=60)
+
+
+_SERVE_TIER = "import sys, stagefs; from stagefs.posix import fuse; " \
+    "fuse.mount(stagefs.open(sys.argv[1], tiers=[sys.argv[3]], runtime=sys.argv[4]), " \
+    "sys.argv[2], debug=True)"
+
+
+def _mount_tier(tmp_path: Path, files: dict[str, bytes], push: bool,
+                corrupt: str | None = None) -> tuple[Traced, subprocess.Popen[bytes], Path]:
+    """A traced mount of ``files`` (one shard) with a tier, pushing or not; ``corrupt``:
+    a file whose bytes in the pack are flipped after packing."""
+    for rel, data in files.items():
+        (tmp_path / "raw" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "raw" / rel).write_bytes(data)
+    pack = tmp_path / "pack"
+    stagefs.pack(tmp_path / "raw", pack, jobs=1, progress=False, echo=lambda _m: None,
+                 compress="none")
+    if corrupt is not None:
+        from stagefs.format import MANIFEST_NAME, Manifest
+
+        m = Manifest(str(pack / MANIFEST_NAME))
+        e = m.lookup(corrupt.encode())
+        shard = pack / m.shards[int(m.shard[e])].name
+        at = int(m.offset[e]) + int(m.stored[e]) // 2
+        m.close()
+        with open(shard, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    mp, log, rt = tmp_path / "mnt", tmp_path / "server.log", tmp_path / "rt"
+    mp.mkdir()
+    env = {**os.environ, "STAGEFS_FUSE_PUSH": "1" if push else "0"}
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-c", _SERVE_TIER, str(pack), str(mp),
+                                   str(tmp_path / "tier"), str(rt)], stdout=out, stderr=out,
+                                  stdin=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 60
+    while not is_mounted(str(mp)):
+        assert server.poll() is None, log.read_text(errors="replace")[-2000:]
+        assert time.monotonic() < deadline, "the mount did not come up"
+        time.sleep(0.02)
+    return Traced(log, mp), server, rt
+
+
+def _counted(rt: Path) -> int:
+    from stagefs.tiers.status import read_counts
+
+    c = read_counts(str(rt / "stats"))
+    return sum(c[f"{h}_reads"] for h in ("memory", "disk", "peer", "origin"))
+
+
+def _wait(until: Any, what: str) -> None:
+    deadline = time.monotonic() + 60
+    while not until():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def _small_files(seed: int) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    return {f"d/f{i:02d}.bin": rng.randbytes(rng.randint(3_000, 150_000)) for i in range(40)}
+
+
+@pytest.mark.parametrize("push", [True, False])
+def test_streamed_files_are_pushed_into_the_page_cache(tmp_path: Path, push: bool) -> None:
+    """A program lists the directory and reads one file: the stream then brings the rest
+    of the shard, and (pushing, the default) each file goes into the kernel's page cache,
+    so reading the others asks this server for nothing; every byte is right and each
+    sample is counted once. Without the push, each of them is a READ."""
+    from stagefs.runtime import Runtime
+    from stagefs.tiers.status import job_status
+
+    files = _small_files(11)
+    t, server, rt = _mount_tier(tmp_path, files, push)
+    try:
+        names = sorted(files)
+        t.mark("list")
+        assert sorted(e.name for e in os.scandir(t.mp / "d")) == [n[2:] for n in names]
+        t.mark("first")
+        assert _read_fd(t.mp / names[0]) == files[names[0]]
+        if push:
+            _wait(lambda: _counted(rt) == len(files), "the streamed files were not pushed")
+        else:
+            _wait(lambda: any(v["shards_held"] for v in job_status(Runtime(str(rt)))[
+                "tiers"]), "the shard was not streamed")
+        t.mark("rest")
+        for rel in names[1:]:
+            assert _read_fd(t.mp / rel) == files[rel]
+        t.mark("end")
+        reads = t.requests("rest")["READ"]
+        if push:
+            assert reads == 0
+        else:
+            assert reads >= len(files) - 1
+        assert _counted(rt) == len(files)  # once each: pushed, or read
+    finally:
+        if is_mounted(str(t.mp)):
+            unmount(str(t.mp))
+        server.wait(timeout=60)
+
+
+def test_a_file_bad_at_the_origin_is_never_pushed(tmp_path: Path) -> None:
+    """One file's bytes flipped in the pack, in the middle of a shard of about three
+    stream reads: the stream's check stops the shard there; the files of the reads before
+    it are pushed, none of the bad read's; the bad file's read fails with EIO and every
+    other file reads right, pushed or not."""
+    rng = random.Random(12)
+    files = {f"d/f{i:03d}.bin": rng.randbytes(rng.randint(20_000, 150_000))
+             for i in range(120)}
+    names = sorted(files)
+    bad = names[70]
+    t, server, rt = _mount_tier(tmp_path, files, True, corrupt=bad)
+    try:
+        list(os.scandir(t.mp / "d"))
+        assert _read_fd(t.mp / names[0]) == files[names[0]]
+        _wait(lambda: b"streaming stopped" in t.log.read_bytes(),
+              "the stream did not stop at the bad file")
+        _wait(lambda: _counted(rt) > 1, "nothing was pushed")
+        t.mark("rest")
+        for rel in names[1:]:
+            if rel == bad:
+                with pytest.raises(OSError) as err:
+                    _read_fd(t.mp / rel)
+                assert err.value.errno == errno.EIO
+            else:
+                assert _read_fd(t.mp / rel) == files[rel]
+        t.mark("end")
+        assert t.requests("rest")["READ"] < len(files) - 1  # some were pushed
+    finally:
+        if is_mounted(str(t.mp)):
+            unmount(str(t.mp))
         server.wait(timeout=60)

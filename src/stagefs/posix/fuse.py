@@ -10,7 +10,9 @@ ones by range, each range verified by the pieces that cover it); reads of differ
 run in parallel. With tiers, the store's cold pipeline (tiers/stream.py) serves a cold
 mount as it serves the API: the first read of a shard queues it for streaming, so the
 shard's other files arrive in large sequential reads before they are asked for (read-ahead
-in shard order across files), and a file is read from the origin once. The kernel may keep
+in shard order across files), and a file is read from the origin once; each file a stream
+brings is pushed into the kernel's page cache (``Pusher``), so a later read of it asks this
+process nothing. The kernel may keep
 up to ``MAX_BACKGROUND`` reads in flight (its read-ahead of several files at once) and read
 ``MAX_READ`` bytes per request, read-ahead included where the server may raise the mount's
 window (root; see ``raise_readahead``).
@@ -25,17 +27,21 @@ libfuse answers in C.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import itertools
 import logging
 import os
+import queue
 import stat as st
+import struct
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+from stagefs.config import env
 from stagefs.errors import ConfigError
 from stagefs.runtime import job_id
 
@@ -50,7 +56,8 @@ _FUSE_MAIN_ERRORS = {
     4: "the kernel refused the mount (is /dev/fuse usable? are you allowed to mount?)",
     5: "could not daemonise", 6: "could not set signal handlers", 7: "bad loop configuration",
 }
-_CAP_NO_OPEN_SUPPORT = 1 << 17  # libfuse 3 FUSE_CAP_* bits
+_CAP_EXPORT_SUPPORT = 1 << 4  # libfuse 3 FUSE_CAP_* bits
+_CAP_NO_OPEN_SUPPORT = 1 << 17
 _CAP_CACHE_SYMLINKS = 1 << 23
 MAX_READ = 1 << 20  # bytes per read request (the kernel's default is 128 KiB)
 MAX_BACKGROUND = 64  # read requests (read-ahead) the kernel keeps in flight (default 12)
@@ -129,6 +136,248 @@ def raise_readahead(mountpoint: str, kib: int = MAX_READ >> 10) -> int | None:
         return None
 
 
+PUSH_SHARE = 0.5  # of the memory available at mount: the most a mount pushes
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
+                ("f_handle", ctypes.c_ubyte * 64)]
+
+
+class _Buf(ctypes.Structure):  # libfuse 3's struct fuse_buf (and room for 3.17's mem_size)
+    _fields_ = [("size", ctypes.c_size_t), ("flags", ctypes.c_int), ("mem", ctypes.c_void_p),
+                ("fd", ctypes.c_int), ("pos", ctypes.c_int64), ("mem_size", ctypes.c_size_t)]
+
+
+class _BufVec(ctypes.Structure):  # struct fuse_bufvec with one buffer
+    _fields_ = [("count", ctypes.c_size_t), ("idx", ctypes.c_size_t), ("off", ctypes.c_size_t),
+                ("buf", _Buf * 1)]
+
+
+_libc: Any = None
+
+
+def _node_id(path: str) -> int:
+    """The kernel's node id of a file on a FUSE mount (what libfuse's high-level API numbers
+    it by, not its ``st_ino``), from its file handle: the kernel encodes a FUSE file as the
+    node id's two halves and the generation (fs/fuse/inode.c, ``fuse_encode_fh``)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    libc = _libc
+    h = _FileHandle()
+    h.handle_bytes = ctypes.sizeof(h.f_handle)
+    mount_id = ctypes.c_int()
+    if libc.name_to_handle_at(-100, os.fsencode(path), ctypes.byref(h),  # AT_FDCWD
+                              ctypes.byref(mount_id), 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    if h.handle_bytes < 8:
+        raise OSError(errno.EOPNOTSUPP, "not a FUSE file handle", path)
+    hi, lo = struct.unpack_from("=II", bytes(h.f_handle[:8]))
+    return int(hi) << 32 | int(lo)
+
+
+def _memory_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+class Served:
+    """Which small files this mount has handed the kernel, so that each is counted once
+    (``Store.count_delivered`` for a push, the Store's own count for a READ) and none is
+    pushed after a program read it: per manifest entry, 0 (neither), 1 (pushed, or being
+    pushed), 2 (read through a READ)."""
+
+    def __init__(self, entries: int) -> None:
+        self._state = bytearray(entries)
+        self._lock = threading.Lock()
+
+    def claim(self, e: int) -> bool:
+        """For a push: whether nobody pushed or read it yet (now it is the pusher's)."""
+        with self._lock:
+            if self._state[e]:
+                return False
+            self._state[e] = 1
+            return True
+
+    def unclaim(self, e: int) -> None:
+        """The push failed: a READ of it will be counted."""
+        with self._lock:
+            if self._state[e] == 1:
+                self._state[e] = 0
+
+    def read(self, e: int) -> bool:
+        """For a READ: whether to count it (no push counted this sample already)."""
+        with self._lock:
+            pushed = self._state[e] == 1
+            self._state[e] = 2
+            return not pushed
+
+
+class Pusher:
+    """Read-ahead across files into the kernel's page cache.
+
+    The cold pipeline streams a shard's files before any reader asks for them (tiers/
+    stream.py) and checks each against its checksum as it streams; the files a stream has
+    placed are queued here with the checked bytes it read, and handed to the kernel with
+    ``fuse_lowlevel_notify_store``, which puts them in each file's page cache. A program's
+    later ``open()`` + ``read()`` of one is a warm read: no READ reaches this process,
+    whose round trip through Python costs more than the read itself.
+
+    Only raw files (a compressed file's stored bytes are not its content) up to
+    ``WHOLE_READ_LIMIT``, only files the kernel knows (a listed directory's, or found by
+    path: looking up the handle makes the kernel know it), and at most ``budget`` bytes a
+    mount (``PUSH_SHARE`` of the memory available at mount: the page cache is the kernel's
+    to evict, and a dataset larger than memory is not pushed whole). A backlog over
+    ``BACKLOG`` bytes (the kernel slower than the streams) is dropped, not kept.
+    ``STAGEFS_FUSE_PUSH=0`` turns it off. A kernel that refuses (no file handles on this
+    mount, no notify) turns it off for the mount with one log line; a file the kernel has
+    forgotten meanwhile is skipped.
+    """
+
+    BACKLOG = 256 * 2**20
+
+    def __init__(self, store: Any, mountpoint: str, notify: Any, session: int,
+                 budget: int, served: Served) -> None:
+        from stagefs.fileobj import WHOLE_READ_LIMIT
+
+        self.store, self.mountpoint, self.served = store, mountpoint, served
+        self._notify, self._session = notify, ctypes.c_void_p(session)
+        self.budget, self.limit = budget, WHOLE_READ_LIMIT
+        self.files = self.bytes = self.skipped = 0
+        self.off: str | None = None  # why pushing stopped, if it did
+        self._queued = 0  # bytes waiting in the queue
+        self._lock = threading.Lock()
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._t = threading.Thread(target=self._run, name="stagefs-fuse-push", daemon=True)
+        self._t.start()
+
+    def arrived(self, entries: Any, runs: list[tuple[int, bytes]]) -> None:
+        """A stream's listener (``Stream.arrived``): queue them, return at once."""
+        size = sum(len(r[1]) for r in runs)
+        with self._lock:
+            if self.off is not None or self._queued + size > self.BACKLOG:
+                self.skipped += len(entries)
+                return
+            self._queued += size
+        self._q.put((entries, runs, size))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join(10)
+
+    def status(self) -> dict[str, Any]:
+        return {"files": self.files, "bytes": self.bytes, "skipped": self.skipped,
+                "off": self.off}
+
+    def _run(self) -> None:
+        m = self.store.manifest
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            entries, runs, size = item
+            try:
+                for e in entries.tolist():
+                    if self.off is not None:
+                        break
+                    if m.codec[e]:
+                        continue
+                    self._push(e, runs)
+            except Exception as exc:  # never take the mount down: stop pushing
+                self._stop(f"{type(exc).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._queued -= size
+
+    def _stop(self, why: str) -> None:
+        self.off = why
+        log.info("streamed files are no longer pushed into the page cache: %s", why)
+
+    def _push(self, e: int, runs: list[tuple[int, bytes]]) -> None:
+        m = self.store.manifest
+        size, off = int(m.size[e]), int(m.offset[e])
+        if size > self.limit or not size:
+            return
+        if self.bytes + size > self.budget:
+            self._stop(f"{self.bytes} bytes pushed, the budget of this mount")
+            return
+        keep: bytes | None = None  # the buffer the kernel copies from, alive until it has
+        addr = 0
+        for at, data in runs:
+            if at <= off and off + size <= at + len(data):
+                keep = data
+                addr = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+                addr += off - at
+                break
+        else:  # across two reads of the stream
+            keep = b"".join(memoryview(d)[max(0, off - at) : max(0, off + size - at)]
+                            for at, d in runs if at < off + size and off < at + len(d))
+            if len(keep) != size:
+                return
+            addr = ctypes.cast(ctypes.c_char_p(keep), ctypes.c_void_p).value or 0
+        if not self.served.claim(e):
+            return  # a program read it already (it waited for the stream)
+        rel = os.fsdecode(m.path_of(e))
+        r = 0
+        try:
+            node = _node_id(os.path.join(self.mountpoint, rel))
+            vec = _BufVec(1, 0, 0)
+            vec.buf[0].size, vec.buf[0].mem, vec.buf[0].fd = size, addr, -1
+            r = self._notify(self._session, node, 0, ctypes.byref(vec), 0)
+            del keep
+        except OSError as exc:
+            r = -(exc.errno or errno.EIO)
+            if exc.errno not in (errno.ENOENT, errno.ESTALE):
+                self._stop(f"no file handle for {rel}: {exc.strerror}")
+        finally:
+            if r < 0:
+                self.served.unclaim(e)
+        if r == -errno.ENOENT or r == -errno.ESTALE:  # the kernel let go of the inode
+            self.skipped += 1
+        elif r < 0:
+            if self.off is None:
+                self._stop(f"the kernel refused to store {rel}: {os.strerror(-r)}")
+        else:
+            self.files += 1
+            self.bytes += size
+            self.store.count_delivered(size)
+
+
+def _pusher(store: Any, mountpoint: str, served: Served) -> Pusher | None:
+    """A Pusher for this mount, once the session runs (called in INIT); None where pushing
+    is off, the store has no cold pipeline, or libfuse lacks the call."""
+    chain = getattr(store, "chain", None)
+    if env("FUSE_PUSH", "1") == "0" or chain is None:
+        return None
+    lib = _binding()._libfuse
+    try:
+        get_session, notify = lib.fuse_get_session, lib.fuse_lowlevel_notify_store
+    except AttributeError:
+        return None
+    get_session.restype, get_session.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+    notify.restype = ctypes.c_int
+    notify.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int64, ctypes.c_void_p,
+                       ctypes.c_int]
+    ctx = lib.fuse_get_context()
+    if not ctx or not ctx.contents.fuse:
+        return None
+    session = get_session(ctypes.c_void_p(ctx.contents.fuse))
+    if not session:
+        return None
+    p = Pusher(store, mountpoint, notify, session, int(_memory_available() * PUSH_SHARE),
+               served)
+    chain.stream.arrived = p.arrived
+    return p
+
+
 def _operations(store: Any, mountpoint: str) -> Any:
     fusepy = _binding()
     from stagefs.fileobj import WHOLE_READ_LIMIT, open_entry
@@ -144,6 +393,8 @@ def _operations(store: Any, mountpoint: str) -> Any:
             self._readers: dict[int, list[Any]] = {}  # entry → [file object, its lock]
             self._lock = threading.Lock()
             self._no_open = False
+            self.pusher: Pusher | None = None
+            self._served = Served(len(m))
 
         def init_with_config(self, conn: Any, config: Any) -> None:
             # mounted by now (the kernel sends INIT once mount(2) is done), and the
@@ -151,7 +402,9 @@ def _operations(store: Any, mountpoint: str) -> Any:
             raise_readahead(mountpoint)
             if conn is not None:
                 self._no_open = bool(conn.capable & _CAP_NO_OPEN_SUPPORT)
-                conn.want |= conn.capable & _CAP_CACHE_SYMLINKS
+                # file handles (name_to_handle_at) give the pusher a file's node id; the
+                # kernel gives them without this since Linux 6.6
+                conn.want |= conn.capable & (_CAP_CACHE_SYMLINKS | _CAP_EXPORT_SUPPORT)
                 if hasattr(conn, "max_read"):  # libfuse 3 wants it as the mount option says
                     conn.max_read = MAX_READ
                 conn.max_readahead = max(int(conn.max_readahead), MAX_READ)
@@ -164,6 +417,11 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 config.negative_timeout = CACHE_TIMEOUT
                 config.use_ino = 1
                 config.readdir_ino = 1
+            self.pusher = _pusher(store, mountpoint, self._served)
+
+        def destroy(self, path: str) -> None:
+            if self.pusher is not None:
+                self.pusher.close()
 
         def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
             return self._attrs(ns.lstat(path))
@@ -232,7 +490,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
             a file in pieces of at most 128 KiB."""
             data = self._recent.get(e)
             if data is None:
-                data = store.read_entry(e, path)
+                data = store.read_entry(e, path, count=self._served.read(e))
                 with self._lock:
                     self._recent[e] = data
                     while len(self._recent) > _RECENT_FILES:

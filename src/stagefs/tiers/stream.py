@@ -57,6 +57,10 @@ from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 from stagefs.tiers.placer import _pwrite_all, _run_verifier
 
+# a listener of streamed files: their manifest entries, and the checked runs of the shard
+# read for them (offset in the shard, bytes)
+Arrived = Callable[[npt.NDArray[np.int64], list[tuple[int, bytes]]], None]
+
 if TYPE_CHECKING:
     from stagefs.tiers.chain import Copy, TierChain
     from stagefs.tiers.fill import Extents
@@ -326,6 +330,11 @@ class Stream:
         self._clock, self._most = clock, most
         self.res = Reservations()
         self._served = threading.local()  # (shard, tier or None) of this thread's last read
+        # called in a stream thread with the manifest entries of the files a stream has just
+        # placed and checked, before any reader asked for them, and the checked bytes it
+        # read (runs of the shard: offset, bytes); the FUSE front end pushes them into the
+        # kernel's page cache: read-ahead across files
+        self.arrived: Arrived | None = None
         self._init()
 
     def _init(self) -> None:
@@ -501,11 +510,15 @@ class Stream:
         verifier = _run_verifier(fill, lo, hi, chain.manifest, check,
                                  f"shard {shard} from {chain.origin.name}")
         data: bytes | None = None
+        arrived = self.arrived if bulk else None
+        runs: list[tuple[int, bytes]] = []
         pos = a
         try:
             while pos < b:
                 n = min(CHUNK, b - pos) if bulk else b - pos
                 data = chain.origin.pread(shard, pos, n)
+                if arrived is not None:
+                    runs.append((pos, data))
                 try:
                     _pwrite_all(fill.fd, data, pos)
                 except OSError as exc:
@@ -527,6 +540,11 @@ class Stream:
         tier.stats.filled_bytes += b - a
         if fill.complete():
             chain._finish(shard, fill, tier)
+        if arrived is not None:
+            try:
+                arrived(fill.ext.entries[lo:hi], runs)
+            except Exception:  # a listener's failure is not the stream's
+                log.exception("the listener of streamed files failed")
         return data if pos - a == len(data or b"") else None
 
     # -- reads -------------------------------------------------------------------------------
