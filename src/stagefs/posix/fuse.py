@@ -272,10 +272,8 @@ class Pusher:
     def close(self) -> None:
         self._q.put(None)
         self._t.join(10)
-
-    def status(self) -> dict[str, Any]:
-        return {"files": self.files, "bytes": self.bytes, "skipped": self.skipped,
-                "off": self.off}
+        log.info("pushed %d files (%d bytes) into the page cache, skipped %d%s", self.files,
+                 self.bytes, self.skipped, f"; stopped: {self.off}" if self.off else "")
 
     def _run(self) -> None:
         m = self.store.manifest
@@ -341,7 +339,8 @@ class Pusher:
             if r < 0:
                 self.served.unclaim(e)
         if r == -errno.ENOENT or r == -errno.ESTALE:  # the kernel let go of the inode
-            self.skipped += 1
+            with self._lock:
+                self.skipped += 1
         elif r < 0:
             if self.off is None:
                 self._stop(f"the kernel refused to store {rel}: {os.strerror(-r)}")
