@@ -306,3 +306,21 @@ def test_a_file_bad_at_the_origin_is_never_pushed(tmp_path: Path) -> None:
         if is_mounted(str(t.mp)):
             unmount(str(t.mp))
         server.wait(timeout=60)
+
+
+def test_unmounting_while_files_are_pushed_ends_the_server_cleanly(tmp_path: Path) -> None:
+    """Unmounted right after the first read, while the stream brings the shard's files
+    and the pusher hands them on: the server stops pushing and exits 0."""
+    rng = random.Random(13)
+    files = {f"d/f{i:03d}.bin": rng.randbytes(100_000) for i in range(300)}
+    t, server, _rt = _mount_tier(tmp_path, files, True)
+    try:
+        list(os.scandir(t.mp / "d"))
+        first = sorted(files)[150]
+        assert _read_fd(t.mp / first) == files[first]
+    finally:
+        if is_mounted(str(t.mp)):
+            unmount(str(t.mp))
+        assert server.wait(timeout=60) == 0
+    log = t.log.read_bytes()
+    assert b"Traceback" not in log, log[-2000:]

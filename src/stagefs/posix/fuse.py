@@ -270,10 +270,13 @@ class Pusher:
         self._q.put((entries, runs, size))
 
     def close(self) -> None:
+        """Stop (at unmount, before libfuse frees the session the pushes name)."""
+        with self._lock:
+            why, self.off = self.off, self.off or "unmounted"
         self._q.put(None)
         self._t.join(10)
         log.info("pushed %d files (%d bytes) into the page cache, skipped %d%s", self.files,
-                 self.bytes, self.skipped, f"; stopped: {self.off}" if self.off else "")
+                 self.bytes, self.skipped, f"; stopped: {why}" if why else "")
 
     def _run(self) -> None:
         m = self.store.manifest
@@ -302,7 +305,7 @@ class Pusher:
     def _push(self, e: int, runs: list[tuple[int, bytes]]) -> None:
         m = self.store.manifest
         size, off = int(m.size[e]), int(m.offset[e])
-        if size > self.limit or not size:
+        if size > self.limit or not size or int(m.stored[e]) != size:
             return
         if self.bytes + size > self.budget:
             self._stop(f"{self.bytes} bytes pushed, the budget of this mount")
