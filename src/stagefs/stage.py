@@ -70,6 +70,11 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
               f"{format_size(st['bytes'])}, hit rate {100 * st['hit_rate']:.1f}% "
               "(bytes not read from the origin)")
         print(table(["holder", "samples", "bytes", "share"], rows))
+        pushed = st.get("pushed", {})
+        if pushed.get("reads"):
+            print(f"of these, pushed by a FUSE mount into the kernel's page cache as streamed: "
+                  f"{pushed['reads']} samples, {format_size(pushed['bytes'])} (counted when "
+                  "pushed: the kernel serves their reads)")
     rows = [[o["origin"], o["misses"], o["opens"], o["stats"], o["reads"],
              format_size(o["bytes_read"])] for o in st["origins"]]
     if rows:

@@ -579,8 +579,11 @@ class Store:
         """One sample of ``nbytes`` that a front end delivered without a read through this
         Store (the FUSE mount pushing a streamed file into the kernel's page cache, which
         then serves the program's read): counted as the origin's, as a stream's bytes are
-        in the first epoch."""
+        in the first epoch, and as pushed (``stagefs status``: "pushed")."""
         self._count(self.origin, 1, nbytes)
+        if self._counts is not None:
+            self._counts.count("pushed_reads")
+            self._counts.count("pushed_bytes", nbytes)
 
     def _unavailable(self) -> None:
         self.stats.unavailable += 1

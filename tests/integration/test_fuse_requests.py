@@ -269,6 +269,12 @@ def test_streamed_files_are_pushed_into_the_page_cache(tmp_path: Path, push: boo
         else:
             assert reads >= len(files) - 1
         assert _counted(rt) == len(files)  # once each: pushed, or read
+        pushed = job_status(Runtime(str(rt)))["pushed"]
+        if push:
+            assert pushed["reads"] == len(files) - 1
+            assert pushed["bytes"] == sum(len(files[n]) for n in names[1:])
+        else:
+            assert pushed == {"reads": 0, "bytes": 0}
     finally:
         if is_mounted(str(t.mp)):
             unmount(str(t.mp))

@@ -28,7 +28,7 @@ MAGIC = b"SFSCNT1\n"
 HOLDERS = ("memory", "disk", "peer", "origin")
 """Where a read's bytes came from: a memory tier, a disk tier, another node, the origin."""
 COUNTER_SLOTS = (*(f"{h}_{k}" for h in HOLDERS for k in ("reads", "bytes")),
-                 "checksum_failures", "unavailable")
+                 "checksum_failures", "unavailable", "pushed_reads", "pushed_bytes")
 """The u64 counters after the 16-byte header, in this order (docs/status.md)."""
 _FILE_SLOTS = 30  # room for counters added later: a reader sums the slots it knows
 _SIZE = 16 + 8 * _FILE_SLOTS
@@ -145,7 +145,9 @@ def holder_summary(counts: dict[str, int]) -> dict[str, Any]:
     hit = (nbytes - holders["origin"]["bytes"]) / nbytes if nbytes else 0.0
     return {"holders": holders, "reads": reads, "bytes": nbytes, "hit_rate": hit,
             "checksum_failures": counts["checksum_failures"],
-            "unavailable": counts["unavailable"]}
+            "unavailable": counts["unavailable"],
+            # of the reads: files a FUSE mount pushed into the kernel's page cache
+            "pushed": {"reads": counts["pushed_reads"], "bytes": counts["pushed_bytes"]}}
 
 _TIER_COUNTERS = ("hits", "bytes", "placed", "placed_bytes", "filled", "filled_bytes",
                   "dropped")
