@@ -51,7 +51,7 @@ import os, socket, struct, sys
 pack = sys.argv[1]
 names = sorted(f for f in os.listdir(pack) if f.endswith(".sfs"))
 shards = [memoryview(open(os.path.join(pack, f), "rb").read()) for f in names]  # the real bytes
-s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1)
+s = socket.socket(); s.bind((sys.argv[2] if len(sys.argv) > 2 else "127.0.0.1", 0)); s.listen(1)
 print(s.getsockname()[1], flush=True)
 c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 rng = struct.Struct("!IQI")

@@ -11,6 +11,12 @@ samples from every peer in one request, and for each peer's part alone; every sa
 checked against its digest. Reported: the spanning batch's wall time against the slowest
 peer's part alone (1 is parallel, the number of peers serial), medians of ``--runs``.
 
+Also, where the wire is the limit: peer 1's part read through node 0's daemon (relayed, the
+readers' path), directly from peer 1's daemon (TCP), and by a raw socket loop from a
+process in peer 1's namespace holding the shards in memory (request = the ranges, reply =
+their bytes by scatter send; no framing, token or checksum), each over the same shaped
+link, every sample checked: each path's throughput against the raw loop's.
+
     python benchmarks/emu_spanning.py --peers 3 --out benchmarks/results
 
 Needs root (network namespaces, tc) and the test PFS as origin when mounted (else a local
@@ -29,12 +35,13 @@ import tempfile
 import time
 from dataclasses import replace
 
+from bench_cluster import RAW_SERVER
 from emucluster import PORT, Net, Settings, make_dataset, node_ip, sh
 
 from stagefs._table import table
 
 READER = r"""
-import json, statistics, sys, time
+import json, socket, statistics, struct, sys, time
 from xxhash import xxh3_64_hexdigest
 from stagefs.cluster.placement import place
 from stagefs.format import Manifest
@@ -53,14 +60,37 @@ for e in m.files():
         parts[k].append((int(m.shard[e]), int(m.offset[e]), int(m.stored[e]),
                          m.path_of(e).decode()))
 fab = PeerClient("", 0, token, unix=f"{rt}/fabric.sock", pack_id=m.pack_id)
+peer_host, peer_port, raw_port = sys.argv[7], int(sys.argv[8]), int(sys.argv[9])
+direct = PeerClient(peer_host, peer_port, token, pack_id=m.pack_id)
+raw = socket.create_connection((peer_host, raw_port))
+raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rbuf = memoryview(bytearray(256 * 2**20))
 
-def read(items):
+def read(items, client=fab):
     t0 = time.perf_counter()
-    got = fab.read([(s, o, n) for s, o, n, _ in items])
+    got = client.read([(s, o, n) for s, o, n, _ in items])
     dt = time.perf_counter() - t0
     for d, (_, _, _, p) in zip(got, items):
         if d is None or xxh3_64_hexdigest(d) != digests[p]:
             raise SystemExit(f"wrong or missing bytes for {p}")
+    return dt
+
+def read_raw(items):
+    t0 = time.perf_counter()
+    raw.sendall(len(items).to_bytes(4, "big")
+                + b"".join(struct.pack("!IQI", s, o, n) for s, o, n, _ in items))
+    total, got = sum(x[2] for x in items), 0
+    while got < total:
+        k = raw.recv_into(rbuf[got:total], total - got)
+        if not k:
+            raise SystemExit("the raw loop's server closed")
+        got += k
+    dt = time.perf_counter() - t0
+    pos = 0
+    for _, _, n, p in items:
+        if xxh3_64_hexdigest(rbuf[pos : pos + n]) != digests[p]:
+            raise SystemExit(f"the raw loop returned wrong bytes for {p}")
+        pos += n
     return dt
 
 missing = [k for k in range(1, nodes) if len(parts.get(k, ())) < batch]
@@ -72,10 +102,22 @@ span_t, alone_t = [], []
 for _ in range(runs):
     span_t.append(read(spanning))
     alone_t.append(max(read(parts[k]) for k in sorted(parts)))
+# peer 1's part over its shaped link: relayed, direct, raw (each warmed first)
+one = parts[1]
+wire = {"relayed": [], "direct": [], "raw": []}
+read(one, direct), read_raw(one)
+for _ in range(runs):
+    wire["relayed"].append(read(one))
+    wire["direct"].append(read(one, direct))
+    wire["raw"].append(read_raw(one))
+med = {k: statistics.median(v) for k, v in wire.items()}
 print(json.dumps({"peers": len(parts), "samples_per_part": batch,
                   "part_bytes": sum(x[2] for x in parts[min(parts)]),
                   "spanning_s": statistics.median(span_t),
-                  "slowest_alone_s": statistics.median(alone_t)}))
+                  "slowest_alone_s": statistics.median(alone_t),
+                  "one_peer_s": med, "one_peer_bytes": sum(x[2] for x in one),
+                  "relayed_vs_raw": med["raw"] / med["relayed"],
+                  "direct_vs_raw": med["raw"] / med["direct"]}))
 """
 
 
@@ -122,9 +164,16 @@ def main() -> None:
                 if any(d.poll() is not None for d in daemons) or time.monotonic() > deadline:
                     raise SystemExit(f"the daemons did not stage; see {work}/daemon*.log")
                 time.sleep(0.05)
+            rawp = subprocess.Popen(["ip", "netns", "exec", net.ns[1], sys.executable, "-c",
+                                     RAW_SERVER, pack, node_ip(1)], stdout=subprocess.PIPE,
+                                    start_new_session=True)
+            assert rawp.stdout is not None
+            raw_port = rawp.stdout.readline().decode().strip()
             p = subprocess.run(["ip", "netns", "exec", net.ns[0], sys.executable, "-c", READER,
-                                work, pack, f"{shm}/rt0", str(n), str(a.batch), str(a.runs)],
+                                work, pack, f"{shm}/rt0", str(n), str(a.batch), str(a.runs),
+                                node_ip(1), str(PORT), raw_port],
                                capture_output=True, text=True, timeout=600)
+            rawp.kill()
             if p.returncode:
                 raise SystemExit(f"the reader failed:\n{p.stderr[-3000:]}")
             res = json.loads(p.stdout)
@@ -138,6 +187,14 @@ def main() -> None:
                 [[str(res["peers"]), f"{res['part_bytes']:,}", f"{wire:.3f}",
                   f"{res['slowest_alone_s']:.3f}", f"{res['spanning_s']:.3f}",
                   f"{res['ratio']:.2f} ({res['peers']} serial)"]]))
+    one = res["one_peer_s"]
+    print(table([f"peer 1's part ({res['one_peer_bytes']:,} bytes) over its "
+                 f"{a.rate_mbit:g} Mbit/s link", "s", "MB/s", "vs raw loop"],
+                [[name, f"{one[k]:.4f}", f"{res['one_peer_bytes'] / one[k] / 1e6:.1f}",
+                  f"{one['raw'] / one[k]:.2f}"]
+                 for name, k in (("through node 0's daemon (relayed)", "relayed"),
+                                 ("directly to peer 1's daemon", "direct"),
+                                 ("raw socket loop", "raw"))]))
     shutil.rmtree(work, ignore_errors=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
