@@ -279,7 +279,6 @@ class Pusher:
                  self.bytes, self.skipped, f"; stopped: {why}" if why else "")
 
     def _run(self) -> None:
-        m = self.store.manifest
         while True:
             item = self._q.get()
             if item is None:
@@ -289,8 +288,6 @@ class Pusher:
                 for e in entries.tolist():
                     if self.off is not None:
                         break
-                    if m.codec[e]:
-                        continue
                     self._push(e, runs)
             except Exception as exc:  # never take the mount down: stop pushing
                 self._stop(f"{type(exc).__name__}: {exc}")
@@ -305,8 +302,8 @@ class Pusher:
     def _push(self, e: int, runs: list[tuple[int, bytes]]) -> None:
         m = self.store.manifest
         size, off = int(m.size[e]), int(m.offset[e])
-        if size > self.limit or not size or int(m.stored[e]) != size:
-            return
+        if size > self.limit or not size or m.codec[e] or int(m.stored[e]) != size:
+            return  # large, empty, or compressed (its stored bytes are not its content)
         if self.bytes + size > self.budget:
             self._stop(f"{self.bytes} bytes pushed, the budget of this mount")
             return
