@@ -181,7 +181,8 @@ _SERVE_TIER = "import sys, stagefs; from stagefs.posix import fuse; " \
 
 
 def _mount_tier(tmp_path: Path, files: dict[str, bytes], push: bool,
-                corrupt: str | None = None) -> tuple[Traced, subprocess.Popen[bytes], Path]:
+                corrupt: str | None = None, compress: str = "none"
+                ) -> tuple[Traced, subprocess.Popen[bytes], Path]:
     """A traced mount of ``files`` (one shard) with a tier, pushing or not; ``corrupt``:
     a file whose bytes in the pack are flipped after packing."""
     for rel, data in files.items():
@@ -189,7 +190,7 @@ def _mount_tier(tmp_path: Path, files: dict[str, bytes], push: bool,
         (tmp_path / "raw" / rel).write_bytes(data)
     pack = tmp_path / "pack"
     stagefs.pack(tmp_path / "raw", pack, jobs=1, progress=False, echo=lambda _m: None,
-                 compress="none")
+                 compress=compress)
     if corrupt is not None:
         from stagefs.format import MANIFEST_NAME, Manifest
 
@@ -330,3 +331,31 @@ def test_unmounting_while_files_are_pushed_ends_the_server_cleanly(tmp_path: Pat
         assert server.wait(timeout=60) == 0
     log = t.log.read_bytes()
     assert b"Traceback" not in log, log[-2000:]
+
+
+def test_compressed_files_are_read_not_pushed(tmp_path: Path) -> None:
+    """A compressed file's stored bytes are not its content: the stream places it, the
+    pusher leaves it, and the program's read of it is a READ that returns its content."""
+    from stagefs.runtime import Runtime
+    from stagefs.tiers.status import job_status
+
+    rng = random.Random(14)
+    files = {f"d/t{i:02d}.txt": (f"line {i} ".encode() * rng.randint(2_000, 9_000))
+             for i in range(30)}
+    t, server, rt = _mount_tier(tmp_path, files, True, compress="zstd")
+    try:
+        names = sorted(files)
+        list(os.scandir(t.mp / "d"))
+        assert _read_fd(t.mp / names[0]) == files[names[0]]
+        _wait(lambda: any(v["shards_held"] for v in job_status(Runtime(str(rt)))["tiers"]),
+              "the shard was not streamed")
+        t.mark("rest")
+        for rel in names[1:]:
+            assert _read_fd(t.mp / rel) == files[rel]
+        t.mark("end")
+        assert t.requests("rest")["READ"] >= len(files) - 1
+        assert job_status(Runtime(str(rt)))["pushed"]["reads"] == 0
+    finally:
+        if is_mounted(str(t.mp)):
+            unmount(str(t.mp))
+        server.wait(timeout=60)
