@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stagefs._native import preload_library
+from stagefs._sysinfo import meminfo
 from stagefs._table import table
 from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError
@@ -74,7 +75,7 @@ def check_shm() -> list[Finding]:
         return [Finding("/dev/shm", "missing", "no /dev/shm: the runtime dir goes to /tmp, "
                                                "and there is no memory tier by default")]
     total, free = _space(SHM)
-    mem = _meminfo().get("MemTotal", 0)
+    mem = meminfo().get("MemTotal", 0)
     what = f"{format_size(total)}, {format_size(free)} free"
     if mem and total < mem // 4:
         return [Finding("/dev/shm", "warn", f"{what}: under a quarter of the memory "
@@ -190,24 +191,13 @@ def check_slurm() -> list[Finding]:
     return out
 
 
-def _meminfo() -> dict[str, int]:
-    out = {}
-    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                out[key] = int(parts[0]) * 1024
-    return out
-
-
 def check_memory() -> list[Finding]:
     page = os.sysconf("SC_PAGE_SIZE")
     out = [Finding("page size", "ok" if page == 4096 else "warn",
                    f"{page:,} bytes" + ("" if page == 4096 else
                                         ": small files each take a whole page in a "
                                         "memory tier and in the page cache"))]
-    mem = _meminfo()
+    mem = meminfo()
     if "MemTotal" in mem:
         out.append(Finding("memory", "ok", f"{format_size(mem['MemTotal'])} in all, "
                            f"{format_size(mem.get('MemAvailable', 0))} available: a memory "

@@ -41,6 +41,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from stagefs._sysinfo import memory_available
 from stagefs.config import env
 from stagefs.errors import ConfigError
 from stagefs.runtime import job_id
@@ -136,7 +137,7 @@ def raise_readahead(mountpoint: str, kib: int = MAX_READ >> 10) -> int | None:
         return None
 
 
-PUSH_SHARE = 0.5  # of the memory available at mount: the most a mount pushes
+PUSH_SHARE = 0.5  # of the memory available at mount (within the job's cgroup limit)
 
 
 class _FileHandle(ctypes.Structure):
@@ -176,17 +177,6 @@ def _node_id(path: str) -> int:
         raise OSError(errno.EOPNOTSUPP, "not a FUSE file handle", path)
     hi, lo = struct.unpack_from("=II", bytes(h.f_handle[:8]))
     return int(hi) << 32 | int(lo)
-
-
-def _memory_available() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 class Served:
@@ -234,7 +224,8 @@ class Pusher:
     Only raw files (a compressed file's stored bytes are not its content) up to
     ``WHOLE_READ_LIMIT``, only files the kernel knows (a listed directory's, or found by
     path: looking up the handle makes the kernel know it), and at most ``budget`` bytes a
-    mount (``PUSH_SHARE`` of the memory available at mount: the page cache is the kernel's
+    mount (``PUSH_SHARE`` of the memory available at mount, within the job's control-group
+    limit: the page cache is the kernel's
     to evict, and a dataset larger than memory is not pushed whole). A backlog over
     ``BACKLOG`` bytes (the kernel slower than the streams) is dropped, not kept.
     ``STAGEFS_FUSE_PUSH=0`` turns it off. A kernel that refuses (no file handles on this
@@ -371,7 +362,7 @@ def _pusher(store: Any, mountpoint: str, served: Served) -> Pusher | None:
     session = get_session(ctypes.c_void_p(ctx.contents.fuse))
     if not session:
         return None
-    p = Pusher(store, mountpoint, notify, session, int(_memory_available() * PUSH_SHARE),
+    p = Pusher(store, mountpoint, notify, session, int(memory_available() * PUSH_SHARE),
                served)
     chain.stream.arrived = p.arrived
     return p
