@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -155,17 +156,16 @@ class _BufVec(ctypes.Structure):  # struct fuse_bufvec with one buffer
                 ("buf", _Buf * 1)]
 
 
-_libc: Any = None
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _node_id(path: str) -> int:
     """The kernel's node id of a file on a FUSE mount (what libfuse's high-level API numbers
     it by, not its ``st_ino``), from its file handle: the kernel encodes a FUSE file as the
     node id's two halves and the generation (fs/fuse/inode.c, ``fuse_encode_fh``)."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    libc = _libc
+    libc = _libc()
     h = _FileHandle()
     h.handle_bytes = ctypes.sizeof(h.f_handle)
     mount_id = ctypes.c_int()
