@@ -203,6 +203,9 @@ class Store:
         The paths are looked up first (a missing one raises the error ``read`` raises, before
         anything is read), then read as ``read_entries`` reads entries.
         """
+        if isinstance(paths, (str, bytes, os.PathLike)):
+            raise TypeError(f"read_many takes a list of paths, not one path ({paths!r}): "
+                            "read() reads one file")
         plist = paths if isinstance(paths, list) else list(paths)
         find = self._find
         ents = [find(p) for p in plist]

@@ -97,6 +97,10 @@ def test_read_many_equals_read(busy: tuple[Path, dict[str, bytes]],
     assert busy_store.read_many(iter(names[:3])) == [files[p] for p in names[:3]]
     assert busy_store.read_many([b"/" + names[0].encode(), Path(names[1])]) == [
         files[names[0]], files[names[1]]]
+    # one path where a list is meant: said so, not "no such file" for its first character
+    for one in (names[0], names[0].encode(), Path(names[0])):
+        with pytest.raises(TypeError, match="list of paths"):
+            busy_store.read_many(one)  # type: ignore[arg-type]
 
 
 def test_read_many_empty_and_adjacent(busy: tuple[Path, dict[str, bytes]],
