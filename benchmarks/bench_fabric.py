@@ -82,7 +82,8 @@ def _json(path: str) -> Any:
         return json.load(f)
 
 
-def start_cluster(work: str, pack: str, nodes: int) -> list[subprocess.Popen[bytes]]:
+def start_cluster(work: str, pack: str, nodes: int, env: dict[str, str] | None = None
+                  ) -> list[subprocess.Popen[bytes]]:
     ports = []
     for _ in range(nodes):
         s = socket.socket()
@@ -99,7 +100,8 @@ def start_cluster(work: str, pack: str, nodes: int) -> list[subprocess.Popen[byt
          os.path.join(work, f"node{r}") + ":4GiB", "--runtime", os.path.join(work, f"rt{r}"),
          "--hosts", os.path.join(work, "hosts"), "--rank", str(r), "--token-file",
          os.path.join(work, "token"), "--wait", "--progress", "0"],
-        start_new_session=True, stderr=subprocess.DEVNULL) for r in range(nodes)]
+        start_new_session=True, stderr=subprocess.DEVNULL,
+        env=None if env is None else {**os.environ, **env}) for r in range(nodes)]
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         try:

@@ -67,7 +67,7 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
                "stagefs serve --new-token tok && stagefs serve /shared/imagenet.pack "
                "--hosts hosts --rank 0 --token-file tok --tier /dev/shm/$USER/data:50%"),
               (*_JOB, "STAGEFS_INTERFACE", "STAGEFS_ORIGIN_READAHEAD", "STAGEFS_SPEEDUPS",
-               "STAGEFS_MALLOC_TUNE"), True),
+               "STAGEFS_MALLOC_TUNE", "STAGEFS_RELAY_PIPES"), True),
     "clean": (("stagefs clean", "stagefs clean --job train-7",
                "stagefs clean --all --force   # every job of yours on this node"),
               _JOB, False),

@@ -147,6 +147,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "seconds a peer may take to answer before a read goes elsewhere"),
     EnvVar("STAGEFS_FABRIC", "1",
            "0: training processes read other nodes directly, not through their node's daemon"),
+    EnvVar("STAGEFS_RELAY_PIPES", "1",
+           "0: 'stagefs serve' relays its readers' ranges from peers through memory, not "
+           "kernel pipes (splice)"),
     EnvVar("STAGEFS_FUSE_PUSH", "1",
            "0: a FUSE mount with tiers does not put the files its streams bring into the "
            "kernel's page cache ahead of the reads (read-ahead across files)"),

@@ -37,6 +37,7 @@ from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.client import PeerClient
+from stagefs.net.pipes import Piped, PipePool
 from stagefs.net.server import ShardServer, raise_fd_limit
 
 pytestmark = pytest.mark.integration
@@ -132,6 +133,7 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
         assert srv["tcp_peak"] <= 2 * (c.n - 1) + 1, srv
         assert srv["unix_peak"] >= 4  # the readers came through the fabric
         assert srv["relayed_ranges"] > 0 and srv["relayed_missing"] == 0, node["fabric"]
+        assert srv["relayed_piped"] > 0, srv  # sent on from pipes, not copied (pipes.py)
         # a batch touching every peer had a part in flight to each of them at once
         assert relay["peak_parts"] == c.n - 1, relay
         assert relay["missing"] == 0 and relay["late"] == 0
@@ -257,6 +259,99 @@ def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> N
         srv.close()
         m.close()
     assert not os.path.exists(path)
+
+
+def _peer_and_fabric(tmp_path: Path, relay_gate: threading.Event | None = None
+                     ) -> tuple[Any, ...]:
+    """A peer over TCP holding the odd shards, and a fabric server holding the even ones
+    that relays the odd ones to it with ``read_relayed`` into a pipe pool (after
+    ``relay_gate`` is set, if given)."""
+    pack, _ = make_pack(str(tmp_path), files=60, shard_size="48KiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+
+    def where(odd: bool) -> Any:
+        return lambda s: os.path.join(pack, m.shards[s].name) if s % 2 == odd else None
+
+    peer = ShardServer(m, token, where(True), "127.0.0.1").start()
+    client = PeerClient(*peer.address, token)
+    pool = PipePool()
+
+    def relay(ranges: Any) -> list[bytes | Piped | None]:
+        if relay_gate is not None:
+            relay_gate.wait(30)
+        return client.read_relayed(ranges, pool)
+
+    path = str(tmp_path / "fabric.sock")
+    fabric = ShardServer(m, token, where(False), "127.0.0.1", unix_path=path,
+                         relay=relay).start()
+    return pack, m, token, peer, client, pool, fabric, path
+
+
+def _pool_idle(pool: PipePool) -> bool:
+    return pool._made == len(pool._idle) and all(p.count == 0 for p in pool._idle)
+
+
+def test_relayed_ranges_go_from_the_peer_to_the_reader_through_pipes(tmp_path: Path) -> None:
+    pack, m, token, peer, client, pool, fabric, path = _peer_and_fabric(tmp_path)
+    try:
+        shard_bytes = [Path(pack, sh.name).read_bytes() for sh in m.shards]
+        reader = PeerClient("", 0, token, unix=path)
+        # held and relayed, whole shards and pieces, an empty range, interleaved
+        ranges = [(s, o, n) for s, b in enumerate(shard_bytes)
+                  for o, n in ((0, len(b)), (17, min(5000, len(b) - 17)), (3, 0))]
+        for _ in range(3):  # the pool's pipes are reused: nothing of a range stays behind
+            got = reader.read(ranges)
+            assert got == [shard_bytes[s][o : o + n] for s, o, n in ranges]
+        odd_ok = sum(1 for s, _, n in ranges if s % 2 and n)
+        assert fabric.stats.relayed_piped == 3 * odd_ok and fabric.stats.relayed_missing == 0
+        assert pool.ranges == 3 * odd_ok and pool.fallbacks == 0
+        assert _pool_idle(pool)
+        reader.close()
+    finally:
+        fabric.close()
+        peer.close()
+        client.close()
+        pool.close()
+        m.close()
+
+
+def test_a_reader_gone_before_its_relay_answers_leaves_no_pipe_behind(tmp_path: Path) -> None:
+    gate = threading.Event()
+    _, m, token, peer, client, pool, fabric, path = _peer_and_fabric(tmp_path, gate)
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        dec = P.FrameDecoder()
+        msgs: list[P.Message] = []
+        while not msgs:
+            dec.feed(s.recv(4096))
+            msgs = dec.messages()
+        ch = msgs[0]
+        assert isinstance(ch, P.Challenge)
+        nc = auth.new_nonce()
+        s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
+        odd = [P.Range(sh, 0, m.shards[sh].size) for sh in range(1, len(m.shards), 2)]
+        s.sendall(P.encode(P.Read(7, tuple(odd))))
+        while fabric.stats.relayed_requests == 0:
+            time.sleep(0.01)
+        s.close()  # the reader goes away while its relay is out
+        gate.set()
+        while fabric.stats.relayed_piped < len(odd):
+            time.sleep(0.01)
+        deadline = time.monotonic() + 30
+        while not _pool_idle(pool) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _pool_idle(pool)  # every pipe of the dropped reply closed or back, empty
+        assert fabric.stats.active == 0
+    finally:
+        fabric.close()
+        peer.close()
+        client.close()
+        pool.close()
+        m.close()
+    assert len(os.listdir("/proc/self/fd")) <= fds
 
 
 def test_a_thousand_idle_connections_take_no_thread(tmp_path: Path) -> None:

@@ -12,7 +12,9 @@ where the node's training processes and DataLoader workers send every read that 
 local tier hit. Ranges of shards it holds it answers from its tiers; the others it relays to
 their holders (``ClusterHolders``, the readers' own holder order, with one client of at most
 two connections per peer, shared with staging), all peers of a batch at once under one
-deadline (net/fanout.py). It does not verify relayed bytes: the reader does.
+deadline (net/fanout.py). It does not verify relayed bytes: the reader does. Relayed bytes
+are received into kernel pipes and sent on from them (net/pipes.py: no copy in this
+process; ``STAGEFS_RELAY_PIPES=0``: through memory).
 """
 
 from __future__ import annotations
@@ -48,12 +50,13 @@ from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
-from stagefs.config import format_size, parse_tier
+from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.fanout import Fanout
 from stagefs.net.hedge import HedgePolicy
+from stagefs.net.pipes import Piped, PipePool
 from stagefs.net.server import ServerLimits, ShardServer, raise_fd_limit
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
@@ -181,6 +184,7 @@ class Daemon:
         self.fd_limit = new
         self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
         self.fanout = Fanout()
+        self.pipes = PipePool() if env("RELAY_PIPES", "1") != "0" else None
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self._status_cache: tuple[float, dict[str, Any]] | None = None
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
@@ -229,9 +233,10 @@ class Daemon:
 
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
-    def _relay(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+    def _relay(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | Piped | None]:
         """Ranges of shards this node does not hold, from their other holders, all peers at
-        once; None for a range none gave within ``relay_timeout``."""
+        once (in pipes where it can: net/pipes.py); None for a range none gave within
+        ``relay_timeout``."""
         holders = self.holders
         if holders is None:  # not bootstrapped yet
             return [None] * len(ranges)
@@ -241,7 +246,9 @@ class Daemon:
             return [h for h in holders.holders(shard)
                     if h is not origin and not getattr(h, "local", False)]
 
-        return self.fanout.read(ranges, peers_of, self.o.relay_timeout)
+        if self.pipes is None:
+            return list(self.fanout.read(ranges, peers_of, self.o.relay_timeout))
+        return self.fanout.relay(ranges, peers_of, self.o.relay_timeout, self.pipes)
 
     # -- what STATUS answers ---------------------------------------------------------------
 
@@ -348,6 +355,8 @@ class Daemon:
         self.stop.set()
         self.server.close()
         self.fanout.close()
+        if self.pipes is not None:
+            self.pipes.close()
         if self.state != "starting":  # the stager ran: let it end the shard it copies
             self.stager.done.wait(30)
         if self.monitor is not None:  # and re-replication, the shard it copies

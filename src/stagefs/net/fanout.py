@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
+from stagefs.net.pipes import Piped, PipePool
 from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["BatchHolder", "Fanout", "FanoutStats", "send_all"]
@@ -36,6 +37,10 @@ class BatchHolder(Protocol):
 
     def pread_many(self, ranges: Ranges) -> list[bytes | None]: ...
     def is_down(self) -> bool: ...
+
+
+class RelayHolder(BatchHolder, Protocol):
+    def pread_relayed(self, ranges: Ranges, into: PipePool) -> list[bytes | Piped | None]: ...
 
 
 @dataclass
@@ -104,11 +109,23 @@ class Fanout:
              timeout: float) -> list[bytes | None]:
         """The bytes of each (shard, offset, length) from the holders ``holders(shard)``
         names, or None where none gave them within ``timeout`` seconds of the call."""
+        return self._read(ranges, holders, timeout, lambda h, r: h.pread_many(r))
+
+    def relay(self, ranges: Ranges, holders: Callable[[int], Sequence[RelayHolder]],
+              timeout: float, into: PipePool) -> list[bytes | Piped | None]:
+        """``read`` for a relay: each range in pipes of ``into`` where it can be (sent on
+        without a copy: net/pipes.py), else in memory."""
+        return self._read(ranges, holders, timeout,
+                          lambda h, r: cast("RelayHolder", h).pread_relayed(r, into))
+
+    def _read(self, ranges: Ranges, holders: Callable[[int], Sequence[BatchHolder]],
+              timeout: float, call: Callable[[BatchHolder, Ranges], list[Any]]
+              ) -> list[Any]:
         st = self.stats
         st.batches += 1
         st.ranges += len(ranges)
         end = time.monotonic() + timeout
-        out: list[bytes | None] = [None] * len(ranges)
+        out: list[Any] = [None] * len(ranges)
         tried: list[set[int]] = [set() for _ in ranges]
         todo = list(range(len(ranges)))
         first = True
@@ -136,7 +153,7 @@ class Fanout:
             st.parts += len(parts)
             with self._lock:
                 st.peak_parts = max(st.peak_parts, len(parts))
-            done = send_all(parts, lambda h, idx: h.pread_many([ranges[i] for i in idx]),
+            done = send_all(parts, lambda h, idx: call(h, [ranges[i] for i in idx]),
                             self._executor(), left)
             todo = []
             for (_, idx), (answered, got) in zip(parts, done, strict=True):

@@ -30,8 +30,10 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from time import perf_counter
+from typing import Any
 
 from stagefs.net.client import PeerSource, PeerUnavailable
+from stagefs.net.pipes import Piped, PipePool
 
 __all__ = ["HedgePolicy", "HedgedPeer", "ReplyTimes"]
 
@@ -245,11 +247,13 @@ class HedgedPeer:
 
     # -- a batch -------------------------------------------------------------------------
 
-    def _read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+    def _read(self, ranges: Sequence[tuple[int, int, int]], into: PipePool | None = None
+              ) -> list[Any]:
         self._begin()
         try:
             t0 = perf_counter()
-            out = self.client.read(ranges)
+            out = (self.client.read(ranges) if into is None
+                   else self.client.read_relayed(ranges, into))
             self.batch_times.add(perf_counter() - t0)
         finally:
             self._end()
@@ -259,12 +263,22 @@ class HedgedPeer:
         """Many ranges in one request to this peer; None for each it did not give (all of
         them if it is suspect or fails). Ranges it has not answered within the delay come
         from the other replicas of their shards, where they have one."""
+        return self._many(ranges, None)
+
+    def pread_relayed(self, ranges: Sequence[tuple[int, int, int]], into: PipePool
+                      ) -> list[bytes | Piped | None]:
+        """``pread_many`` for a relay: each range in pipes of ``into`` where it can be
+        (net/pipes.py), else in memory."""
+        return self._many(ranges, into)
+
+    def _many(self, ranges: Sequence[tuple[int, int, int]], into: PipePool | None
+              ) -> list[Any]:
         n = len(ranges)
         if self.client.suspect():
             self.client.stats.skipped += 1
             return [None] * n
         pool = _executor()
-        first = pool.submit(self._read, ranges)
+        first = pool.submit(self._read, ranges, into)
         delay = self.batch_times.delay()
         if not wait([first], delay).done:
             # slow: each range to the first other live replica of its shard, one request each
@@ -281,16 +295,16 @@ class HedgedPeer:
                 groups = {}
             else:
                 self.hedged += len(groups)
-                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]):
+                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx], into):
                                           (h, idx) for h, idx in groups.items()}, n, delay)
         try:
             return first.result()
         except PeerUnavailable:
             return [None] * n
 
-    def _race(self, first: Future[list[bytes | None]],
-              hedges: dict[Future[list[bytes | None]], tuple[HedgedPeer, list[int]]], n: int,
-              delay: float) -> list[bytes | None]:
+    def _race(self, first: Future[list[Any]],
+              hedges: dict[Future[list[Any]], tuple[HedgedPeer, list[int]]], n: int,
+              delay: float) -> list[Any]:
         """The slow peer's whole answer if it comes before every hedge has; else what the
         hedges gave, and for the ranges they did not give (another replica that has not
         copied the shard yet says "not held" at once) the slow peer's answer; None where no
@@ -301,9 +315,9 @@ class HedgedPeer:
         sooner if another replica gave bytes first; a "not held" proves nothing."""
         wait_more = self.batch_times.origin_delay()
         end = perf_counter() + wait_more
-        out: list[bytes | None] = [None] * n
+        out: list[Any] = [None] * n
         pending = set(hedges)
-        watch: set[Future[list[bytes | None]]] = pending | {first}
+        watch: set[Future[list[Any]]] = pending | {first}
         won = False
         while pending:
             done, _ = wait(watch, max(end - perf_counter(), 0.0), FIRST_COMPLETED)

@@ -12,9 +12,12 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stagefs.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from stagefs.net.pipes import Piped
 
 __all__ = [
     "DATA_HEAD",
@@ -112,7 +115,7 @@ class Data:
     """Server → client: one slot per range asked, in order; ``None`` where not served."""
 
     request_id: int
-    chunks: tuple[bytes | memoryview | None, ...]
+    chunks: tuple[bytes | memoryview | Piped | None, ...]  # Piped: a relay's (net/pipes.py)
     statuses: tuple[int, ...] = ()
 
     def status(self, i: int) -> int:
@@ -156,6 +159,8 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
             if c is None or st != OK:
                 slots += _SLOT.pack(st if st != OK else NOT_HELD, 0)
             else:
+                if not isinstance(c, bytes | memoryview):  # a relay's pipes are sent apart
+                    raise TypeError("encode_parts: a DATA chunk must be bytes or a memoryview")
                 slots += _SLOT.pack(OK, len(c))
                 body.append(c)
         total = len(slots) + sum(len(b) for b in body)

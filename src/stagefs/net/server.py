@@ -40,7 +40,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
@@ -49,13 +49,14 @@ from stagefs.errors import ConfigError, ProtocolError
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
+from stagefs.net.pipes import Piped
 
 __all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "raise_fd_limit"]
 
 log = logging.getLogger("stagefs.server")
 
 Locate = Callable[[int], str | None]
-Relay = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]
+Relay = Callable[[Sequence[tuple[int, int, int]]], list[bytes | Piped | None]]
 _SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: preadv + sendmsg
 _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
@@ -102,6 +103,7 @@ class ServerStats:
     relayed_requests: int = 0  # requests of this node's readers that went to peers too
     relayed_ranges: int = 0
     relayed_missing: int = 0  # of which no peer gave: NOT_HELD, the reader goes on
+    relayed_piped: int = 0  # of which sent on from pipes, never copied here (net/pipes.py)
     bytes_served: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -135,9 +137,8 @@ class _Reply:
 
     __slots__ = ("close_after", "parts", "ready", "started")
 
-    def __init__(self, parts: list[memoryview | _File] | None = None,
-                 close_after: bool = False) -> None:
-        self.parts: collections.deque[memoryview | _File] = collections.deque(parts or ())
+    def __init__(self, parts: list[_Part] | None = None, close_after: bool = False) -> None:
+        self.parts: collections.deque[_Part] = collections.deque(parts or ())
         self.ready = parts is not None
         self.started = False
         self.close_after = close_after
@@ -531,20 +532,25 @@ class ShardServer:
         asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
                  for i in relay]
 
-        def finish(got: list[bytes | None]) -> None:  # in the loop's thread
+        def finish(got: list[bytes | Piped | None]) -> None:  # in the loop's thread
             for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
                 if chunk is not None and len(chunk) == length:
                     status[i], data[i] = P.OK, chunk
+                    if isinstance(chunk, Piped):
+                        st.relayed_piped += 1
                 else:
                     status[i] = P.NOT_HELD
                     st.relayed_missing += 1
             reply.parts.extend(_data_parts(req.request_id, status, data))
             reply.ready = True
-            if not conn.closed:
+            if conn.closed:
+                _release(reply.parts)
+            else:
                 self._flush(conn)
                 self._arm(conn)
 
         def work() -> None:  # in a relay thread
+            got: list[bytes | Piped | None]
             try:
                 assert self.relay is not None
                 got = self.relay(asked)
@@ -563,10 +569,10 @@ class ShardServer:
 
     # -- writing replies ---------------------------------------------------------------------
 
-    def _queue(self, conn: _Conn, parts: list[bytes | memoryview] | list[memoryview | _File],
+    def _queue(self, conn: _Conn, parts: list[bytes | memoryview] | list[_Part],
                close_after: bool = False) -> None:
-        views: list[memoryview | _File] = [p if isinstance(p, _File) else memoryview(p)
-                                           for p in parts if isinstance(p, _File) or len(p)]
+        views: list[_Part] = [p if isinstance(p, _File | Piped) else memoryview(p)
+                              for p in parts if isinstance(p, _File) or len(p)]
         conn.replies.append(_Reply(views, close_after))
         self._flush(conn)
 
@@ -592,11 +598,16 @@ class ShardServer:
             return
         self._interest(conn)
 
-    def _send(self, conn: _Conn, parts: collections.deque[memoryview | _File]) -> bool:
+    def _send(self, conn: _Conn, parts: collections.deque[_Part]) -> bool:
         """Send ``parts`` from the front; True when all of them are out."""
         sock, out = conn.sock, conn.fd
         while parts:
             head = parts[0]
+            if isinstance(head, Piped):
+                if not head.send(out):
+                    return False
+                parts.popleft()
+                continue
             if isinstance(head, _File):
                 try:
                     k = os.sendfile(out, head.fd, head.offset, head.count)
@@ -611,7 +622,7 @@ class ShardServer:
                 continue
             views: list[memoryview] = []
             for p in itertools.islice(parts, _IOV):
-                if isinstance(p, _File):
+                if not isinstance(p, memoryview):
                     break
                 views.append(p)
             try:
@@ -651,6 +662,8 @@ class ShardServer:
 
     def _fail(self, conn: _Conn, code: int, message: str) -> None:
         """Send an ERROR, then close (what the socket does not take now is dropped)."""
+        for r in conn.replies:
+            _release(r.parts)
         conn.replies.clear()
         self._queue(conn, P.encode_parts(P.Error(code, message)), close_after=True)
         if not conn.closed:
@@ -721,6 +734,8 @@ class ShardServer:
             else:
                 self.stats.tcp_peers -= 1
         self.stats.active -= 1
+        for r in conn.replies:
+            _release(r.parts)
         conn.replies.clear()
         conn.sock.close()
 
@@ -789,20 +804,30 @@ class ShardServer:
 
 
 _TABLE = struct.Struct("!BI")
-_Chunk = memoryview | _File | bytes
+_Chunk = memoryview | _File | bytes | Piped
+_Part = memoryview | _File | Piped  # what a reply is sent as
+
+
+def _release(parts: Iterable[_Part]) -> None:
+    """The pipes of relayed ranges that will not be sent (their connection closed)."""
+    for p in parts:
+        if isinstance(p, Piped):
+            p.release()
 
 
 def _data_parts(request_id: int, status: list[int], data: Sequence[_Chunk | None]
-                ) -> list[memoryview | _File]:
+                ) -> list[_Part]:
     """A DATA frame as parts: header and slot table in one buffer, then each OK range (a
-    view of the reply's buffer, a relayed chunk, or a file range for sendfile)."""
+    view of the reply's buffer, a relayed chunk in memory or in pipes, or a file range for
+    sendfile)."""
     table = bytearray(struct.pack("!II", request_id, len(status)))
-    body: list[memoryview | _File] = []
+    body: list[_Part] = []
     size = 0
     for st, d in zip(status, data, strict=True):
         if st == P.OK and d is not None:
-            part = d if isinstance(d, _File) else memoryview(d)
-            n = part.count if isinstance(part, _File) else part.nbytes
+            part = d if isinstance(d, _File | Piped) else memoryview(d)
+            n = (part.count if isinstance(part, _File) else len(part) if isinstance(part, Piped)
+                 else part.nbytes)
             table += _TABLE.pack(P.OK, n)
             if n:
                 body.append(part)

@@ -1,0 +1,219 @@
+"""Relayed bytes kept in the kernel: a range received from a peer's socket into pipes with
+``splice`` and sent on from them to a reader's socket with ``splice`` again.
+
+The node daemon relays its readers' ranges of shards it does not hold (net/server.py,
+cluster/daemon.py). Received into memory, each relayed byte costs the daemon two copies (the
+socket into a bytes object, that object into the reader's socket) besides the reader's own;
+held in pipes, the kernel moves references to the socket buffers' pages instead, so a
+relayed byte costs what a direct read from the peer costs, plus a few system calls a range.
+
+Each range gets pipes of its own (never shared with another range), so a range that is
+dropped (a hedge that lost, a reply the reader no longer waits for) can never put its bytes
+in front of another's: its pipes are closed or emptied, whenever that happens. A pool
+bounds how many pipes a process keeps: past it, or where the kernel refuses a pipe of the
+size asked (an unprivileged user past ``/proc/sys/fs/pipe-user-pages-soft``), a range is
+received into memory as before, and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable
+
+__all__ = ["PIPE_BYTES", "PipePool", "Piped"]
+
+log = logging.getLogger("stagefs.net")
+
+PIPE_BYTES = 256 * 2**10  # each pipe's capacity (a 110 KB sample fits one, with room for
+# the pages a socket's buffers split it into)
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+_MOVE = getattr(os, "SPLICE_F_MOVE", 1)
+_NONBLOCK = getattr(os, "SPLICE_F_NONBLOCK", 2)
+
+
+class _Pipe:
+    __slots__ = ("count", "r", "w")
+
+    def __init__(self, r: int, w: int) -> None:
+        self.r, self.w, self.count = r, w, 0  # count: bytes in it not sent on yet
+
+    def close(self) -> None:
+        for fd in (self.r, self.w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class PipePool:
+    """At most ``most`` pipes of ``PIPE_BYTES`` each, kept empty between uses; shared by the
+    threads of one process (relays take, the event loop gives back)."""
+
+    def __init__(self, most: int = 256) -> None:
+        self.most = most
+        self._idle: list[_Pipe] = []
+        self._made = 0
+        self._lock = threading.Lock()
+        self.broken = not hasattr(os, "splice")
+        self.ranges = 0  # ranges received into pipes
+        self.fallbacks = 0  # ranges received into memory: no pipe to be had
+
+    def take(self, over: bool = False) -> _Pipe | None:
+        """An empty pipe, or None when the pool is spent (``over``: one more beyond the
+        bound, for a range already begun) or the kernel refuses one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+            if self.broken or (self._made >= self.most and not over):
+                return None
+            self._made += 1
+        try:
+            r, w = os.pipe2(os.O_CLOEXEC)
+        except OSError:
+            with self._lock:
+                self._made -= 1
+            return None
+        try:
+            fcntl.fcntl(w, _F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError as exc:  # EPERM past the user's pipe pages: keep to memory
+            for fd in (r, w):
+                os.close(fd)
+            with self._lock:
+                self._made -= 1
+                if not self.broken:
+                    self.broken = True
+                    log.info("relayed ranges go through memory: the kernel refuses pipes "
+                             "of %d KiB (%s)", PIPE_BYTES // 1024, exc.strerror)
+            return None
+        return _Pipe(r, w)
+
+    def give(self, p: _Pipe) -> None:
+        """A pipe back: kept if empty and room, else closed."""
+        if p.count == 0:
+            with self._lock:
+                if len(self._idle) < self.most:
+                    self._idle.append(p)
+                    return
+        p.close()
+        with self._lock:
+            self._made -= 1
+
+    def receive(self, sock: socket.socket, n: int, left: Callable[[], float],
+                in_memory: Callable[[int], bytes]) -> Piped | bytes:
+        """The next ``n`` bytes of ``sock`` in pipes; in memory (``in_memory(k)``: the next
+        k bytes, received under the reply's deadline) where no pipe can be had, from the
+        first byte or from where the pipes ran out. ``left()``: seconds until the reply's
+        deadline. Raises what a receive raises: TimeoutError, ConnectionError.
+
+        A splice from a blocking socket waits for data as a receive does (up to the
+        socket's receive timeout), whatever its flags; SPLICE_F_NONBLOCK keeps it from
+        waiting on a full pipe, which is then told from "no data yet" by the socket
+        being readable."""
+        first = self.take()
+        if first is None:
+            self.fallbacks += 1
+            return in_memory(n)
+        out = Piped(self, [first])
+        fd = sock.fileno()
+        pipe = first
+        got = 0
+        try:
+            while got < n:
+                try:
+                    k = os.splice(fd, pipe.w, n - got, flags=_MOVE | _NONBLOCK)
+                except BlockingIOError:
+                    k = -1
+                if k > 0:
+                    got += k
+                    pipe.count += k
+                    continue
+                if k == 0:
+                    raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
+                # nothing moved: no data yet, or this pipe is full
+                if _readable(fd, 0.0):
+                    nxt = self.take(over=True)
+                    if nxt is None:  # no pipe to be had: this range ends in memory
+                        self.fallbacks += 1
+                        return out.to_bytes() + in_memory(n - got)
+                    out.pipes.append(nxt)
+                    pipe = nxt
+                    continue
+                wait = left()
+                if wait <= 0 or not _readable(fd, wait):
+                    raise TimeoutError(errno.ETIMEDOUT, "peer did not send its reply in time")
+        except BaseException:
+            out.release()
+            raise
+        out.size = n
+        self.ranges += 1
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._made -= len(idle)
+        for p in idle:
+            p.close()
+
+
+class Piped:
+    """One range's bytes, in pipes of its own, in order; ``len()`` is its size. ``send``
+    moves them on to a socket; ``release`` gives the pipes back (the bytes not sent are
+    dropped with them)."""
+
+    __slots__ = ("pipes", "pool", "size")
+
+    def __init__(self, pool: PipePool, pipes: list[_Pipe]) -> None:
+        self.pool, self.pipes, self.size = pool, pipes, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def send(self, out: int) -> bool:
+        """Move what is left on to ``out`` (a non-blocking socket) as far as it takes now;
+        True when all of it is out. Raises OSError if the socket fails."""
+        while self.pipes:
+            p = self.pipes[0]
+            while p.count:
+                try:
+                    k = os.splice(p.r, out, p.count, flags=_MOVE | _NONBLOCK)
+                except BlockingIOError:
+                    return False
+                if k <= 0:
+                    raise OSError(errno.EPIPE, "relay pipe ended early")
+                p.count -= k
+            self.pool.give(self.pipes.pop(0))
+        return True
+
+    def to_bytes(self) -> bytes:
+        """The bytes themselves (read out of the pipes, which go back)."""
+        parts = []
+        for p in self.pipes:
+            while p.count:
+                b = os.read(p.r, p.count)
+                if not b:
+                    raise OSError(errno.EPIPE, "relay pipe ended early")
+                parts.append(b)
+                p.count -= len(b)
+        self.release()
+        return b"".join(parts)
+
+    def release(self) -> None:
+        pipes, self.pipes = self.pipes, []
+        for p in pipes:
+            self.pool.give(p)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release()
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    poll = select.poll()
+    poll.register(fd, select.POLLIN)
+    return bool(poll.poll(max(0, int(timeout * 1000 + 0.999)) if timeout > 0 else 0))

@@ -1,0 +1,185 @@
+"""Relayed ranges held in kernel pipes (net/pipes.py), on real sockets and pipes: the bytes
+that go out are the bytes that came in, in order, whatever the pipes' fill; a range never
+shares a pipe; a dropped range never leaves bytes for the next one; no pipe is leaked."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from stagefs.net.pipes import PIPE_BYTES, Piped, PipePool
+from stagefs.net.sockio import set_recv_timeout
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "splice"), reason="no splice(2) here")
+
+
+@pytest.fixture
+def tcp() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected TCP pair on loopback: (sender, receiver), the receiver blocking."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(ls.getsockname())
+    b, _ = ls.accept()
+    ls.close()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _send_later(sock: socket.socket, data: bytes, pause: float = 0.0) -> threading.Thread:
+    def run() -> None:
+        if pause:
+            time.sleep(pause)
+        sock.sendall(data)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _forward(piped: Piped) -> bytes:
+    """``piped`` sent on through a non-blocking Unix socket, and what came out of it."""
+    out, back = socket.socketpair()
+    out.setblocking(False)
+    got = bytearray()
+    while not piped.send(out.fileno()):
+        got += back.recv(1 << 20)
+    out.close()
+    while chunk := back.recv(1 << 20):
+        got += chunk
+    back.close()
+    return bytes(got)
+
+
+def _never_in_memory(n: int) -> bytes:
+    raise AssertionError(f"{n} bytes went to memory")
+
+
+def _forever() -> float:
+    return 30.0
+
+
+def _accounted(pool: PipePool) -> None:
+    """Every pipe the pool made is idle again, and empty."""
+    assert pool._made == len(pool._idle)
+    for p in pool._idle:
+        assert p.count == 0
+        os.set_blocking(p.r, False)
+        with pytest.raises(BlockingIOError):  # nothing left in it
+            os.read(p.r, 1)
+        os.set_blocking(p.r, True)
+
+
+@pytest.mark.parametrize("size", [1, 4095, 110_000, PIPE_BYTES, 3 * PIPE_BYTES + 17])
+def test_a_range_comes_out_as_it_went_in(tcp: tuple[socket.socket, socket.socket],
+                                         size: int) -> None:
+    a, b = tcp
+    data = os.urandom(size)
+    pool = PipePool()
+    _send_later(a, data + b"TAIL")
+    piped = pool.receive(b, size, _forever, _never_in_memory)
+    assert isinstance(piped, Piped) and len(piped) == size
+    assert b.recv(4, socket.MSG_WAITALL) == b"TAIL"  # exactly the range was taken
+    assert _forward(piped) == data
+    _accounted(pool)
+    pool.close()
+
+
+def test_ranges_in_a_row_each_in_pipes_of_their_own(tcp: tuple[socket.socket, socket.socket]
+                                                   ) -> None:
+    a, b = tcp
+    blobs = [os.urandom(n) for n in (70_000, 5, 200_000, 1)]
+    pool = PipePool()
+    _send_later(a, b"".join(blobs))
+    got = [pool.receive(b, len(x), _forever, _never_in_memory) for x in blobs]
+    pipes = [id(p) for g in got if isinstance(g, Piped) for p in g.pipes]
+    assert len(pipes) == len(set(pipes)) >= len(blobs)
+    # a range dropped unsent (a hedge that lost) leaves nothing for the next one
+    assert isinstance(got[0], Piped)
+    got[0].release()
+    assert [_forward(g) for g in got[1:] if isinstance(g, Piped)] == blobs[1:]
+    _accounted(pool)
+
+
+def test_no_pipe_to_be_had_is_memory_from_the_first_byte(
+        tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    data = os.urandom(50_000)
+    pool = PipePool(most=0)
+    _send_later(a, data)
+    got = pool.receive(b, len(data), _forever,
+                       lambda n: b.recv(n, socket.MSG_WAITALL))
+    assert got == data and pool.fallbacks == 1 and pool._made == 0
+
+
+def test_pipes_running_out_mid_range_end_it_in_memory(
+        tcp: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tcp
+    data = os.urandom(32 * PIPE_BYTES)  # more than a pipe holds, however full its pages
+    pool = PipePool(most=1)
+    real = pool.take
+    monkeypatch.setattr(pool, "take", lambda over=False: real() if not over else None)
+    _send_later(a, data)
+    got = pool.receive(b, len(data), _forever, lambda n: b.recv(n, socket.MSG_WAITALL))
+    assert got == data and pool.fallbacks == 1
+    _accounted(pool)
+
+
+def test_a_peer_that_stops_mid_range_is_a_timeout_and_gives_the_pipes_back(
+        tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    set_recv_timeout(b, 0.05)  # as the client arms it: a receive waits no longer
+    pool = PipePool()
+    a.sendall(os.urandom(1000))
+    ends = [0.05]
+
+    def left() -> float:  # the reply's deadline: one short wait, then past it
+        return ends.pop() if ends else 0.0
+
+    with pytest.raises(TimeoutError):
+        pool.receive(b, 5000, left, _never_in_memory)
+    assert pool._made == len(pool._idle) == 0  # the pipe with 1000 bytes in it was closed
+
+
+def test_a_peer_that_closes_mid_range_is_a_connection_error(
+        tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    pool = PipePool()
+    a.sendall(os.urandom(1000))
+    a.close()
+    with pytest.raises(ConnectionError):
+        pool.receive(b, 5000, _forever, _never_in_memory)
+    assert pool._made == 0
+
+
+def test_bytes_read_back_out_of_the_pipes(tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    data = os.urandom(2 * PIPE_BYTES + 3)
+    pool = PipePool()
+    _send_later(a, data)
+    got = pool.receive(b, len(data), _forever, _never_in_memory)
+    assert isinstance(got, Piped) and got.to_bytes() == data
+    _accounted(pool)
+
+
+def test_a_reused_pipe_holds_nothing_of_its_last_range(
+        tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    pool = PipePool(most=1)
+    first, second = os.urandom(9000), os.urandom(7000)
+    _send_later(a, first + second)
+    p1 = pool.receive(b, len(first), _forever, _never_in_memory)
+    assert isinstance(p1, Piped)
+    half = p1.pipes[0]
+    p1.release()  # dropped with its bytes in: closed, not kept
+    p2 = pool.receive(b, len(second), _forever, _never_in_memory)
+    assert isinstance(p2, Piped) and half not in p2.pipes
+    assert _forward(p2) == second
+    p3_data = os.urandom(100)
+    _send_later(a, p3_data)
+    p3 = pool.receive(b, 100, _forever, _never_in_memory)  # the emptied pipe, reused
+    assert isinstance(p3, Piped) and _forward(p3) == p3_data
+    _accounted(pool)
