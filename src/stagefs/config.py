@@ -141,6 +141,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "'kernel' leaves the kernel's readahead on for shards read from the origin"),
     EnvVar("STAGEFS_SPEEDUPS", "1", "0 turns the C accelerator off (for comparison)"),
     EnvVar("STAGEFS_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are"),
+    EnvVar("STAGEFS_TIER_MAP", "1",
+           "0: read_many reads a memory tier with pread, not through a mapping (slower; the "
+           "tier's pages then do not count in the process's RSS)"),
     EnvVar("STAGEFS_CONNECT_TIMEOUT", "0",
            "seconds to wait for this node's daemon to publish the cluster (--connect)"),
     EnvVar("STAGEFS_PEER_TIMEOUT", "10",

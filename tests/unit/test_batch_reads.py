@@ -97,6 +97,29 @@ def test_a_batch_from_two_tiers_is_one_call_to_each(dataset: tuple[Path, dict[st
         assert fs.stats.checksum_failures == 0 and fs.origin.stats.reads == staged
 
 
+@pytest.mark.parametrize("mapped", [True, False])
+def test_a_memory_tier_read_through_a_mapping_or_not(dataset: tuple[Path, dict[str, bytes]],
+                                                     memory_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     mapped: bool) -> None:
+    """``STAGEFS_TIER_MAP=0``: the same bytes, read with pread, and no mapping kept (the
+    tier's pages then stay out of the process's RSS)."""
+    if not mapped:
+        monkeypatch.setenv("STAGEFS_TIER_MAP", "0")
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[str(memory_dir)]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        (memory,) = _tiers(fs)
+        names = sorted(files)
+        preads = Spy(memory, "pread")
+        assert fs.read_many(names) == [files[p] for p in names]
+        nonempty = sum(bool(files[p]) for p in names)
+        assert bool(memory._maps) is mapped
+        assert len(preads.calls) == (0 if mapped else nonempty)
+        assert _holders(fs)["memory"] == nonempty
+
+
 def test_a_corrupt_tier_copy_of_one_file(dataset: tuple[Path, dict[str, bytes]],
                                          memory_dir: Path) -> None:
     """The bad file comes from the origin, as a read alone would get it; the others of the

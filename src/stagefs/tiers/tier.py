@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from stagefs.config import TierSpec, format_size
+from stagefs.config import TierSpec, env, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
@@ -183,6 +183,9 @@ class DirTier:
         self._index = {n: i for i, n in enumerate(self._names)}
         self._fds: dict[int, int] = {}
         self._maps: dict[int, mmap.mmap] = {}  # memory tier: held copies mapped (pread_many)
+        # (the pages a process touches through them count in its RSS, as shared memory:
+        # STAGEFS_TIER_MAP=0 preads instead, for a scheduler that sums its tasks' RSS)
+        self._mapped = self.kind == "memory" and env("TIER_MAP", "1") != "0"
         self._lock = threading.Lock()
         self.stats = TierStats()
         self.stopped: str | None = None  # why placement into this tier stopped, if it did
@@ -289,11 +292,12 @@ class DirTier:
         the range is not in it): a batch of reads in one call, in the calling thread.
 
         A memory tier copies them out of a read-only mapping of each held copy: on tmpfs
-        that is twice the speed of pread (docs/decisions/0016-batched-reads.md). A disk
-        tier preads them: a cold page there is one read, not a fault per page.
+        that is twice the speed of pread (docs/decisions/0016-batched-reads.md), unless
+        ``STAGEFS_TIER_MAP=0``. A disk tier preads them: a cold page there is one read, not
+        a fault per page.
         """
         out: list[bytes | None] = []
-        if self.kind != "memory":
+        if not self._mapped:
             for shard, offset, length in ranges:
                 try:
                     out.append(self.pread(shard, offset, length))
