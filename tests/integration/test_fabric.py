@@ -7,6 +7,7 @@ the number of readers. Assertions are on bytes and counters, never on elapsed ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -139,8 +141,14 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
         assert relay["missing"] == 0 and relay["late"] == 0
 
 
-def _authed(addr: tuple[str, int], token: bytes) -> socket.socket:
-    s = socket.create_connection(addr, timeout=30)
+def _authed(addr: tuple[str, int] | str, token: bytes) -> socket.socket:
+    """A connection that has passed the handshake (TCP address, or a Unix socket path)."""
+    if isinstance(addr, str):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(30)
+        s.connect(addr)
+    else:
+        s = socket.create_connection(addr, timeout=30)
     dec = P.FrameDecoder()
     msgs: list[P.Message] = []
     while not msgs:
@@ -261,11 +269,12 @@ def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> N
     assert not os.path.exists(path)
 
 
+@contextlib.contextmanager
 def _peer_and_fabric(tmp_path: Path, relay_gate: threading.Event | None = None
-                     ) -> tuple[Any, ...]:
+                     ) -> Iterator[SimpleNamespace]:
     """A peer over TCP holding the odd shards, and a fabric server holding the even ones
     that relays the odd ones to it with ``read_relayed`` into a pipe pool (after
-    ``relay_gate`` is set, if given)."""
+    ``relay_gate`` is set, if given); all closed after."""
     pack, _ = make_pack(str(tmp_path), files=60, shard_size="48KiB")
     m = Manifest(os.path.join(pack, "manifest.sfm"))
     token = auth.new_token()
@@ -285,7 +294,14 @@ def _peer_and_fabric(tmp_path: Path, relay_gate: threading.Event | None = None
     path = str(tmp_path / "fabric.sock")
     fabric = ShardServer(m, token, where(False), "127.0.0.1", unix_path=path,
                          relay=relay).start()
-    return pack, m, token, peer, client, pool, fabric, path
+    try:
+        yield SimpleNamespace(pack=pack, m=m, token=token, pool=pool, fabric=fabric, path=path)
+    finally:
+        fabric.close()
+        peer.close()
+        client.close()
+        pool.close()
+        m.close()
 
 
 def _pool_idle(pool: PipePool) -> bool:
@@ -293,10 +309,9 @@ def _pool_idle(pool: PipePool) -> bool:
 
 
 def test_relayed_ranges_go_from_the_peer_to_the_reader_through_pipes(tmp_path: Path) -> None:
-    pack, m, token, peer, client, pool, fabric, path = _peer_and_fabric(tmp_path)
-    try:
-        shard_bytes = [Path(pack, sh.name).read_bytes() for sh in m.shards]
-        reader = PeerClient("", 0, token, unix=path)
+    with _peer_and_fabric(tmp_path) as c:
+        shard_bytes = [Path(c.pack, sh.name).read_bytes() for sh in c.m.shards]
+        reader = PeerClient("", 0, c.token, unix=c.path)
         # held and relayed, whole shards and pieces, an empty range, interleaved
         ranges = [(s, o, n) for s, b in enumerate(shard_bytes)
                   for o, n in ((0, len(b)), (17, min(5000, len(b) - 17)), (3, 0))]
@@ -304,53 +319,31 @@ def test_relayed_ranges_go_from_the_peer_to_the_reader_through_pipes(tmp_path: P
             got = reader.read(ranges)
             assert got == [shard_bytes[s][o : o + n] for s, o, n in ranges]
         odd_ok = sum(1 for s, _, n in ranges if s % 2 and n)
-        assert fabric.stats.relayed_piped == 3 * odd_ok and fabric.stats.relayed_missing == 0
-        assert pool.ranges == 3 * odd_ok and pool.fallbacks == 0
-        assert _pool_idle(pool)
+        st = c.fabric.stats
+        assert st.relayed_piped == 3 * odd_ok and st.relayed_missing == 0
+        assert c.pool.ranges == 3 * odd_ok and c.pool.fallbacks == 0
+        assert _pool_idle(c.pool)
         reader.close()
-    finally:
-        fabric.close()
-        peer.close()
-        client.close()
-        pool.close()
-        m.close()
 
 
 def test_a_reader_gone_before_its_relay_answers_leaves_no_pipe_behind(tmp_path: Path) -> None:
     gate = threading.Event()
-    _, m, token, peer, client, pool, fabric, path = _peer_and_fabric(tmp_path, gate)
     fds = len(os.listdir("/proc/self/fd"))
-    try:
-        s = socket.socket(socket.AF_UNIX)
-        s.connect(path)
-        dec = P.FrameDecoder()
-        msgs: list[P.Message] = []
-        while not msgs:
-            dec.feed(s.recv(4096))
-            msgs = dec.messages()
-        ch = msgs[0]
-        assert isinstance(ch, P.Challenge)
-        nc = auth.new_nonce()
-        s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
-        odd = [P.Range(sh, 0, m.shards[sh].size) for sh in range(1, len(m.shards), 2)]
+    with _peer_and_fabric(tmp_path, gate) as c:
+        s = _authed(c.path, c.token)
+        odd = [P.Range(sh, 0, c.m.shards[sh].size) for sh in range(1, len(c.m.shards), 2)]
         s.sendall(P.encode(P.Read(7, tuple(odd))))
-        while fabric.stats.relayed_requests == 0:
+        while c.fabric.stats.relayed_requests == 0:
             time.sleep(0.01)
         s.close()  # the reader goes away while its relay is out
         gate.set()
-        while fabric.stats.relayed_piped < len(odd):
+        while c.fabric.stats.relayed_piped < len(odd):
             time.sleep(0.01)
         deadline = time.monotonic() + 30
-        while not _pool_idle(pool) and time.monotonic() < deadline:
+        while not _pool_idle(c.pool) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert _pool_idle(pool)  # every pipe of the dropped reply closed or back, empty
-        assert fabric.stats.active == 0
-    finally:
-        fabric.close()
-        peer.close()
-        client.close()
-        pool.close()
-        m.close()
+        assert _pool_idle(c.pool)  # every pipe of the dropped reply closed or back, empty
+        assert c.fabric.stats.active == 0
     assert len(os.listdir("/proc/self/fd")) <= fds
 
 
