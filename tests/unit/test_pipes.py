@@ -4,6 +4,7 @@ shares a pipe; a dropped range never leaves bytes for the next one; no pipe is l
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
@@ -183,3 +184,22 @@ def test_a_reused_pipe_holds_nothing_of_its_last_range(
     p3 = pool.receive(b, 100, _forever, _never_in_memory)  # the emptied pipe, reused
     assert isinstance(p3, Piped) and _forward(p3) == p3_data
     _accounted(pool)
+
+
+def test_a_socket_that_cannot_be_spliced_is_read_into_memory(
+        tcp: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel or socket that refuses splice outright (EINVAL) costs nothing but the
+    pipes' gain: the range, and every later one, is received into memory."""
+    a, b = tcp
+    data = os.urandom(20_000)
+    pool = PipePool()
+
+    def refuse(*_args: object, **_kw: object) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "splice", refuse)
+    _send_later(a, data + data)
+    for _ in range(2):
+        assert pool.receive(b, len(data), _forever,
+                            lambda n: b.recv(n, socket.MSG_WAITALL)) == data
+    assert pool.broken and pool.fallbacks == 2 and pool._made == len(pool._idle)

@@ -115,6 +115,7 @@ class _ReplyRecv:
     def _range(self, n: int) -> _Bytes | Piped:
         if self.into is None or not n:
             return self.bytes(n)
+        self._arm()  # a splice waits for data up to the socket's receive timeout too
         return self.into.receive(self.sock, n, self.left, self.bytes)
 
     def message(self) -> P.Message:

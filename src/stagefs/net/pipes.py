@@ -36,6 +36,7 @@ PIPE_BYTES = 256 * 2**10  # each pipe's capacity (a 110 KB sample fits one, with
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _MOVE = getattr(os, "SPLICE_F_MOVE", 1)
 _NONBLOCK = getattr(os, "SPLICE_F_NONBLOCK", 2)
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)  # splice refused outright
 
 
 class _Pipe:
@@ -128,6 +129,13 @@ class PipePool:
                     k = os.splice(fd, pipe.w, n - got, flags=_MOVE | _NONBLOCK)
                 except BlockingIOError:
                     k = -1
+                except OSError as exc:
+                    if got or exc.errno not in _UNSUPPORTED:
+                        raise
+                    self._unsupported(exc)  # this socket cannot be spliced: memory
+                    out.release()
+                    self.fallbacks += 1
+                    return in_memory(n)
                 if k > 0:
                     got += k
                     pipe.count += k
@@ -152,6 +160,14 @@ class PipePool:
         out.size = n
         self.ranges += 1
         return out
+
+    def _unsupported(self, exc: OSError) -> None:
+        with self._lock:
+            if self.broken:
+                return
+            self.broken = True
+        log.info("relayed ranges go through memory: splice from a socket fails here (%s)",
+                 exc.strerror)
 
     def close(self) -> None:
         with self._lock:
