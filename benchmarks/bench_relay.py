@@ -106,7 +106,16 @@ def main() -> None:
                     total = sum(g[0] for g in got)
                     res[kind].append(total / max(g[1] for g in got) / 1e9)
                     cpu[kind].append((_cpu(daemons[0].pid) - c0) / (total / 1e9))
-            rows.append({"readers": nr,
+            shares = {}
+            for kind, (w, _) in clusters.items():
+                with open(os.path.join(w, "token")) as f:
+                    token = bytes.fromhex(f.read().strip())
+                c = PeerClient("", 0, token, unix=os.path.join(w, "rt0", "fabric.sock"),
+                               pack_id=m.pack_id)
+                srv = c.status()["server"]
+                c.close()
+                shares[kind] = srv["relayed_piped"] / max(1, srv["relayed_ranges"])
+            rows.append({"readers": nr, "piped_share": shares,
                          **{f"{k}_GBps": statistics.median(v) for k, v in res.items()},
                          **{f"{k}_cpu_s_per_GB": statistics.median(v) for k, v in cpu.items()},
                          "passes": res, "cpu_passes": cpu})
@@ -117,10 +126,11 @@ def main() -> None:
                 stop(d)
         shutil.rmtree(work, ignore_errors=True)
     print(table(["readers on node 0", "pipes GB/s", "memory GB/s", "pipes / memory",
-                 "daemon CPU s/GB, pipes", "memory"],
+                 "daemon CPU s/GB, pipes", "memory", "ranges piped (so far)"],
                 [[r["readers"], f"{r['pipes_GBps']:.2f}", f"{r['memory_GBps']:.2f}",
                   f"{r['pipes_GBps'] / r['memory_GBps']:.2f}",
-                  f"{r['pipes_cpu_s_per_GB']:.2f}", f"{r['memory_cpu_s_per_GB']:.2f}"]
+                  f"{r['pipes_cpu_s_per_GB']:.2f}", f"{r['memory_cpu_s_per_GB']:.2f}",
+                  f"{r['piped_share']['pipes']:.0%}"]
                  for r in rows]))
     if a.out:
         os.makedirs(a.out, exist_ok=True)

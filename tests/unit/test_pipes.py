@@ -10,10 +10,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from stagefs.net.pipes import PIPE_BYTES, Piped, PipePool
+from stagefs.net.pipes import PIPE_BYTES, POOL_BYTES, Piped, PipePool, budget
 from stagefs.net.sockio import set_recv_timeout
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "splice"), reason="no splice(2) here")
@@ -203,3 +204,18 @@ def test_a_socket_that_cannot_be_spliced_is_read_into_memory(
         assert pool.receive(b, len(data), _forever,
                             lambda n: b.recv(n, socket.MSG_WAITALL)) == data
     assert pool.broken and pool.fallbacks == 2 and pool._made == len(pool._idle)
+
+
+@pytest.mark.parametrize(("soft", "want"), [
+    ("16384\n", 32 * 2**20),  # the default 64 MiB a user: half
+    ("1024\n", 2 * 2**20),  # a small budget: half of it
+    ("0\n", POOL_BYTES),  # no budget
+    ("junk", POOL_BYTES), (None, POOL_BYTES),  # unreadable: the cap
+])
+def test_a_pool_keeps_to_half_the_user_s_pipe_budget(
+        tmp_path: Path, soft: str | None, want: int) -> None:
+    f = tmp_path / "pipe-user-pages-soft"
+    if soft is not None:
+        f.write_text(soft)
+    assert budget(str(f)) == min(want, POOL_BYTES)
+    assert PipePool().most * PIPE_BYTES <= budget()

@@ -10,9 +10,13 @@ relayed byte costs what a direct read from the peer costs, plus a few system cal
 Each range gets pipes of its own (never shared with another range), so a range that is
 dropped (a hedge that lost, a reply the reader no longer waits for) can never put its bytes
 in front of another's: its pipes are closed or emptied, whenever that happens. A pool
-bounds how many pipes a process keeps: past it, or where the kernel refuses a pipe of the
-size asked (an unprivileged user past ``/proc/sys/fs/pipe-user-pages-soft``), a range is
-received into memory as before, and nothing else changes.
+bounds the pipes a process keeps: past it, or where the kernel refuses a pipe of the size
+asked, a range is received into memory as before, and nothing else changes. The bound is
+half the user's pipe budget (``/proc/sys/fs/pipe-user-pages-soft``, 64 MiB by default,
+counted over all of a user's processes by the pipes' sizes, not their contents), at most
+``POOL_BYTES``: past that budget the kernel gives every new pipe of that user, its
+DataLoader queues' too, two pages only; the other half leaves room for 500 pipes of the
+default size.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import socket
 import threading
 from collections.abc import Callable
 
-__all__ = ["PIPE_BYTES", "PipePool", "Piped"]
+__all__ = ["PIPE_BYTES", "POOL_BYTES", "PipePool", "Piped", "budget"]
 
 log = logging.getLogger("stagefs.net")
 
-PIPE_BYTES = 256 * 2**10  # each pipe's capacity (a 110 KB sample fits one, with room for
-# the pages a socket's buffers split it into)
+PIPE_BYTES = 128 * 2**10  # each pipe's capacity: 32 slots, a 110 KB sample in pages
+POOL_BYTES = 32 * 2**20  # the most a pool's pipes hold in all (256 ranges in flight)
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _MOVE = getattr(os, "SPLICE_F_MOVE", 1)
 _NONBLOCK = getattr(os, "SPLICE_F_NONBLOCK", 2)
@@ -52,11 +56,12 @@ class _Pipe:
 
 
 class PipePool:
-    """At most ``most`` pipes of ``PIPE_BYTES`` each, kept empty between uses; shared by the
-    threads of one process (relays take, the event loop gives back)."""
+    """At most ``most`` pipes of ``PIPE_BYTES`` each (default: ``budget()``), kept empty
+    between uses; shared by the threads of one process (relays take, the event loop gives
+    back)."""
 
-    def __init__(self, most: int = 256) -> None:
-        self.most = most
+    def __init__(self, most: int | None = None) -> None:
+        self.most = budget() // PIPE_BYTES if most is None else most
         self._idle: list[_Pipe] = []
         self._made = 0
         self._lock = threading.Lock()
@@ -65,12 +70,12 @@ class PipePool:
         self.fallbacks = 0  # ranges received into memory: no pipe to be had
 
     def take(self, over: bool = False) -> _Pipe | None:
-        """An empty pipe, or None when the pool is spent (``over``: one more beyond the
-        bound, for a range already begun) or the kernel refuses one."""
+        """An empty pipe, or None when the pool is spent (``over``: for a range already
+        begun, up to half as many again) or the kernel refuses one."""
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-            if self.broken or (self._made >= self.most and not over):
+            if self.broken or self._made >= (self.most * 3 // 2 if over else self.most):
                 return None
             self._made += 1
         try:
@@ -227,6 +232,19 @@ class Piped:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.release()
+
+
+def budget(soft_file: str = "/proc/sys/fs/pipe-user-pages-soft") -> int:
+    """Bytes of pipes a pool may keep: half the user's soft budget (0 there: no budget), at
+    most ``POOL_BYTES``."""
+    try:
+        with open(soft_file) as f:
+            pages = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pages = 0
+    if pages <= 0:
+        return POOL_BYTES
+    return min(POOL_BYTES, pages * 4096 // 2)
 
 
 def _readable(fd: int, timeout: float) -> bool:
