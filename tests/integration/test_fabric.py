@@ -139,6 +139,13 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
         # a batch touching every peer had a part in flight to each of them at once
         assert relay["peak_parts"] == c.n - 1, relay
         assert relay["missing"] == 0 and relay["late"] == 0
+    text = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                           os.path.join(c.work, "rt0")], capture_output=True, text=True,
+                          timeout=60).stdout
+    assert "relayed for readers" in text, text
+    for n, node in enumerate(st["nodes"]):  # each node's row says what it relayed
+        row = next(line for line in text.splitlines() if line.split()[:1] == [str(n)])
+        assert f"{node['server']['relayed_ranges']:,} (0 to the origin)" in row, text
 
 
 def _authed(addr: tuple[str, int] | str, token: bytes) -> socket.socket:

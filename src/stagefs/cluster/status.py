@@ -52,7 +52,7 @@ def cluster_status(runtime: str | None, timeout: float = 3.0
 def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
     addr = f"{cmap.nodes[n][0]}:{cmap.nodes[n][1]}"
     if s is None:
-        return [str(n), addr, "unreachable", "-", "-", "-", "-", "-", "-"]
+        return [str(n), addr, "unreachable", "-", "-", "-", "-", "-", "-", "-"]
     st = s["staging"]
     share = (f"{st['shards_held']}/{st['shards_assigned']} shards, "
              f"{format_size(st['bytes_held'])} "
@@ -63,8 +63,10 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
     srv = s["server"]
     conns = (f"{srv.get('tcp_peers', 0)}/{srv.get('unix_readers', 0)}/"
              f"{srv.get('refused_busy', 0)}")
+    relayed = (f"{srv.get('relayed_ranges', 0):,} ({srv.get('relayed_missing', 0):,} "
+               "to the origin)")
     return [str(n), addr, s["state"], share, tiers, format_size(srv["bytes_served"]), conns,
-            str(s["peers_unreachable"]), str(s["checksum_failures"])]
+            relayed, str(s["peers_unreachable"]), str(s["checksum_failures"])]
 
 
 def rereplication_lines(nodes: list[dict[str, Any] | None]) -> list[str]:
@@ -102,7 +104,8 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         print(json.dumps({"pack": cmap.pack, "nodes": nodes}, indent=1, sort_keys=True))
     else:
         head = ["node", "address", "state", "staged share", "tier use", "served",
-                "tcp/unix/refused", "peers unreachable", "checksum failures"]
+                "tcp/unix/refused", "relayed for readers", "peers unreachable",
+                "checksum failures"]
         rows = [head] + [_row(n, cmap, s) for n, s in enumerate(nodes)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         print(f"cluster of {cmap.size} nodes serving {cmap.pack} "
