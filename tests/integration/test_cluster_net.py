@@ -7,6 +7,8 @@ import itertools
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -373,3 +375,45 @@ def test_a_reply_that_comes_in_pieces_is_whole() -> None:
     finally:
         c.close()
         t.join(10)
+
+
+_RESERVE_PROBE = r"""
+import os, resource, sys
+from stagefs.format import Manifest
+from stagefs.net import auth
+from stagefs.net.client import PeerClient, PeerUnavailable
+from stagefs.net.server import ServerLimits, ShardServer
+resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
+pack, reserve = sys.argv[1], int(sys.argv[2])
+m = Manifest(os.path.join(pack, "manifest.sfm"))
+token = auth.new_token()
+srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1", 0,
+                  limits=ServerLimits(fd_reserve=reserve)).start()
+ok = refused = 0
+clients = []
+for _ in range(60):
+    c = PeerClient(*srv.address, token)
+    clients.append(c)
+    try:
+        c.read([(0, 0, 8)])
+        ok += 1
+    except PeerUnavailable:
+        refused += 1
+print(ok, refused, srv.stats.refused_busy)
+"""
+
+
+def test_descriptors_kept_for_the_relay_are_not_given_to_connections(
+        packed: tuple[str, dict[str, bytes]]) -> None:
+    """With 400 descriptors, 256 kept as always and 100 more for the relay's pipes, a
+    server takes 43 connections (one descriptor is the shard file it reads) and refuses the
+    rest (E_BUSY); without those 100, all 60."""
+    got = {}
+    for reserve in (0, 100):
+        out = subprocess.run([sys.executable, "-c", _RESERVE_PROBE, packed[0], str(reserve)],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        got[reserve] = [int(x) for x in out.stdout.split()]
+    assert got[0] == [60, 0, 0]
+    ok, refused, busy = got[100]
+    assert ok == 400 - 256 - 100 - 1 and refused == busy == 60 - ok  # (- 1: shard 0's file)

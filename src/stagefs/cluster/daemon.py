@@ -19,6 +19,7 @@ process; ``STAGEFS_RELAY_PIPES=0``: through memory).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -187,8 +188,11 @@ class Daemon:
         self.pipes = PipePool() if env("RELAY_PIPES", "1") != "0" else None
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self._status_cache: tuple[float, dict[str, Any]] | None = None
+        # the relay's pipes are descriptors too: kept out of the connections' share
+        limits = dataclasses.replace(
+            o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
-                                  limits=o.limits, status=self.status,
+                                  limits=limits, status=self.status,
                                   unix_path=self.fabric_path, relay=self._relay)
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(

@@ -69,6 +69,11 @@ class PipePool:
         self.ranges = 0  # ranges received into pipes
         self.fallbacks = 0  # ranges received into memory: no pipe to be had
 
+    @property
+    def max_fds(self) -> int:
+        """The descriptors its pipes may hold at most (two a pipe)."""
+        return 2 * (self.most * 3 // 2)
+
     def take(self, over: bool = False) -> _Pipe | None:
         """An empty pipe, or None when the pool is spent (``over``: for a range already
         begun, up to half as many again) or the kernel refuses one."""

@@ -79,6 +79,8 @@ class ServerLimits:
     idle_timeout: float = 900.0  # an idle pooled connection is closed after this
     io_timeout: float = 30.0  # sending one reply, all of it
     relay_threads: int = 64  # relayed requests of this node's readers worked on at once
+    fd_reserve: int = 0  # descriptors the process keeps for itself beyond the usual
+    # reserve (the relay's pipes: net/pipes.py)
 
 
 @dataclass
@@ -352,7 +354,8 @@ class ShardServer:
         """Authenticated connections allowed now."""
         if self.limits.max_connections is not None:
             return self.limits.max_connections
-        return max(16, self._fd_limit - _FD_RESERVE - len(self._held) - len(self._pending))
+        return max(16, self._fd_limit - _FD_RESERVE - self.limits.fd_reserve - len(self._held)
+                   - len(self._pending))
 
     def _accept(self, lst: _Listener) -> None:
         for _ in range(256):  # a burst of connections: take many per wake, not one
