@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 import pytest
 
 from stagefs.bench.limit import read_files
-from stagefs.bench.measure import OriginCounter, Tally
+from stagefs.bench.measure import OriginCounter, Proc, Tally
 from stagefs.bench.report import limit_table, summarize, summary_table
 from stagefs.cli import main
 
@@ -64,7 +65,8 @@ def _results(epochs: list[dict[str, object]]) -> dict[str, object]:
 
 def _epoch(epoch: int, rate: float, opens: int) -> dict[str, object]:
     return {"epoch": epoch, "samples_per_s": rate, "mb_per_s": rate / 10, "origin_opens": opens,
-            "origin_stats": 1, "origin_bytes": 1000, "peak_rss": 2**20, "cpu_s_per_1k": 0.1}
+            "origin_stats": 1, "origin_bytes": 1000, "peak_rss": 2**20, "cpu_s_per_1k": 0.1,
+            "shared_rss": epoch * 2**19}
 
 
 def test_summary_takes_medians_of_cold_and_warm_epochs() -> None:
@@ -75,7 +77,28 @@ def test_summary_takes_medians_of_cold_and_warm_epochs() -> None:
     assert m["warm_samples_per_s"] == 3000
     assert m["per_epoch_samples_per_s"] == [200, 3000, 3000]
     assert (m["cold_origin_opens"], m["warm_origin_opens"]) == (9, 0)
-    assert "| x " in summary_table(_results(eps))
+    assert m["peak_shared_rss"] == 2**20  # the most of any epoch (the last: 2 x 512 KiB)
+    text = summary_table(_results(eps))
+    assert "| x " in text and "of which shared MiB" in text
+
+
+def test_shared_pages_a_process_maps_are_told_from_its_own(tmp_path: Path) -> None:
+    """A memory tier's pages a reader maps count in its RSS as shared memory: the bench
+    reports them apart (a tier file on tmpfs, mapped and touched here)."""
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm on this machine")
+    path = Path("/dev/shm") / f"stagefs-test-{os.getpid()}-shared"
+    size = 8 * 2**20
+    path.write_bytes(os.urandom(size))
+    try:
+        me = Proc()
+        before = me.shared_rss()
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            total = sum(mm[i] for i in range(0, size, 4096))  # touch every page
+            assert me.shared_rss() - before >= size * 0.9, total
+            assert me.peak_rss() >= me.shared_rss()
+    finally:
+        path.unlink()
 
 
 def test_the_cold_epoch_is_held_against_the_origins_sequential_limit() -> None:

@@ -122,11 +122,19 @@ class Proc:
             pass
 
     def peak_rss(self) -> int:
+        return self._status_kib("VmHWM:") * 1024
+
+    def shared_rss(self) -> int:
+        """The shared memory pages in its RSS now (``RssShmem``: for a stagefs reader, the
+        memory tier's pages it mapped; they are the tier's, counted once by the system)."""
+        return self._status_kib("RssShmem:") * 1024
+
+    def _status_kib(self, key: str) -> int:
         try:
             with open(self._path("status")) as f:
                 for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
+                    if line.startswith(key):
+                        return int(line.split()[1])
         except OSError:
             pass
         return 0
@@ -204,6 +212,7 @@ class EpochFigures:
     rchar: int
     read_bytes: int
     setup_seconds: float = 0.0
+    shared_rss: int = 0  # of peak_rss, pages shared with others (a mapped memory tier)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -15,7 +15,8 @@ __all__ = ["limit_table", "origin_limit", "summarize", "summary_table", "write_r
 
 HEADERS = ["system", "conversion s", "size on disk MB", "cold samples/s", "warm samples/s",
            "warm MB/s", "origin opens (cold)", "origin stats (cold)", "origin MB (cold)",
-           "origin opens (warm)", "peak RSS MiB", "CPU s / 1k samples", "all once, same bytes"]
+           "origin opens (warm)", "peak RSS MiB", "of which shared MiB", "CPU s / 1k samples",
+           "all once, same bytes"]
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -50,6 +51,7 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "warm_origin_stats": _median([e["origin_stats"] for e in rest]),
             "warm_origin_bytes": _median([e["origin_bytes"] for e in rest]),
             "peak_rss": max(e["peak_rss"] for e in eps),
+            "peak_shared_rss": max(e.get("shared_rss", 0) for e in eps),
             "cpu_s_per_1k": _median([e["cpu_s_per_1k"] for e in eps]),
             "per_epoch_samples_per_s": per_epoch,
             "ok": bool(s.get("all_samples_once")) and bool(s.get("same_bytes")),
@@ -65,7 +67,8 @@ def summary_table(results: dict[str, Any]) -> str:
     rows: list[list[object]] = []
     for name, m in summarize(results).items():
         if "error" in m:
-            rows.append([name, "error: " + m["error"].splitlines()[0][:60]] + ["-"] * 11)
+            rows.append([name, "error: " + m["error"].splitlines()[0][:60]]
+                        + ["-"] * (len(HEADERS) - 2))
             continue
         rows.append([
             name, _fmt(m["conversion_s"], 2), _fmt(m["size_on_disk"] / 1e6, 1),
@@ -73,6 +76,7 @@ def summary_table(results: dict[str, Any]) -> str:
             _fmt(m["warm_mb_per_s"]), _fmt(m["cold_origin_opens"]),
             _fmt(m["cold_origin_stats"]), _fmt(m["cold_origin_bytes"] / 1e6, 1),
             _fmt(m["warm_origin_opens"]), _fmt(m["peak_rss"] / 2**20),
+            _fmt(m["peak_shared_rss"] / 2**20),
             _fmt(m["cpu_s_per_1k"], 3), "yes" if m["ok"] else "NO"])
     return table(HEADERS, rows)
 

@@ -78,7 +78,7 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
     opens1, stats1, bytes1 = counter.snapshot()
     own1 = system.origin_bytes()
     origin_bytes = bytes1 - bytes0 if own1 is None else own1 - (own0 or 0)
-    peak = me.peak_rss()
+    peak, shared = me.peak_rss(), me.shared_rss()
     extra: dict[str, Any] = {}
     opens = opens1 - opens0
     if server:  # FUSE: the server process reads the origin; count its share too
@@ -90,12 +90,14 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
         stats_extra = s_stats1.get("stats", 0) - s_stats0.get("stats", 0)
         extra["server_peak_rss"] = server.peak_rss()
         peak += extra["server_peak_rss"]
+        shared += server.shared_rss()
         stats1 += stats_extra
     checksum, distinct = tally.digest()
     return EpochFigures(
         system=system.name, run=spec["run"], epoch=epoch, cold=bool(spec["cold"]) and epoch == 0,
         seconds=seconds, samples=tally.samples, bytes=tally.bytes, distinct=distinct,
-        checksum=checksum, cpu_seconds=cpu, peak_rss=peak, origin_opens=max(0, opens),
+        checksum=checksum, cpu_seconds=cpu, peak_rss=peak, shared_rss=shared,
+        origin_opens=max(0, opens),
         origin_stats=stats1 - stats0, origin_bytes=max(0, origin_bytes),
         rchar=io1.get("rchar", 0) - io0.get("rchar", 0),
         read_bytes=io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
