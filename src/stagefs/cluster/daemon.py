@@ -250,8 +250,6 @@ class Daemon:
             return [h for h in holders.holders(shard)
                     if h is not origin and not getattr(h, "local", False)]
 
-        if self.pipes is None:
-            return list(self.fanout.read(ranges, peers_of, self.o.relay_timeout))
         return self.fanout.relay(ranges, peers_of, self.o.relay_timeout, self.pipes)
 
     # -- what STATUS answers ---------------------------------------------------------------

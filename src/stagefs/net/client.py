@@ -459,8 +459,8 @@ class PeerClient:
                      ) -> list[bytes | Piped | None]:
         """``read``, each range received into pipes of ``into`` where it can be (to be
         sent on to another socket without a copy: net/pipes.py), else into memory."""
-        if any(n > _REPLY_LIMIT for _, _, n in ranges):
-            return list(self._read(ranges, None))
+        if any(n > _REPLY_LIMIT for _, _, n in ranges):  # split and joined: in memory
+            return self._read(ranges, None)
         return self._read(ranges, into)
 
     def _read(self, ranges: Sequence[tuple[int, int, int]], into: PipePool | None

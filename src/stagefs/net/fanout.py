@@ -112,9 +112,11 @@ class Fanout:
         return self._read(ranges, holders, timeout, lambda h, r: h.pread_many(r))
 
     def relay(self, ranges: Ranges, holders: Callable[[int], Sequence[RelayHolder]],
-              timeout: float, into: PipePool) -> list[bytes | Piped | None]:
+              timeout: float, into: PipePool | None) -> list[bytes | Piped | None]:
         """``read`` for a relay: each range in pipes of ``into`` where it can be (sent on
-        without a copy: net/pipes.py), else in memory."""
+        without a copy: net/pipes.py), else in memory (all of them if ``into`` is None)."""
+        if into is None:
+            return self._read(ranges, holders, timeout, lambda h, r: h.pread_many(r))
         return self._read(ranges, holders, timeout,
                           lambda h, r: cast("RelayHolder", h).pread_relayed(r, into))
 

@@ -320,8 +320,7 @@ class Pusher:
             node = _node_id(os.path.join(self.mountpoint, rel))
             vec = _BufVec(1, 0, 0)
             vec.buf[0].size, vec.buf[0].mem, vec.buf[0].fd = size, addr, -1
-            r = self._notify(self._session, node, 0, ctypes.byref(vec), 0)
-            del keep
+            r = self._notify(self._session, node, 0, ctypes.byref(vec), 0)  # copies `keep`
         except OSError as exc:
             r = -(exc.errno or errno.EIO)
             if exc.errno not in (errno.ENOENT, errno.ESTALE):
