@@ -8,12 +8,15 @@ the number of readers. Assertions are on bytes and counters, never on elapsed ti
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -40,7 +43,7 @@ from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.client import PeerClient
 from stagefs.net.pipes import Piped, PipePool
-from stagefs.net.server import ShardServer, raise_fd_limit
+from stagefs.net.server import UNIX_SNDBUF, ShardServer, raise_fd_limit
 
 pytestmark = pytest.mark.integration
 READER = str(Path(__file__).resolve().parent / "fabric_reader.py")
@@ -352,6 +355,46 @@ def test_a_reader_gone_before_its_relay_answers_leaves_no_pipe_behind(tmp_path: 
         assert _pool_idle(c.pool)  # every pipe of the dropped reply closed or back, empty
         assert c.fabric.stats.active == 0
     assert len(os.listdir("/proc/self/fd")) <= fds
+
+
+def _queued(s: socket.socket) -> int:
+    """Bytes waiting in ``s`` for it to receive them, once that stops growing."""
+    prev, same = -1, 0
+    while same < 20:
+        q = struct.unpack("i", fcntl.ioctl(s, termios.FIONREAD, b"\0" * 4))[0]
+        same = same + 1 if q == prev else 0
+        prev = q
+        time.sleep(0.01)
+    return prev
+
+
+def test_a_reply_of_megabytes_waits_in_the_reader_s_socket_not_in_the_daemon(
+        tmp_path: Path) -> None:
+    """A reader's Unix connection has a send buffer of UNIX_SNDBUF (as far as the kernel's
+    net.core.wmem_max lets it): a reply of a few MB goes into its socket at once, not in
+    rounds of the default 208 KiB, each waiting for the reader to drain the last."""
+    with open("/proc/sys/net/core/wmem_max") as f:
+        cap = int(f.read())
+    with _peer_and_fabric(tmp_path) as c:
+        s = _authed(c.path, c.token)
+        held = tuple([P.Range(0, 0, c.m.shards[0].size)] * 60)  # shard 0: the fabric's own
+        total = sum(r.length for r in held)
+        assert total > 2 * 2**20
+        s.sendall(P.encode(P.Read(1, held)))
+        queued = _queued(s)  # the reader has not received a byte yet
+        if cap >= UNIX_SNDBUF:
+            assert queued >= total  # the whole reply, frame and all
+        else:  # the kernel's cap: stagefs doctor warns
+            assert queued >= min(total, cap)
+        reply = P.FrameDecoder(2 * total)
+        while not (msgs := reply.messages()):
+            reply.feed(s.recv(1 << 20))
+        data = msgs[0]
+        assert isinstance(data, P.Data)
+        want = Path(c.pack, c.m.shards[0].name).read_bytes()
+        assert all(bytes(ch) == want for ch in data.chunks if ch is not None)
+        assert len([ch for ch in data.chunks if ch is not None]) == len(held)
+        s.close()
 
 
 def test_a_thousand_idle_connections_take_no_thread(tmp_path: Path) -> None:

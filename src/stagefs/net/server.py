@@ -22,7 +22,7 @@ connection, and only that one.
 Requests from a Unix-socket reader for shards this node does not hold go to ``relay``
 (cluster/daemon.py: the node's peers, net/fanout.py) in a worker thread; the reply is sent,
 in request order, when the relay answers (None for a range: NOT_HELD, the reader's next
-holder answers it).
+holder answers it). A reader's connection has a send buffer of ``UNIX_SNDBUF``.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the rel
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
 _MAX_QUEUED = 64  # replies queued on one connection before it is read again
 _IOV = 512  # buffers per sendmsg (IOV_MAX is 1024)
+# send buffer of a reader's Unix connection: a relayed reply of a few MB goes out in a few
+# rounds, not one per default buffer (208 KiB: the loop waits for the reader to drain it 30
+# times a 6 MB reply); the kernel caps it at net.core.wmem_max (stagefs doctor says)
+UNIX_SNDBUF = 4 * 2**20
 _TICK = 1.0  # the loop wakes at least this often (stop, paused accepts)
 
 
@@ -388,6 +392,9 @@ class ShardServer:
         sock.setblocking(False)
         if not unix:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        else:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
         now = time.monotonic()
         conn = _Conn(sock, where, unix, now)
         self._pending[conn] = None
