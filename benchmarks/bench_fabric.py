@@ -13,7 +13,10 @@ reads (direct and through the node daemon) against a raw socket loop moving the 
    raw socket loop moving the same byte counts from another process (request = the list of
    ranges, reply = those bytes sliced out of the shards in memory, scatter sendmsg; no
    framing, no authentication, no checksum): the limit; and the same loop hashing each
-   sample as it arrives (the check every other row makes), the limit for verified reads.
+   sample as it arrives (the check every other row makes), the limit for verified reads;
+   and that checked loop through one more hop (a forwarder process that passes each request
+   on over TCP and splices the reply's bytes to the reader's Unix socket, 1 MiB at a time):
+   what a relay's second hop itself costs on this machine.
 3. A batch spanning all peers, through the fabric: its wall time against the slowest single
    peer's part sent alone (1.0 = parallel; the number of peers = serial).
 
@@ -47,6 +50,31 @@ from stagefs.format import Manifest
 from stagefs.net.client import PeerClient
 
 BATCH = 64
+
+# the raw loop through one more hop: a forwarder that takes a reader's request on a Unix
+# socket, passes it to a raw server over TCP, and splices the reply's bytes on to the reader
+# 1 MiB at a time (no framing, no Python per range): what a relay's second hop costs here
+RAW_FORWARDER = r"""
+import fcntl, os, socket, struct, sys
+up = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+ls = socket.socket(socket.AF_UNIX); ls.bind(sys.argv[2]); ls.listen(1); print("ok", flush=True)
+c, _ = ls.accept()
+r, w = os.pipe(); fcntl.fcntl(w, 1031, 1 << 20)
+rng = struct.Struct("!IQI")
+while True:
+    h = c.recv(4, socket.MSG_WAITALL)
+    if len(h) < 4:
+        break
+    body = c.recv(struct.unpack("!I", h)[0] * rng.size, socket.MSG_WAITALL)
+    up.sendall(h + body)
+    left = sum(k for _, _, k in rng.iter_unpack(body))
+    while left:
+        got = os.splice(up.fileno(), w, min(left, 1 << 20))
+        left -= got
+        while got:
+            got -= os.splice(r, c.fileno(), got)
+"""
 
 RANK = r"""
 import json, multiprocessing as mp, os, sys
@@ -151,8 +179,10 @@ def fan_in(work: str, pack: str, nodes: int, ranks: int, workers: int, fabric: b
 
 def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
     daemons = start_cluster(work, pack, nodes)
-    raw = subprocess.Popen([sys.executable, "-c", RAW_SERVER, pack], stdout=subprocess.PIPE,
-                           start_new_session=True)
+    raw, raw2 = (subprocess.Popen([sys.executable, "-c", RAW_SERVER, pack],
+                                  stdout=subprocess.PIPE, start_new_session=True)
+                 for _ in range(2))
+    fwd: subprocess.Popen[bytes] | None = None
     try:
         with open(os.path.join(work, "token")) as f:
             token = bytes.fromhex(f.read().strip())
@@ -170,6 +200,15 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
                   for n, (h, p) in enumerate(hosts) if n}
         assert raw.stdout is not None
         rs = socket.create_connection(("127.0.0.1", int(raw.stdout.readline())))
+        assert raw2.stdout is not None
+        fwd_path = os.path.join(work, "forwarder.sock")
+        port2 = raw2.stdout.readline().decode().strip()
+        fwd = subprocess.Popen([sys.executable, "-c", RAW_FORWARDER, port2, fwd_path],
+                               stdout=subprocess.PIPE, start_new_session=True)
+        assert fwd.stdout is not None
+        fwd.stdout.readline()
+        hop = socket.socket(socket.AF_UNIX)
+        hop.connect(fwd_path)
         rs.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         rview = memoryview(bytearray(256 * 2**20))
 
@@ -192,9 +231,10 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
                         if d is None or xxh3_64_intdigest(d) != sums[i]:
                             raise RuntimeError("a peer read returned wrong bytes")
 
-        def raw_epoch(check: bool = False) -> None:
+        def raw_epoch(check: bool = False, rs: socket.socket = rs) -> None:
             """The raw loop; with ``check``, each sample's xxh3 against the manifest's as
-            it arrives (the check every other row makes)."""
+            it arrives (the check every other row makes); ``rs``: to the raw server, or
+            to the forwarder in front of another."""
             for i in range(0, len(ranges), BATCH):
                 batch = ranges[i : i + BATCH]
                 rs.sendall(len(batch).to_bytes(4, "big")
@@ -211,15 +251,20 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
         def raw_checked_epoch() -> None:
             raw_epoch(check=True)
 
+        def raw_two_hops_epoch() -> None:
+            raw_epoch(check=True, rs=hop)
+
         times: dict[str, list[float]] = {"fabric": [], "direct": [], "raw": [],
-                                         "raw_checked": []}
+                                         "raw_checked": [], "raw_two_hops": []}
         fabric_epoch()
         direct_epoch()
         raw_epoch()
         raw_checked_epoch()
+        raw_two_hops_epoch()
         for _ in range(runs):
             for name, fn in (("fabric", fabric_epoch), ("direct", direct_epoch),
-                             ("raw", raw_epoch), ("raw_checked", raw_checked_epoch)):
+                             ("raw", raw_epoch), ("raw_checked", raw_checked_epoch),
+                             ("raw_two_hops", raw_two_hops_epoch)):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
@@ -238,6 +283,7 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
                 slowest = max(slowest, time.perf_counter() - t0)
             alone_t.append(slowest)
         rs.close()
+        hop.close()
         fabric.close()
         for c in direct.values():
             c.close()
@@ -245,7 +291,9 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
     finally:
         for d in daemons:
             stop(d)
-        stop(raw)
+        for p in (raw, raw2, fwd):
+            if p is not None:
+                stop(p)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"samples": len(ranges), "bytes": nbytes, "batch": BATCH,
             **{f"{k}_s": v for k, v in med.items()},
@@ -253,6 +301,7 @@ def peer_reads(work: str, pack: str, nodes: int, runs: int) -> dict[str, Any]:
             "fabric_vs_raw": med["raw"] / med["fabric"],
             "direct_vs_raw": med["raw"] / med["direct"],
             "fabric_vs_raw_checked": med["raw_checked"] / med["fabric"],
+            "fabric_vs_raw_two_hops": med["raw_two_hops"] / med["fabric"],
             "direct_vs_raw_checked": med["raw_checked"] / med["direct"],
             "spanning_s": statistics.median(all_t), "slowest_alone_s": statistics.median(alone_t),
             "spanning_vs_slowest": statistics.median(all_t) / statistics.median(alone_t),
@@ -294,7 +343,12 @@ def main() -> None:
              f"{pr['direct_vs_raw']:.0%}", f"{pr['direct_vs_raw_checked']:.0%}"],
             ["raw socket loop, same bytes", f"{pr['raw_GBps']:.2f}", "100%", ""],
             ["raw socket loop + xxh3 of each sample", f"{pr['raw_checked_GBps']:.2f}", "",
-             "100%"]]))
+             "100%"],
+            ["raw loop + xxh3, through a splice forwarder (two hops)",
+             f"{pr['raw_two_hops_GBps']:.2f}", "",
+             f"{pr['raw_checked_s'] / pr['raw_two_hops_s']:.0%}"]]))
+        print(f"through the node daemon against the raw two-hop loop: "
+              f"{pr['fabric_vs_raw_two_hops']:.0%}")
         print(f"\na batch over all {pr['peers']} peers: {pr['spanning_s'] * 1e3:.1f} ms, the "
               f"slowest peer's part alone {pr['slowest_alone_s'] * 1e3:.1f} ms "
               f"(ratio {pr['spanning_vs_slowest']:.2f}; {pr['peers']} would be serial)")

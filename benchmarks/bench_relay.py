@@ -8,6 +8,11 @@ machine), every sample checked against the manifest's xxh3; the figure is bytes 
 readers over the pass's wall time, the median over passes. Also the daemon's CPU seconds
 per GB relayed (from /proc), the cost that pipes cut.
 
+``--against SRC``: a third cluster whose daemons run another checkout's code (its ``src``
+directory first on their PYTHONPATH), the readers the same: a change to the daemon measured
+side by side with what it changed (e.g. ``git worktree add /tmp/base HEAD~1``, build its C
+parts or copy them, then ``--against /tmp/base/src``).
+
     python benchmarks/bench_relay.py --files 2000 --readers 1 4 --runs 5 --out benchmarks/results
 """
 
@@ -64,10 +69,16 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per pass")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--against", default=None, metavar="SRC",
+                    help="also daemons running the code under SRC (another checkout's src)")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="stagefs-bench-relay-", dir="/dev/shm")
     pack, _ = make_pack(os.path.join(work, "data"), a.files, "16MiB")
     kinds = {"pipes": {"STAGEFS_RELAY_PIPES": "1"}, "memory": {"STAGEFS_RELAY_PIPES": "0"}}
+    if a.against:
+        kinds["against"] = {"STAGEFS_RELAY_PIPES": "1",
+                            "PYTHONPATH": os.path.abspath(a.against) + os.pathsep
+                            + os.environ.get("PYTHONPATH", "")}
     clusters: dict[str, tuple[str, list[Any]]] = {}
     try:
         for kind, env in kinds.items():
@@ -132,11 +143,19 @@ def main() -> None:
                   f"{r['pipes_cpu_s_per_GB']:.2f}", f"{r['memory_cpu_s_per_GB']:.2f}",
                   f"{r['piped_share']['pipes']:.0%}"]
                  for r in rows]))
+    if a.against:
+        print(f"\nagainst the daemons of {a.against}:")
+        print(table(["readers on node 0", "this GB/s", "against GB/s", "this / against",
+                     "daemon CPU s/GB, this", "against"],
+                    [[r["readers"], f"{r['pipes_GBps']:.2f}", f"{r['against_GBps']:.2f}",
+                      f"{r['pipes_GBps'] / r['against_GBps']:.2f}",
+                      f"{r['pipes_cpu_s_per_GB']:.2f}", f"{r['against_cpu_s_per_GB']:.2f}"]
+                     for r in rows]))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         path = os.path.join(a.out, "relay.json")
         with open(path, "w") as f:
-            json.dump({"files": a.files, "nodes": a.nodes, "batch": BATCH,
+            json.dump({"files": a.files, "nodes": a.nodes, "batch": BATCH, "against": a.against,
                        "seconds": a.seconds, "runs": a.runs, "rows": rows,
                        "load_average": os.getloadavg()}, f, indent=1)
         print("saved", path)
