@@ -516,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="clean even while live processes use the runtime")
 
     sp = add("doctor", cmd_doctor, "check this node (FUSE, /dev/shm, tiers, accelerator, MPI, "
-             "Slurm, memory, socket buffers) and say what each finding means")
+             "Slurm, memory, socket buffers, open files) and say what each finding means")
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
                     help="a tier to check: free space, write and read speed (repeat; "
                          "default: $STAGEFS_TIERS)")

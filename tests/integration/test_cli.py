@@ -466,7 +466,7 @@ def test_serve_mpi_without_mpi4py_says_how_to_install(cli_pack: tuple[Path, Path
 
 DOCTOR_CHECKS = ("FUSE: fusermount3", "FUSE: /dev/fuse", "FUSE: mfusepy", "/dev/shm",
                  "C accelerator", "MPI: mpi4py", "MPI: mpiexec", "Slurm: job", "Slurm: srun",
-                 "page size", "memory", "network: socket send buffer")
+                 "page size", "memory", "network: socket send buffer", "open files")
 
 
 def _doctor_rows(proc: subprocess.CompletedProcess[bytes]) -> dict[str, tuple[str, str]]:

@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -19,7 +20,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -395,6 +396,62 @@ def test_a_reply_of_megabytes_waits_in_the_reader_s_socket_not_in_the_daemon(
         assert all(bytes(ch) == want for ch in data.chunks if ch is not None)
         assert len([ch for ch in data.chunks if ch is not None]) == len(held)
         s.close()
+
+
+def _limit_descriptors(n: int) -> Callable[[], None]:
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
+def test_a_daemon_under_1024_descriptors_still_takes_its_readers(tmp_path: Path) -> None:
+    """1024 open files, as many nodes allow: the relay's pipes are sized to the limit (a
+    sixteenth), so the daemon has room for 200 readers; with the pipes' full pool kept
+    apart it had room for 16."""
+    work = str(tmp_path)
+    pack, _ = make_pack(work, files=20)
+    log = os.path.join(work, "daemon0.log")
+    d = start(serve_args(work, pack, "--bind", "127.0.0.1"), log,
+              preexec_fn=_limit_descriptors(1024))
+    try:
+        wait_staged(work, 1, d, log=log)
+        with open(os.path.join(work, "rt0", "token")) as f:
+            token = bytes.fromhex(f.read().strip())
+        path = os.path.join(work, "rt0", "fabric.sock")
+        readers = [_authed(path, token) for _ in range(200)]
+        srv = PeerClient("", 0, token, unix=path).status()["server"]
+        assert srv["unix_readers"] >= 200 and srv["refused_busy"] == 0, srv
+        for s in readers:
+            s.close()
+    finally:
+        code = stop(d)
+    assert code == 0, tail(log)
+    assert "open-file limit" not in tail(log, 100_000)  # one node: nothing to warn of
+
+
+def test_a_job_larger_than_the_descriptors_allow_is_told_at_start(tmp_path: Path) -> None:
+    """200 nodes in the hosts file and 1024 open files (room for about 128 peers): the
+    daemon says so at start, with what to raise."""
+    work = str(tmp_path)
+    pack, _ = make_pack(work, files=20)
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in _free_ports(1))
+                + "".join(f"127.0.0.2:{7000 + i}\n" for i in range(199)))
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                    os.path.join(work, "token")], check=True, timeout=60)
+    log = os.path.join(work, "daemon0.log")
+    d = start(serve_args(work, pack, "--hosts", os.path.join(work, "hosts"), "--rank", "0",
+                         "--token-file", os.path.join(work, "token")), log,
+              preexec_fn=_limit_descriptors(1024))
+    try:
+        deadline = time.monotonic() + 120
+        while "open-file limit" not in tail(log) and d.poll() is None:
+            assert time.monotonic() < deadline, tail(log)
+            time.sleep(0.1)
+        text = tail(log)
+    finally:
+        stop(d)
+    assert "the open-file limit (1024) leaves room for connections with about 128 peers, " \
+           "and this job has 199" in text, text
+    assert "ulimit -Hn" in text
 
 
 def test_a_thousand_idle_connections_take_no_thread(tmp_path: Path) -> None:

@@ -57,18 +57,56 @@ from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.fanout import Fanout
 from stagefs.net.hedge import HedgePolicy
-from stagefs.net.pipes import Piped, PipePool
-from stagefs.net.server import ServerLimits, ShardServer, raise_fd_limit
+from stagefs.net.pipes import Piped, PipePool, pool_pipes
+from stagefs.net.server import ServerLimits, ShardServer, connection_room, raise_fd_limit
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.origin import PackOrigin
 
-__all__ = ["Daemon", "ServeOptions", "interface_address", "serve"]
+__all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
+           "interface_address", "peers_within", "serve"]
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
 PEER_CONNECTIONS = 1  # per peer for data (staging, relays, status); probes keep one more
+# descriptors a daemon spends on each peer: its connections to the peer (data, probes) and
+# the peer's to it
+PEER_DESCRIPTORS = 2 * (PEER_CONNECTIONS + 1)
+READER_ALLOWANCE = 64  # descriptors counted for the node's own readers (4 ranks x 16)
+
+
+def peers_within(fd_limit: int, fd_reserve: int | None = None) -> int:
+    """How many peers a daemon can keep its connections with under ``fd_limit`` open
+    descriptors, ``fd_reserve`` of them kept apart (default: what its relay's pipe pool may
+    hold) and room left for the node's readers."""
+    if fd_reserve is None:
+        fd_reserve = PipePool(most=pool_pipes(fd_limit)).max_fds
+    return max(0, (connection_room(fd_limit, fd_reserve) - READER_ALLOWANCE)
+               // PEER_DESCRIPTORS)
+
+
+def descriptors_for(peers: int) -> int:
+    """The smallest open-file limit under which a daemon has room for ``peers`` peers."""
+    limit = peers * PEER_DESCRIPTORS + READER_ALLOWANCE
+    while (fit := peers_within(limit)) < peers:
+        limit += (peers - fit) * PEER_DESCRIPTORS
+    while peers_within(limit - 1) >= peers:  # the steps above may pass it by a few
+        limit -= 1
+    return limit
+
+
+def descriptor_shortfall(fd_limit: int, fd_reserve: int, peers: int) -> str | None:
+    """What to tell the user when ``fd_limit`` descriptors cannot hold a daemon's
+    connections with its ``peers`` (None when they can)."""
+    fit = peers_within(fd_limit, fd_reserve)
+    if fit >= peers:
+        return None
+    return (f"the open-file limit ({fd_limit}) leaves room for connections with about {fit} "
+            f"peers, and this job has {peers}: the others' connections will be refused and "
+            f"their reads go to the origin; raise the hard limit to {descriptors_for(peers)} "
+            "or more (ulimit -Hn; limits.conf nofile, or Slurm's PropagateResourceLimits): "
+            "stagefs doctor checks it")
 
 
 @dataclass(frozen=True)
@@ -185,7 +223,8 @@ class Daemon:
         self.fd_limit = new
         self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
         self.fanout = Fanout()
-        self.pipes = PipePool() if env("RELAY_PIPES", "1") != "0" else None
+        self.pipes = (PipePool(most=pool_pipes(new)) if env("RELAY_PIPES", "1") != "0"
+                      else None)
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self._status_cache: tuple[float, dict[str, Any]] | None = None
         # the relay's pipes are descriptors too: kept out of the connections' share
@@ -195,6 +234,10 @@ class Daemon:
                                   limits=limits, status=self.status,
                                   unix_path=self.fabric_path, relay=self._relay)
         self.nodes = self.boot.exchange(self.server.address)
+        short = descriptor_shortfall(self.fd_limit, limits.fd_reserve, len(self.nodes) - 1)
+        if short is not None:
+            log.warning("%s", short)
+            _say(self.rank, short)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
               int(self.manifest.shard[e])) for e in self.manifest.files()),

@@ -31,7 +31,7 @@ import socket
 import threading
 from collections.abc import Callable
 
-__all__ = ["PIPE_BYTES", "POOL_BYTES", "PipePool", "Piped", "budget"]
+__all__ = ["PIPE_BYTES", "POOL_BYTES", "PipePool", "Piped", "budget", "pool_pipes"]
 
 log = logging.getLogger("stagefs.net")
 
@@ -250,6 +250,14 @@ def budget(soft_file: str = "/proc/sys/fs/pipe-user-pages-soft") -> int:
     if pages <= 0:
         return POOL_BYTES
     return min(POOL_BYTES, pages * 4096 // 2)
+
+
+def pool_pipes(fd_limit: int) -> int:
+    """The pipes a daemon's pool may keep under ``fd_limit`` open descriptors: as the pipe
+    budget allows (``budget()``), and no more than a sixteenth of the descriptors (two a
+    pipe, half as many again for a range begun: under a fifth of them), so that a node whose
+    limit is 1024 still has room for its connections."""
+    return min(budget() // PIPE_BYTES, fd_limit // 16)
 
 
 def _readable(fd: int, timeout: float) -> bool:

@@ -51,7 +51,8 @@ from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.pipes import Piped
 
-__all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "raise_fd_limit"]
+__all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "connection_room",
+           "raise_fd_limit"]
 
 log = logging.getLogger("stagefs.server")
 
@@ -114,6 +115,12 @@ class ServerStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def connection_room(fd_limit: int, fd_reserve: int = 0) -> int:
+    """Descriptors a server leaves to its connections under ``fd_limit``: less its own
+    reserve (shard files, the stager, logs) and ``fd_reserve`` (ServerLimits.fd_reserve)."""
+    return fd_limit - _FD_RESERVE - fd_reserve
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -358,7 +365,7 @@ class ShardServer:
         """Authenticated connections allowed now."""
         if self.limits.max_connections is not None:
             return self.limits.max_connections
-        return max(16, self._fd_limit - _FD_RESERVE - self.limits.fd_reserve - len(self._held)
+        return max(16, connection_room(self._fd_limit, self.limits.fd_reserve) - len(self._held)
                    - len(self._pending))
 
     def _accept(self, lst: _Listener) -> None:
