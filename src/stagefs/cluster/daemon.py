@@ -57,7 +57,7 @@ from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.fanout import Fanout
 from stagefs.net.hedge import HedgePolicy
-from stagefs.net.pipes import Piped, PipePool, pool_pipes
+from stagefs.net.pipes import Piped, PipePool, pipe_descriptors, pool_pipes
 from stagefs.net.server import ServerLimits, ShardServer, connection_room, raise_fd_limit
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
@@ -81,7 +81,7 @@ def peers_within(fd_limit: int, fd_reserve: int | None = None) -> int:
     descriptors, ``fd_reserve`` of them kept apart (default: what its relay's pipe pool may
     hold) and room left for the node's readers."""
     if fd_reserve is None:
-        fd_reserve = PipePool(most=pool_pipes(fd_limit)).max_fds
+        fd_reserve = pipe_descriptors(fd_limit)
     return max(0, (connection_room(fd_limit, fd_reserve) - READER_ALLOWANCE)
                // PEER_DESCRIPTORS)
 

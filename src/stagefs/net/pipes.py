@@ -31,7 +31,8 @@ import socket
 import threading
 from collections.abc import Callable
 
-__all__ = ["PIPE_BYTES", "POOL_BYTES", "PipePool", "Piped", "budget", "pool_pipes"]
+__all__ = ["PIPE_BYTES", "POOL_BYTES", "PipePool", "Piped", "budget", "pipe_descriptors",
+           "pool_pipes"]
 
 log = logging.getLogger("stagefs.net")
 
@@ -72,7 +73,7 @@ class PipePool:
     @property
     def max_fds(self) -> int:
         """The descriptors its pipes may hold at most (two a pipe)."""
-        return 2 * (self.most * 3 // 2)
+        return 2 * _ceiling(self.most)
 
     def take(self, over: bool = False) -> _Pipe | None:
         """An empty pipe, or None when the pool is spent (``over``: for a range already
@@ -80,7 +81,7 @@ class PipePool:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-            if self.broken or self._made >= (self.most * 3 // 2 if over else self.most):
+            if self.broken or self._made >= (_ceiling(self.most) if over else self.most):
                 return None
             self._made += 1
         try:
@@ -258,6 +259,16 @@ def pool_pipes(fd_limit: int) -> int:
     pipe, half as many again for a range begun: under a fifth of them), so that a node whose
     limit is 1024 still has room for its connections."""
     return min(budget() // PIPE_BYTES, fd_limit // 16)
+
+
+def pipe_descriptors(fd_limit: int) -> int:
+    """The descriptors the pool of a process whose limit is ``fd_limit`` may hold."""
+    return 2 * _ceiling(pool_pipes(fd_limit))
+
+
+def _ceiling(most: int) -> int:
+    """The pipes a pool of ``most`` may make in all: half as many again for ranges begun."""
+    return most * 3 // 2
 
 
 def _readable(fd: int, timeout: float) -> bool:
