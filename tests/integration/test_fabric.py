@@ -42,8 +42,10 @@ import stagefs
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.client import PeerClient
-from stagefs.net.pipes import Piped, PipePool
+from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
+from stagefs.net.pipes import PipePool
+from stagefs.net.relay import Relay
 from stagefs.net.server import UNIX_SNDBUF, ShardServer, raise_fd_limit
 
 pytestmark = pytest.mark.integration
@@ -134,8 +136,8 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
     for node in st["nodes"]:
         srv, relay = node["server"], node["fabric"]["relay"]
         assert srv["refused_busy"] == 0
-        # two per peer (one for data: staging, relays, status; one for probes), plus this
-        # status request
+        # two per peer (one for staging and status; the relay's, for relayed ranges and
+        # probes), plus this status request
         assert srv["tcp_peak"] <= 2 * (c.n - 1) + 1, srv
         assert srv["unix_peak"] >= 4  # the readers came through the fabric
         assert srv["relayed_ranges"] > 0 and srv["relayed_missing"] == 0, node["fabric"]
@@ -242,17 +244,25 @@ def test_a_killed_daemon_costs_its_readers_nothing(tmp_path: Path) -> None:
 # -- the server's fabric socket, in one process ------------------------------------------------
 
 
+def _relay_to(peer: ShardServer, token: bytes, shards: Callable[[int], bool],
+              pool: PipePool | None, patience: float = 0.5) -> tuple[Relay, PeerClient]:
+    """A relay that reads the shards ``shards`` names from ``peer`` (its only holder),
+    giving up on it after ``patience`` seconds; and the peer's client."""
+    client = PeerClient(*peer.address, token, name="peer")
+    times = ReplyTimes(HedgePolicy(initial=patience, cap=patience, to_origin=patience))
+    holder = HedgedPeer(PeerSource(client, "peer"), batch_times=times)
+    return Relay(lambda s: [holder] if shards(s) else [], 4.0, pool), client
+
+
 def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> None:
     pack, _ = make_pack(str(tmp_path), files=40, shard_size="32KiB")
     m = Manifest(os.path.join(pack, "manifest.sfm"))
     token = auth.new_token()
     shard_bytes = [Path(pack, sh.name).read_bytes() for sh in m.shards]
-    relayed: list[list[tuple[int, int, int]]] = []
-
-    def relay(ranges: Any) -> list[bytes | None]:  # odd shards: a peer gives all but shard 1
-        relayed.append(list(ranges))
-        return [None if s == 1 else shard_bytes[s][o : o + n] for s, o, n in ranges]
-
+    # the peer holds the odd shards but shard 1; this node the even ones
+    peer = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name)
+                       if s % 2 and s != 1 else None, "127.0.0.1").start()
+    relay, client = _relay_to(peer, token, lambda s: s % 2 == 1, None)
     path = str(tmp_path / "fabric.sock")
     srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name)
                       if s % 2 == 0 else None, "127.0.0.1", unix_path=path, relay=relay).start()
@@ -264,18 +274,23 @@ def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> N
         got = reader.read(ranges)
         for (s, o, n), data in zip(ranges, got, strict=True):
             assert data == (None if s == 1 else shard_bytes[s][o : o + n])
-        assert relayed == [[r for r in ranges if r[0] % 2]]  # one relay call, odd shards only
+        odd = sum(1 for r in ranges if r[0] % 2)
+        # one relayed batch of the odd shards only, in one part to the peer
+        assert relay.stats.batches == 1 and relay.stats.ranges == odd
+        assert relay.stats.parts == 1 and peer.stats.requests == 1
         # over TCP (another node) nothing is relayed: not held is NOT_HELD
-        peer = PeerClient(*srv.address, token)
-        assert peer.read([(1, 0, 8), (0, 0, 8)]) == [None, b"STGFSSHD"]
-        assert len(relayed) == 1
+        other = PeerClient(*srv.address, token)
+        assert other.read([(1, 0, 8), (0, 0, 8)]) == [None, b"STGFSSHD"]
+        assert relay.stats.batches == 1
         st = srv.stats
         assert st.unix_readers == 1 and st.tcp_peers == 1
         assert st.relayed_ranges == len(m.shards) // 2 and st.relayed_missing == 1
         reader.close()
-        peer.close()
+        other.close()
     finally:
         srv.close()
+        peer.close()
+        client.close()
         m.close()
     assert not os.path.exists(path)
 
@@ -284,8 +299,8 @@ def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> N
 def _peer_and_fabric(tmp_path: Path, relay_gate: threading.Event | None = None
                      ) -> Iterator[SimpleNamespace]:
     """A peer over TCP holding the odd shards, and a fabric server holding the even ones
-    that relays the odd ones to it with ``read_relayed`` into a pipe pool (after
-    ``relay_gate`` is set, if given); all closed after."""
+    that relays the odd ones to it into a pipe pool (the peer answers once ``relay_gate``
+    is set, if given: it opens no shard file before); all closed after."""
     pack, _ = make_pack(str(tmp_path), files=60, shard_size="48KiB")
     m = Manifest(os.path.join(pack, "manifest.sfm"))
     token = auth.new_token()
@@ -293,20 +308,20 @@ def _peer_and_fabric(tmp_path: Path, relay_gate: threading.Event | None = None
     def where(odd: bool) -> Any:
         return lambda s: os.path.join(pack, m.shards[s].name) if s % 2 == odd else None
 
-    peer = ShardServer(m, token, where(True), "127.0.0.1").start()
-    client = PeerClient(*peer.address, token)
-    pool = PipePool()
-
-    def relay(ranges: Any) -> list[bytes | Piped | None]:
+    def gated(s: int) -> str | None:
         if relay_gate is not None:
             relay_gate.wait(30)
-        return client.read_relayed(ranges, pool)
+        return where(True)(s)
 
+    peer = ShardServer(m, token, gated, "127.0.0.1").start()
+    pool = PipePool()
+    relay, client = _relay_to(peer, token, lambda s: s % 2 == 1, pool, patience=30.0)
     path = str(tmp_path / "fabric.sock")
     fabric = ShardServer(m, token, where(False), "127.0.0.1", unix_path=path,
                          relay=relay).start()
     try:
-        yield SimpleNamespace(pack=pack, m=m, token=token, pool=pool, fabric=fabric, path=path)
+        yield SimpleNamespace(pack=pack, m=m, token=token, pool=pool, fabric=fabric, path=path,
+                              relay=relay, peer=peer)
     finally:
         fabric.close()
         peer.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import threading
 import time
@@ -14,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stagefs.net.pipes import PIPE_BYTES, POOL_BYTES, Piped, PipePool, budget
-from stagefs.net.sockio import set_recv_timeout
+from stagefs.net.pipes import PIPE_BYTES, POOL_BYTES, Fill, Piped, PipePool, budget
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "splice"), reason="no splice(2) here")
 
@@ -56,12 +56,17 @@ def _forward(piped: Piped) -> bytes:
     return bytes(got)
 
 
-def _never_in_memory(n: int) -> bytes:
-    raise AssertionError(f"{n} bytes went to memory")
-
-
-def _forever() -> float:
-    return 30.0
+def _receive(pool: PipePool | None, sock: socket.socket, n: int) -> Piped | bytearray:
+    """The next ``n`` bytes of ``sock`` received as the relay receives them (net/relay.py):
+    ``Fill.step`` on the non-blocking socket each time it is readable."""
+    sock.setblocking(False)
+    fill = Fill(pool, n)
+    while True:
+        try:
+            if fill.step(sock):
+                return fill.take()
+        except BlockingIOError:
+            assert select.select([sock], [], [], 30)[0], "no data within 30 s"
 
 
 def _accounted(pool: PipePool) -> None:
@@ -82,8 +87,9 @@ def test_a_range_comes_out_as_it_went_in(tcp: tuple[socket.socket, socket.socket
     data = os.urandom(size)
     pool = PipePool()
     _send_later(a, data + b"TAIL")
-    piped = pool.receive(b, size, _forever, _never_in_memory)
-    assert isinstance(piped, Piped) and len(piped) == size
+    piped = _receive(pool, b, size)
+    assert isinstance(piped, Piped) and len(piped) == size and pool.fallbacks == 0
+    b.setblocking(True)
     assert b.recv(4, socket.MSG_WAITALL) == b"TAIL"  # exactly the range was taken
     assert _forward(piped) == data
     _accounted(pool)
@@ -96,7 +102,7 @@ def test_ranges_in_a_row_each_in_pipes_of_their_own(tcp: tuple[socket.socket, so
     blobs = [os.urandom(n) for n in (70_000, 5, 200_000, 1)]
     pool = PipePool()
     _send_later(a, b"".join(blobs))
-    got = [pool.receive(b, len(x), _forever, _never_in_memory) for x in blobs]
+    got = [_receive(pool, b, len(x)) for x in blobs]
     pipes = [id(p) for g in got if isinstance(g, Piped) for p in g.pipes]
     assert len(pipes) == len(set(pipes)) >= len(blobs)
     # a range dropped unsent (a hedge that lost) leaves nothing for the next one
@@ -112,9 +118,9 @@ def test_no_pipe_to_be_had_is_memory_from_the_first_byte(
     data = os.urandom(50_000)
     pool = PipePool(most=0)
     _send_later(a, data)
-    got = pool.receive(b, len(data), _forever,
-                       lambda n: b.recv(n, socket.MSG_WAITALL))
+    got = _receive(pool, b, len(data))
     assert got == data and pool.fallbacks == 1 and pool._made == 0
+    assert _receive(None, b, 0) == b""  # no pool, nothing to receive
 
 
 def test_pipes_running_out_mid_range_end_it_in_memory(
@@ -125,24 +131,23 @@ def test_pipes_running_out_mid_range_end_it_in_memory(
     real = pool.take
     monkeypatch.setattr(pool, "take", lambda over=False: real() if not over else None)
     _send_later(a, data)
-    got = pool.receive(b, len(data), _forever, lambda n: b.recv(n, socket.MSG_WAITALL))
+    got = _receive(pool, b, len(data))
     assert got == data and pool.fallbacks == 1
     _accounted(pool)
 
 
-def test_a_peer_that_stops_mid_range_is_a_timeout_and_gives_the_pipes_back(
+def test_a_range_dropped_mid_way_gives_its_pipes_back_and_keeps_no_bytes(
         tcp: tuple[socket.socket, socket.socket]) -> None:
     a, b = tcp
-    set_recv_timeout(b, 0.05)  # as the client arms it: a receive waits no longer
     pool = PipePool()
     a.sendall(os.urandom(1000))
-    ends = [0.05]
-
-    def left() -> float:  # the reply's deadline: one short wait, then past it
-        return ends.pop() if ends else 0.0
-
-    with pytest.raises(TimeoutError):
-        pool.receive(b, 5000, left, _never_in_memory)
+    b.setblocking(False)
+    fill = Fill(pool, 5000)
+    select.select([b], [], [], 30)
+    with pytest.raises(BlockingIOError):  # 1000 bytes in, the rest not sent
+        fill.step(b)
+    assert fill.got == 1000
+    fill.release()  # its reader or its batch is gone
     assert pool._made == len(pool._idle) == 0  # the pipe with 1000 bytes in it was closed
 
 
@@ -153,7 +158,7 @@ def test_a_peer_that_closes_mid_range_is_a_connection_error(
     a.sendall(os.urandom(1000))
     a.close()
     with pytest.raises(ConnectionError):
-        pool.receive(b, 5000, _forever, _never_in_memory)
+        _receive(pool, b, 5000)
     assert pool._made == 0
 
 
@@ -162,7 +167,7 @@ def test_bytes_read_back_out_of_the_pipes(tcp: tuple[socket.socket, socket.socke
     data = os.urandom(2 * PIPE_BYTES + 3)
     pool = PipePool()
     _send_later(a, data)
-    got = pool.receive(b, len(data), _forever, _never_in_memory)
+    got = _receive(pool, b, len(data))
     assert isinstance(got, Piped) and got.to_bytes() == data
     _accounted(pool)
 
@@ -173,16 +178,16 @@ def test_a_reused_pipe_holds_nothing_of_its_last_range(
     pool = PipePool(most=1)
     first, second = os.urandom(9000), os.urandom(7000)
     _send_later(a, first + second)
-    p1 = pool.receive(b, len(first), _forever, _never_in_memory)
+    p1 = _receive(pool, b, len(first))
     assert isinstance(p1, Piped)
     half = p1.pipes[0]
     p1.release()  # dropped with its bytes in: closed, not kept
-    p2 = pool.receive(b, len(second), _forever, _never_in_memory)
+    p2 = _receive(pool, b, len(second))
     assert isinstance(p2, Piped) and half not in p2.pipes
     assert _forward(p2) == second
     p3_data = os.urandom(100)
     _send_later(a, p3_data)
-    p3 = pool.receive(b, 100, _forever, _never_in_memory)  # the emptied pipe, reused
+    p3 = _receive(pool, b, 100)  # the emptied pipe, reused
     assert isinstance(p3, Piped) and _forward(p3) == p3_data
     _accounted(pool)
 
@@ -201,8 +206,7 @@ def test_a_socket_that_cannot_be_spliced_is_read_into_memory(
     monkeypatch.setattr(os, "splice", refuse)
     _send_later(a, data + data)
     for _ in range(2):
-        assert pool.receive(b, len(data), _forever,
-                            lambda n: b.recv(n, socket.MSG_WAITALL)) == data
+        assert _receive(pool, b, len(data)) == data
     assert pool.broken and pool.fallbacks == 2 and pool._made == len(pool._idle)
 
 

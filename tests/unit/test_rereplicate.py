@@ -3,6 +3,8 @@ a node copies again from whom."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from stagefs.cluster.placement import place
 from stagefs.cluster.rereplicate import Health, plan
 
@@ -73,20 +75,15 @@ def test_a_round_probes_a_bounded_number_of_peers() -> None:
 
     asked: list[int] = []
 
-    class Probe:
-        def __init__(self, n: int) -> None:
-            self.n = n
-
-        def is_suspect(self) -> bool:
-            return False
-
-        def status(self) -> dict[str, int]:
-            asked.append(self.n)
-            return {}
+    def probe(n: int) -> Callable[[], bool]:
+        def ask() -> bool:
+            asked.append(n)
+            return True
+        return ask
 
     nodes = 40
     p = place(100, nodes, 2)
-    r = Rereplicator(None, p, 0, None, {}, {n: Probe(n) for n in range(1, nodes)},  # type: ignore[arg-type]
+    r = Rereplicator(None, p, 0, None, {}, {n: probe(n) for n in range(1, nodes)},  # type: ignore[arg-type]
                      threading.Event(), dead_after=1.0, probes_per_round=8)
     for _ in range(5):
         before = len(asked)

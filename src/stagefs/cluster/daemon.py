@@ -55,9 +55,9 @@ from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
-from stagefs.net.fanout import Fanout
-from stagefs.net.hedge import HedgePolicy
-from stagefs.net.pipes import Piped, PipePool, pipe_descriptors, pool_pipes
+from stagefs.net.hedge import HedgedPeer, HedgePolicy
+from stagefs.net.pipes import PipePool, pipe_descriptors, pool_pipes
+from stagefs.net.relay import Relay, RelayPeer
 from stagefs.net.server import ServerLimits, ShardServer, connection_room, raise_fd_limit
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
@@ -69,8 +69,9 @@ __all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
-PEER_CONNECTIONS = 1  # per peer for data (staging, relays, status); probes keep one more
-# descriptors a daemon spends on each peer: its connections to the peer (data, probes) and
+PEER_CONNECTIONS = 1  # per peer for staging and status; the relay keeps one more (its
+# readers' relayed ranges and the probes: net/relay.py)
+# descriptors a daemon spends on each peer: its connections to the peer (data, relay) and
 # the peer's to it
 PEER_DESCRIPTORS = 2 * (PEER_CONNECTIONS + 1)
 READER_ALLOWANCE = 64  # descriptors counted for the node's own readers (4 ranks x 16)
@@ -222,9 +223,9 @@ class Daemon:
             log.info("open file limit raised from %d to %d", old, new)
         self.fd_limit = new
         self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
-        self.fanout = Fanout()
         self.pipes = (PipePool(most=pool_pipes(new)) if env("RELAY_PIPES", "1") != "0"
                       else None)
+        self.relay = Relay(self._relay_peers_of, o.relay_timeout, self.pipes)
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self._status_cache: tuple[float, dict[str, Any]] | None = None
         # the relay's pipes are descriptors too: kept out of the connections' share
@@ -232,7 +233,7 @@ class Daemon:
             o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
                                   limits=limits, status=self.status,
-                                  unix_path=self.fabric_path, relay=self._relay)
+                                  unix_path=self.fabric_path, relay=self.relay)
         self.nodes = self.boot.exchange(self.server.address)
         short = descriptor_shortfall(self.fd_limit, limits.fd_reserve, len(self.nodes) - 1)
         if short is not None:
@@ -263,12 +264,11 @@ class Daemon:
                              sources=peer_sources(self.transport, self.peers),
                              unreachable_after=o.dead_after)
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
-        probes = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
-                                # two probes fit in dead_after: a death is declared
-                                # within about dead_after of the silence, not twice that
-                                name=f"node {n}", timeout=min(5.0, o.dead_after / 2),
-                                connect_timeout=min(3.0, o.dead_after), pool_size=1)
-                  for n, (h, p) in enumerate(self.nodes) if n != self.rank}
+        # probes go on the relay's connection to each peer (STATUS): two fit in
+        # dead_after, so a death is declared within about dead_after of the silence
+        wait = min(5.0, o.dead_after / 2)
+        relay, ps = self.relay, self.holders.peers
+        probes = {n: (lambda p=ps[n]: relay.probe(p, wait)) for n in self.peers}
         self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,
                                          self.peers, probes, self.stop,
                                          dead_after=o.dead_after,
@@ -280,20 +280,13 @@ class Daemon:
 
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
-    def _relay(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | Piped | None]:
-        """Ranges of shards this node does not hold, from their other holders, all peers at
-        once (in pipes where it can: net/pipes.py); None for a range none gave within
-        ``relay_timeout``."""
+    def _relay_peers_of(self, shard: int) -> Sequence[RelayPeer]:
+        """Where the relay reads ranges of ``shard``: its holders that are peers, in the
+        readers' order (none until the nodes are known)."""
         holders = self.holders
-        if holders is None:  # not bootstrapped yet
-            return [None] * len(ranges)
-        origin = self.origin
-
-        def peers_of(shard: int) -> list[Any]:
-            return [h for h in holders.holders(shard)
-                    if h is not origin and not getattr(h, "local", False)]
-
-        return self.fanout.relay(ranges, peers_of, self.o.relay_timeout, self.pipes)
+        if holders is None:
+            return ()
+        return [h for h in holders.holders(shard) if isinstance(h, HedgedPeer)]
 
     # -- what STATUS answers ---------------------------------------------------------------
 
@@ -326,7 +319,7 @@ class Daemon:
             "transport": self.o.transport,
             **({} if self.transport is None else {"mpi": self.transport.status()}),
             "fabric": {"socket": self.fabric_path, "fd_limit": self.fd_limit,
-                       "relay": self.fanout.stats.as_dict(),
+                       "relay": self.relay.stats.as_dict(),
                        **self._relay_peers()},
         }
 
@@ -398,8 +391,7 @@ class Daemon:
 
     def close(self) -> None:
         self.stop.set()
-        self.server.close()
-        self.fanout.close()
+        self.server.close()  # and its relay
         if self.pipes is not None:
             self.pipes.close()
         if self.state != "starting":  # the stager ran: let it end the shard it copies

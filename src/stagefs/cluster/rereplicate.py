@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,7 +33,6 @@ from stagefs.cluster.placement import Placement
 from stagefs.cluster.staging import Stager
 from stagefs.format import Manifest
 from stagefs.net.client import PeerClient
-from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 
 __all__ = ["Health", "Rereplicator", "plan"]
@@ -106,7 +105,7 @@ class Rereplicator:
     ``status()`` is what ``stagefs status`` shows."""
 
     def __init__(self, manifest: Manifest, placement: Placement, rank: int, chain: TierChain,
-                 peers: dict[int, PeerClient], probes: dict[int, PeerClient],
+                 peers: dict[int, PeerClient], probes: Mapping[int, Callable[[], bool]],
                  stop: threading.Event, *, dead_after: float, every: float = 0.5,
                  clock: Callable[[], float] = time.monotonic,
                  forward_timeout: float = 600.0, probes_per_round: int = 8,
@@ -116,7 +115,8 @@ class Rereplicator:
         self.rank = rank
         self.chain = chain
         self.peers = peers
-        self.probes = probes  # clients of their own: a probe never waits on a data copy
+        self.probes = probes  # each peer's: True if it answered (on the daemon's relay
+        # connection: a probe never waits on a data copy)
         self.stop = stop
         self.every = every
         self.forward_timeout = forward_timeout
@@ -136,17 +136,10 @@ class Rereplicator:
     # -- probing -------------------------------------------------------------------------
 
     def _probe(self, n: int) -> bool:
-        c = self.probes[n]
         data = self.peers.get(n)
         if data is not None and data.clock() - data.answered_at < self.every:
             return True  # it answered a data request this round: no probe needed
-        if c.is_suspect():
-            return c.probe()  # connects again now, whatever its back-off
-        try:
-            c.status()
-        except SourceUnavailable:
-            return False
-        return True
+        return self.probes[n]()
 
     def step(self) -> None:
         """One round: probe the peers that are failing (to confirm a death or clear it) and

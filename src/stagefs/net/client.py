@@ -33,7 +33,6 @@ from stagefs._malloc import tune_malloc
 from stagefs.errors import AuthenticationError, ProtocolError
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.pipes import Piped, PipePool
 from stagefs.net.sockio import (
     Deadline,
     recv_message,
@@ -67,12 +66,10 @@ class _ReplyRecv:
     than receiving it, and a peer that trickles bytes gets at most 1/16 more than the
     deadline."""
 
-    __slots__ = ("armed", "at", "into", "seconds", "sock", "step")
+    __slots__ = ("armed", "at", "seconds", "sock", "step")
 
-    def __init__(self, sock: socket.socket, seconds: float, into: PipePool | None = None
-                 ) -> None:
+    def __init__(self, sock: socket.socket, seconds: float) -> None:
         self.sock = sock
-        self.into = into  # a DATA reply's ranges go into its pipes (net/pipes.py)
         self.seconds = seconds
         self.at = time.monotonic() + seconds
         self.step = seconds / 16
@@ -109,26 +106,16 @@ class _ReplyRecv:
             raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
         return b"".join(parts)
 
-    def left(self) -> float:
-        return self.at - time.monotonic()
-
-    def _range(self, n: int) -> _Bytes | Piped:
-        if self.into is None or not n:
-            return self.bytes(n)
-        self._arm()  # a splice waits for data up to the socket's receive timeout too
-        return self.into.receive(self.sock, n, self.left, self.bytes)
-
     def message(self) -> P.Message:
         """The next message; a DATA reply's ranges each received into its own bytes
-        object (or pipes: ``into``), the frame checked as ``protocol.decode_payload``
-        checks it."""
+        object, the frame checked as ``protocol.decode_payload`` checks it."""
         mtype, length = P.parse_header(self.bytes(P.HEADER.size))
         if mtype != P.T_DATA:
             return P.decode_payload(mtype, self.bytes(length) if length else b"")
         rid, count = P.data_head(self.bytes(P.DATA_HEAD), length)
         statuses, lengths = P.data_slots(self.bytes(count * P.SLOT_SIZE) if count else b"",
                                          count, length)
-        chunks = [self._range(n) if st == P.OK else None
+        chunks = [self.bytes(n) if st == P.OK else None
                   for st, n in zip(statuses, lengths, strict=True)]
         return P.Data(rid, tuple(chunks), tuple(statuses))
 
@@ -294,7 +281,22 @@ class PeerClient:
             s.close()
         log.info("%s: %s; skipped, probed again in %g s", self.name, exc, wait)
 
+    def failed(self, exc: BaseException) -> None:
+        """A request on a connection of the caller's own failed (the daemon's relay): the
+        peer is suspect, with a growing back-off, as when one of the pool's fails."""
+        self._failed(None, exc)
+
+    def answered(self) -> None:
+        """The peer answered a request on a connection of the caller's own."""
+        self._answered()
+
     # -- connections ---------------------------------------------------------------------------
+
+    def open_connection(self) -> socket.socket:
+        """A new authenticated connection that is the caller's, not the pool's (blocking,
+        its timeouts set), or PeerUnavailable (the failure counted: the peer is suspect)."""
+        self._check_fork()
+        return self._connect()
 
     def _connect(self) -> socket.socket:
         """A new authenticated connection, or PeerUnavailable (the failure counted)."""
@@ -399,27 +401,25 @@ class PeerClient:
         return replies[0]
 
     def _pipeline(self, msgs: Sequence[P.Message],
-                  handle: Callable[[int, P.Message], None], into: PipePool | None = None
-                  ) -> None:
+                  handle: Callable[[int, P.Message], None]) -> None:
         """Send every request at once on one pooled connection, then take the replies in
         order, handing each to ``handle`` (a DATA reply's ranges received each straight into
         its own bytes object: the bytes the caller gets, no copy). The server works on
         request k+1 while we receive reply k. Each reply has its own total deadline."""
         sock, pooled = self._take()
         try:
-            self._exchange_on(sock, pooled, msgs, handle, into)
+            self._exchange_on(sock, pooled, msgs, handle)
         finally:
             self._release()
 
     def _exchange_on(self, sock: socket.socket, pooled: bool, msgs: Sequence[P.Message],
-                     handle: Callable[[int, P.Message], None], into: PipePool | None = None
-                     ) -> None:
+                     handle: Callable[[int, P.Message], None]) -> None:
         received = False
         try:
             send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, self.timeout))
             self.stats.sent += len(msgs)
             for i in range(len(msgs)):
-                reply = _ReplyRecv(sock, self.timeout, into).message()
+                reply = _ReplyRecv(sock, self.timeout).message()
                 received = True
                 if isinstance(reply, P.Error):
                     raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")
@@ -432,7 +432,7 @@ class PeerClient:
                 # the peer closed this pooled connection while it sat idle (its idle
                 # timeout, a restart): not a failure of the peer; once more on a new one
                 sock.close()
-                self._exchange_on(self._connect(), False, msgs, handle, into)  # same slot
+                self._exchange_on(self._connect(), False, msgs, handle)  # same slot
                 return
             self._failed(sock, exc)
             raise PeerUnavailable(f"{self.name}: {exc}") from exc
@@ -453,19 +453,10 @@ class PeerClient:
 
         The ranges go in requests of about ``_BATCH_BYTES`` each, pipelined on one
         connection (a range over the reply limit is split and joined again)."""
-        return self._read(ranges, None)
+        return self._read(ranges)
 
-    def read_relayed(self, ranges: Sequence[tuple[int, int, int]], into: PipePool
-                     ) -> list[bytes | Piped | None]:
-        """``read``, each range received into pipes of ``into`` where it can be (to be
-        sent on to another socket without a copy: net/pipes.py), else into memory."""
-        if any(n > _REPLY_LIMIT for _, _, n in ranges):  # split and joined: in memory
-            return self._read(ranges, None)
-        return self._read(ranges, into)
-
-    def _read(self, ranges: Sequence[tuple[int, int, int]], into: PipePool | None
-              ) -> list[Any]:
-        out: list[bytes | Piped | None] = [None] * len(ranges)
+    def _read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(ranges)
         pieces: list[tuple[int, int, int, int]] = []  # index, shard, offset, length
         for i, (s, o, n) in enumerate(ranges):
             for start in range(0, max(n, 1), _REPLY_LIMIT):
@@ -480,15 +471,15 @@ class PeerClient:
             size += p[3]
         parts: dict[int, list[Any]] = {}
         for w in range(0, len(batches), _WINDOW):
-            self._read_batches(batches[w : w + _WINDOW], parts, into)
+            self._read_batches(batches[w : w + _WINDOW], parts)
         for i, chunks in parts.items():
-            if all(c is not None for c in chunks):  # (in pipes: never split, read_relayed)
+            if all(c is not None for c in chunks):
                 out[i] = chunks[0] if len(chunks) == 1 else b"".join(
                     c for c in chunks if c is not None)
         return out
 
     def _read_batches(self, batches: list[list[tuple[int, int, int, int]]],
-                      parts: dict[int, list[Any]], into: PipePool | None) -> None:
+                      parts: dict[int, list[Any]]) -> None:
         rids = [next(self._ids) & 0xFFFFFFFF for _ in batches]
         reqs = [P.Read(rid, tuple(P.Range(s, o, n) for _, s, o, n in b))
                 for rid, b in zip(rids, batches, strict=True)]
@@ -501,13 +492,13 @@ class PeerClient:
             self.stats.requests += 1
             self.stats.ranges += len(batch)
             for (i, _, _, n), c in zip(batch, reply.chunks, strict=True):
-                data: bytes | Piped | None = None
+                data: bytes | None = None
                 if c is not None and len(c) == n:
-                    data = c if isinstance(c, Piped) else bytes(c)  # the same object: no copy
+                    data = bytes(c)  # the same object: no copy
                     self.stats.bytes += n
                 parts.setdefault(i, []).append(data)
 
-        self._pipeline(reqs, handle, into)
+        self._pipeline(reqs, handle)
 
     def status(self) -> dict[str, Any]:
         reply = self._exchange(P.StatusRequest())

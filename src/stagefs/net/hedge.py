@@ -33,7 +33,6 @@ from time import perf_counter
 from typing import Any
 
 from stagefs.net.client import PeerSource, PeerUnavailable
-from stagefs.net.pipes import Piped, PipePool
 
 __all__ = ["HedgePolicy", "HedgedPeer", "ReplyTimes"]
 
@@ -149,11 +148,11 @@ class HedgedPeer:
         self._count = threading.Lock()
         _ALL_PEERS.add(self)
 
-    def _begin(self) -> None:
+    def begin(self) -> None:
         with self._count:
             self.outstanding += 1
 
-    def _end(self) -> None:
+    def end(self) -> None:
         with self._count:
             self.outstanding -= 1
 
@@ -194,13 +193,13 @@ class HedgedPeer:
     # -- one range -----------------------------------------------------------------------
 
     def _pread(self, shard: int, offset: int, length: int) -> bytes:
-        self._begin()
+        self.begin()
         try:
             t0 = perf_counter()
             out = self.source.pread(shard, offset, length)
             self.times.add(perf_counter() - t0)
         finally:
-            self._end()
+            self.end()
         return out
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
@@ -247,38 +246,29 @@ class HedgedPeer:
 
     # -- a batch -------------------------------------------------------------------------
 
-    def _read(self, ranges: Sequence[tuple[int, int, int]], into: PipePool | None = None
-              ) -> list[Any]:
-        self._begin()
+    def _read(self, ranges: Sequence[tuple[int, int, int]]) -> list[Any]:
+        self.begin()
         try:
             t0 = perf_counter()
-            out = (self.client.read(ranges) if into is None
-                   else self.client.read_relayed(ranges, into))
+            out = self.client.read(ranges)
             self.batch_times.add(perf_counter() - t0)
         finally:
-            self._end()
+            self.end()
         return out
 
     def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
         """Many ranges in one request to this peer; None for each it did not give (all of
         them if it is suspect or fails). Ranges it has not answered within the delay come
         from the other replicas of their shards, where they have one."""
-        return self._many(ranges, None)
+        return self._many(ranges)
 
-    def pread_relayed(self, ranges: Sequence[tuple[int, int, int]], into: PipePool
-                      ) -> list[bytes | Piped | None]:
-        """``pread_many`` for a relay: each range in pipes of ``into`` where it can be
-        (net/pipes.py), else in memory."""
-        return self._many(ranges, into)
-
-    def _many(self, ranges: Sequence[tuple[int, int, int]], into: PipePool | None
-              ) -> list[Any]:
+    def _many(self, ranges: Sequence[tuple[int, int, int]]) -> list[Any]:
         n = len(ranges)
         if self.client.suspect():
             self.client.stats.skipped += 1
             return [None] * n
         pool = _executor()
-        first = pool.submit(self._read, ranges, into)
+        first = pool.submit(self._read, ranges)
         delay = self.batch_times.delay()
         if not wait([first], delay).done:
             # slow: each range to the first other live replica of its shard, one request each
@@ -295,7 +285,7 @@ class HedgedPeer:
                 groups = {}
             else:
                 self.hedged += len(groups)
-                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx], into):
+                return self._race(first, {pool.submit(h._read, [ranges[i] for i in idx]):
                                           (h, idx) for h, idx in groups.items()}, n, delay)
         try:
             return first.result()

@@ -29,10 +29,9 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Callable
 
-__all__ = ["PIPE_BYTES", "POOL_BYTES", "PipePool", "Piped", "budget", "pipe_descriptors",
-           "pool_pipes"]
+__all__ = ["PIPE_BYTES", "POOL_BYTES", "Fill", "PipePool", "Piped", "budget", "pipe_descriptors",
+           "pool_pipes", "readable"]
 
 log = logging.getLogger("stagefs.net")
 
@@ -68,7 +67,7 @@ class PipePool:
         self._lock = threading.Lock()
         self.broken = not hasattr(os, "splice")
         self.ranges = 0  # ranges received into pipes
-        self.fallbacks = 0  # ranges received into memory: no pipe to be had
+        self.fallbacks = 0  # ranges received into memory (all or part): no pipe to be had
 
     @property
     def max_fds(self) -> int:
@@ -115,64 +114,8 @@ class PipePool:
         with self._lock:
             self._made -= 1
 
-    def receive(self, sock: socket.socket, n: int, left: Callable[[], float],
-                in_memory: Callable[[int], bytes]) -> Piped | bytes:
-        """The next ``n`` bytes of ``sock`` in pipes; in memory (``in_memory(k)``: the next
-        k bytes, received under the reply's deadline) where no pipe can be had, from the
-        first byte or from where the pipes ran out. ``left()``: seconds until the reply's
-        deadline. Raises what a receive raises: TimeoutError, ConnectionError.
-
-        A splice from a blocking socket waits for data as a receive does (up to the
-        socket's receive timeout), whatever its flags; SPLICE_F_NONBLOCK keeps it from
-        waiting on a full pipe, which is then told from "no data yet" by the socket
-        being readable."""
-        first = self.take()
-        if first is None:
-            self.fallbacks += 1
-            return in_memory(n)
-        out = Piped(self, [first])
-        fd = sock.fileno()
-        pipe = first
-        got = 0
-        try:
-            while got < n:
-                try:
-                    k = os.splice(fd, pipe.w, n - got, flags=_MOVE | _NONBLOCK)
-                except BlockingIOError:
-                    k = -1
-                except OSError as exc:
-                    if got or exc.errno not in _UNSUPPORTED:
-                        raise
-                    self._unsupported(exc)  # this socket cannot be spliced: memory
-                    out.release()
-                    self.fallbacks += 1
-                    return in_memory(n)
-                if k > 0:
-                    got += k
-                    pipe.count += k
-                    continue
-                if k == 0:
-                    raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
-                # nothing moved: no data yet, or this pipe is full
-                if _readable(fd, 0.0):
-                    nxt = self.take(over=True)
-                    if nxt is None:  # no pipe to be had: this range ends in memory
-                        self.fallbacks += 1
-                        return out.to_bytes() + in_memory(n - got)
-                    out.pipes.append(nxt)
-                    pipe = nxt
-                    continue
-                wait = left()
-                if wait <= 0 or not _readable(fd, wait):
-                    raise TimeoutError(errno.ETIMEDOUT, "peer did not send its reply in time")
-        except BaseException:
-            out.release()
-            raise
-        out.size = n
-        self.ranges += 1
-        return out
-
-    def _unsupported(self, exc: OSError) -> None:
+    def unsupported(self, exc: OSError) -> None:
+        """Splice from a socket failed here: every range goes to memory from now on."""
         with self._lock:
             if self.broken:
                 return
@@ -186,6 +129,96 @@ class PipePool:
             self._made -= len(idle)
         for p in idle:
             p.close()
+
+
+class Fill:
+    """One range of ``n`` bytes being received from a non-blocking socket: into pipes of
+    ``pool`` of its own while the pool gives them, else (``pool`` None, spent, or splice
+    refused) into memory, from the first byte or from where the pipes ran out."""
+
+    __slots__ = ("got", "mem", "n", "piped", "pool")
+
+    def __init__(self, pool: PipePool | None, n: int) -> None:
+        self.pool = pool
+        self.n = n
+        self.got = 0
+        self.piped: Piped | None = None
+        self.mem: bytearray | None = None if n else bytearray()
+
+    def step(self, sock: socket.socket) -> bool:
+        """Move what has come, as far as the socket has it now; True once all ``n`` bytes
+        are in. Raises BlockingIOError when the socket has no more now, ConnectionError
+        when the peer closed it, OSError when it fails."""
+        fd = sock.fileno()
+        while self.got < self.n:
+            left = self.n - self.got
+            if self.mem is not None:
+                k = sock.recv_into(memoryview(self.mem)[self.got :], left)
+            else:
+                k = self._splice(fd, left)
+                if k < 0:
+                    continue  # another pipe, or memory from here on
+            if k == 0:
+                raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
+            self.got += k
+        return True
+
+    def _splice(self, fd: int, left: int) -> int:
+        pool = self.pool
+        if self.piped is None:
+            first = None if pool is None else pool.take()
+            if first is None:
+                self._to_memory()
+                return -1
+            assert pool is not None
+            self.piped = Piped(pool, [first])
+        assert pool is not None
+        pipe = self.piped.pipes[-1]
+        try:
+            k = os.splice(fd, pipe.w, left, flags=_MOVE | _NONBLOCK)
+        except BlockingIOError:
+            # nothing moved: no data yet, or this pipe is full
+            if not readable(fd):
+                raise
+            nxt = pool.take(over=True)
+            if nxt is None:  # no pipe to be had: the rest of this range in memory
+                self._to_memory()
+            else:
+                self.piped.pipes.append(nxt)
+            return -1
+        except OSError as exc:
+            if self.got or exc.errno not in _UNSUPPORTED:
+                raise
+            pool.unsupported(exc)  # this socket cannot be spliced: memory
+            self._to_memory()
+            return -1
+        if k > 0:
+            pipe.count += k
+        return k
+
+    def _to_memory(self) -> None:
+        if self.pool is not None:
+            self.pool.fallbacks += 1
+        self.mem = bytearray(self.n)
+        if self.piped is not None:
+            got = self.piped.to_bytes()
+            self.mem[: len(got)] = got
+            self.piped = None
+
+    def take(self) -> Piped | bytearray:
+        """The range, once ``step`` said it is all in."""
+        if self.piped is not None:
+            self.piped.size = self.n
+            self.piped.pool.ranges += 1
+            return self.piped
+        assert self.mem is not None
+        return self.mem
+
+    def release(self) -> None:
+        """Dropped: its pipes go back (the bytes in them with them)."""
+        if self.piped is not None:
+            self.piped.release()
+            self.piped = None
 
 
 class Piped:
@@ -271,7 +304,8 @@ def _ceiling(most: int) -> int:
     return most * 3 // 2
 
 
-def _readable(fd: int, timeout: float) -> bool:
+def readable(fd: int, timeout: float = 0.0) -> bool:
+    """``fd`` has data to read (within ``timeout`` seconds)."""
     poll = select.poll()
     poll.register(fd, select.POLLIN)
     return bool(poll.poll(max(0, int(timeout * 1000 + 0.999)) if timeout > 0 else 0))

@@ -12,12 +12,9 @@ import json
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stagefs.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from stagefs.net.pipes import Piped
 
 __all__ = [
     "DATA_HEAD",
@@ -115,7 +112,7 @@ class Data:
     """Server → client: one slot per range asked, in order; ``None`` where not served."""
 
     request_id: int
-    chunks: tuple[bytes | memoryview | Piped | None, ...]  # Piped: a relay's (net/pipes.py)
+    chunks: tuple[bytes | memoryview | None, ...]
     statuses: tuple[int, ...] = ()
 
     def status(self, i: int) -> int:

@@ -41,7 +41,6 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -50,6 +49,7 @@ from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.pipes import Piped
+from stagefs.net.relay import Relay
 
 __all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "connection_room",
            "raise_fd_limit"]
@@ -57,7 +57,6 @@ __all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "connectio
 log = logging.getLogger("stagefs.server")
 
 Locate = Callable[[int], str | None]
-Relay = Callable[[Sequence[tuple[int, int, int]]], list[bytes | Piped | None]]
 _SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: preadv + sendmsg
 _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
@@ -83,7 +82,6 @@ class ServerLimits:
     frame_timeout: float = 10.0  # a request frame, from its first byte to its last
     idle_timeout: float = 900.0  # an idle pooled connection is closed after this
     io_timeout: float = 30.0  # sending one reply, all of it
-    relay_threads: int = 64  # relayed requests of this node's readers worked on at once
     fd_reserve: int = 0  # descriptors the process keeps for itself beyond the usual
     # reserve (the relay's pipes: net/pipes.py)
 
@@ -182,6 +180,24 @@ class _Conn:
         self.deadline = 0.0
 
 
+class _Watch:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[int], None]) -> None:
+        self.fn = fn
+
+
+class _Timer:
+    __slots__ = ("cancelled", "fn")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class _Listener:
     __slots__ = ("sock", "unix")
 
@@ -270,7 +286,7 @@ class ShardServer:
         self._seq = itertools.count()
         self._rbuf = bytearray(_RECV)
         self._done: collections.deque[Callable[[], None]] = collections.deque()
-        self._relay_pool: ThreadPoolExecutor | None = None
+        self._timers: list[tuple[float, int, _Timer]] = []  # the loop's own (the relay's)
         self._accept_paused: list[_Listener] = []
         self._paused_until = 0.0
         self._torn_down = False
@@ -315,8 +331,43 @@ class ShardServer:
         return s
 
     def start(self) -> ShardServer:
+        if self.relay is not None:
+            self.relay.attach(self)
         self._thread.start()
         return self
+
+    # -- what the loop does for others (the relay: net/relay.py), in its thread ---------------
+
+    def watch(self, sock: socket.socket, events: int, handler: Callable[[int], None]) -> None:
+        """Call ``handler(events)`` from the loop when ``sock`` is ready for ``events``."""
+        try:
+            self._sel.modify(sock, events, _Watch(handler))
+        except KeyError:
+            self._sel.register(sock, events, _Watch(handler))
+
+    def unwatch(self, sock: socket.socket) -> None:
+        self._sel.unregister(sock)
+
+    def later(self, delay: float, fn: Callable[[], None]) -> _Timer:
+        """Call ``fn`` from the loop in ``delay`` seconds, unless cancelled."""
+        t = _Timer(fn)
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), t))
+        return t
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` from the loop (from any thread)."""
+        self._call_soon(fn)
+
+    def _run_timers(self, now: float) -> None:
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            t = heapq.heappop(timers)[2]
+            if not t.cancelled:
+                t.cancelled = True
+                try:
+                    t.fn()
+                except Exception:  # a timer's failure must not stop the loop
+                    log.exception("a timer of the loop failed")
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -327,10 +378,17 @@ class ShardServer:
             timeout = _TICK if not self._accept_paused else 0.1
             if self._heap:
                 timeout = min(timeout, max(0.0, self._heap[0][0] - now))
+            if self._timers:
+                timeout = min(timeout, max(0.0, self._timers[0][0] - now))
             for key, ev in sel.select(timeout):
                 obj = key.data
                 if obj is None:
                     self._run_done()
+                elif isinstance(obj, _Watch):
+                    try:
+                        obj.fn(ev)
+                    except Exception:  # the relay's failure must not stop the loop
+                        log.exception("a handler of the loop failed")
                 elif isinstance(obj, _Listener):
                     self._accept(obj)
                 elif not obj.closed:
@@ -340,6 +398,7 @@ class ShardServer:
                         self._flush(obj)
             now = time.monotonic()
             self._expire(now)
+            self._run_timers(now)
             if self._accept_paused and now >= self._paused_until and not self._stop.is_set():
                 for lst in self._accept_paused:
                     self._sel.register(lst.sock, selectors.EVENT_READ, lst)
@@ -549,7 +608,7 @@ class ShardServer:
         asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
                  for i in relay]
 
-        def finish(got: list[bytes | Piped | None]) -> None:  # in the loop's thread
+        def finish(got: list[bytes | bytearray | Piped | None]) -> None:
             for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
                 if chunk is not None and len(chunk) == length:
                     status[i], data[i] = P.OK, chunk
@@ -566,23 +625,8 @@ class ShardServer:
                 self._flush(conn)
                 self._arm(conn)
 
-        def work() -> None:  # in a relay thread
-            got: list[bytes | Piped | None]
-            try:
-                assert self.relay is not None
-                got = self.relay(asked)
-            except Exception:  # a relay that fails leaves the reader to go on
-                log.exception("relay of %d ranges failed", len(asked))
-                got = [None] * len(asked)
-            self._call_soon(lambda: finish(got))
-
-        self._relays().submit(work)
-
-    def _relays(self) -> ThreadPoolExecutor:
-        if self._relay_pool is None:
-            self._relay_pool = ThreadPoolExecutor(self.limits.relay_threads,
-                                                  thread_name_prefix="stagefs-relay")
-        return self._relay_pool
+        assert self.relay is not None
+        self.relay.begin(asked, finish)
 
     # -- writing replies ---------------------------------------------------------------------
 
@@ -798,8 +842,8 @@ class ShardServer:
             if self._torn_down:
                 return
             self._torn_down = True
-        if self._relay_pool is not None:
-            self._relay_pool.shutdown(wait=False, cancel_futures=True)
+        if self.relay is not None:
+            self.relay.close()
         for conn in [*self._authed, *self._pending]:
             self._close(conn)
         for lst in self._listeners:
@@ -821,7 +865,7 @@ class ShardServer:
 
 
 _TABLE = struct.Struct("!BI")
-_Chunk = memoryview | _File | bytes | Piped
+_Chunk = memoryview | _File | bytes | bytearray | Piped
 _Part = memoryview | _File | Piped  # what a reply is sent as
 
 
