@@ -56,7 +56,7 @@ def _forward(piped: Piped) -> bytes:
     return bytes(got)
 
 
-def _receive(pool: PipePool | None, sock: socket.socket, n: int) -> Piped | bytearray:
+def _receive(pool: PipePool | None, sock: socket.socket, n: int) -> Piped | bytes:
     """The next ``n`` bytes of ``sock`` received as the relay receives them (net/relay.py):
     ``Fill.step`` on the non-blocking socket each time it is readable."""
     sock.setblocking(False)

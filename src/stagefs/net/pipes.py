@@ -137,13 +137,15 @@ class Fill:
     refused) into memory, from the first byte or from where the pipes ran out."""
 
     __slots__ = ("got", "mem", "n", "piped", "pool")
+    # in memory: the bytes received so far, each as ``recv`` gave it (mostly one: a range
+    # that is all in the socket comes in one receive, with no buffer to clear first)
 
     def __init__(self, pool: PipePool | None, n: int) -> None:
         self.pool = pool
         self.n = n
         self.got = 0
         self.piped: Piped | None = None
-        self.mem: bytearray | None = None if n else bytearray()
+        self.mem: list[bytes] | None = None if n else []
 
     def step(self, sock: socket.socket) -> bool:
         """Move what has come, as far as the socket has it now; True once all ``n`` bytes
@@ -153,7 +155,9 @@ class Fill:
         while self.got < self.n:
             left = self.n - self.got
             if self.mem is not None:
-                k = sock.recv_into(memoryview(self.mem)[self.got :], left)
+                data = sock.recv(left)
+                k = len(data)
+                self.mem.append(data)
             else:
                 k = self._splice(fd, left)
                 if k < 0:
@@ -199,20 +203,19 @@ class Fill:
     def _to_memory(self) -> None:
         if self.pool is not None:
             self.pool.fallbacks += 1
-        self.mem = bytearray(self.n)
+        self.mem = []
         if self.piped is not None:
-            got = self.piped.to_bytes()
-            self.mem[: len(got)] = got
+            self.mem.append(self.piped.to_bytes())
             self.piped = None
 
-    def take(self) -> Piped | bytearray:
+    def take(self) -> Piped | bytes:
         """The range, once ``step`` said it is all in."""
         if self.piped is not None:
             self.piped.size = self.n
             self.piped.pool.ranges += 1
             return self.piped
         assert self.mem is not None
-        return self.mem
+        return self.mem[0] if len(self.mem) == 1 else b"".join(self.mem)
 
     def release(self) -> None:
         """Dropped: its pipes go back (the bytes in them with them)."""
