@@ -10,11 +10,12 @@ the "staged" barrier, then serve until SIGTERM/SIGINT.
 The daemon is its node's fabric: it listens on a Unix socket in the runtime directory too,
 where the node's training processes and DataLoader workers send every read that is not a
 local tier hit. Ranges of shards it holds it answers from its tiers; the others it relays to
-their holders (``ClusterHolders``, the readers' own holder order, with one client of at most
-two connections per peer, shared with staging), all peers of a batch at once under one
-deadline (net/fanout.py). It does not verify relayed bytes: the reader does. Relayed bytes
-are received into kernel pipes and sent on from them (net/pipes.py: no copy in this
-process; ``STAGEFS_RELAY_PIPES=0``: through memory).
+their holders (``ClusterHolders``, the readers' own holder order), all peers of a batch at
+once under one deadline, from the server's event loop on one connection of its own to each
+peer (net/relay.py; the re-replication probes go on it too, and staging and status on one
+``PeerClient`` connection: two per peer). It does not verify relayed bytes: the reader
+does. Relayed bytes are received into kernel pipes and sent on from them (net/pipes.py: no
+copy in this process; ``STAGEFS_RELAY_PIPES=0``: through memory).
 """
 
 from __future__ import annotations

@@ -20,9 +20,10 @@ begins, all of it must arrive within a total deadline too; a malformed frame clo
 connection, and only that one.
 
 Requests from a Unix-socket reader for shards this node does not hold go to ``relay``
-(cluster/daemon.py: the node's peers, net/fanout.py) in a worker thread; the reply is sent,
-in request order, when the relay answers (None for a range: NOT_HELD, the reader's next
-holder answers it). A reader's connection has a send buffer of ``UNIX_SNDBUF``.
+(net/relay.py: the node's peers, from this same loop, which it drives through ``watch``,
+``later`` and ``soon``); the reply is sent, in request order, when the relay has every
+range (None for a range: NOT_HELD, the reader's next holder answers it). A reader's
+connection has a send buffer of ``UNIX_SNDBUF``.
 """
 
 from __future__ import annotations
