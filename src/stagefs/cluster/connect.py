@@ -136,12 +136,23 @@ class ClusterHolders:
             here: list[ShardSource] = [t for t in self.tiers if t.holds(shard)]
             if here:
                 return here + self._static_after[nodes]
+        out: list[ShardSource] = [*self.remote(shard), self.origin]
+        if self.rank in nodes and shard not in self._mine:
+            # a copy this node made when a holder died (whatever this reader knows of the
+            # dead: one open() when there is none)
+            here = [t for t in self.tiers if t.holds(shard)]
+            return here + out
+        return out
+
+    def remote(self, shard: int) -> list[HedgedPeer]:
+        """The shard's holders on other nodes in the order to ask them (``_holders_of``
+        without this node's copies and the origin): where the node daemon relays."""
         k = len(self.placement.holders[shard])  # K, or every node (--replicate-all)
         first: list[HedgedPeer] = []
-        after: list[ShardSource] = []
-        down: list[ShardSource] = []
+        after: list[HedgedPeer] = []
+        down: list[HedgedPeer] = []
         live = 0  # live nodes of the ranking seen so far, this node included
-        for n in nodes:
+        for n in self._ranked_nodes[shard]:
             if n == self.rank:
                 live += 1
                 continue
@@ -155,13 +166,7 @@ class ClusterHolders:
                 after.append(peer)
         if len(first) > 1:
             first = self._two_choices(first)
-        out: list[ShardSource] = [*first, *after, *down, self.origin]
-        if self.rank in nodes and shard not in self._mine:
-            # a copy this node made when a holder died (whatever this reader knows of the
-            # dead: one open() when there is none)
-            here = [t for t in self.tiers if t.holds(shard)]
-            return here + out
-        return out
+        return [*first, *after, *down]
 
     def _two_choices(self, first: list[HedgedPeer]) -> list[HedgedPeer]:
         """Two of the live holders drawn at random, the one with fewer requests in flight

@@ -56,7 +56,7 @@ from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
-from stagefs.net.hedge import HedgedPeer, HedgePolicy
+from stagefs.net.hedge import HedgePolicy
 from stagefs.net.pipes import PipePool, pipe_descriptors, pool_pipes
 from stagefs.net.relay import Relay, RelayPeer
 from stagefs.net.server import ServerLimits, ShardServer, connection_room, raise_fd_limit
@@ -282,12 +282,10 @@ class Daemon:
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
     def _relay_peers_of(self, shard: int) -> Sequence[RelayPeer]:
-        """Where the relay reads ranges of ``shard``: its holders that are peers, in the
+        """Where the relay reads ranges of ``shard``: its holders on other nodes, in the
         readers' order (none until the nodes are known)."""
         holders = self.holders
-        if holders is None:
-            return ()
-        return [h for h in holders.holders(shard) if isinstance(h, HedgedPeer)]
+        return () if holders is None else holders.remote(shard)
 
     # -- what STATUS answers ---------------------------------------------------------------
 

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from stagefs.errors import ProtocolError
 from stagefs.net import protocol as P
@@ -127,7 +127,7 @@ class _Batch:
         self.out: list[Chunk | None] = [None] * n
         self.resolved = [False] * n  # its bytes are in, or no one is left to ask
         self.pending = [0] * n  # parts in flight that ask for it
-        self.tried: list[set[int]] = [set() for _ in range(n)]  # id() of the peers asked
+        self.tried: list[tuple[int, ...]] = [()] * n  # id() of the peers asked
         self.open = n
         self.finished = False
         self.first = True
@@ -255,7 +255,7 @@ class Relay:
                 hs = of[shard] = self.holders(shard)
             h = None if late else _next(hs, b.tried[i], up)
             if h is not None:
-                b.tried[i].add(id(h))
+                b.tried[i] += (id(h),)
                 groups.setdefault(id(h), (h, []))[1].append(i)
             elif not b.pending[i]:
                 if b.first:
@@ -284,9 +284,9 @@ class Relay:
         if not part.hedge:
             part.timers.append(loop.later(delays.delay(), lambda: self._hedge(part)))
         part.timers.append(loop.later(delays.origin_delay(), lambda: self._give_up(part)))
-        self._request(part.peer, part, P.Read(part.rid, tuple(P.Range(*b.ranges[i])
-                                                              for i in part.idx)),
-                      part.peer.client.timeout)
+        # plain (shard, offset, length) tuples: the READ is packed from them as they are
+        asked = cast("tuple[P.Range, ...]", tuple(b.ranges[i] for i in part.idx))
+        self._request(part.peer, part, P.Read(part.rid, asked), part.peer.client.timeout)
 
     def _request(self, peer: RelayPeer, item: _Part | _Query, msg: P.Message,
                  timeout: float) -> None:
@@ -333,7 +333,7 @@ class Relay:
                 continue
             h = _next(self.holders(b.ranges[i][0]), b.tried[i], up)
             if h is not None:
-                b.tried[i].add(id(h))
+                b.tried[i] += (id(h),)
                 groups.setdefault(id(h), (h, []))[1].append(i)
         part.peer.hedged += len(groups)
         for h, ix in groups.values():
@@ -677,7 +677,8 @@ class Relay:
 _READ, _WRITE = 1, 2  # selectors.EVENT_READ, EVENT_WRITE
 
 
-def _next(hs: Sequence[RelayPeer], tried: set[int], up: dict[int, bool]) -> RelayPeer | None:
+def _next(hs: Sequence[RelayPeer], tried: tuple[int, ...], up: dict[int, bool]
+          ) -> RelayPeer | None:
     """The first holder not asked yet that is not down (``up``: the answers of ``is_down``
     so far this round)."""
     for h in hs:

@@ -584,12 +584,13 @@ class ShardServer:
         # large ones sent from the file by sendfile when their turn comes
         buf = memoryview(bytearray(small))
         data: list[_Chunk | None] = [None] * n
-        pos = 0
+        pos = served = 0
         for i, r in enumerate(req.ranges):
             if status[i] != P.OK:
                 continue
             if r.length >= _SENDFILE_MIN:
                 data[i] = _File(fds[i], r.offset, r.length)
+                served += r.length
                 continue
             view = buf[pos : pos + r.length]
             if r.length and os.preadv(fds[i], [view], r.offset) != r.length:
@@ -598,7 +599,8 @@ class ShardServer:
                 continue
             data[i] = view
             pos += r.length
-        st.bytes_served += sum(r.length for i, r in enumerate(req.ranges) if status[i] == P.OK)
+            served += r.length
+        st.bytes_served += served
         if not relay:
             self._queue(conn, _data_parts(req.request_id, status, data))
             return
