@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from cluster_helpers import make_pack
@@ -239,4 +240,32 @@ def test_a_probe_on_the_relay_s_connection(tmp_path: Path) -> None:
         assert c.servers[0].stats.connections == 1
         assert not c.relay.probe(stuck, 0.3)
         assert stuck.client.is_suspect() and not live.client.is_suspect()
+        hung[0].close()
+
+
+def test_a_probe_s_short_deadline_holds_on_a_connection_with_a_long_request_out(
+        tmp_path: Path) -> None:
+    """A relayed part waits on a hung peer with a 30 s deadline; a probe of that peer with
+    a 0.3 s one still fails by its own deadline (the connection's watchdog is brought
+    forward), which closes the connection, so the part goes on too: its ranges to no one
+    left, NOT_HELD, and the reader's read returns long before the part's deadline."""
+    hung: list[_CraftedPeer] = []
+
+    def peers(c: SimpleNamespace) -> list[HedgedPeer]:
+        hung.append(_CraftedPeer(c.token, c.m.pack_id, lambda s, r: None))
+        return [_holder(hung[0].address, c.token, "hung", 30.0, 30.0)]
+
+    with _fabric(tmp_path, peers, timeout=60.0) as c:
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(c.reader.read(c.ranges[:2])))
+        t.start()
+        for _ in range(3000):
+            if c.relay.stats.parts:
+                break
+            threading.Event().wait(0.01)
+        assert not c.relay.probe(c.holders[0], 0.3)
+        t.join(20)
+        assert not t.is_alive() and got == [[None, None]]
+        st = c.relay.stats
+        assert st.upstream_failures == 1 and st.late == 0 and st.missing == 2, st
         hung[0].close()

@@ -137,7 +137,7 @@ class _Batch:
 class _Part:
     """One READ to one peer: some ranges of one batch."""
 
-    __slots__ = ("batch", "hedge", "hedged_by", "idx", "live", "peer", "rid", "sent",
+    __slots__ = ("batch", "due", "hedge", "hedged_by", "idx", "live", "peer", "rid", "sent",
                  "timers")
 
     def __init__(self, batch: _Batch, peer: RelayPeer, idx: list[int], hedge: bool) -> None:
@@ -149,16 +149,18 @@ class _Part:
         self.live = True  # still waited for (not answered, failed or given up)
         self.rid = 0
         self.sent = 0.0
+        self.due = 0.0  # its reply must have come by then, or the connection is closed
         self.timers: list[Timer] = []
 
 
 class _Query:
     """A STATUS request on the relay's connection: a probe (``Relay.probe``)."""
 
-    __slots__ = ("answered", "event")
+    __slots__ = ("answered", "due", "event")
 
     def __init__(self) -> None:
         self.answered = False
+        self.due = 0.0
         self.event = threading.Event()
 
 
@@ -178,7 +180,8 @@ class _Upstream:
     """The relay's connection to one peer, driven by the loop."""
 
     __slots__ = ("closed", "connecting", "events", "head", "inflight", "last", "lengths", "out",
-                 "peer", "phase", "reply", "sink", "sinks", "slot", "sock", "statuses", "want")
+                 "peer", "phase", "reply", "sink", "sinks", "slot", "sock", "statuses", "want",
+                 "watch_at", "watchdog")
 
     def __init__(self, peer: RelayPeer) -> None:
         self.peer = peer
@@ -189,6 +192,8 @@ class _Upstream:
         self.out = bytearray()  # frames not sent yet
         self.inflight: collections.deque[_Part | _Query] = collections.deque()  # sent, in order
         self.last = 0.0
+        self.watchdog: Timer | None = None  # armed for the earliest ``due`` of the requests out
+        self.watch_at = 0.0
         # the reply being received
         self.phase = 0  # _HEAD, _TABLE, _BODY, _OTHER
         self.head = bytearray()
@@ -294,18 +299,35 @@ class Relay:
         its reply, in order, goes to ``item``. A connection whose reply to it has not come
         within ``timeout`` is closed: the peer hangs."""
         up = self._upstream(peer)
+        item.due = time.monotonic() + timeout
         up.inflight.append(item)
         up.out += P.encode(msg)
-        assert self._loop is not None
-        self._loop.later(timeout, lambda: self._overdue(up, item, timeout))
+        if up.watchdog is None or item.due < up.watch_at:  # (a probe's is sooner)
+            if up.watchdog is not None:
+                up.watchdog.cancel()
+            self._watch(up, timeout)
         if up.sock is not None:
             self._write(up)
         elif not up.connecting:
             self._connect(up)
 
-    def _overdue(self, up: _Upstream, item: _Part | _Query, timeout: float) -> None:
-        if not up.closed and item in up.inflight:
-            self._fail(up, TimeoutError(errno.ETIMEDOUT, f"no reply within {timeout:g} s"))
+    def _watch(self, up: _Upstream, delay: float) -> None:
+        assert self._loop is not None
+        up.watchdog = self._loop.later(delay, lambda: self._overdue(up))
+        up.watch_at = time.monotonic() + delay
+
+    def _overdue(self, up: _Upstream) -> None:
+        """The connection's watchdog: a request whose reply is overdue closes it (one timer
+        a connection, armed for the earliest reply due)."""
+        up.watchdog = None
+        if up.closed or not up.inflight:
+            return
+        now = time.monotonic()
+        due = min(item.due for item in up.inflight)
+        if due <= now:
+            self._fail(up, TimeoutError(errno.ETIMEDOUT, "a reply did not come in time"))
+        else:
+            self._watch(up, due - now)
 
     def probe(self, peer: RelayPeer, timeout: float) -> bool:
         """Ask ``peer`` for its STATUS on the relay's connection (made again if it failed,
@@ -523,6 +545,9 @@ class Relay:
 
     def _close(self, up: _Upstream) -> None:
         up.closed = True
+        if up.watchdog is not None:
+            up.watchdog.cancel()
+            up.watchdog = None
         for q in up.inflight:
             if isinstance(q, _Query):
                 q.event.set()
