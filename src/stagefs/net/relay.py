@@ -25,8 +25,9 @@ loop, not in threads:
 - the whole request has one deadline (``timeout``): what is not in by then is None.
 
 A late reply is still received (the stream stays in step) and its bytes dropped; it clears
-its peer's suspicion, as any answer does. A connection whose oldest request has waited
-longer than its client's timeout is closed. The relay does not verify bytes: the reader
+its peer's suspicion, as any answer does. A connection with a reply overdue (a part's
+after its client's timeout, a probe's after its own) is closed: one watchdog timer a
+connection. The relay does not verify bytes: the reader
 does.
 """
 
