@@ -140,3 +140,90 @@ def test_a_silence_counts_from_when_the_probe_was_sent() -> None:
     clock.now += 2.0  # the second probe fails: 5 s after the first was sent
     h.record(1, False, at=sent)
     assert h.dead() == frozenset({1})
+
+
+def test_a_partition_s_peers_are_judged_together() -> None:
+    """Node 0 of 4 is cut off. Peer 1 stops answering a round before peers 2 and 3 (they
+    answered a relayed read just before): the dead set is acted on only once all three
+    are dead (reachable 1 of 4: isolated, nothing copied), never as {1} alone, which would
+    have this node copy peer 1's shards from the origin."""
+    import threading
+
+    from stagefs.cluster.rereplicate import Rereplicator
+
+    clock = Clock()
+    answers = {1: False, 2: True, 3: True}
+    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
+                     {n: (lambda n=n: answers[n]) for n in (1, 2, 3)}, threading.Event(),
+                     dead_after=2.0, clock=clock, grace=0.0)
+    acted: list[frozenset[int]] = []
+
+    def update(dead: frozenset[int]) -> None:  # what the round would act on
+        acted.append(dead)
+        r.dead = dead
+
+    r.update = update  # type: ignore[method-assign]
+    r.step()
+    clock.now += 1.0
+    answers[2] = answers[3] = False
+    for _ in range(6):
+        r.step()
+        clock.now += 1.0
+    assert acted == [frozenset({1, 2, 3})]
+
+
+def test_a_lone_death_is_acted_on_at_once() -> None:
+    import threading
+
+    from stagefs.cluster.rereplicate import Rereplicator
+
+    clock = Clock()
+    answers = {1: False, 2: True, 3: True}
+    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
+                     {n: (lambda n=n: answers[n]) for n in (1, 2, 3)}, threading.Event(),
+                     dead_after=2.0, clock=clock, grace=0.0)
+    acted: list[frozenset[int]] = []
+
+    def update(dead: frozenset[int]) -> None:  # what the round would act on
+        acted.append(dead)
+        r.dead = dead
+
+    r.update = update  # type: ignore[method-assign]
+    for _ in range(4):
+        r.step()
+        clock.now += 1.0
+    assert acted == [frozenset({1})]
+
+
+def test_a_healed_partition_s_peers_come_back_together() -> None:
+    """Node 0, cut off, found peers 1-3 dead (isolated). The partition heals; peer 3
+    answers a round before 1 and 2: the dead set {1, 2}, which would have this node copy
+    their shards from the origin, is never acted on."""
+    import threading
+
+    from stagefs.cluster.rereplicate import Rereplicator
+
+    clock = Clock()
+    answers = {1: False, 2: False, 3: False}
+    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
+                     {n: (lambda n=n: answers[n]) for n in (1, 2, 3)}, threading.Event(),
+                     dead_after=2.0, clock=clock, grace=0.0)
+    acted: list[frozenset[int]] = []
+
+    def update(dead: frozenset[int]) -> None:
+        acted.append(dead)
+        r.dead = dead
+
+    r.update = update  # type: ignore[method-assign]
+    for _ in range(10):
+        r.step()
+        clock.now += 0.5
+    assert acted == [frozenset({1, 2, 3})]
+    answers[3] = True
+    r.step()
+    clock.now += 0.5
+    answers[1] = answers[2] = True
+    for _ in range(4):
+        r.step()
+        clock.now += 0.5
+    assert acted == [frozenset({1, 2, 3}), frozenset()]

@@ -123,6 +123,8 @@ class Rereplicator:
         self.health = Health(probes, dead_after, clock, grace)
         self.probes_per_round = probes_per_round
         self._next = rank  # where this node's turn starts: the nodes spread their probes
+        self._changed_at: float | None = None  # when the dead set changed, not acted on yet
+        self._held: tuple[frozenset[int], float] | None = None  # the set now, and since when
         self.dead: frozenset[int] = frozenset()
         self.generation = 0  # changes of the dead set seen by this node
         self.isolated = False
@@ -158,7 +160,29 @@ class Rereplicator:
         sent = self.health.clock()
         for n, ok in zip(ask, self._pool.map(self._probe, ask), strict=True):
             self.health.record(n, ok, at=sent)
-        self.update(self.health.dead())
+        self.settle(self.health.dead())
+
+    def settle(self, dead: frozenset[int]) -> None:
+        """``update`` to ``dead`` once it has held for two rounds with no other peer failing
+        but not dead yet, or ``dead_after`` after the dead set first changed. The peers a
+        partition cuts off stop answering within a round or two of each other (one that
+        answered a relayed read just before is probed a round later), and answer again
+        the same way when it heals: judged one by one, a dead set of some of them would
+        have this node, cut off, not see that it is (isolated: it copies nothing), and
+        copy their shards from the origin."""
+        now = self.health.clock()
+        if dead == self.dead:
+            self._changed_at = self._held = None
+            return
+        if self._changed_at is None:
+            self._changed_at = now
+        if self._held is None or self._held[0] != dead:
+            self._held = (dead, now)
+        settled = (now - self._held[1] >= 2 * self.every
+                   and not set(self.health.failing()) - dead)
+        if settled or now - self._changed_at >= self.health.dead_after:
+            self._changed_at = self._held = None
+            self.update(dead)
 
     def update(self, dead: frozenset[int]) -> None:
         if dead == self.dead:

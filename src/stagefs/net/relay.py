@@ -325,7 +325,10 @@ class Relay:
             return
         now = time.monotonic()
         due = min(item.due for item in up.inflight)
-        if due <= now:
+        if up.sock is None:  # still connecting: that ends within the client's connect
+            # timeout, and its failure fails every request here (one attempt at a time)
+            self._watch(up, max(due - now, 0.1))
+        elif due <= now:
             self._fail(up, TimeoutError(errno.ETIMEDOUT, "a reply did not come in time"))
         else:
             self._watch(up, due - now)
