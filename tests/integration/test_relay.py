@@ -269,3 +269,20 @@ def test_a_probe_s_short_deadline_holds_on_a_connection_with_a_long_request_out(
         st = c.relay.stats
         assert st.upstream_failures == 1 and st.late == 0 and st.missing == 2, st
         hung[0].close()
+
+
+def test_a_relay_that_fails_leaves_the_reader_to_go_on(tmp_path: Path) -> None:
+    """A fault inside the relay (here: the holder lookup raises) answers the relayed
+    ranges NOT_HELD, so the reader's origin reads them, and the loop goes on serving."""
+
+    def peers(c: SimpleNamespace) -> list[HedgedPeer]:
+        return []
+
+    with _fabric(tmp_path, peers) as c:
+        def broken(shard: int) -> list[HedgedPeer]:
+            raise RuntimeError("holder lookup failed")
+
+        c.relay.holders = broken
+        assert c.reader.read(c.ranges[:3]) == [None] * 3
+        assert c.reader.read(c.ranges[:3]) == [None] * 3  # the loop still serves
+        assert c.fabric.stats.relayed_missing == 6

@@ -417,7 +417,11 @@ class ShardServer:
             while self._wake_r.recv(4096):
                 pass
         while self._done:
-            self._done.popleft()()
+            fn = self._done.popleft()
+            try:
+                fn()
+            except Exception:  # one failure (the relay's) must not stop the loop
+                log.exception("a call in the loop failed")
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -629,7 +633,12 @@ class ShardServer:
                 self._arm(conn)
 
         assert self.relay is not None
-        self.relay.begin(asked, finish)
+        try:
+            self.relay.begin(asked, finish)
+        except Exception:  # a relay that fails leaves the reader to go on (NOT_HELD)
+            log.exception("relay of %d ranges failed", len(asked))
+            if not reply.ready:
+                finish([None] * len(asked))
 
     # -- writing replies ---------------------------------------------------------------------
 
