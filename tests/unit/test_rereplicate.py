@@ -4,6 +4,7 @@ a node copies again from whom."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from stagefs.cluster.placement import place
 from stagefs.cluster.rereplicate import Health, plan
@@ -142,56 +143,49 @@ def test_a_silence_counts_from_when_the_probe_was_sent() -> None:
     assert h.dead() == frozenset({1})
 
 
+def _judging(answers: dict[int, bool]) -> tuple[Any, Clock, list[frozenset[int]]]:
+    """A Rereplicator of node 0 of 4 whose probes answer as ``answers`` says (changed by
+    the test), on an injected clock; the dead sets it acts on are listed, not acted on."""
+    import threading
+
+    from stagefs.cluster.rereplicate import Rereplicator
+
+    clock = Clock()
+    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
+                     {n: (lambda n=n: answers[n]) for n in answers}, threading.Event(),
+                     dead_after=2.0, clock=clock, grace=0.0)
+    acted: list[frozenset[int]] = []
+
+    def update(dead: frozenset[int]) -> None:  # what the round would act on
+        acted.append(dead)
+        r.dead = dead
+
+    r.update = update
+    return r, clock, acted
+
+
+def _rounds(r: Any, clock: Clock, n: int, every: float) -> None:
+    for _ in range(n):
+        r.step()
+        clock.now += every
+
+
 def test_a_partition_s_peers_are_judged_together() -> None:
     """Node 0 of 4 is cut off. Peer 1 stops answering a round before peers 2 and 3 (they
     answered a relayed read just before): the dead set is acted on only once all three
     are dead (reachable 1 of 4: isolated, nothing copied), never as {1} alone, which would
     have this node copy peer 1's shards from the origin."""
-    import threading
-
-    from stagefs.cluster.rereplicate import Rereplicator
-
-    clock = Clock()
     answers = {1: False, 2: True, 3: True}
-    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
-                     {n: (lambda n=n: answers[n]) for n in (1, 2, 3)}, threading.Event(),
-                     dead_after=2.0, clock=clock, grace=0.0)
-    acted: list[frozenset[int]] = []
-
-    def update(dead: frozenset[int]) -> None:  # what the round would act on
-        acted.append(dead)
-        r.dead = dead
-
-    r.update = update  # type: ignore[method-assign]
-    r.step()
-    clock.now += 1.0
+    r, clock, acted = _judging(answers)
+    _rounds(r, clock, 1, 1.0)
     answers[2] = answers[3] = False
-    for _ in range(6):
-        r.step()
-        clock.now += 1.0
+    _rounds(r, clock, 6, 1.0)
     assert acted == [frozenset({1, 2, 3})]
 
 
 def test_a_lone_death_is_acted_on_at_once() -> None:
-    import threading
-
-    from stagefs.cluster.rereplicate import Rereplicator
-
-    clock = Clock()
-    answers = {1: False, 2: True, 3: True}
-    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
-                     {n: (lambda n=n: answers[n]) for n in (1, 2, 3)}, threading.Event(),
-                     dead_after=2.0, clock=clock, grace=0.0)
-    acted: list[frozenset[int]] = []
-
-    def update(dead: frozenset[int]) -> None:  # what the round would act on
-        acted.append(dead)
-        r.dead = dead
-
-    r.update = update  # type: ignore[method-assign]
-    for _ in range(4):
-        r.step()
-        clock.now += 1.0
+    r, clock, acted = _judging({1: False, 2: True, 3: True})
+    _rounds(r, clock, 4, 1.0)
     assert acted == [frozenset({1})]
 
 
@@ -199,31 +193,12 @@ def test_a_healed_partition_s_peers_come_back_together() -> None:
     """Node 0, cut off, found peers 1-3 dead (isolated). The partition heals; peer 3
     answers a round before 1 and 2: the dead set {1, 2}, which would have this node copy
     their shards from the origin, is never acted on."""
-    import threading
-
-    from stagefs.cluster.rereplicate import Rereplicator
-
-    clock = Clock()
     answers = {1: False, 2: False, 3: False}
-    r = Rereplicator(None, place(100, 4, 2), 0, None, {},  # type: ignore[arg-type]
-                     {n: (lambda n=n: answers[n]) for n in (1, 2, 3)}, threading.Event(),
-                     dead_after=2.0, clock=clock, grace=0.0)
-    acted: list[frozenset[int]] = []
-
-    def update(dead: frozenset[int]) -> None:
-        acted.append(dead)
-        r.dead = dead
-
-    r.update = update  # type: ignore[method-assign]
-    for _ in range(10):
-        r.step()
-        clock.now += 0.5
+    r, clock, acted = _judging(answers)
+    _rounds(r, clock, 10, 0.5)
     assert acted == [frozenset({1, 2, 3})]
     answers[3] = True
-    r.step()
-    clock.now += 0.5
+    _rounds(r, clock, 1, 0.5)
     answers[1] = answers[2] = True
-    for _ in range(4):
-        r.step()
-        clock.now += 0.5
+    _rounds(r, clock, 4, 0.5)
     assert acted == [frozenset({1, 2, 3}), frozenset()]
