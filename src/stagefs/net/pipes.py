@@ -31,7 +31,7 @@ import socket
 import threading
 
 __all__ = ["PIPE_BYTES", "POOL_BYTES", "Fill", "PipePool", "Piped", "budget", "pipe_descriptors",
-           "pool_pipes", "readable"]
+           "pool_pipes"]
 
 log = logging.getLogger("stagefs.net")
 
@@ -114,7 +114,7 @@ class PipePool:
         with self._lock:
             self._made -= 1
 
-    def unsupported(self, exc: OSError) -> None:
+    def _unsupported(self, exc: OSError) -> None:
         """Splice from a socket failed here: every range goes to memory from now on."""
         with self._lock:
             if self.broken:
@@ -182,7 +182,7 @@ class Fill:
             k = os.splice(fd, pipe.w, left, flags=_MOVE | _NONBLOCK)
         except BlockingIOError:
             # nothing moved: no data yet, or this pipe is full
-            if not readable(fd):
+            if not _readable(fd):
                 raise
             nxt = pool.take(over=True)
             if nxt is None:  # no pipe to be had: the rest of this range in memory
@@ -193,7 +193,7 @@ class Fill:
         except OSError as exc:
             if self.got or exc.errno not in _UNSUPPORTED:
                 raise
-            pool.unsupported(exc)  # this socket cannot be spliced: memory
+            pool._unsupported(exc)  # this socket cannot be spliced: memory
             self._to_memory()
             return -1
         if k > 0:
@@ -307,7 +307,7 @@ def _ceiling(most: int) -> int:
     return most * 3 // 2
 
 
-def readable(fd: int, timeout: float = 0.0) -> bool:
+def _readable(fd: int, timeout: float = 0.0) -> bool:
     """``fd`` has data to read (within ``timeout`` seconds)."""
     poll = select.poll()
     poll.register(fd, select.POLLIN)

@@ -56,7 +56,7 @@ __all__ = ["Loop", "Relay", "RelayPeer", "RelayStats"]
 
 log = logging.getLogger("stagefs.relay")
 
-Chunk = bytes | bytearray | Piped
+Chunk = bytes | Piped
 Ranges = Sequence[tuple[int, int, int]]
 Done = Callable[[list[Chunk | None]], None]
 _IDLE = 60.0  # an upstream connection idle this long is closed before its next use (a
@@ -540,11 +540,9 @@ class Relay:
         if not counted:
             up.peer.client.failed(exc)
         items = list(up.inflight)
-        self._close(up)
+        self._close(up)  # (its probes are told there)
         for p in items:
-            if isinstance(p, _Query):
-                p.event.set()
-            elif p.live:
+            if isinstance(p, _Part) and p.live:
                 self._drop(p)
 
     def _close(self, up: _Upstream) -> None:

@@ -355,9 +355,6 @@ class ShardServer:
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), t))
         return t
 
-    def soon(self, fn: Callable[[], None]) -> None:
-        """Call ``fn`` from the loop (from any thread)."""
-        self._call_soon(fn)
 
     def _run_timers(self, now: float) -> None:
         timers = self._timers
@@ -365,10 +362,7 @@ class ShardServer:
             t = heapq.heappop(timers)[2]
             if not t.cancelled:
                 t.cancelled = True
-                try:
-                    t.fn()
-                except Exception:  # a timer's failure must not stop the loop
-                    log.exception("a timer of the loop failed")
+                _guarded(t.fn)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -386,10 +380,7 @@ class ShardServer:
                 if obj is None:
                     self._run_done()
                 elif isinstance(obj, _Watch):
-                    try:
-                        obj.fn(ev)
-                    except Exception:  # the relay's failure must not stop the loop
-                        log.exception("a handler of the loop failed")
+                    _guarded(obj.fn, ev)
                 elif isinstance(obj, _Listener):
                     self._accept(obj)
                 elif not obj.closed:
@@ -406,8 +397,8 @@ class ShardServer:
                 self._accept_paused.clear()
         self._teardown()
 
-    def _call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` in the loop's thread (from any thread)."""
+    def soon(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` from the loop (from any thread)."""
         self._done.append(fn)
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"\0")
@@ -417,11 +408,7 @@ class ShardServer:
             while self._wake_r.recv(4096):
                 pass
         while self._done:
-            fn = self._done.popleft()
-            try:
-                fn()
-            except Exception:  # one failure (the relay's) must not stop the loop
-                log.exception("a call in the loop failed")
+            _guarded(self._done.popleft())
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -615,7 +602,7 @@ class ShardServer:
         asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
                  for i in relay]
 
-        def finish(got: list[bytes | bytearray | Piped | None]) -> None:
+        def finish(got: list[bytes | Piped | None]) -> None:
             for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
                 if chunk is not None and len(chunk) == length:
                     status[i], data[i] = P.OK, chunk
@@ -822,7 +809,7 @@ class ShardServer:
         """A shard file was dropped or replaced: reopen it on next use (in the loop's
         thread, so no reply queued with its descriptor is sent from a reused one)."""
         if threading.current_thread() is not self._thread and self._thread.is_alive():
-            self._call_soon(lambda: self.forget(shard))
+            self.soon(lambda: self.forget(shard))
             return
         fd = self._held.pop(shard)
         if fd is None:
@@ -877,8 +864,17 @@ class ShardServer:
 
 
 _TABLE = struct.Struct("!BI")
-_Chunk = memoryview | _File | bytes | bytearray | Piped
+_Chunk = memoryview | _File | bytes | Piped
 _Part = memoryview | _File | Piped  # what a reply is sent as
+
+
+def _guarded(fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` for the loop, on another's behalf (the relay's handlers, timers and
+    calls): a failure there is logged and must not stop the loop."""
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("a call in the server's loop failed")
 
 
 def _release(parts: Iterable[_Part]) -> None:
