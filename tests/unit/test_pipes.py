@@ -123,6 +123,28 @@ def test_no_pipe_to_be_had_is_memory_from_the_first_byte(
     assert _receive(None, b, 0) == b""  # no pool, nothing to receive
 
 
+def test_a_range_in_memory_that_comes_in_many_pieces_is_whole(
+        tcp: tuple[socket.socket, socket.socket]) -> None:
+    """A peer that sends a range 1 KiB at a time, into memory: the pieces make the range
+    exact, in order, and the bytes after it stay in the socket."""
+    a, b = tcp
+    data = os.urandom(300_000)
+
+    def dribble() -> None:
+        a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(0, len(data), 1024):
+            a.sendall(data[i : i + 1024])
+        a.sendall(b"NEXT")
+
+    t = threading.Thread(target=dribble, daemon=True)
+    t.start()
+    got = _receive(PipePool(most=0), b, len(data))
+    t.join()
+    assert got == data
+    b.setblocking(True)
+    assert b.recv(4, socket.MSG_WAITALL) == b"NEXT"
+
+
 def test_pipes_running_out_mid_range_end_it_in_memory(
         tcp: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tcp
