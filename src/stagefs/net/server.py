@@ -188,7 +188,16 @@ class _Watch:
         self.fn = fn
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Timer:
+    """A call the loop makes at its time, unless cancelled. A cancelled timer stays in the
+    loop's heap until its time comes, so it lets go of its call at once: the relay's
+    deadline of a batch is 4 s, and its call holds the batch's ranges. Held until then,
+    ranges relayed in memory (no pipe to be had) piled up to gigabytes in a daemon."""
+
     __slots__ = ("cancelled", "fn")
 
     def __init__(self, fn: Callable[[], None]) -> None:
@@ -197,6 +206,7 @@ class _Timer:
 
     def cancel(self) -> None:
         self.cancelled = True
+        self.fn = _nothing
 
 
 class _Listener:
@@ -361,8 +371,9 @@ class ShardServer:
         while timers and timers[0][0] <= now:
             t = heapq.heappop(timers)[2]
             if not t.cancelled:
-                t.cancelled = True
-                _guarded(t.fn)
+                fn = t.fn
+                t.cancel()
+                _guarded(fn)
 
     # -- the loop ----------------------------------------------------------------------------
 
