@@ -570,6 +570,9 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
     return mp
 
 
+FUSE_IDLE_THREADS = 10  # libfuse's worker threads kept waiting for requests
+
+
 def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
           debug: bool = False, nonempty: bool = False) -> None:
     """Serve ``store`` at ``mountpoint`` until it is unmounted or a signal (SIGINT,
@@ -581,6 +584,11 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
                             "max_read": MAX_READ}
     if allow_other:
         opts["allow_other"] = True
+    if (fusepy.fuse_version_major, fusepy.fuse_version_minor) >= (3, 2):
+        # libfuse's default (unset) makes 3.12-3.16 print "Ignoring invalid max threads
+        # value 4294967295" at every mount (libfuse issue 1003); 10 idle workers kept is
+        # what that default amounts to (at most 10 workers, none ended)
+        opts["max_idle_threads"] = FUSE_IDLE_THREADS
     logging.getLogger("fuse").setLevel(logging.ERROR)  # ENOENT lookups are normal traffic
     try:
         _fuse_class(fusepy)(_operations(store, mp), mp, foreground=True, nothreads=False,
