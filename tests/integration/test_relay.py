@@ -232,6 +232,41 @@ def test_an_answered_batch_is_let_go_at_once(tmp_path: Path, pipes: bool) -> Non
         assert c.relay.stats.batches == 5 and c.relay.stats.missing == 0
 
 
+def test_the_loop_does_not_wake_up_for_cancelled_timers(tmp_path: Path) -> None:
+    """A relayed batch leaves three cancelled timers in the loop's heap (its deadline, its
+    part's hedging and give-up): the loop sleeps through their times, to its next live
+    timer. Counted in the loop's calls to select while 30 cancelled timers come due."""
+    pack, _ = make_pack(str(tmp_path), files=4, shard_size="48KiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    srv = ShardServer(m, auth.new_token(), lambda s: None, "127.0.0.1").start()
+    try:
+        sel = srv._sel
+        real = sel.select
+        calls = [0]
+
+        def counting(timeout: float | None = None) -> Any:
+            calls[0] += 1
+            return real(timeout)
+
+        fired = threading.Event()
+
+        def arm() -> None:
+            for k in range(30):
+                srv.later(0.005 * (k + 1), lambda: None).cancel()
+            srv.later(0.4, fired.set)
+            calls[0] = 0
+            sel.select = counting  # type: ignore[method-assign]
+
+        srv.soon(arm)
+        assert fired.wait(30)
+        # the wake-up the live timer takes, and perhaps the loop's tick; one a cancelled
+        # timer made 30 more
+        assert calls[0] <= 4, calls[0]
+    finally:
+        srv.close()
+        m.close()
+
+
 def test_a_batch_no_holder_answers_is_none_by_its_deadline(tmp_path: Path) -> None:
     """Every holder hangs (it proves the token, then never answers) and the hedging delays
     are longer than the batch's deadline: at the deadline every range is NOT_HELD (the

@@ -194,9 +194,10 @@ def _nothing() -> None:
 
 class _Timer:
     """A call the loop makes at its time, unless cancelled. A cancelled timer stays in the
-    loop's heap until its time comes, so it lets go of its call at once: the relay's
+    loop's heap until it comes to the top, so it lets go of its call at once: the relay's
     deadline of a batch is 4 s, and its call holds the batch's ranges. Held until then,
-    ranges relayed in memory (no pipe to be had) piled up to gigabytes in a daemon."""
+    ranges relayed in memory (no pipe to be had) piled up to gigabytes in a daemon. Nor
+    does the loop wake up for it: a relayed batch leaves three cancelled timers."""
 
     __slots__ = ("cancelled", "fn")
 
@@ -384,8 +385,11 @@ class ShardServer:
             timeout = _TICK if not self._accept_paused else 0.1
             if self._heap:
                 timeout = min(timeout, max(0.0, self._heap[0][0] - now))
-            if self._timers:
-                timeout = min(timeout, max(0.0, self._timers[0][0] - now))
+            timers = self._timers
+            while timers and timers[0][2].cancelled:  # no waking up for a cancelled one
+                heapq.heappop(timers)
+            if timers:
+                timeout = min(timeout, max(0.0, timers[0][0] - now))
             for key, ev in sel.select(timeout):
                 obj = key.data
                 if obj is None:
