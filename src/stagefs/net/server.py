@@ -366,7 +366,6 @@ class ShardServer:
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), t))
         return t
 
-
     def _run_timers(self, now: float) -> None:
         timers = self._timers
         while timers and timers[0][0] <= now:
