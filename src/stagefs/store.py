@@ -348,30 +348,25 @@ class Store:
                 else:
                     read_batch(src, many, us)
             # remote reads that come back at once (the page cache) go on here, one after
-            # the other, and are checked together: threads would only cost (a warm epoch
+            # the other, each checked as it is read: threads would only cost (a warm epoch
             # from the PFS client's page cache: 17.6 k samples/s with them, 29.5 k
             # without); once most of them, two at least, waited (a file system's latency:
             # ``waited``), the rest go to the reader threads. Most, not one: a read of the
             # page cache that waited for the CPU (a busy node) or opened its shard file
             # must not send a whole batch to threads
             clock, k, slow = time.perf_counter, 0, 0
-            taken: dict[int, tuple[ShardSource | None, list[int], list[bytes | None]]] = {}
             while k < len(remote):
                 u = remote[k]
                 t0 = clock()
                 who, parts = self._fetch_run(u, order, el)
                 slow += waited(clock() - t0, u[4])
-                got = taken.get(id(who)) or taken.setdefault(id(who), (who, [], []))
-                got[1].extend(order[u[0] : u[1]])
-                got[2].extend(parts)
+                self._take(who, order[u[0] : u[1]], el, names, parts, out)
                 k += 1
                 if threads and slow > 1 and 2 * slow > k and len(remote) - k > 1:
                     pool = self._read_pool()
                     futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]
                     read_unit(remote[k])
                     break
-            for who, run, parts in taken.values():
-                self._take(who, run, el, names, parts, out)
             if read_local is not None:
                 read_local()
         finally:
