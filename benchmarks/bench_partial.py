@@ -47,7 +47,7 @@ def data_bytes(fs: stagefs.Store) -> int:
 
 
 def one_config(pack: str, paths: list[str], share: float, d: int, base: str,
-               epochs: int, run: int) -> list[dict[str, Any]]:
+               epochs: int, run: int, afresh: bool = False) -> list[dict[str, Any]]:
     ram_dir, disk_dir = f"/dev/shm/stagefs-bench-partial/{base}", f"/var/tmp/stagefs-bench-partial/{base}"
     runtime = f"/dev/shm/stagefs-bench-partial/rt-{base}"
     for p in (ram_dir, disk_dir, runtime):
@@ -70,6 +70,8 @@ def one_config(pack: str, paths: list[str], share: float, d: int, base: str,
                 o0 = fs.origin.stats.bytes_read
                 t0 = time.perf_counter()
                 for i in range(0, len(order), BATCH):
+                    if afresh:  # as before the store carried "the last batch waited" over
+                        fs._remote_waits = False
                     fs.read_many(order[i:i + BATCH])
                 read_s = time.perf_counter() - t0
                 chain.wait_idle(600)
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate-mbit", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(RESULTS, "partial.json"))
+    ap.add_argument("--afresh", action="store_true",
+                    help="judge every read_many batch afresh, as the store did before it "
+                         "carried over whether the last batch's origin reads waited")
     a = ap.parse_args(argv)
     with stagefs.open(a.pack) as fs:
         paths = sorted(os.path.join(dp, f) for dp, _, names in fs.walk() for f in names)
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     with cap_ctx:
         for run in range(a.runs):
             for share in a.shares:
-                rows = one_config(a.pack, paths, share, d, f"s{int(share * 100)}", a.epochs, run)
+                rows = one_config(a.pack, paths, share, d, f"s{int(share * 100)}", a.epochs, run,
+                                  a.afresh)
                 per[share].append(rows)
                 print(f"  run {run + 1}, C = {share:.0%}: " + ", ".join(
                     f"{r['time']:.2f}s {format_size(r['origin_bytes'])}" for r in rows),
@@ -147,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump({"command": "python3 benchmarks/bench_partial.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "files": len(paths),
-            "d": d, "rate_mbit": a.rate_mbit, "runs": a.runs, "load": os.getloadavg(),
+            "d": d, "rate_mbit": a.rate_mbit, "runs": a.runs, "afresh": a.afresh,
+            "load": os.getloadavg(),
             "summary": summary, "all": {str(k): v for k, v in per.items()}}, f, indent=1)
     print(f"saved {a.out}")
     return 0

@@ -164,6 +164,7 @@ class Store:
         self._lock = threading.Lock()
         self.read_threads = _read_threads()
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
+        self._remote_waits = False  # whether the last batch's remote reads went to threads
         _STORES.add(self)
         # the namespace answers these directly: no extra call layer on the metadata path
         self.stat, self.lstat, self.listdir = ns.stat, ns.lstat, ns.listdir
@@ -305,12 +306,17 @@ class Store:
         one request, the others one after the other while they come back at once, from
         several threads once they are slow; then ``read_local`` (the batch's files in the
         local tiers, if any) while the threads wait on the remote ones."""
+        clock = time.perf_counter
 
-        def read_unit(u: _Unit) -> None:
+        def read_unit(u: _Unit) -> bool:
+            """Read and check run ``u``; whether its read waited (``waited``)."""
+            t0 = clock()
             src, parts = self._fetch_run(u, order, el)
+            slow = waited(clock() - t0, u[4])
             self._take(src, order[u[0] : u[1]], el, names, parts, out)
+            return slow
 
-        def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
+        def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> bool:
             """One call to ``src`` for all its units, each then verified like any read;
             what it could not give goes to the per-entry path (every holder in turn)."""
             run: list[int] = []
@@ -322,6 +328,7 @@ class Store:
                 run += order[u[0] : u[1]]
                 parts += self._fetch_run(u, order, el, (src, data))[1]
             self._take(src, run, el, names, parts, out)
+            return False
 
         every = remote + [u for _, _, us in batches.values() for u in us]
         if len(every) == 1:  # one range: from the first holder that answers
@@ -331,12 +338,12 @@ class Store:
             return
         caller = threading.get_ident()
 
-        def for_caller(read: Callable[..., None], *args: Any) -> None:
+        def for_caller(read: Callable[..., bool], *args: Any) -> bool:
             with reading_for(caller):  # one reader for the tiers' pace, however many threads
-                read(*args)
+                return read(*args)
 
         threads = self.read_threads > 1
-        futures: list[Future[None]] = []
+        futures: list[Future[bool]] = []
         try:
             # each remote holder's batch at once, in the reader threads (the last one in
             # this thread if it has nothing else to read)
@@ -353,20 +360,26 @@ class Store:
             # without); once most of them, two at least, waited (a file system's latency:
             # ``waited``), the rest go to the reader threads. Most, not one: a read of the
             # page cache that waited for the CPU (a busy node) or opened its shard file
-            # must not send a whole batch to threads
-            clock, k, slow = time.perf_counter, 0, 0
+            # must not send a whole batch to threads. Where the last batch went to the
+            # threads (``_remote_waits``), the first read that waits is enough: judging
+            # each batch afresh cost a shared file system's latency for each of its first
+            # reads (the later epochs with partial capacity: about a tenth of their time).
+            # Reads are judged in this thread only: in the threads, a read of the page
+            # cache waits for the interpreter lock (a warm epoch: half of them "waited")
+            k, slow, ahead = 0, 0, threads and self._remote_waits
+            went = False
             while k < len(remote):
-                u = remote[k]
-                t0 = clock()
-                who, parts = self._fetch_run(u, order, el)
-                slow += waited(clock() - t0, u[4])
-                self._take(who, order[u[0] : u[1]], el, names, parts, out)
+                slow += read_unit(remote[k])
                 k += 1
-                if threads and slow > 1 and 2 * slow > k and len(remote) - k > 1:
+                if threads and len(remote) - k > 1 and (
+                        (slow > 1 and 2 * slow > k) or (ahead and slow == k == 1)):
                     pool = self._read_pool()
                     futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]
                     read_unit(remote[k])
+                    went = True
                     break
+            if remote:
+                self._remote_waits = went
             if read_local is not None:
                 read_local()
         finally:

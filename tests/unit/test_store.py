@@ -307,15 +307,18 @@ class _Recording:
 
         self.inner, self.delay, self.name = inner, delay, "origin"
         self.now = self.most = self.calls = 0
+        self.by: list[int] = []  # the thread of each read, in the order they began
         self._lock = threading.Lock()
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
+        import threading
         import time
 
         with self._lock:
             self.now += 1
             self.calls += 1
             self.most = max(self.most, self.now)
+            self.by.append(threading.get_ident())
         try:
             if self.delay:  # a sleep of 0 still takes 70 us here: more than a cached read
                 time.sleep(self.delay)
@@ -376,6 +379,34 @@ def test_reads_below_a_millisecond_that_wait_on_the_file_system_go_to_threads(
         batch = _scattered(fs, files, 24)
         assert fs.read_many(batch) == [files[p] for p in batch]
         assert rec.most >= 2
+
+
+def test_a_batch_after_one_that_waited_goes_to_the_threads_at_its_first_wait(
+        busy: tuple[Path, dict[str, bytes]]) -> None:
+    """Judging each batch afresh made its first reads one after the other, each a shared
+    file system's latency: about a tenth of the later epochs with partial capacity. After
+    a batch that went to the threads, the next one goes at its first read that waits; a
+    first read that does not wait (the page cache now) keeps the batch in this thread."""
+    import threading
+
+    pack, files = busy
+    fs, rec = _recording_store(pack, 0.002)
+    me = threading.get_ident()
+    with fs:
+        batches = [_scattered(fs, files, 24)[i::4] for i in range(4)]
+
+        def here(batch: list[str]) -> int:  # reads made in this thread for the batch
+            rec.by.clear()
+            assert fs.read_many(batch) == [files[p] for p in batch]
+            assert len(rec.by) == len(batch)
+            return rec.by.count(me)
+
+        assert here(batches[0]) == 3  # two waited, then one more here, the rest in threads
+        assert here(batches[1]) == 2  # the first waited: one more here, the rest in threads
+        assert rec.most >= 2
+        rec.delay = 0.0  # the file system answers at once now (its page cache)
+        assert here(batches[2]) == len(batches[2])
+        assert here(batches[3]) == len(batches[3])
 
 
 @pytest.mark.parametrize(("elapsed", "nbytes", "slow"), [
