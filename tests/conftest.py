@@ -17,6 +17,24 @@ import pytest
 
 import stagefs
 
+# The suite is a job of its own: what it runs without naming a runtime (the CLI in a
+# subprocess, a store with tiers) uses <base>/tests-<pid>, removed at the end, not the
+# runtime of the shell that ran pytest, where `stagefs status` would show the tests' tiers
+# and reads long after. Tests of job identity give their processes an environment of
+# their own.
+_SUITE_JOB = f"tests-{os.getpid()}"
+os.environ["STAGEFS_JOB"] = _SUITE_JOB
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    import shutil
+
+    from stagefs.runtime import Runtime
+
+    if os.environ.get("STAGEFS_JOB") == _SUITE_JOB and not os.environ.get("STAGEFS_RUNTIME"):
+        shutil.rmtree(Runtime().path, ignore_errors=True)
+
+
 # A JPEG-looking file: the magic bytes, then incompressible noise.
 JPEG_MAGIC = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00"
 

@@ -48,6 +48,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         pytest.skip("needs slurm-wlm and munge (apt-get install slurm-wlm; .ci/run does)")
     state = str(tmp_path_factory.mktemp("slurm-state"))
     env = dict(os.environ, SLURM_TESTBED=state, SLURM_CONF=os.path.join(state, "slurm.conf"))
+    env.pop("STAGEFS_JOB", None)  # the suite's (conftest.py): each Slurm job is its own
     p = subprocess.run([str(TESTBED), "start", str(NODES)], env=env, capture_output=True,
                        text=True, timeout=180)
     if p.returncode != 0:
