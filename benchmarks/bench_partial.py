@@ -88,6 +88,9 @@ def one_config(pack: str, paths: list[str], share: float, d: int, base: str,
     finally:
         for p in (ram_dir, disk_dir, runtime):
             shutil.rmtree(p, ignore_errors=True)
+        for p in (ram_dir, disk_dir):
+            with contextlib.suppress(OSError):  # the parent too, once empty
+                os.rmdir(os.path.dirname(p))
     return rows
 
 

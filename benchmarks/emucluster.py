@@ -691,6 +691,8 @@ def run_one(n: int, s: Settings, origin: str, work: str, calibrate: bool = False
                     d.kill()
             shutil.rmtree(shm, ignore_errors=True)
             shutil.rmtree(pack, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the runs' parent, once the last one is gone
+                os.rmdir(os.path.dirname(shm))
     res.load_after = loadavg()
     return res
 
@@ -781,11 +783,32 @@ def main(argv: list[str] | None = None) -> int:
     if s.kill and s.partition:
         ap.error("--kill and --partition: one fault a run")
     origin = a.origin or ("/tmp/pfs" if os.path.ismount("/tmp/pfs") else None)
+    scratch: list[str] = []  # removed once every run has ended well; kept (logs) otherwise
     if origin is None:
         origin = tempfile.mkdtemp(prefix="emu-origin-")
+        scratch.append(origin)
         print(f"emucluster: no test PFS mounted; origin {origin} (local disk)")
     work = tempfile.mkdtemp(prefix="emucluster-")
-    results = []
+    scratch.append(work)
+    try:
+        results = _runs(a, s, origin, work)
+    except BaseException:
+        print(f"emucluster: the daemons' and readers' logs are in {work}", file=sys.stderr)
+        raise
+    for path in scratch:
+        shutil.rmtree(path, ignore_errors=True)
+    rows = efficiency(results)
+    print(render(rows, s))
+    if a.out:
+        save(a.out, s, results, a.tag)
+        plot(rows, os.path.join(a.out, f"emulated{kind(s)}{a.tag}.png"))
+    return 0
+
+
+def _runs(a: argparse.Namespace, s: Settings, origin: str, work: str) -> list[RunResult]:
+    """One run for each of ``a.nodes``, each saved as it ends (a long run cut short keeps
+    what it measured)."""
+    results: list[RunResult] = []
     for n in a.nodes:
         # the constants of the model (scale_sim.py): at one node (the origin, local reads)
         # and at the smallest N > 1 (latency, a link, the daemons' cost per request)
@@ -799,14 +822,9 @@ def main(argv: list[str] | None = None) -> int:
         if r.partition:
             print(partition_summary(r), flush=True)
         results.append(r)
-        if a.out:  # after each N: a long run cut short keeps what it measured
+        if a.out:
             save(a.out, s, results, a.tag)
-    rows = efficiency(results)
-    print(render(rows, s))
-    if a.out:
-        save(a.out, s, results, a.tag)
-        plot(rows, os.path.join(a.out, f"emulated{kind(s)}{a.tag}.png"))
-    return 0
+    return results
 
 
 def kind(s: Settings) -> str:

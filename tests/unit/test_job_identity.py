@@ -64,6 +64,7 @@ def _launch(tmp_path, *cmd: str, **extra: str) -> dict[str, str]:  # type: ignor
     (tmp_path / "rank.py").write_text(_RANK)
     (tmp_path / "launcher.py").write_text(_LAUNCHER)
     env = {k: v for k, v in os.environ.items() if k not in _BATCH}
+    env["TMPDIR"] = str(tmp_path)  # torchrun's log dir (torchelastic_*, never removed)
     src = Path(__file__).resolve().parents[2] / "src"
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     out = Path(tempfile.mkdtemp(dir=tmp_path))
