@@ -316,7 +316,7 @@ class Store:
             self._take(src, order[u[0] : u[1]], el, names, parts, out)
             return slow
 
-        def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> bool:
+        def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
             """One call to ``src`` for all its units, each then verified like any read;
             what it could not give goes to the per-entry path (every holder in turn)."""
             run: list[int] = []
@@ -328,7 +328,6 @@ class Store:
                 run += order[u[0] : u[1]]
                 parts += self._fetch_run(u, order, el, (src, data))[1]
             self._take(src, run, el, names, parts, out)
-            return False
 
         every = remote + [u for _, _, us in batches.values() for u in us]
         if len(every) == 1:  # one range: from the first holder that answers
@@ -338,12 +337,12 @@ class Store:
             return
         caller = threading.get_ident()
 
-        def for_caller(read: Callable[..., bool], *args: Any) -> bool:
+        def for_caller(read: Callable[..., object], *args: Any) -> None:
             with reading_for(caller):  # one reader for the tiers' pace, however many threads
-                return read(*args)
+                read(*args)
 
         threads = self.read_threads > 1
-        futures: list[Future[bool]] = []
+        futures: list[Future[None]] = []
         try:
             # each remote holder's batch at once, in the reader threads (the last one in
             # this thread if it has nothing else to read)
@@ -363,7 +362,7 @@ class Store:
             # must not send a whole batch to threads. Where the last batch went to the
             # threads (``_remote_waits``), the first read that waits is enough: judging
             # each batch afresh cost a shared file system's latency for each of its first
-            # reads (the later epochs with partial capacity: about a tenth of their time).
+            # reads (the later epochs at half capacity on the test PFS: 4-7% of their time).
             # Reads are judged in this thread only: in the threads, a read of the page
             # cache waits for the interpreter lock (a warm epoch: half of them "waited")
             k, slow, ahead = 0, 0, threads and self._remote_waits
