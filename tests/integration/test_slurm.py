@@ -92,7 +92,8 @@ def _submit(env: dict[str, str], work: Path, pack: str) -> tuple[str, Path]:
     log = work / "job.out"
     job_env = dict(env, PACK=pack, TRAIN=str(TRAIN), NPROC="2", SHM="64MiB",
                    NVME="/mnt/nvme", SLURM_TEST_DIR=str(work),
-                   STAGEFS_SECRET=str(work / "secret"))
+                   STAGEFS_SECRET=str(work / "secret"),
+                   TMPDIR=str(work))  # torchrun's log dirs (torchelastic_*, never removed)
     job = _run(["sbatch", "--parsable", f"--nodes={NODES}", "--time=10", f"--output={log}",
                 str(script)], job_env).strip().split(";")[0]
     return job, log
