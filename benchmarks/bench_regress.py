@@ -206,7 +206,9 @@ def main() -> int:
     ap.add_argument("--large-mib", type=int, default=48)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-ranges", action="store_true", help="skip the range reads")
-    ap.add_argument("--scratch", default="/tmp/stagefs-bench-regress")
+    ap.add_argument("--scratch", default="/tmp/stagefs-bench-regress",
+                    help="the generated trees and each checkout's packs, kept for the next "
+                         "run (several GB at the defaults): remove it to free the space")
     ap.add_argument("--out", default="benchmarks/results/regress.json")
     args = ap.parse_args()
 
@@ -256,6 +258,10 @@ def main() -> int:
         json.dump({"a": os.path.abspath(args.a), "b": os.path.abspath(args.b),
                    "load": os.getloadavg(), "runs": runs}, f, indent=1)
     print(f"saved {args.out}")
+    kept = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.scratch)
+               for f in fs)
+    print(f"kept for the next run: {args.scratch} ({kept / 2**30:.1f} GiB); remove it to free "
+          "the space")
     return 0
 
 
