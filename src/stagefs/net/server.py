@@ -199,14 +199,16 @@ class _Timer:
     ranges relayed in memory (no pipe to be had) piled up to gigabytes in a daemon. Nor
     does the loop wake up for it: a relayed batch leaves three cancelled timers."""
 
-    __slots__ = ("cancelled", "fn")
+    __slots__ = ("fn",)
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self.fn = fn
-        self.cancelled = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.fn is _nothing
 
     def cancel(self) -> None:
-        self.cancelled = True
         self.fn = _nothing
 
 

@@ -65,6 +65,7 @@ MAX_READ = 1 << 20  # bytes per read request (the kernel's default is 128 KiB)
 MAX_BACKGROUND = 64  # read requests (read-ahead) the kernel keeps in flight (default 12)
 _RECENT_FILES = 64  # small files kept whole (at most 4 MiB each) while the kernel reads them
 _OPEN_READERS = 32  # large-file readers kept open
+FUSE_IDLE_THREADS = 10  # libfuse's worker threads kept waiting for requests
 
 
 def _binding() -> Any:
@@ -568,9 +569,6 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
                 f"{', ...' if len(held) == 3 else ''}): the mount would hide those files "
                 "until it is unmounted; name an empty directory, or pass --force-nonempty")
     return mp
-
-
-FUSE_IDLE_THREADS = 10  # libfuse's worker threads kept waiting for requests
 
 
 def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
