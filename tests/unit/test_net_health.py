@@ -13,6 +13,7 @@ import pytest
 from stagefs.net import protocol as P
 from stagefs.net.client import ClientStats, PeerClient, PeerSource, PeerUnavailable
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
+from stagefs.net.health import PeerHealth
 from stagefs.net.sockio import Deadline, recv_message, set_timeouts
 
 
@@ -95,6 +96,29 @@ def test_a_suspect_peer_is_probed_in_the_background_after_its_backoff() -> None:
     assert c.suspect()
     c.wait_probe(30)
     assert c.stats.probes == 2
+
+
+
+def test_one_health_rule_backs_off_doubling_to_its_cap_and_an_answer_clears_it() -> None:
+    clock, probes, woken = Clock(), [], []
+    h = PeerHealth("p", lambda: probes.append(clock.now) or False, clock, backoff=(1.0, 4.0),
+                   on_suspect=lambda: woken.append(clock.now))
+    assert not h.suspect()
+    h.mark_suspect("slow")  # a slow answer: suspect for the first back-off, which stays
+    h.mark_suspect("slow again")
+    assert h.retry_at == 1.0 and woken == [0]
+    for now, retry_at in ((1.0, 2.0), (2.0, 4.0), (4.0, 8.0), (8.0, 12.0)):
+        clock.now = now
+        assert h.suspect()  # due: probed in the background, the caller not kept waiting
+        h.wait_probe(30)
+        h.failed("refused")  # the probe's failure: twice the wait, at most 4 s
+        assert h.retry_at == retry_at
+    assert probes == [1.0, 2.0, 4.0, 8.0] and len(woken) == 5
+    clock.now = 9.0
+    h.answered()
+    assert not h.suspect() and h.answered_at == 9.0
+    h.failed("reset")  # the back-off starts over after an answer
+    assert h.retry_at == 10.0
 
 
 class StandIn:

@@ -43,6 +43,7 @@ from typing import Any
 from stagefs.errors import ClusterError
 from stagefs.format import Manifest
 from stagefs.net.client import PeerUnavailable
+from stagefs.net.health import BACKOFF, PeerHealth
 from stagefs.net.server import HeldFiles
 
 __all__ = ["INVALID", "NOT_HELD", "REQ_TAG", "MpiLimits", "MpiPeer", "MpiStats",
@@ -55,7 +56,6 @@ _FIRST_TAG = 16
 NOT_HELD, INVALID = -1, -2  # a reply's length for a range it does not give
 _OK, _MALFORMED = 0, 1  # a reply's status
 _SCRATCH = 16 * 2**20  # replies of one window up to this size land in a reused buffer
-BACKOFF = (0.5, 30.0)  # a suspect peer is pinged again after this long, doubling
 _HOT = 1e-3  # a reader polls MPI without sleeping for this long, then sleeps between polls
 
 Locate = Callable[[int], str | None]
@@ -342,34 +342,22 @@ class MpiPeer:
         self.rank = rank
         self.name = name
         self.stats = MpiStats()
-        self.backoff_range = backoff
-        self._backoff = backoff[0]
-        self._retry_at: float | None = None
-        self._lock = threading.Lock()
-        self._prober: threading.Thread | None = None
+        self.health = PeerHealth(name, self.probe, transport.clock, backoff=backoff,
+                                 thread_name=f"stagefs-mpi-probe-{rank}")
 
-    # -- health (as PeerClient's) --------------------------------------------------------------
+    # -- health (net/health.py, as PeerClient's) ------------------------------------------------
 
     def suspect(self) -> bool:
-        retry_at = self._retry_at
-        if retry_at is None:
-            return False
-        if self.transport.clock() >= retry_at:
-            self._start_probe()
-        return True
+        return self.health.suspect()
 
     def is_down(self) -> bool:
-        return self.suspect()
+        return self.health.suspect()
 
     def is_suspect(self) -> bool:
-        return self._retry_at is not None
+        return self.health.is_suspect()
 
     def mark_suspect(self, why: str) -> None:
-        with self._lock:
-            if self._retry_at is not None:
-                return
-            self._retry_at = self.transport.clock() + self._backoff
-        log.info("%s: %s; suspect until it answers again", self.name, why)
+        self.health.mark_suspect(why)
 
     def probe(self) -> bool:
         """A ping within ``probe_timeout``: True if the peer answered (no longer suspect)."""
@@ -378,37 +366,15 @@ class MpiPeer:
             self._exchange([[]], self.transport.limits.probe_timeout, {})
         except PeerUnavailable:
             return False
-        self._answered()
+        self.health.answered()
         return True
 
     def wait_probe(self, timeout: float | None = None) -> None:
-        prober = self._prober
-        if prober is not None:
-            prober.join(timeout)
-
-    def _start_probe(self) -> None:
-        with self._lock:
-            if self._prober is not None and self._prober.is_alive():
-                return
-            self._prober = threading.Thread(target=self.probe, daemon=True,
-                                            name=f"stagefs-mpi-probe-{self.rank}")
-            self._prober.start()
-
-    def _answered(self) -> None:
-        if self._retry_at is not None or self._backoff != self.backoff_range[0]:
-            with self._lock:
-                if self._retry_at is not None:
-                    log.info("%s: answers again", self.name)
-                self._retry_at = None
-                self._backoff = self.backoff_range[0]
+        self.health.wait_probe(timeout)
 
     def _failed(self, why: str) -> PeerUnavailable:
         self.stats.failures += 1
-        with self._lock:
-            self._retry_at = self.transport.clock() + self._backoff
-            wait = self._backoff
-            self._backoff = min(self._backoff * 2, self.backoff_range[1])
-        log.info("%s: %s; skipped, pinged again in %g s", self.name, why, wait)
+        self.health.failed(why)
         return PeerUnavailable(f"{self.name} (MPI rank {self.rank}): {why}")
 
     # -- reading -------------------------------------------------------------------------------
@@ -437,7 +403,7 @@ class MpiPeer:
         parts: dict[int, list[bytes | None]] = {}
         for w in range(0, len(batches), lim.window):
             self._exchange(batches[w : w + lim.window], lim.timeout, parts)
-        self._answered()
+        self.health.answered()
         out: list[bytes | None] = [None] * len(ranges)
         for i, chunks in parts.items():
             if all(c is not None for c in chunks):

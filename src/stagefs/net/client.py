@@ -33,6 +33,7 @@ from stagefs._malloc import tune_malloc
 from stagefs.errors import AuthenticationError, ProtocolError
 from stagefs.net import auth
 from stagefs.net import protocol as P
+from stagefs.net.health import BACKOFF, PeerHealth
 from stagefs.net.sockio import (
     Deadline,
     recv_message,
@@ -51,7 +52,6 @@ log = logging.getLogger("stagefs.client")
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
 _BATCH_BYTES = 16 * 2**20  # data in one READ (relayed: one relay each); more: pipelined
 _WINDOW = 32  # requests in flight on one connection
-BACKOFF = (0.5, 30.0)  # a suspect peer is probed again after this long, doubling
 
 
 _Bytes = bytes  # (inside _ReplyRecv, ``bytes`` is its method)
@@ -164,8 +164,7 @@ class PeerClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.pool_size = pool_size
-        self.clock = clock
-        self.answered_at = float("-inf")
+        self._clock = clock
         self.backoff_range = backoff
         self.stats = ClientStats()
         self._ids = itertools.count(1)
@@ -178,9 +177,11 @@ class PeerClient:
         self._free = threading.Condition(self._lock)  # a connection came back
         self._out = 0  # connections taken from the pool or being made
         self._idle: list[socket.socket] = []
-        self._retry_at: float | None = None  # suspect until then, and probed after it
-        self._backoff = self.backoff_range[0]
-        self._prober: threading.Thread | None = None
+        answered_at = getattr(self, "health", None)
+        self.health = PeerHealth(self.name, self.probe, self._clock, backoff=self.backoff_range,
+                                 lock=self._lock, on_suspect=self._free.notify_all)
+        if answered_at is not None:
+            self.health.answered_at = answered_at.answered_at
 
     def _check_fork(self) -> None:
         if self._fork != _fork[0]:  # forked: the parent's sockets are not ours to use
@@ -189,34 +190,39 @@ class PeerClient:
                     s.detach()  # forget the fd without shutting the parent's connection
             self._reset()
 
-    # -- health ------------------------------------------------------------------------------
+    # -- health (net/health.py; a request waiting for a connection gives up when the peer
+    # turns suspect) --------------------------------------------------------------------------
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """Seconds, monotonic: times the back-off of a suspect peer (settable in tests)."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock: Callable[[], float]) -> None:
+        self._clock = self.health.clock = clock
+
+    @property
+    def answered_at(self) -> float:
+        """When the peer last answered (``clock``), -inf if never."""
+        return self.health.answered_at
 
     def suspect(self) -> bool:
         """True while the peer is suspect (it failed or was slow lately): skip it. Once its
         back-off has passed, a probe in the background (never the caller) checks it."""
         self._check_fork()
-        retry_at = self._retry_at
-        if retry_at is None:
-            return False
-        if self.clock() >= retry_at:
-            self._start_probe()
-        return True
+        return self.health.suspect()
 
     def is_down(self) -> bool:
         return self.suspect()
 
     def is_suspect(self) -> bool:
         """Suspect now, without starting a probe (for status reports)."""
-        return self._fork == _fork[0] and self._retry_at is not None
+        return self._fork == _fork[0] and self.health.is_suspect()
 
     def mark_suspect(self, why: str) -> None:
         """Skip this peer until it answers again (a hedged read found it slow)."""
-        with self._lock:
-            if self._retry_at is not None:
-                return
-            self._retry_at = self.clock() + self._backoff
-            self._free.notify_all()  # requests waiting for a connection give up
-        log.info("%s: %s; suspect until it answers again", self.name, why)
+        self.health.mark_suspect(why)
 
     def probe(self) -> bool:
         """Ask the peer now, within ``connect_timeout``, whatever its back-off: True if it
@@ -240,46 +246,23 @@ class PeerClient:
                 sock.close()
             return False
         set_timeouts(sock, self.timeout)
-        self._answered()
+        self.health.answered()
         self._give(sock)
         return True
 
     def wait_probe(self, timeout: float | None = None) -> None:
         """Wait for the background probe, if one is running."""
-        prober = self._prober
-        if prober is not None:
-            prober.join(timeout)
-
-    def _start_probe(self) -> None:
-        with self._lock:
-            if self._prober is not None and self._prober.is_alive():
-                return
-            self._prober = threading.Thread(target=self.probe, daemon=True,
-                                            name=f"stagefs-probe-{self.name}")
-            self._prober.start()
-
-    def _answered(self) -> None:
-        self.answered_at = self.clock()  # the last answer: a peer that answers is alive
-        if self._retry_at is not None or self._backoff != self.backoff_range[0]:
-            with self._lock:
-                if self._retry_at is not None:
-                    log.info("%s: answers again", self.name)
-                self._retry_at = None
-                self._backoff = self.backoff_range[0]
+        self.health.wait_probe(timeout)
 
     def _failed(self, sock: socket.socket | None, exc: BaseException) -> None:
         self.stats.failures += 1
         if sock is not None:
             sock.close()
+        self.health.failed(exc)
         with self._lock:
-            self._retry_at = self.clock() + self._backoff
-            wait = self._backoff
-            self._backoff = min(self._backoff * 2, self.backoff_range[1])
             idle, self._idle = self._idle, []
-            self._free.notify_all()  # requests waiting for a connection give up
         for s in idle:
             s.close()
-        log.info("%s: %s; skipped, probed again in %g s", self.name, exc, wait)
 
     def failed(self, exc: BaseException) -> None:
         """A request on a connection of the caller's own failed (the daemon's relay): the
@@ -288,7 +271,7 @@ class PeerClient:
 
     def answered(self) -> None:
         """The peer answered a request on a connection of the caller's own."""
-        self._answered()
+        self.health.answered()
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -366,8 +349,8 @@ class PeerClient:
             raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
         with self._free:
             ok = self._free.wait_for(lambda: self._idle or self._out < self.pool_size
-                                     or self._retry_at is not None, self.timeout)
-            if self._retry_at is not None:  # found slow or failing while this one waited
+                                     or self.health.retry_at is not None, self.timeout)
+            if self.health.retry_at is not None:  # found slow or failing while it waited
                 self.stats.skipped += 1
                 raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
             if not ok:
@@ -442,7 +425,7 @@ class PeerClient:
         except BaseException:
             sock.close()
             raise
-        self._answered()
+        self.health.answered()
         self._give(sock)
 
     # -- requests --------------------------------------------------------------------------
