@@ -12,8 +12,8 @@ import pytest
 
 from stagefs.net import protocol as P
 from stagefs.net.client import ClientStats, PeerClient, PeerSource, PeerUnavailable
-from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.net.health import PeerHealth
+from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.net.sockio import Deadline, recv_message, set_timeouts
 
 
