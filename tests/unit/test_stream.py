@@ -415,3 +415,77 @@ def test_a_file_filled_between_the_look_and_the_reservation_is_a_tier_hit(
         assert fs.read(path) == files[path]
         assert chain.misses == misses
         assert chain.tiers[0].stats.hits == hits + 1
+
+
+@pytest.fixture
+def large(tmp_path: Path) -> tuple[Path, bytes]:
+    """A pack whose one file is larger than a file object reads whole (5 pieces and a bit),
+    among small ones."""
+    from stagefs.fileobj import WHOLE_READ_LIMIT
+    from stagefs.format import PIECE
+
+    raw = tmp_path / "raw"
+    (raw / "d").mkdir(parents=True)
+    rng = random.Random(7)
+    big = rng.randbytes(max(5 * PIECE, WHOLE_READ_LIMIT + PIECE) + 12_345)
+    (raw / "d" / "big.bin").write_bytes(big)
+    for k in range(5):
+        (raw / "d" / f"s{k}.bin").write_bytes(rng.randbytes(3_000 + k))
+    stagefs.pack(raw, tmp_path / "pack", compress="none", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return tmp_path / "pack", big
+
+
+def test_a_range_of_a_large_file_brings_the_whole_file_into_its_copy_once(
+        large: tuple[Path, bytes], runtime: Path, tmp_path: Path, quiet_streams: None) -> None:
+    """A range of a file up to FILE_LIMIT (a file object's seek and read, a FUSE mount's
+    1 MiB requests) nobody streams is read by the reader as the whole file, which fills its
+    copy: the rest of the file, and the shard's stream later, never read it again."""
+    from stagefs.format import PIECE
+
+    pack, big = large
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        with fs.open("d/big.bin") as f:
+            f.seek(PIECE + 5)
+            assert f.read(1000) == big[PIECE + 5 : PIECE + 1005]
+            f.seek(3 * PIECE)
+            assert f.read(PIECE) == big[3 * PIECE : 4 * PIECE]
+        assert fs.origin.stats.bytes_read == len(big)  # the whole file once, into its copy
+        assert fs.read("d/big.bin") == big
+        assert fs.origin.stats.bytes_read == len(big)
+
+
+def test_a_whole_file_over_the_run_limit_is_not_read_again_by_the_stream(
+        large: tuple[Path, bytes], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file larger than a reader's run of files (DIRECT_LIMIT), read whole while its
+    shard streams, is reserved and read by its reader or waited for, never both: the epoch
+    reads each origin byte once (the reader read it unreserved, and the stream again)."""
+    pack, big = large
+    monkeypatch.setattr(stream_mod, "DIRECT_LIMIT", len(big) // 4)
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        assert fs.read("d/big.bin") == big
+        assert fs.chain is not None
+        for _ in range(6000):  # the stream it started ends (well within a minute)
+            if fs.chain.stream.idle() and fs.held_shards():
+                break
+            threading.Event().wait(0.01)
+        assert fs.held_shards() == {0}
+        assert fs.origin.stats.bytes_read == stored_total(pack)
+
+
+def test_a_range_of_a_file_over_the_file_limit_comes_from_the_origin_as_asked(
+        large: tuple[Path, bytes], runtime: Path, tmp_path: Path, quiet_streams: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past FILE_LIMIT a reader does not read a whole file for a range of it: the origin
+    serves the pieces the range covers."""
+    from stagefs.format import PIECE
+
+    pack, big = large
+    monkeypatch.setattr(stream_mod, "FILE_LIMIT", len(big) - 1)
+    monkeypatch.setattr(stream_mod, "DIRECT_LIMIT", PIECE)
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        e = fs.namespace.file_entry("d/big.bin")
+        assert fs.read_entry(e, start=2 * PIECE + 1, length=10) == big[2 * PIECE + 1 :
+                                                                       2 * PIECE + 11]
+        assert fs.origin.stats.bytes_read == PIECE  # the piece that holds the range

@@ -78,6 +78,7 @@ GAIN = 1.02  # another stream stays if the origin's throughput rose by this fact
 WINDOW_S = 0.5  # throughput is measured over windows this long
 STREAM_WAIT_S = 1.0  # a read waits for a stream that brings its bytes within this long
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
+FILE_LIMIT = 64 * 2**20  # and one file up to this size, whole, for any range of it
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
 _LOOKS = 4  # a read looks for the copies of a shard again at most this often
 
@@ -281,6 +282,16 @@ class Reservations:
             for h in self._held.values():
                 h.close()
             self._held.clear()
+
+
+def _own_read(a: int, b: int, files: int, offset: int, end: int) -> bool:
+    """Whether a reader reads files [a, b) (``files`` of them) itself, whole, for the range
+    [offset, end) of them that it asks (none streaming them soon): a run up to
+    ``DIRECT_LIMIT``, or one file up to ``FILE_LIMIT``. Their bytes then fill the copy, so
+    the shard's stream does not read them again: a read of a few pieces of a 9 MB file
+    (``read``, or a FUSE mount's 1 MiB requests) read them from the origin, then the stream
+    the whole file. A range of a larger file is served from the origin as asked."""
+    return a <= offset and end <= b and (b - a <= DIRECT_LIMIT or (files == 1 and b - a <= FILE_LIMIT))
 
 
 def _runs(idx: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
@@ -621,8 +632,8 @@ class Stream:
         finished or dropped meanwhile."""
         end = offset + length
         lo, hi = fill.ext.touching(offset, end)
-        whole = (hi > lo and int(fill.ext.offs[lo]) == offset
-                 and int(fill.ext.ends[hi - 1]) == end and length <= DIRECT_LIMIT)
+        whole = hi > lo and _own_read(int(fill.ext.offs[lo]), int(fill.ext.ends[hi - 1]),
+                                      hi - lo, offset, end)
         delay = _POLL_S[0]
         while True:
             if fill.covered(offset, end):
@@ -645,7 +656,8 @@ class Stream:
                 if runs is not None:
                     return self._read_myself(shard, fill, tier, h, runs, offset, length)
             elif not self.res.someone_holds(h, lo, hi):
-                # part of a file larger than a stream's read: the origin serves it directly
+                # part of a file larger than FILE_LIMIT: the origin serves the range
+                # directly (the shard's stream reads the file again)
                 raise SourceUnavailable("not streamed now")
             with self._cond:
                 self._cond.wait(delay)
