@@ -13,7 +13,7 @@ from stagefs._table import table
 from stagefs.config import format_size
 from stagefs.errors import ConfigError
 from stagefs.runtime import Runtime
-from stagefs.tiers.status import job_status
+from stagefs.tiers.status import job_status, read_lines
 
 if TYPE_CHECKING:
     from stagefs.store import Store
@@ -49,36 +49,28 @@ def stage_with_progress(fs: Store, *, progress: bool | None = None
 def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     rt = Runtime(runtime)
     if not rt.exists():
-        print(f"no stagefs runtime for job {rt.job} at {rt.path}")
+        print(f"no stagefs runtime for job {rt.job} at {rt.path}: a job's read counters are "
+              "kept where its processes use node-local tiers (--tier, tiers=[...], "
+              "$STAGEFS_TIERS) or a cluster; is $STAGEFS_JOB (or --job) the job's?")
         return 1
     st = job_status(rt)
     if as_json:
         print(json.dumps(st, indent=2))
         return 0
     print(f"job {st['job']}: runtime {st['runtime']}, {st['live_processes']} live processes")
+    # what each tier served is in the reads by holder below, counted by every process (a
+    # forked DataLoader worker writes no record of its own)
     rows = [[t["path"], format_size(t["bytes_used"]), t["shards_held"], t["shards_filling"],
-             t["hits"], format_size(t["bytes"]), t["placed"], format_size(t["filled_bytes"]),
-             t["dropped"]] for t in st["tiers"]]
+             t["placed"], format_size(t["filled_bytes"]), t["dropped"]] for t in st["tiers"]]
     if rows:
-        print(table(["tier", "used", "shards held", "filling", "hits", "served", "placed",
-                     "filled by reads", "dropped"], rows))
-    if st["reads"]:
-        rows = [[h, v["reads"], format_size(v["bytes"]),
-                 f"{100 * v['bytes'] / st['bytes']:.1f}%" if st["bytes"] else "-"]
-                for h, v in st["holders"].items()]
-        print(f"reads by holder (every process of the job): {st['reads']} samples, "
-              f"{format_size(st['bytes'])}, hit rate {100 * st['hit_rate']:.1f}% "
-              "(bytes not read from the origin)")
-        print(table(["holder", "samples", "bytes", "share"], rows))
-        pushed = st.get("pushed", {})
-        if pushed.get("reads"):
-            print(f"of these, pushed by a FUSE mount into the kernel's page cache as streamed: "
-                  f"{pushed['reads']} samples, {format_size(pushed['bytes'])} (counted when "
-                  "pushed: the kernel serves their reads)")
-    rows = [[o["origin"], o["misses"], o["opens"], o["stats"], o["reads"],
-             format_size(o["bytes_read"])] for o in st["origins"]]
+        print(table(["tier", "used", "shards held", "filling", "placed", "filled by reads",
+                     "dropped"], rows))
+    for line in read_lines(st, "every process of the job"):
+        print(line)
+    rows = [[o["origin"], o["opens"], o["stats"]] for o in st["origins"]]
     if rows:
-        print(table(["origin", "misses", "opens", "stats", "reads", "bytes read"], rows))
+        print("metadata operations on the origin (the reads are above):")
+        print(table(["origin", "opens", "stats"], rows))
     rows = [[r.get("rank"), r.get("pid"), r.get("epoch"), r.get("steps"),
              f"{r.get('wait_s', 0):.1f}", f"{r.get('step_s', 0):.1f}",
              f"{100 * r.get('stall', 0):.1f}%", f"{100 * r.get('steady_stall', 0):.1f}%"]

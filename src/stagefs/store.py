@@ -37,7 +37,7 @@ from stagefs.format.checksum import StreamSum, bad_piece, check
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg
 from stagefs.runtime import Runtime
-from stagefs.tiers.base import PreadMany, ShardSource, SourceUnavailable
+from stagefs.tiers.base import OriginStats, PreadMany, ShardSource, SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.fill import reading_for
 from stagefs.tiers.inplace import SumTable
@@ -152,6 +152,9 @@ class Store:
         # stats dir, or ``counters`` (a cluster client's)
         folder = counters or (runtime.stats if runtime is not None else None)
         self._counts = ReadCounters(folder) if folder is not None else None
+        stats = getattr(self.origin, "stats", None)
+        if self._counts is not None and isinstance(stats, OriginStats):
+            stats.sink = self._counts.fetched  # the job counts every read of the origin
         m = self.manifest
         self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
@@ -324,7 +327,7 @@ class Store:
             got = pread_many([(s0, start, span) for _, _, s0, start, span in us])
             for u, data in zip(us, got, strict=True):
                 if data is None:
-                    self._unavailable()
+                    self._unavailable(src)
                 run += order[u[0] : u[1]]
                 parts += self._fetch_run(u, order, el, (src, data))[1]
             self._take(src, run, el, names, parts, out)
@@ -430,7 +433,7 @@ class Store:
         whole, trust = self._whole, self._trust
         fill = self._from_origin if src is self.origin else None
         again: list[int] = []
-        nbytes = 0
+        nbytes = stored = 0
         for k, raw in zip(run, got, strict=True):
             e = el[k]
             if raw is None:
@@ -443,10 +446,11 @@ class Store:
                 continue
             out[k] = data
             nbytes += len(data)
+            stored += len(raw)  # type: ignore[arg-type]
             if fill is not None:
                 fill(self._shard[e], self._offset[e], raw, self.verify)
         if len(again) < len(run):
-            self._count(src, len(run) - len(again), nbytes)
+            self._count(src, len(run) - len(again), nbytes, stored)
         for k in again:
             out[k] = self.read_entry(el[k], names[k])
 
@@ -495,7 +499,7 @@ class Store:
                     sums = self._derive(src, e, path)
                 raw = src.pread(shard, offset, stored)
             except SourceUnavailable as exc:
-                self._unavailable()
+                self._unavailable(src)
                 tried.append(f"{src.name} (unavailable)")
                 log.debug("%s: %s unavailable (%s)", self._where(e), src.name, exc)
                 continue
@@ -513,8 +517,8 @@ class Store:
             except CorruptShardError as exc:
                 self._bad(src, e, path, exc, tried, src is holders[-1])
                 continue
-            if count:
-                self._count(src, 1, len(data))
+            if count:  # a sample per file read: a range counts one if it starts the file
+                self._count(src, int(start == 0), len(data), len(raw))
             if src is self.origin and self._from_origin is not None and stored == \
                     self._stored[e]:
                 self._from_origin(shard, offset, raw, self.verify)
@@ -581,27 +585,32 @@ class Store:
                 self._where(e), self._show(e, path), src.name, exc)
         self._corrupt(src, self._shard[e])
 
-    def _count(self, src: ShardSource | None, reads: int, nbytes: int) -> None:
-        """``reads`` samples (``nbytes`` bytes) came from ``src``: this process's counts,
-        and the job's by holder (memory or disk tier, peer, origin)."""
+    def _count(self, src: ShardSource | None, reads: int, nbytes: int, stored: int) -> None:
+        """``reads`` samples (``nbytes`` bytes; ``stored`` as stored) came from ``src``:
+        this process's counts, and the job's by holder (memory or disk tier, peer, origin)."""
         stats = self.stats
         stats.reads += reads
         stats.bytes += nbytes
         if self._counts is not None:
             holder = "origin" if src is self.origin else getattr(src, "holder", "peer")
-            self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes)
+            self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes, stored)
 
     def count_delivered(self, nbytes: int) -> None:
         """One sample of ``nbytes`` that a front end delivered without a read through this
         Store (the FUSE mount pushing a streamed file into the kernel's page cache, which
         then serves the program's read): counted as the origin's, as a stream's bytes are
         in the first epoch, and as pushed (``stagefs status``: "pushed")."""
-        self._count(self.origin, 1, nbytes)
+        self._count(self.origin, 1, nbytes, nbytes)  # a pushed file is stored raw
         if self._counts is not None:
             self._counts.count("pushed_reads")
             self._counts.count("pushed_bytes", nbytes)
 
-    def _unavailable(self) -> None:
+    def _unavailable(self, src: ShardSource) -> None:
+        """``src`` could not serve a read (the next holder is asked): counted for a peer or
+        the origin, not for this node's tier copies and stream, which route reads of what
+        they do not hold (yet) on to the next holder as a matter of course."""
+        if src is not self.origin and getattr(src, "holder", None) in HOLDERS:
+            return
         self.stats.unavailable += 1
         if self._counts is not None:
             self._counts.count("unavailable")

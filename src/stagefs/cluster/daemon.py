@@ -64,6 +64,7 @@ from stagefs.runtime import Runtime, clean
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.origin import PackOrigin
+from stagefs.tiers.status import ReadCounters
 
 __all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
            "interface_address", "peers_within", "serve"]
@@ -216,6 +217,9 @@ class Daemon:
         self.lease.record_tiers(self.manifest.pack_id.hex(), [s.path for s in self.tier_specs])
         # the single-node tier layer: tiers, room, claims and copies (tiers/chain.py)
         self.origin = PackOrigin(self.pack, self.manifest)
+        # staging's reads of the origin count for the node's hit rate (stagefs status)
+        self.counts = ReadCounters(self.lease.stats)
+        self.origin.stats.sink = self.counts.fetched
         self.chain = TierChain(self.manifest, self.origin,
                                self.tier_specs, self.lease, origin_path=self.pack)
         host, port = _bind_address(o, self.boot)
@@ -400,6 +404,7 @@ class Daemon:
         if self.transport is not None:
             self.transport.close()
         self.chain.close()
+        self.counts.close()
         for c in self.peers.values():
             c.close()
         remove_runtime(self.runtime)

@@ -16,6 +16,7 @@ from stagefs.cluster.world import runtime_default
 from stagefs.config import format_size
 from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.status import holder_summary, read_counts, read_lines
 
 __all__ = ["cluster_status", "has_cluster", "print_cluster_status", "rereplication_lines",
            "wait_for_cluster"]
@@ -100,8 +101,11 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         if wait_staged is None or staged or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
+    path = os.path.abspath(runtime) if runtime else runtime_default()
+    reads = holder_summary(read_counts(os.path.join(path, "stats")))  # this node's processes
     if as_json:
-        print(json.dumps({"pack": cmap.pack, "nodes": nodes}, indent=1, sort_keys=True))
+        print(json.dumps({"pack": cmap.pack, "nodes": nodes, "reads": reads}, indent=1,
+                         sort_keys=True))
     else:
         head = ["node", "address", "state", "staged share", "tier use", "served",
                 "tcp/unix/refused", "relayed for readers", "peers unreachable",
@@ -113,6 +117,8 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         for line in rereplication_lines(nodes):
+            print(line)
+        for line in read_lines(reads, "this node's processes: readers, the daemon"):
             print(line)
     down = sum(s is None for s in nodes)
     if down:

@@ -557,13 +557,16 @@ static int entry_path(uint32_t e, char *out, size_t size) {
 
 /* The Store's format (tiers/status.py, docs/status.md): a file per process in the job's
  * stats directory, a 16-byte header ("SFSCNT1\n", the pid) and u64 slots, per holder
- * (memory, disk, peer, origin) its reads (samples) and bytes. The library counts what it
+ * (memory, disk, peer, origin) its reads (samples) and bytes, and the origin's own reads
+ * (fetched). The library counts what it
  * reads itself: a sample per open of a staged file held in a tier or read from the origin's
  * shard, and the bytes each read returns. Files the helper serves are counted by the helper's
  * Store. Each count is an atomic add to shared memory: nothing is lost when a process ends
  * or is killed. Made at the first count of each process (a forked child makes its own; an
  * exec'd program goes on in the file of its pid). */
-enum { C_SLOTS = 30, C_SIZE = 16 + 8 * C_SLOTS, H_MEMORY = 0, H_DISK = 1, H_ORIGIN = 3 };
+enum { C_SLOTS = 30, C_SIZE = 16 + 8 * C_SLOTS, H_MEMORY = 0, H_DISK = 1, H_ORIGIN = 3,
+       C_FETCHED = 12 /* fetched_reads, then fetched_bytes: the origin's own reads */,
+       C_STORED = 14 /* stored_bytes: the bytes read as stored (the library reads raw files) */ };
 static uint64_t *counts;
 static int counts_state;  /* 0: not made in this process, 1: being made, 2: made, 3: failed */
 
@@ -606,7 +609,14 @@ static void count_read(int src, uint64_t samples, uint64_t nbytes) {
     if (!c) return;
     int h = holder_of(src);
     if (samples) __atomic_add_fetch(&c[2 * h], samples, __ATOMIC_RELAXED);
-    if (nbytes) __atomic_add_fetch(&c[2 * h + 1], nbytes, __ATOMIC_RELAXED);
+    if (nbytes) {
+        __atomic_add_fetch(&c[2 * h + 1], nbytes, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&c[C_STORED], nbytes, __ATOMIC_RELAXED);
+    }
+    if (nbytes && h == H_ORIGIN) {  /* a read of the origin's shard: the hit rate's count */
+        __atomic_add_fetch(&c[C_FETCHED], 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&c[C_FETCHED + 1], nbytes, __ATOMIC_RELAXED);
+    }
 }
 
 /* ---- the helper ------------------------------------------------------------------------- */

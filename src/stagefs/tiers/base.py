@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
 __all__ = ["OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "pread_full"]
@@ -70,6 +70,16 @@ class OriginStats:
     stats: int = 0
     reads: int = 0
     bytes_read: int = 0
+    # where a read is counted for the job as well (``stagefs status``: the Store's counters)
+    sink: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
+
+    def read(self, nbytes: int) -> None:
+        """One read of ``nbytes`` from the origin: counted here and in the job's counters."""
+        self.reads += 1
+        self.bytes_read += nbytes
+        sink = self.sink
+        if sink is not None:
+            sink(nbytes)
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sink"}

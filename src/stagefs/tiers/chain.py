@@ -310,8 +310,9 @@ class TierChain:
 
     def _reserve(self, shard: int, pieces: Sequence[int]) -> dict[int, Copy]:
         """The copy holding each of these pieces: where one holds it already, else reserved
-        now in the first tier with room, in this order, until no tier has room. None of them
-        if the shard is whole somewhere."""
+        now in the first tier with room, in this order, until no tier has room (a piece of
+        one file larger than a piece that fits nowhere is passed over: the tiers keep room
+        for the smaller ones after it). None of them if the shard is whole somewhere."""
         out: dict[int, Copy] = {}
         try:
             with self._tier_lock(), self._fills_lock:
@@ -326,7 +327,9 @@ class TierChain:
                 for p in pieces:
                     got = self._owner(shard, p) or self._reserve_one(shard, p)
                     if got is None:
-                        break
+                        if self.full:
+                            break
+                        continue  # a large piece no tier has room for: the next may fit
                     out[p] = got
         except OSError as exc:  # the lock file cannot be had (the runtime dir was removed)
             for t in self.tiers:
@@ -346,8 +349,12 @@ class TierChain:
             f = self._copy_in(shard, t)
             made = f is None
             try:
-                why = t.no_room(b - a + (SHARD_HEADER.size if made else 0))
+                header = SHARD_HEADER.size if made else 0
+                why = t.no_room(b - a + header)
                 if why is not None:
+                    small = PIECE_SIZE or self.manifest.piece_size
+                    if b - a > 2 * small and t.no_room(small + header) is None:
+                        continue  # a piece of one large file: smaller pieces still fit
                     t.stopped = why
                     log.info("%s: %s; it takes no more pieces", t.name, why)
                     continue
@@ -369,7 +376,8 @@ class TierChain:
             self._room(t, b - a)
             t.stats.pieces += p is not None
             return f, t
-        self._set_full()
+        if all(t.stopped is not None for t in self.tiers):
+            self._set_full()
         return None
 
     def _room(self, t: DirTier, n: int) -> None:

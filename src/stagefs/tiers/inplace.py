@@ -87,7 +87,7 @@ class InPlaceOrigin:
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
         self._pool = None
-        self.stats = OriginStats()
+        self.stats = OriginStats(sink=self.stats.sink)  # the job's counters: its own file
 
     def _files(self, shard: int) -> tuple[list[int], list[int]]:
         got = self._cache.get(shard)
@@ -129,8 +129,7 @@ class InPlaceOrigin:
             pieces = [self._read_file(e, start, n) for e, start, n, _ in parts]
         for (_, _, n, pos), data in zip(parts, pieces, strict=True):
             out[pos : pos + n] = data
-        self.stats.reads += 1
-        self.stats.bytes_read += sum(p[2] for p in parts)
+        self.stats.read(sum(p[2] for p in parts))
         return bytes(out)
 
     def _read_file(self, e: int, start: int, n: int) -> bytes:

@@ -143,8 +143,7 @@ class PackOrigin:
             data = pread_full(fd, length, offset)
         except OSError as exc:
             raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
-        self.stats.reads += 1
-        self.stats.bytes_read += len(data)
+        self.stats.read(len(data))
         if len(data) != length:
             if offset + length > self.manifest.shards[shard].size:
                 raise SourceUnavailable(f"{self.path(shard)}: no range [{offset}, "
@@ -159,7 +158,7 @@ class PackOrigin:
     def reset_after_fork(self) -> None:
         """In a forked child: count afresh (the fds stay valid)."""
         self._lock = threading.Lock()
-        self.stats = OriginStats()
+        self.stats = OriginStats(sink=self.stats.sink)  # the job's counters: its own file
 
     def fileno(self, shard: int) -> int:
         return self._fd(shard)

@@ -18,22 +18,27 @@ import threading
 import weakref
 from typing import Any
 
+from stagefs._table import table
+from stagefs.config import format_size
 from stagefs.runtime import Runtime
 from stagefs.tiers.tier import dir_bytes
 
 __all__ = ["COUNTER_SLOTS", "HOLDERS", "ReadCounters", "holder_summary", "job_status",
-           "read_counts"]
+           "read_counts", "read_lines"]
 
 MAGIC = b"SFSCNT1\n"
 HOLDERS = ("memory", "disk", "peer", "origin")
 """Where a read's bytes came from: a memory tier, a disk tier, another node, the origin."""
 COUNTER_SLOTS = (*(f"{h}_{k}" for h in HOLDERS for k in ("reads", "bytes")),
-                 "checksum_failures", "unavailable", "pushed_reads", "pushed_bytes")
+                 "checksum_failures", "unavailable", "pushed_reads", "pushed_bytes",
+                 "fetched_reads", "fetched_bytes", "stored_bytes")
 """The u64 counters after the 16-byte header, in this order (docs/status.md)."""
 _FILE_SLOTS = 30  # room for counters added later: a reader sums the slots it knows
 _SIZE = 16 + 8 * _FILE_SLOTS
 SUFFIX = ".counters"
 _SLOT = {name: i for i, name in enumerate(COUNTER_SLOTS)}
+_FETCHED = _SLOT["fetched_reads"]
+_STORED = _SLOT["stored_bytes"]
 _LIVE: weakref.WeakSet[ReadCounters] = weakref.WeakSet()
 _SEQ = itertools.count()
 
@@ -50,20 +55,31 @@ class ReadCounters:
         self._lock = threading.Lock()
         _LIVE.add(self)
 
-    def add(self, holder: str, reads: int, nbytes: int) -> None:
-        """``reads`` samples of ``nbytes`` bytes in all came from ``holder``."""
+    def add(self, holder: str, reads: int, nbytes: int, stored: int) -> None:
+        """``reads`` samples of ``nbytes`` bytes in all came from ``holder``; ``stored``:
+        their bytes as stored (compressed), what the origin's reads are weighed against."""
         i = 2 * HOLDERS.index(holder)
         with self._lock:
             slots = self._slots if self._pid == os.getpid() else self._open()
             if slots is not None:
                 slots[i] += reads
                 slots[i + 1] += nbytes
+                slots[_STORED] += stored
 
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             slots = self._slots if self._pid == os.getpid() else self._open()
             if slots is not None:
                 slots[_SLOT[name]] += n
+
+    def fetched(self, nbytes: int) -> None:
+        """One read of ``nbytes`` from the origin by this process (a reader's, a stream's,
+        staging's): what the hit rate is counted against."""
+        with self._lock:
+            slots = self._slots if self._pid == os.getpid() else self._open()
+            if slots is not None:
+                slots[_FETCHED] += 1
+                slots[_FETCHED + 1] += nbytes
 
     def snapshot(self) -> dict[str, int]:
         """This process's counts, by counter name."""
@@ -136,18 +152,49 @@ def read_counts(folder: str) -> dict[str, int]:
 
 
 def holder_summary(counts: dict[str, int]) -> dict[str, Any]:
-    """Reads and bytes per holder, their totals, and the hit rate: the bytes that did not
-    come from the origin over all the bytes read."""
+    """Reads and bytes per holder (where each sample was served from), their totals, the
+    origin's own reads (``fetched``: every read any process made of the origin, the streams'
+    and staging's included), and the hit rate: the bytes read that did not have to be read
+    from the origin, 1 - fetched / read (0 in a cold first epoch, whatever served it: a
+    stream's bytes reach their reader through its tier copy), the bytes read counted as
+    stored (``stored_bytes``: a compressed file's stored bytes, as the origin gives them)."""
     holders = {h: {"reads": counts[f"{h}_reads"], "bytes": counts[f"{h}_bytes"]}
                for h in HOLDERS}
     reads = sum(v["reads"] for v in holders.values())
     nbytes = sum(v["bytes"] for v in holders.values())
-    hit = (nbytes - holders["origin"]["bytes"]) / nbytes if nbytes else 0.0
+    fetched = counts["fetched_bytes"]
+    stored = counts["stored_bytes"] or nbytes  # like with like: a compressed file's bytes
+    hit = max(0.0, 1 - fetched / stored) if stored else 0.0
     return {"holders": holders, "reads": reads, "bytes": nbytes, "hit_rate": hit,
+            "fetched": {"reads": counts["fetched_reads"], "bytes": fetched},
             "checksum_failures": counts["checksum_failures"],
             "unavailable": counts["unavailable"],
             # of the reads: files a FUSE mount pushed into the kernel's page cache
             "pushed": {"reads": counts["pushed_reads"], "bytes": counts["pushed_bytes"]}}
+
+def read_lines(summary: dict[str, Any], who: str) -> list[str]:
+    """``stagefs status``'s lines for a ``holder_summary`` of ``who``'s reads: the totals,
+    the origin's own reads and the hit rate, a table by holder, the FUSE pushes; none if
+    nothing was read."""
+    if not summary["reads"]:
+        return []
+    nbytes, fetched = summary["bytes"], summary.get("fetched", {})
+    rows = [[h, v["reads"], format_size(v["bytes"]),
+             f"{100 * v['bytes'] / nbytes:.1f}%" if nbytes else "-"]
+            for h, v in summary["holders"].items()]
+    out = [f"reads by holder ({who}): {summary['reads']} samples, {format_size(nbytes)}; "
+           f"read from the origin: {format_size(fetched.get('bytes', 0))} in "
+           f"{fetched.get('reads', 0)} reads (samples, streams, staging); hit rate "
+           f"{100 * summary['hit_rate']:.1f}% (the bytes read that were not read from the "
+           "origin)",
+           table(["holder", "samples", "bytes", "share"], rows)]
+    pushed = summary.get("pushed", {})
+    if pushed.get("reads"):
+        out.append(f"of these, pushed by a FUSE mount into the kernel's page cache as "
+                   f"streamed: {pushed['reads']} samples, {format_size(pushed['bytes'])} "
+                   "(counted when pushed: the kernel serves their reads)")
+    return out
+
 
 _TIER_COUNTERS = ("hits", "bytes", "placed", "placed_bytes", "filled", "filled_bytes",
                   "dropped")
