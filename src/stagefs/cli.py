@@ -503,8 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,
                     help="use MPI to bootstrap (default: if an MPI launcher started us)")
     sp.add_argument("--transport", choices=("tcp", "mpi"), default="tcp",
-                    help="how daemons read each other's shards: tcp, or mpi (the daemons are "
-                         "MPI ranks; the MPI library's fabric, RDMA where it has one)")
+                    help="how daemons copy each other's shards while staging: tcp, or mpi "
+                         "(the daemons are MPI ranks; the MPI library's fabric, RDMA where it "
+                         "has one); relayed reads and re-replication use TCP")
 
     sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory (staged "
              "data is otherwise kept for the next job); refused while a process uses them")

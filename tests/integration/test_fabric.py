@@ -254,6 +254,57 @@ def _relay_to(peer: ShardServer, token: bytes, shards: Callable[[int], bool],
     return Relay(lambda s: [holder] if shards(s) else [], 4.0, pool), client
 
 
+def test_a_daemon_that_hangs_costs_its_readers_one_hedging_delay(tmp_path: Path) -> None:
+    """A node daemon that does not answer (stopped; here its loop blocked) is given the
+    fabric's hedging delay, not the reply deadline (30 s here): a batch gives None for each
+    range (the Store reads them from the direct holders), a single read goes to the direct
+    holders itself, and the daemon is suspect until it answers again."""
+    from stagefs.cluster.fabric import FabricHolder
+    from stagefs.tiers.origin import PackOrigin
+
+    pack, _ = make_pack(str(tmp_path), files=40, shard_size="32KiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    shard_bytes = [Path(pack, sh.name).read_bytes() for sh in m.shards]
+    go = threading.Event()
+    go.set()
+
+    def locate(shard: int) -> str:
+        assert go.wait(60)  # cleared: the daemon's loop hangs in its next read
+        return os.path.join(pack, m.shards[shard].name)
+
+    path = str(tmp_path / "fabric.sock")
+    srv = ShardServer(m, token, locate, "127.0.0.1", unix_path=path).start()
+    origin = PackOrigin(pack, m)
+    client = PeerClient("", 0, token, unix=path, timeout=30.0)
+    quick = HedgePolicy(floor=0.05, cap=0.05, initial=0.05, to_origin=0.05)
+    fabric = FabricHolder(client, lambda s: [origin], quick)
+    last = len(m.shards) - 1  # (the server opens each shard once: a shard new to it hangs)
+    assert last >= 2
+    ranges = [(s, 1, 50) for s in range(1, last)]
+    try:
+        assert fabric.pread_many([(0, 1, 50)]) == [shard_bytes[0][1:51]]  # it answers
+        go.clear()
+        assert fabric.pread_many(ranges) == [None] * len(ranges)
+        assert client.is_suspect() and fabric.hedged == 1
+        assert fabric.pread(0, 2, 9) == shard_bytes[0][2:11]  # suspect: from the peers
+        go.set()  # it wakes up: its late answer clears the suspicion
+        deadline = time.monotonic() + 60
+        while client.is_suspect():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        go.clear()
+        assert fabric.pread(last, 0, 20) == shard_bytes[last][:20]  # one read: the peers'
+
+        assert client.is_suspect() and fabric.hedged == 2
+    finally:
+        go.set()
+        client.close()
+        srv.close()
+        origin.close()
+        m.close()
+
+
 def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> None:
     pack, _ = make_pack(str(tmp_path), files=40, shard_size="32KiB")
     m = Manifest(os.path.join(pack, "manifest.sfm"))
@@ -410,6 +461,49 @@ def test_a_reply_of_megabytes_waits_in_the_reader_s_socket_not_in_the_daemon(
         want = Path(c.pack, c.m.shards[0].name).read_bytes()
         assert all(bytes(ch) == want for ch in data.chunks if ch is not None)
         assert len([ch for ch in data.chunks if ch is not None]) == len(held)
+        s.close()
+
+
+def test_a_reader_that_stops_reading_its_replies_holds_little_daemon_memory(
+        tmp_path: Path) -> None:
+    """Requests whose replies a reader does not take (a stopped DataLoader worker) stop
+    being read once the replies queued for it hold _MAX_HELD bytes of memory: the rest wait
+    in the socket, and are answered once it reads again."""
+    from stagefs.net import server as server_mod
+
+    with _peer_and_fabric(tmp_path) as c:
+        s = _authed(c.path, c.token)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        size = c.m.shards[0].size - 64  # under the sendfile size: read into memory
+        assert size < server_mod._SENDFILE_MIN
+        ranges = tuple([P.Range(0, 64, size)] * 600)  # ~27 MB a reply
+        one = size * len(ranges)
+        n = 2 * server_mod._MAX_HELD // one + 4
+        sender = threading.Thread(target=lambda: [s.sendall(P.encode(P.Read(k, ranges)))
+                                                  for k in range(1, n + 1)], daemon=True)
+        sender.start()
+        conn = None
+        deadline = time.monotonic() + 60
+        while conn is None or conn.events & 1 or conn.held < server_mod._MAX_HELD:
+            assert time.monotonic() < deadline, (conn and (conn.events, conn.held))
+            conns = [k for k in c.fabric._authed if k.unix]
+            conn = conns[0] if conns else None
+            time.sleep(0.01)
+        # it stopped reading: what it holds is the cap and one reply at most
+        assert conn.held < server_mod._MAX_HELD + one
+        assert c.fabric.stats.requests < n
+        want = Path(c.pack, c.m.shards[0].name).read_bytes()[64:]
+        dec = P.FrameDecoder(2 * one)
+        got = 0
+        s.settimeout(60)
+        while got < n:  # it reads again: every request is answered, in order
+            dec.feed(s.recv(1 << 20))
+            for msg in dec.messages():
+                assert isinstance(msg, P.Data) and msg.request_id == got + 1
+                assert all(bytes(ch) == want for ch in msg.chunks)
+                got += 1
+        sender.join(60)
+        assert conn.held == 0
         s.close()
 
 

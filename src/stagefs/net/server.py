@@ -62,6 +62,8 @@ _SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: prea
 _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
 _MAX_QUEUED = 64  # replies queued on one connection before it is read again
+_MAX_HELD = 32 * 2**20  # and bytes those replies hold in memory (a reader that stopped
+# reading its replies held up to 64 of 64 MiB each: 250 MB a connection, seen)
 _IOV = 512  # buffers per sendmsg (IOV_MAX is 1024)
 # send buffer of a reader's Unix connection: a relayed reply of a few MB goes out in a few
 # rounds, not one per default buffer (208 KiB: the loop waits for the reader to drain it 30
@@ -147,13 +149,15 @@ class _File:
 class _Reply:
     """One reply frame as parts to send; not ready while a relay is still out."""
 
-    __slots__ = ("close_after", "parts", "ready", "started")
+    __slots__ = ("close_after", "held", "parts", "ready", "started")
 
-    def __init__(self, parts: list[_Part] | None = None, close_after: bool = False) -> None:
+    def __init__(self, parts: list[_Part] | None = None, close_after: bool = False,
+                 held: int = 0) -> None:
         self.parts: collections.deque[_Part] = collections.deque(parts or ())
         self.ready = parts is not None
         self.started = False
         self.close_after = close_after
+        self.held = held  # bytes of its parts in memory (not files, not pipes)
 
 
 _HANDSHAKE, _READY, _CLOSED = 0, 1, 2
@@ -161,7 +165,8 @@ _HANDSHAKE, _READY, _CLOSED = 0, 1, 2
 
 class _Conn:
     __slots__ = ("authed_at", "closed", "deadline", "decoder", "events", "fd", "frame_at",
-                 "io_at", "last", "nonce", "replies", "sock", "state", "unix", "where")
+                 "held", "io_at", "last", "nonce", "replies", "sock", "state", "unix",
+                 "where")
 
     def __init__(self, sock: socket.socket, where: str, unix: bool, now: float) -> None:
         self.sock = sock
@@ -179,6 +184,7 @@ class _Conn:
         self.io_at = 0.0  # when the reply being sent must be out
         self.last = now  # last activity: the idle deadline counts from here
         self.deadline = 0.0
+        self.held = 0  # bytes its queued replies hold in memory
 
 
 class _Watch:
@@ -609,11 +615,12 @@ class ShardServer:
             served += r.length
         st.bytes_served += served
         if not relay:
-            self._queue(conn, _data_parts(req.request_id, status, data))
+            self._queue(conn, _data_parts(req.request_id, status, data), held=small)
             return
         st.relayed_requests += 1
         st.relayed_ranges += len(relay)
-        reply = _Reply()
+        reply = _Reply(held=small)
+        conn.held += small
         conn.replies.append(reply)
         asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
                  for i in relay]
@@ -624,6 +631,9 @@ class ShardServer:
                     status[i], data[i] = P.OK, chunk
                     if isinstance(chunk, Piped):
                         st.relayed_piped += 1
+                    else:
+                        reply.held += length
+                        conn.held += length
                 else:
                     status[i] = P.NOT_HELD
                     st.relayed_missing += 1
@@ -646,10 +656,11 @@ class ShardServer:
     # -- writing replies ---------------------------------------------------------------------
 
     def _queue(self, conn: _Conn, parts: list[bytes | memoryview] | list[_Part],
-               close_after: bool = False) -> None:
+               close_after: bool = False, held: int = 0) -> None:
         views: list[_Part] = [p if isinstance(p, _File | Piped) else memoryview(p)
                               for p in parts if isinstance(p, _File) or len(p)]
-        conn.replies.append(_Reply(views, close_after))
+        conn.replies.append(_Reply(views, close_after, held))
+        conn.held += held
         self._flush(conn)
 
     def _flush(self, conn: _Conn) -> None:
@@ -666,6 +677,7 @@ class ShardServer:
                 if not self._send(conn, r.parts):
                     break
                 replies.popleft()
+                conn.held -= r.held
                 if r.close_after:
                     self._close(conn)
                     return
@@ -717,12 +729,13 @@ class ShardServer:
         return True
 
     def _interest(self, conn: _Conn) -> None:
-        """Read while few replies are queued (the others wait in the socket: backpressure);
-        wait for room to write while a ready reply is not out."""
+        """Read while few replies are queued, holding little memory (the other requests
+        wait in the socket: backpressure); wait for room to write while a ready reply is
+        not out."""
         if conn.closed:
             return
         ev = 0
-        if len(conn.replies) < _MAX_QUEUED:
+        if len(conn.replies) < _MAX_QUEUED and conn.held < _MAX_HELD:
             ev |= selectors.EVENT_READ
         if conn.replies and conn.replies[0].ready:
             ev |= selectors.EVENT_WRITE
