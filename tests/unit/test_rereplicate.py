@@ -202,3 +202,21 @@ def test_a_healed_partition_s_peers_come_back_together() -> None:
     answers[1] = answers[2] = True
     _rounds(r, clock, 4, 0.5)
     assert acted == [frozenset({1, 2, 3}), frozenset()]
+
+
+def test_status_says_when_fewer_nodes_live_than_the_copies_asked() -> None:
+    from stagefs.cluster.status import rereplication_lines
+
+    def node(dead: list[int]) -> dict[str, object]:
+        return {"rereplication": {
+            "dead": dead, "generation": 1, "isolated": False, "done": True,
+            "shards_to_copy": 0, "shards_copied": 0, "shards_held_already": 0,
+            "from_peers_bytes": 5 * 2**20, "from_origin_bytes": 0, "no_room": 0}}
+
+    # 4 nodes, K = 3: one dead leaves 3 (K copies kept), a second dead leaves 2
+    assert not any("copies, not" in line for line in
+                   rereplication_lines([node([3]), node([3]), node([3]), None], 3))
+    lines = rereplication_lines([node([2, 3]), node([2, 3]), None, None], 3)
+    assert lines[0] == "2 of 4 nodes live: each shard has at most 2 copies, not the 3 asked " \
+                       "(--replicas)"
+    assert "since the job began 5.0 MiB copied from peers" in lines[1]

@@ -248,6 +248,9 @@ class Daemon:
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
               int(self.manifest.shard[e])) for e in self.manifest.files()),
             list(o.replicate_all)))
+        if o.replicas > self.size and self.rank == 0:
+            _say(self.rank, f"--replicas {o.replicas} on {self.size} nodes: each shard has "
+                 f"{self.size} copies (a node holds one copy at most)")
         self.placement = place(len(self.manifest.shards), self.size, o.replicas,
                                everywhere=self.everywhere, seed=o.seed)
         self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
@@ -444,6 +447,9 @@ class Daemon:
         last_bytes, last_t = 0, t0
         while not self.stop.wait(self.o.progress):
             nodes = self._gather()
+            if all(s and s["staging_done"] for s in nodes):
+                return  # the final report says it, with the time staging took: a rate over
+                # this interval would count the time since staging ended
             done = sum(s["staging"]["bytes_held"] for s in nodes if s)
             total = sum(s["staging"]["bytes_assigned"] for s in nodes if s)
             now = time.monotonic()
@@ -460,8 +466,6 @@ class Daemon:
             _say(0, f"staging: {format_size(done)} of {format_size(total)} "
                  f"({done / max(total, 1):.0%}), {format_size(rate)}/s, ETA {eta_s}"
                  + (f"; laggards: {', '.join(lag)}" if lag else ""))
-            if all(s and s["staging_done"] for s in nodes):
-                return
 
     def _final_report(self) -> None:
         nodes = self._gather()

@@ -62,7 +62,8 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
                       f"{format_size(t['capacity']) if t['capacity'] else 'free'}"
                       for t in s["tiers"])
     srv = s["server"]
-    conns = (f"{srv.get('tcp_peers', 0)}/{srv.get('unix_readers', 0)}/"
+    # TCP: its peers' connections, not the one this status request came on
+    conns = (f"{max(0, srv.get('tcp_peers', 0) - 1)}/{srv.get('unix_readers', 0)}/"
              f"{srv.get('refused_busy', 0)}")
     relayed = (f"{srv.get('relayed_ranges', 0):,} ({srv.get('relayed_missing', 0):,} "
                "to the origin)")
@@ -70,10 +71,18 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
             relayed, str(s["peers_unreachable"]), str(s["checksum_failures"])]
 
 
-def rereplication_lines(nodes: list[dict[str, Any] | None]) -> list[str]:
+def rereplication_lines(nodes: list[dict[str, Any] | None], replicas: int = 1) -> list[str]:
     """What re-replication did: the dead nodes each node sees, the shards it copies again,
-    and where the bytes came from (peers, or the origin when no replica survived)."""
+    and where the bytes came from (peers, or the origin when no replica survived); and
+    when fewer nodes live than ``replicas``, that the job has fewer copies than asked."""
     out = []
+    live = sum(s is not None for s in nodes)
+    dead = max((len(s["rereplication"]["dead"]) for s in nodes
+                if s and s.get("rereplication")), default=0)
+    live = min(live, len(nodes) - dead)
+    if 0 < live < replicas:
+        out.append(f"{live} of {len(nodes)} nodes live: each shard has at most {live} "
+                   f"copies, not the {replicas} asked (--replicas)")
     for n, s in enumerate(nodes):
         r = s.get("rereplication") if s else None
         if not r or not (r["dead"] or r["generation"]):
@@ -83,8 +92,8 @@ def rereplication_lines(nodes: list[dict[str, Any] | None]) -> list[str]:
         out.append(
             f"node {n}: dead nodes {r['dead'] or 'none'} (generation {r['generation']}); "
             f"re-replication {state}: {r['shards_copied']}/{r['shards_to_copy']} shards "
-            f"copied ({r['shards_held_already']} held already), "
-            f"{format_size(r['from_peers_bytes'])} from peers, "
+            f"copied for the dead nodes now ({r['shards_held_already']} held already); "
+            f"since the job began {format_size(r['from_peers_bytes'])} copied from peers, "
             f"{format_size(r['from_origin_bytes'])} from the origin"
             + (f", {r['no_room']} without room" if r["no_room"] else ""))
     return out
@@ -116,7 +125,7 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
               f"(replicas {cmap.replicas}{', replicate-all ' + ' '.join(cmap.replicate_all) if cmap.replicate_all else ''})")
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-        for line in rereplication_lines(nodes):
+        for line in rereplication_lines(nodes, cmap.replicas):
             print(line)
         for line in read_lines(reads, "this node's processes: readers, the daemon"):
             print(line)
