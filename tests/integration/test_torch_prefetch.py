@@ -282,6 +282,59 @@ def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
         store.close()
 
 
+def test_the_read_ahead_into_full_tiers_stops_and_the_first_epoch_reads_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier of a tenth of the dataset, a read-ahead budget of half of it: what the tier
+    cannot take is not read ahead (the workers would read it again from the origin), so the
+    first epoch reads the dataset from the origin once, and the second D - C (within 5%;
+    pieces of 64 KiB, as a dataset a hundred times larger has at 1 MiB)."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+    from stagefs.tiers import chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 64 * 1024)  # the forked workers' too
+
+    imagenet_like(str(tmp_path / "raw"), files=400, classes=4, mean_size=20_000,
+                  progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="1MiB", progress=False)
+    with stagefs.open(tmp_path / "pack") as probe:
+        d = int(probe.manifest.arrays["stored"].sum())
+    cap = d // 10
+    store = stagefs.open(tmp_path / "pack", tiers=[f"{tmp_path / 'tier'}:{cap}"],
+                         runtime=tmp_path / "rt")
+    ds = FileDataset(store, target=None)
+    s = Sampler(ds, seed=2, prefetch=d // 2, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=16, sampler=s, num_workers=2,
+                                         multiprocessing_context="fork", timeout=120,
+                                         collate_fn=lambda b: b)
+    plain = stagefs.open(tmp_path / "pack")  # no runtime: its reads are not the job's
+    try:
+        fetched = []
+        for epoch in range(2):
+            s.set_epoch(epoch)
+            got = [x for batch in loader for x in batch]
+            assert store.chain is not None
+            store.chain.wait_idle(60)
+            fetched.append(_job_fetched(tmp_path / "rt"))
+            assert got == FileDataset(plain, target=None).read_samples(s.order().tolist())
+        first, second = fetched[0], fetched[1] - fetched[0]
+        assert d <= first <= 1.02 * d, (first, d)
+        assert abs(second - (d - cap)) <= 0.05 * (d - cap), (second, d - cap)
+    finally:
+        s.close()
+        store.close()
+        plain.close()
+
+
+def _job_fetched(rt: Path) -> int:
+    """Every read the job's processes (this one, its workers) made of the origin."""
+    from stagefs.tiers.status import holder_summary, read_counts
+
+    return int(holder_summary(read_counts(str(rt / "stats")))["fetched"]["bytes"])
+
+
 def test_a_dropped_sampler_stops_its_read_ahead(tmp_path: Path) -> None:
     """The read-ahead into the tiers starts when the sampler is made: a sampler dropped
     without close() (never iterated) is still collected, and its threads end."""

@@ -651,6 +651,19 @@ class TierChain:
             self._next_check.pop(s, None)  # seen landed: the next read looks at once
         return held
 
+    def room_left(self) -> float:
+        """Bytes the tiers can still take (inf if one of them has no capacity set)."""
+        if self.full:
+            return 0.0
+        left = 0.0
+        for t in self.tiers:
+            if t.stopped is not None:
+                continue
+            if t.capacity is None:
+                return float("inf")
+            left += max(0, t.capacity - t.used_bytes())
+        return left
+
     def held_pieces(self) -> dict[str, set[tuple[int, int]]]:
         """Per tier (by path): the (shard, piece) pairs it holds, whole copies included
         (every piece of them), read from the tier directories."""

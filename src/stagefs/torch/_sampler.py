@@ -290,8 +290,15 @@ class Sampler(torch.utils.data.Sampler[int]):
             return
         order = self.order()
         self._stage(order)
+        chain = self.dataset.store.chain
+        if chain.room_left() < self.budget:
+            # the tiers cannot keep what it would read (the stream, staging the shards in
+            # order of first use, takes their room): its reads would be read again by the
+            # workers (a tier of a tenth of the dataset: the first epoch read 1.6 D)
+            return
         self.tier_ahead = TierAhead(_tier_reader(self.dataset, self._shard_of),
-                                    self.dataset.sizes(), order, self.budget, threads=1).start()
+                                    self.dataset.sizes(), order, self.budget, threads=1,
+                                    room=lambda: not chain.full).start()
 
     def _stop_tier_ahead(self, *, wait: bool) -> None:
         """``wait``: until its reads under way have ended (else they end on their own)."""
