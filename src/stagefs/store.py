@@ -224,7 +224,8 @@ class Store:
         return self.read_entries(ents, plist)
 
     def read_entries(self, entries: Sequence[int] | npt.NDArray[np.integer[Any]],
-                     paths: Sequence[PathArg | None] | None = None) -> list[bytes]:
+                     paths: Sequence[PathArg | None] | None = None, *,
+                     count: bool = True) -> list[bytes]:
         """The verified bytes of many entries (``paths``: their names in errors), in the
         order asked: what ``read_entry`` gives each, at a lower cost per sample.
 
@@ -238,18 +239,20 @@ class Store:
         107 KB took 24-61 ms one after the other, 14-30 ms with 8 threads); a peer that
         takes many ranges in one request (``pread_many``) gets all of its ranges at once.
         Whatever a holder cannot give, or gives wrong, is read again by ``read_entry``: every
-        holder in turn, counted and logged as a read alone would be.
+        holder in turn, counted and logged as a read alone would be. ``count=False``: the
+        samples are not counted as read (a read-ahead into the tiers, whose samples the
+        workers read and count); the origin's reads are counted all the same.
         """
         n = len(entries)
         names: Sequence[PathArg | None] = paths if paths is not None else [None] * n
         if n < 2:
-            return [self.read_entry(int(e), names[0]) for e in entries]
+            return [self.read_entry(int(e), names[0], count=count) for e in entries]
         ents = np.asarray(entries, dtype=np.int64)
         el: list[int] = ents.tolist()
         a = self.manifest.arrays
         out: list[bytes] = [b""] * n
         for k in np.flatnonzero(a["kind"][ents] != KIND_FILE).tolist():
-            out[k] = self.read_entry(el[k], names[k])  # raises what a read raises
+            out[k] = self.read_entry(el[k], names[k], count=count)  # raises as a read
         # empty files are read from no holder (b"")
         pick = np.flatnonzero(a["size"][ents] > 0)
         if not len(pick):
@@ -292,11 +295,11 @@ class Store:
         def read_local() -> None:
             for src, many, idx in local.values():
                 got = many([(shards[i], offs[i], lens[i]) for i in idx])
-                self._take(src, [order[i] for i in idx], el, names, got, out)
+                self._take(src, [order[i] for i in idx], el, names, got, out, count)
 
         if batches or remote:
             self._read_remote(batches, remote, order, el, names, out,
-                              read_local if local else None)
+                              read_local if local else None, count)
         else:
             read_local()
         return out
@@ -304,7 +307,7 @@ class Store:
     def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
                      remote: list[_Unit], order: list[int], el: list[int],
                      names: Sequence[PathArg | None], out: list[bytes],
-                     read_local: Callable[[], None] | None) -> None:
+                     read_local: Callable[[], None] | None, count: bool = True) -> None:
         """Read the runs of files that no local tier holds (read_entries): each peer's in
         one request, the others one after the other while they come back at once, from
         several threads once they are slow; then ``read_local`` (the batch's files in the
@@ -316,7 +319,7 @@ class Store:
             t0 = clock()
             src, parts = self._fetch_run(u, order, el)
             slow = waited(clock() - t0, u[4])
-            self._take(src, order[u[0] : u[1]], el, names, parts, out)
+            self._take(src, order[u[0] : u[1]], el, names, parts, out, count)
             return slow
 
         def read_batch(src: ShardSource, pread_many: PreadMany, us: list[_Unit]) -> None:
@@ -330,7 +333,7 @@ class Store:
                     self._unavailable(src)
                 run += order[u[0] : u[1]]
                 parts += self._fetch_run(u, order, el, (src, data))[1]
-            self._take(src, run, el, names, parts, out)
+            self._take(src, run, el, names, parts, out, count)
 
         every = remote + [u for _, _, us in batches.values() for u in us]
         if len(every) == 1:  # one range: from the first holder that answers
@@ -425,7 +428,7 @@ class Store:
 
     def _take(self, src: ShardSource | None, run: Sequence[int], el: list[int],
               names: Sequence[PathArg | None], got: Sequence[bytes | None],
-              out: list[bytes]) -> None:
+              out: list[bytes], count: bool = True) -> None:
         """``got[i]`` is what ``src`` gave for the file at ``out[run[i]]`` (None: nothing):
         each is checked as ``read_entry`` checks a whole file (``check``) and counted; a file
         not given or given wrong is read by ``read_entry``, which tries every holder in turn,
@@ -449,10 +452,10 @@ class Store:
             stored += len(raw)  # type: ignore[arg-type]
             if fill is not None:
                 fill(self._shard[e], self._offset[e], raw, self.verify)
-        if len(again) < len(run):
+        if count and len(again) < len(run):
             self._count(src, len(run) - len(again), nbytes, stored)
         for k in again:
-            out[k] = self.read_entry(el[k], names[k])
+            out[k] = self.read_entry(el[k], names[k], count=count)
 
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
                    length: int = -1, *, count: bool = True) -> bytes:

@@ -65,8 +65,9 @@ def _tier_reader(dataset: Any, shard_of: npt.NDArray[np.int64]) -> Callable[[Seq
         if now - looked > 0.5:
             looked, held = now, set(dataset.store.held_shards())
         todo = [i for i in indices if int(shard_of[i]) not in held]
-        if todo:
-            dataset.read_samples(todo)
+        if todo:  # not counted as samples read: the workers read them, and count them, next
+            dataset.store.read_entries(dataset.entries[np.asarray(todo, dtype=np.int64)],
+                                       count=False)
 
     return read
 
