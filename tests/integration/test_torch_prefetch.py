@@ -273,6 +273,8 @@ def test_workers_find_the_samples_in_the_tiers(tmp_path: Path) -> None:
                                          collate_fn=lambda b: b)
     try:
         got = [x for batch in loader for x in batch]
+        # each sample counted once, when a worker read it: the read-ahead's are not samples
+        assert _job_reads(tmp_path / "rt") == len(got) > ta.stats.read
         assert got == ds.read_samples(s.order().tolist())
         assert s.tier_ahead is None and ta.stats.read == first  # stopped when the loop began
         assert ds._upcoming is None  # the workers do not read ahead on their own
@@ -326,6 +328,13 @@ def test_the_read_ahead_into_full_tiers_stops_and_the_first_epoch_reads_once(
         s.close()
         store.close()
         plain.close()
+
+
+def _job_reads(rt: Path) -> int:
+    """The samples the job's processes counted as read."""
+    from stagefs.tiers.status import holder_summary, read_counts
+
+    return int(holder_summary(read_counts(str(rt / "stats")))["reads"])
 
 
 def _job_fetched(rt: Path) -> int:
