@@ -254,8 +254,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
         counts, dt, nbytes = stage_with_progress(fs, progress=None if args.progress else False)
         held = len(fs.held_shards())
         shards = len(fs.manifest.shards)
-    done = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-    print(f"staged {args.origin}: {done}; {held} of {shards} shards held "
+    words = {"placed": "placed whole", "held": "held already",
+             "full": "not (or only in part) placed: no room left in the tiers",
+             "elsewhere": "being placed by another process", "failed": "failed"}
+    done = ", ".join(f"{n} {words.get(k, k)}" for k, n in sorted(counts.items()))
+    print(f"staged {args.origin}: shards {done}; {held} of {shards} shards held whole "
           f"({format_size(nbytes)} copied in {dt:.1f} s)")
     return 0 if counts.get("failed", 0) == 0 else 1
 
