@@ -31,8 +31,11 @@ __all__ = ["FABRIC_HEDGE", "FABRIC_NAME", "FabricHolder"]
 
 FABRIC_NAME = "fabric.sock"  # the node daemon's Unix socket, in the runtime directory
 # The daemon relays, and hedges its own peers within their delays (at most 0.5 s each):
-# its replies are given longer than a peer's before its readers go around it.
-FABRIC_HEDGE = HedgePolicy(floor=0.25, cap=2.0, initial=2.0, to_origin=2.0)
+# its replies are given longer than a peer's before its readers go around it, and more
+# than a p99 (1% of batches would send their readers to the peers directly, each with a
+# connection of its own: what the fabric is for is to avoid that). A stopped daemon costs
+# its readers 1-2 s (10 s, the reply deadline, before).
+FABRIC_HEDGE = HedgePolicy(floor=1.0, cap=2.0, initial=2.0, to_origin=2.0)
 
 
 class FabricHolder:
