@@ -14,7 +14,7 @@ import ctypes.util
 
 from stagefs.config import env
 
-__all__ = ["tune_malloc"]
+__all__ = ["trim_malloc", "tune_malloc"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -41,3 +41,16 @@ def tune_malloc() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
         mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+def trim_malloc() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc's ``malloc_trim``); the
+    thresholds above keep them otherwise. For a process that held much for a while and
+    will not again soon (a daemon whose stalled readers' replies were dropped). Whether
+    any memory was released."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(trim(0))

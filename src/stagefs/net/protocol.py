@@ -338,6 +338,13 @@ class FrameDecoder:
         del self._buf[:end]
         return decode_payload(mtype, payload)
 
+    def has_frame(self) -> bool:
+        """Whether a whole frame is buffered (ProtocolError if its header is malformed)."""
+        if len(self._buf) < HEADER.size:
+            return False
+        _, length = parse_header(bytes(self._buf[: HEADER.size]), self.max_frame)
+        return len(self._buf) >= HEADER.size + length
+
     def messages(self) -> list[Message]:
         out: list[Message] = []
         while (m := self.next_message()) is not None:

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from stagefs._malloc import trim_malloc
 from stagefs.errors import ConfigError, ProtocolError
 from stagefs.format import Manifest
 from stagefs.net import auth
@@ -64,6 +65,8 @@ _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
 _MAX_QUEUED = 64  # replies queued on one connection before it is read again
 _MAX_HELD = 32 * 2**20  # and bytes those replies hold in memory (a reader that stopped
 # reading its replies held up to 64 of 64 MiB each: 250 MB a connection, seen)
+_TRIM_AFTER = 8 * 2**20  # a connection closed holding this much: the heap trimmed after
+_TRIM_DELAY = 5.0  # seconds (the relays out for it end within their 4 s deadline)
 _IOV = 512  # buffers per sendmsg (IOV_MAX is 1024)
 # send buffer of a reader's Unix connection: a relayed reply of a few MB goes out in a few
 # rounds, not one per default buffer (208 KiB: the loop waits for the reader to drain it 30
@@ -165,8 +168,8 @@ _HANDSHAKE, _READY, _CLOSED = 0, 1, 2
 
 class _Conn:
     __slots__ = ("authed_at", "closed", "deadline", "decoder", "events", "fd", "frame_at",
-                 "held", "io_at", "last", "nonce", "replies", "sock", "state", "unix",
-                 "where")
+                 "held", "io_at", "last", "nonce", "replies", "sock", "state", "taking",
+                 "unix", "where")
 
     def __init__(self, sock: socket.socket, where: str, unix: bool, now: float) -> None:
         self.sock = sock
@@ -185,6 +188,7 @@ class _Conn:
         self.last = now  # last activity: the idle deadline counts from here
         self.deadline = 0.0
         self.held = 0  # bytes its queued replies hold in memory
+        self.taking = False  # its requests are being handled (_take_requests)
 
 
 class _Watch:
@@ -305,6 +309,7 @@ class ShardServer:
         self._heap: list[tuple[float, int, _Conn]] = []
         self._seq = itertools.count()
         self._rbuf = bytearray(_RECV)
+        self._trim: _Timer | None = None  # a malloc_trim to come (_close)
         self._done: collections.deque[Callable[[], None]] = collections.deque()
         self._timers: list[tuple[float, int, _Timer]] = []  # the loop's own (the relay's)
         self._accept_paused: list[_Listener] = []
@@ -508,19 +513,36 @@ class ShardServer:
             self._close(conn)
             return
         conn.last = time.monotonic()
+        conn.decoder.feed(memoryview(self._rbuf)[:k])
+        self._take_requests(conn)
+
+    @staticmethod
+    def _room(conn: _Conn) -> bool:
+        """Whether the connection's queue takes another request: few replies queued, and
+        little memory held by them (a reader that stops taking its replies holds at most
+        that, and one request's, in this daemon; the rest wait in its socket)."""
+        return len(conn.replies) < _MAX_QUEUED and conn.held < _MAX_HELD
+
+    def _take_requests(self, conn: _Conn) -> None:
+        """Handle the whole requests the connection's decoder holds, while its queue has
+        room; the rest wait there (then in the socket) until its replies go out."""
         dec = conn.decoder
-        dec.feed(memoryview(self._rbuf)[:k])
+        conn.taking = True
         try:
-            while not conn.closed and (msg := dec.next_message()) is not None:
+            while not conn.closed and self._room(conn) and \
+                    (msg := dec.next_message()) is not None:
                 self._handle(conn, msg)
+            waiting = not conn.closed and dec.has_frame()  # whole, left for later
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
             log.info("%s: %s; closed", conn.where, exc)
             self._fail(conn, P.E_PROTOCOL, str(exc))
             return
+        finally:
+            conn.taking = False
         if conn.closed:
             return
-        if dec.pending and conn.state == _READY:
+        if dec.pending and conn.state == _READY and not waiting:
             if not conn.frame_at:
                 conn.frame_at = conn.last  # a request frame began: all of it before its deadline
         else:
@@ -619,11 +641,13 @@ class ShardServer:
             return
         st.relayed_requests += 1
         st.relayed_ranges += len(relay)
-        reply = _Reply(held=small)
-        conn.held += small
-        conn.replies.append(reply)
         asked = [(req.ranges[i].shard, req.ranges[i].offset, req.ranges[i].length)
                  for i in relay]
+        # what the relay will bring counts from now: the requests after this one wait
+        # while it is out (its ranges come into memory, or pipes: counted alike)
+        reply = _Reply(held=small + sum(a[2] for a in asked))
+        conn.held += reply.held
+        conn.replies.append(reply)
 
         def finish(got: list[bytes | Piped | None]) -> None:
             for i, (_, _, length), chunk in zip(relay, asked, got, strict=True):
@@ -631,9 +655,6 @@ class ShardServer:
                     status[i], data[i] = P.OK, chunk
                     if isinstance(chunk, Piped):
                         st.relayed_piped += 1
-                    else:
-                        reply.held += length
-                        conn.held += length
                 else:
                     status[i] = P.NOT_HELD
                     st.relayed_missing += 1
@@ -683,6 +704,9 @@ class ShardServer:
                     return
         except OSError:  # reset, broken pipe, a shard file cut short: this connection ends
             self._close(conn)
+            return
+        if not conn.taking and conn.decoder.pending and self._room(conn):
+            self._take_requests(conn)  # requests left waiting for room (it has some now)
             return
         self._interest(conn)
 
@@ -735,7 +759,7 @@ class ShardServer:
         if conn.closed:
             return
         ev = 0
-        if len(conn.replies) < _MAX_QUEUED and conn.held < _MAX_HELD:
+        if self._room(conn):
             ev |= selectors.EVENT_READ
         if conn.replies and conn.replies[0].ready:
             ev |= selectors.EVENT_WRITE
@@ -827,6 +851,14 @@ class ShardServer:
             _release(r.parts)
         conn.replies.clear()
         conn.sock.close()
+        if conn.held >= _TRIM_AFTER and self._trim is None:
+            # a reader gone with replies it never took: once the relays out for it have
+            # ended (their deadline), the memory goes back to the kernel (glibc keeps it)
+            self._trim = self.later(_TRIM_DELAY, self._trim_now)
+
+    def _trim_now(self) -> None:
+        self._trim = None
+        trim_malloc()
 
     # -- shard files -------------------------------------------------------------------------
 
