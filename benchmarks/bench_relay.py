@@ -17,6 +17,7 @@ parts or copy them, then ``--against /tmp/base/src``).
 
 ``--batch``: samples a request (64 by default, about 7 MB; 8 is a small DataLoader batch,
 where what a relayed request costs the daemon, not its bytes, is the most of it).
+
 Read its ratio against an A/A run (``--against`` this checkout's own ``src``): on this
 machine the third cluster read 1.06-1.14x the first one's with the very same code (2026-11-26,
 five and six runs, whether or not each run changed the clusters' order), so "this / against"
