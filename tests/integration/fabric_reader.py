@@ -55,7 +55,8 @@ def run(fs: Any, expected: dict[str, str], seed: int, rounds: int, mark: str | N
     return {"bad": bad, "pid": os.getpid(), "origin_bytes": st["origin"]["bytes_read"],
             "peer_connects": sum(v["connects"] for v in st["peers"].values()),
             "fabric_requests": fab.get("requests", 0), "fabric_failures": fab.get("failures", 0),
-            "fabric_connects": fab.get("connects", 0), "checksum_failures":
+            "fabric_connects": fab.get("connects", 0),
+            "fabric_patience": fab.get("patience"), "checksum_failures":
                 st["checksum_failures"], "unavailable": st["unavailable"]}
 
 

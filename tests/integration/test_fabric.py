@@ -39,6 +39,7 @@ from cluster_helpers import (
 from xxhash import xxh3_64_hexdigest
 
 import stagefs
+from stagefs.cluster.fabric import FABRIC_PATIENCE
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
@@ -229,6 +230,8 @@ def test_a_killed_daemon_costs_its_readers_nothing(tmp_path: Path) -> None:
             assert res["exits"] == [0, 0]
             for proc in res["procs"]:
                 assert proc["bad"] == 0, res  # every byte exact, no error
+                # a stopped daemon would cost its readers this and a probe, not 10 s
+                assert proc["fabric_patience"] == FABRIC_PATIENCE
         # node 1's readers lost their daemon: they read the peers themselves
         assert all(p["fabric_failures"] > 0 and p["peer_connects"] > 0
                    for p in results[1]["procs"]), results[1]
@@ -254,14 +257,18 @@ def _relay_to(peer: ShardServer, token: bytes, shards: Callable[[int], bool],
     return Relay(lambda s: [holder] if shards(s) else [], 4.0, pool), client
 
 
-def test_a_daemon_that_hangs_costs_its_readers_one_hedging_delay(tmp_path: Path) -> None:
+def test_a_daemon_that_hangs_costs_its_readers_its_patience_and_a_probe(
+        tmp_path: Path) -> None:
     """A node daemon that does not answer (stopped; here its loop blocked) is given the
-    fabric's hedging delay, not the reply deadline (30 s here): a batch gives None for each
-    range (the Store reads them from the direct holders), a single read goes to the direct
-    holders itself, and the daemon is suspect until it answers again."""
-    from stagefs.cluster.fabric import FabricHolder
+    fabric's patience (FABRIC_PATIENCE, here 0.1 s) and a probe that it does not answer
+    either (0.2 s), not the reply deadline (30 s here): a batch gives None for each range
+    (the Store reads them from the direct holders), a single read goes to the direct
+    holders itself, and the daemon is suspect until it answers again. A daemon that is
+    only slow (it answers the probe) is waited for."""
+    from stagefs.cluster.fabric import FABRIC_PATIENCE, FabricHolder
     from stagefs.tiers.origin import PackOrigin
 
+    assert FABRIC_PATIENCE <= 1.0
     pack, _ = make_pack(str(tmp_path), files=40, shard_size="32KiB")
     m = Manifest(os.path.join(pack, "manifest.sfm"))
     token = auth.new_token()
@@ -276,9 +283,9 @@ def test_a_daemon_that_hangs_costs_its_readers_one_hedging_delay(tmp_path: Path)
     path = str(tmp_path / "fabric.sock")
     srv = ShardServer(m, token, locate, "127.0.0.1", unix_path=path).start()
     origin = PackOrigin(pack, m)
-    client = PeerClient("", 0, token, unix=path, timeout=30.0)
-    quick = HedgePolicy(floor=0.05, cap=0.05, initial=0.05, to_origin=0.05)
-    fabric = FabricHolder(client, lambda s: [origin], quick)
+    client = PeerClient("", 0, token, unix=path, timeout=30.0, connect_timeout=0.2,
+                        backoff=(0.01, 0.01))
+    fabric = FabricHolder(client, lambda s: [origin], patience=0.1)
     last = len(m.shards) - 1  # (the server opens each shard once: a shard new to it hangs)
     assert last >= 2
     ranges = [(s, 1, 50) for s in range(1, last)]
@@ -286,23 +293,48 @@ def test_a_daemon_that_hangs_costs_its_readers_one_hedging_delay(tmp_path: Path)
         assert fabric.pread_many([(0, 1, 50)]) == [shard_bytes[0][1:51]]  # it answers
         go.clear()
         assert fabric.pread_many(ranges) == [None] * len(ranges)
-        assert client.is_suspect() and fabric.hedged == 1
+        failed = client.stats.failures  # the request's, and its probe's
+        assert client.is_suspect() and failed >= 1 and client.stats.probes == 1
         assert fabric.pread(0, 2, 9) == shard_bytes[0][2:11]  # suspect: from the peers
-        go.set()  # it wakes up: its late answer clears the suspicion
+        go.set()  # it wakes up: a probe finds it answering
         deadline = time.monotonic() + 60
-        while client.is_suspect():
+        while client.suspect():
             assert time.monotonic() < deadline
-            time.sleep(0.01)
+            client.wait_probe(1)
         go.clear()
         assert fabric.pread(last, 0, 20) == shard_bytes[last][:20]  # one read: the peers'
-
-        assert client.is_suspect() and fabric.hedged == 2
+        assert client.is_suspect() and client.stats.failures > failed
     finally:
         go.set()
         client.close()
         srv.close()
         origin.close()
         m.close()
+
+
+def test_a_slow_daemon_that_answers_a_probe_is_waited_for(tmp_path: Path) -> None:
+    """The daemon relays to a peer that takes its time (its loop answers, its peer does
+    not yet): past the fabric's patience a probe finds the daemon alive, and the reader
+    waits for its reply rather than going around it."""
+    from stagefs.cluster.fabric import FabricHolder
+
+    gate = threading.Event()
+    with _peer_and_fabric(tmp_path, relay_gate=gate) as c:
+        client = PeerClient("", 0, c.token, unix=c.path, timeout=60.0, connect_timeout=5.0)
+        fabric = FabricHolder(client, lambda s: [], patience=0.05)
+        want = Path(c.pack, c.m.shards[1].name).read_bytes()[64:164]
+        got: list[bytes | None] = []
+        t = threading.Thread(target=lambda: got.extend(fabric.pread_many([(1, 64, 100)])))
+        t.start()
+        deadline = time.monotonic() + 60
+        while client.stats.probes < 2:  # it asked twice whether the daemon lives: it does
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        gate.set()
+        t.join(60)
+        assert got == [want]
+        assert client.stats.failures == 0 and not client.is_suspect()
+        client.close()
 
 
 def test_one_request_mixes_held_and_relayed_ranges_in_order(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ class ClusterHolders:
         if clients is None and name and env("FABRIC", "1") != "0":
             self.fabric = FabricHolder(PeerClient(
                 "", 0, token, unix=os.path.join(runtime, str(name)), pack_id=manifest.pack_id,
-                timeout=timeout, connect_timeout=min(3.0, timeout), pool_size=2,
+                timeout=timeout, connect_timeout=min(1.0, timeout), pool_size=2,
                 name=f"node {cmap.rank} daemon"), self._peers_of)
             self.holders = self._via_fabric
 
@@ -198,7 +198,8 @@ class ClusterHolders:
             "suspect_peers": sorted(n for n, c in self.clients.items() if c.is_suspect()),
             "fabric": None if self.fabric is None else {
                 **self.fabric.client.stats.as_dict(),
-                "suspect": self.fabric.client.is_suspect()},
+                "suspect": self.fabric.client.is_suspect(),
+                "patience": (self.fabric.client.patience or (None,))[0]},
         }
 
     def reopen(self) -> tuple[Callable[..., Store], tuple[Any, ...]]:

@@ -55,6 +55,7 @@ _WINDOW = 32  # requests in flight on one connection
 
 
 _Bytes = bytes  # (inside _ReplyRecv, ``bytes`` is its method)
+Patience = tuple[float, Callable[[], bool]]
 _fork = [0]  # how many times this process's line has forked: a child's pools are not its own
 os.register_at_fork(after_in_child=lambda: _fork.__setitem__(0, _fork[0] + 1))
 
@@ -66,14 +67,16 @@ class _ReplyRecv:
     than receiving it, and a peer that trickles bytes gets at most 1/16 more than the
     deadline."""
 
-    __slots__ = ("armed", "at", "seconds", "sock", "step")
+    __slots__ = ("armed", "at", "patience", "seconds", "sock", "step")
 
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
+    def __init__(self, sock: socket.socket, seconds: float,
+                 patience: Patience | None = None) -> None:
         self.sock = sock
         self.seconds = seconds
         self.at = time.monotonic() + seconds
         self.step = seconds / 16
         self.armed = float("-inf")
+        self.patience = patience  # until the reply's first byte: see PeerClient.patience
 
     def _arm(self) -> None:
         now = time.monotonic()
@@ -82,6 +85,8 @@ class _ReplyRecv:
             if left <= 0:
                 raise TimeoutError(errno.ETIMEDOUT, f"peer did not send its reply within "
                                    f"{self.seconds:g} s")
+            if self.patience is not None:
+                left = min(left, self.patience[0])
             set_recv_timeout(self.sock, left)
             self.armed = now
 
@@ -89,6 +94,8 @@ class _ReplyRecv:
         """Exactly ``n`` bytes, received straight into the bytes object returned (no copy
         in user space; one system call unless the kernel timeout or a signal cuts it)."""
         self._arm()
+        if self.patience is not None:
+            return self._first(n)
         try:
             data = self.sock.recv(n, socket.MSG_WAITALL)
             if len(data) == n:
@@ -105,6 +112,27 @@ class _ReplyRecv:
         if got < n:
             raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
         return b"".join(parts)
+
+    def _first(self, n: int) -> _Bytes:
+        """The reply's first bytes, waited for ``patience[0]`` seconds at a time: each time
+        none has come, ``patience[1]()`` says whether to wait on (the peer is alive, just
+        slow: its whole deadline), else TimeoutError now."""
+        assert self.patience is not None
+        wait, alive = self.patience
+        while True:
+            try:
+                self.sock.recv(n, socket.MSG_WAITALL | socket.MSG_PEEK)
+            except BlockingIOError:
+                if time.monotonic() >= self.at or not alive():
+                    raise TimeoutError(errno.ETIMEDOUT, f"peer did not answer within "
+                                       f"{wait:g} s, nor a probe") from None
+                self.armed = float("-inf")
+                self._arm()
+                continue
+            break
+        self.patience = None  # it answers: the rest of the reply under the deadline alone
+        self.armed = float("-inf")
+        return self.bytes(n)  # (what was peeked, and the rest: closed, if nothing came)
 
     def message(self) -> P.Message:
         """The next message; a DATA reply's ranges each received into its own bytes
@@ -166,6 +194,10 @@ class PeerClient:
         self.pool_size = pool_size
         self._clock = clock
         self.backoff_range = backoff
+        # (seconds, alive): a reply whose first byte has not come within ``seconds`` is
+        # waited for on (up to ``timeout``) only while ``alive()`` says the peer answers
+        # otherwise (the node daemon: a probe on another connection); None: ``timeout``
+        self.patience: Patience | None = None
         self.stats = ClientStats()
         self._ids = itertools.count(1)
         tune_malloc()  # replies become sample-sized bytes: keep their memory for reuse
@@ -402,7 +434,7 @@ class PeerClient:
             send_parts(sock, [P.encode(m) for m in msgs], Deadline(sock, self.timeout))
             self.stats.sent += len(msgs)
             for i in range(len(msgs)):
-                reply = _ReplyRecv(sock, self.timeout).message()
+                reply = _ReplyRecv(sock, self.timeout, self.patience).message()
                 received = True
                 if isinstance(reply, P.Error):
                     raise PeerUnavailable(f"{self.name}: error {reply.code}: {reply.message}")

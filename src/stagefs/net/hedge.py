@@ -34,7 +34,7 @@ from typing import Any
 
 from stagefs.net.client import PeerSource, PeerUnavailable
 
-__all__ = ["HedgePolicy", "HedgedPeer", "ReplyTimes", "executor"]
+__all__ = ["HedgePolicy", "HedgedPeer", "ReplyTimes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +105,7 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
 
-def executor() -> ThreadPoolExecutor:
+def _executor() -> ThreadPoolExecutor:
     """This process's threads for hedged requests (a forked child makes its own)."""
     global _pool
     got = _pool
@@ -205,7 +205,7 @@ class HedgedPeer:
     def pread(self, shard: int, offset: int, length: int) -> bytes:
         if self.client.suspect():
             raise self._refuse()
-        pool = executor()
+        pool = _executor()
         asked: list[HedgedPeer] = [self]
         waiting = {pool.submit(self._pread, shard, offset, length): self}
         errors: list[str] = []
@@ -267,7 +267,7 @@ class HedgedPeer:
         if self.client.suspect():
             self.client.stats.skipped += 1
             return [None] * n
-        pool = executor()
+        pool = _executor()
         first = pool.submit(self._read, ranges)
         delay = self.batch_times.delay()
         if not wait([first], delay).done:
