@@ -67,7 +67,9 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
              f"{srv.get('refused_busy', 0)}")
     relayed = (f"{srv.get('relayed_ranges', 0):,} ({srv.get('relayed_missing', 0):,} "
                "to the origin)")
-    return [str(n), addr, s["state"], share, tiers, format_size(srv["bytes_served"]), conns,
+    mpi = (s.get("mpi") or {}).get("server") or {}  # --transport mpi: its staging copies
+    served = srv["bytes_served"] + int(mpi.get("bytes_served", 0))
+    return [str(n), addr, s["state"], share, tiers, format_size(served), conns,
             relayed, str(s["peers_unreachable"]), str(s["checksum_failures"])]
 
 
