@@ -220,3 +220,14 @@ def test_status_says_when_fewer_nodes_live_than_the_copies_asked() -> None:
     assert lines[0] == "2 of 4 nodes live: each shard has at most 2 copies, not the 3 asked " \
                        "(--replicas)"
     assert "since the job began 5.0 MiB copied from peers" in lines[1]
+
+
+def test_status_tells_peers_unreachable_now_from_failed_contacts_so_far() -> None:
+    """A healthy cluster's daemons failed to reach peers still starting: that count is not
+    shown as peers unreachable, the peers skipped now are."""
+    from stagefs.cluster.status import _unreachable
+
+    assert _unreachable({"fabric": {"suspect_peers": []}, "peers_unreachable": 6}) == \
+        "0 (6 failed contacts)"
+    assert _unreachable({"fabric": {"suspect_peers": [2, 3]}, "peers_unreachable": 9}) == \
+        "2 (9 failed contacts)"

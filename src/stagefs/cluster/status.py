@@ -70,7 +70,14 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
     mpi = (s.get("mpi") or {}).get("server") or {}  # --transport mpi: its staging copies
     served = srv["bytes_served"] + int(mpi.get("bytes_served", 0))
     return [str(n), addr, s["state"], share, tiers, format_size(served), conns,
-            relayed, str(s["peers_unreachable"]), str(s["checksum_failures"])]
+            relayed, _unreachable(s), str(s["checksum_failures"])]
+
+
+def _unreachable(s: dict[str, Any]) -> str:
+    """The peers this node skips now (suspect), and its failed contacts so far (they count
+    the peers still starting when the cluster came up: not a fault)."""
+    now = len((s.get("fabric") or {}).get("suspect_peers", ()))
+    return f"{now} ({s['peers_unreachable']} failed contacts)"
 
 
 def rereplication_lines(nodes: list[dict[str, Any] | None], replicas: int = 1) -> list[str]:
@@ -119,7 +126,7 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
                          sort_keys=True))
     else:
         head = ["node", "address", "state", "staged share", "tier use", "served",
-                "tcp/unix/refused", "relayed for readers", "peers unreachable",
+                "tcp/unix/refused", "relayed for readers", "peers unreachable now",
                 "checksum failures"]
         rows = [head] + [_row(n, cmap, s) for n, s in enumerate(nodes)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
