@@ -115,9 +115,9 @@ def test_getitems_is_one_batched_read(tree: tuple[Path, Path]) -> None:
     calls: list[int] = []
     real = store.read_entries
 
-    def read_entries(entries: Any, paths: Any = None) -> list[bytes]:
+    def read_entries(entries: Any, paths: Any = None, **kw: Any) -> list[bytes]:
         calls.append(len(entries))
-        return real(entries, paths)
+        return real(entries, paths, **kw)
 
     def no_lookup(path: Any) -> int:
         raise AssertionError(f"{path!r} looked up again: the dataset knows its entries")

@@ -59,27 +59,23 @@ class ReadCounters:
         """``reads`` samples of ``nbytes`` bytes in all came from ``holder``; ``stored``:
         their bytes as stored (compressed), what the origin's reads are weighed against."""
         i = 2 * HOLDERS.index(holder)
-        with self._lock:
-            slots = self._slots if self._pid == os.getpid() else self._open()
-            if slots is not None:
-                slots[i] += reads
-                slots[i + 1] += nbytes
-                slots[_STORED] += stored
+        self._add((i, reads), (i + 1, nbytes), (_STORED, stored))
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            slots = self._slots if self._pid == os.getpid() else self._open()
-            if slots is not None:
-                slots[_SLOT[name]] += n
+        self._add((_SLOT[name], n))
 
     def fetched(self, nbytes: int) -> None:
         """One read of ``nbytes`` from the origin by this process (a reader's, a stream's,
         staging's): what the hit rate is counted against."""
+        self._add((_FETCHED, 1), (_FETCHED + 1, nbytes))
+
+    def _add(self, *counts: tuple[int, int]) -> None:
+        """Add each (slot, n) to this process's file (made at its first count)."""
         with self._lock:
             slots = self._slots if self._pid == os.getpid() else self._open()
             if slots is not None:
-                slots[_FETCHED] += 1
-                slots[_FETCHED + 1] += nbytes
+                for i, n in counts:
+                    slots[i] += n
 
     def snapshot(self) -> dict[str, int]:
         """This process's counts, by counter name."""
@@ -178,18 +174,18 @@ def read_lines(summary: dict[str, Any], who: str) -> list[str]:
     nothing was read."""
     if not summary["reads"]:
         return []
-    nbytes, fetched = summary["bytes"], summary.get("fetched", {})
+    nbytes, fetched = summary["bytes"], summary["fetched"]
     rows = [[h, v["reads"], format_size(v["bytes"]),
              f"{100 * v['bytes'] / nbytes:.1f}%" if nbytes else "-"]
             for h, v in summary["holders"].items()]
     out = [f"reads by holder ({who}): {summary['reads']} samples, {format_size(nbytes)}; "
-           f"read from the origin: {format_size(fetched.get('bytes', 0))} in "
-           f"{fetched.get('reads', 0)} reads (samples, streams, staging); hit rate "
+           f"read from the origin: {format_size(fetched['bytes'])} in "
+           f"{fetched['reads']} reads (samples, streams, staging); hit rate "
            f"{100 * summary['hit_rate']:.1f}% (the bytes read that were not read from the "
            "origin)",
            table(["holder", "samples", "bytes", "share"], rows)]
-    pushed = summary.get("pushed", {})
-    if pushed.get("reads"):
+    pushed = summary["pushed"]
+    if pushed["reads"]:
         out.append(f"of these, pushed by a FUSE mount into the kernel's page cache as "
                    f"streamed: {pushed['reads']} samples, {format_size(pushed['bytes'])} "
                    "(counted when pushed: the kernel serves their reads)")

@@ -183,10 +183,12 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __len__(self) -> int:
         return len(self.entries)
 
-    def read_samples(self, indices: Sequence[int]) -> list[bytes]:
+    def read_samples(self, indices: Sequence[int], *, count: bool = True) -> list[bytes]:
         """The bytes of samples ``indices``, in one batched read (Store.read_entries: the
-        entries are known, no path is looked up again)."""
-        return self.store.read_entries(self.entries[np.asarray(indices, dtype=np.int64)])
+        entries are known, no path is looked up again); ``count=False``: not counted as
+        samples read (a read-ahead into the tiers)."""
+        return self.store.read_entries(self.entries[np.asarray(indices, dtype=np.int64)],
+                                       count=count)
 
     def _item(self, i: int, data: bytes) -> Any:
         sample = self.transform(data) if self.transform is not None else data

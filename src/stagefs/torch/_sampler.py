@@ -66,8 +66,7 @@ def _tier_reader(dataset: Any, shard_of: npt.NDArray[np.int64]) -> Callable[[Seq
             looked, held = now, set(dataset.store.held_shards())
         todo = [i for i in indices if int(shard_of[i]) not in held]
         if todo:  # not counted as samples read: the workers read them, and count them, next
-            dataset.store.read_entries(dataset.entries[np.asarray(todo, dtype=np.int64)],
-                                       count=False)
+            dataset.read_samples(todo, count=False)
 
     return read
 
