@@ -522,8 +522,9 @@ class Store:
                 continue
             if count:  # a sample per file read: a range counts one if it starts the file
                 self._count(src, int(start == 0), len(data), len(raw))
-            if src is self.origin and self._from_origin is not None and stored == \
-                    self._stored[e]:
+            if src is self.origin and self._from_origin is not None and (
+                    sums is not None or stored == self._stored[e]):
+                # the whole file, or the checked pieces of a range: into the tiers
                 self._from_origin(shard, offset, raw, self.verify)
             return data
         if not tried:

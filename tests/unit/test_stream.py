@@ -279,7 +279,8 @@ def _hold_then_fill(pack: str, tier: str, runtime: str, path: str, held: Any, go
         shard, off = int(fs.manifest.shard[e]), int(fs.manifest.offset[e])
         ext = chain._extents_of(shard)
         lo, hi = ext.touching(off, off + int(fs.manifest.stored[e]))
-        fill, t = chain._piece_copy(shard, int(ext.piece[lo]))  # type: ignore[misc]
+        p = int(ext.piece[lo])
+        fill, t = chain._reserve(shard, [p])[p]
         h = chain.stream.res.held(shard, fill)
         assert h is not None
         assert chain.stream.res.take(h, lo, hi) == [(lo, hi)]
@@ -436,23 +437,25 @@ def large(tmp_path: Path) -> tuple[Path, bytes]:
     return tmp_path / "pack", big
 
 
-def test_a_range_of_a_large_file_brings_the_whole_file_into_its_copy_once(
+def test_a_range_of_a_large_file_reads_its_pieces_once_into_its_copy(
         large: tuple[Path, bytes], runtime: Path, tmp_path: Path, quiet_streams: None) -> None:
-    """A range of a file up to FILE_LIMIT (a file object's seek and read, a FUSE mount's
-    1 MiB requests) nobody streams is read by the reader as the whole file, which fills its
-    copy: the rest of the file, and the shard's stream later, never read it again."""
+    """A range of a large raw file (a FUSE mount's 1 MiB requests) nobody streams is read by the reader as the checksum pieces that cover it,
+    which fill its copy: the same ranges again, the rest of the file, and the shard's
+    stream later never read them again."""
     from stagefs.format import PIECE
 
     pack, big = large
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        with fs.open("d/big.bin") as f:
-            f.seek(PIECE + 5)
-            assert f.read(1000) == big[PIECE + 5 : PIECE + 1005]
-            f.seek(3 * PIECE)
-            assert f.read(PIECE) == big[3 * PIECE : 4 * PIECE]
-        assert fs.origin.stats.bytes_read == len(big)  # the whole file once, into its copy
+        e = fs.namespace.file_entry("d/big.bin")
+        assert fs.read_entry(e, start=PIECE + 5, length=1000) == big[PIECE + 5 : PIECE + 1005]
+        assert fs.read_entry(e, start=3 * PIECE, length=PIECE) == big[3 * PIECE : 4 * PIECE]
+        assert fs.origin.stats.bytes_read == 2 * PIECE  # pieces 1 and 3
+        assert fs.read_entry(e, start=PIECE, length=10) == big[PIECE : PIECE + 10]
+        assert fs.read_entry(e, start=3 * PIECE + 7, length=PIECE - 7) == \
+            big[3 * PIECE + 7 : 4 * PIECE]
+        assert fs.origin.stats.bytes_read == 2 * PIECE  # from the copy now
         assert fs.read("d/big.bin") == big
-        assert fs.origin.stats.bytes_read == len(big)
+        assert fs.origin.stats.bytes_read == len(big)  # the rest of it, once
 
 
 def test_a_whole_file_over_the_run_limit_is_not_read_again_by_the_stream(
@@ -474,11 +477,11 @@ def test_a_whole_file_over_the_run_limit_is_not_read_again_by_the_stream(
         assert fs.origin.stats.bytes_read == stored_total(pack)
 
 
-def test_a_range_of_a_file_over_the_file_limit_comes_from_the_origin_as_asked(
+def test_a_range_of_a_file_over_the_file_limit_reads_only_its_pieces(
         large: tuple[Path, bytes], runtime: Path, tmp_path: Path, quiet_streams: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past FILE_LIMIT a reader does not read a whole file for a range of it: the origin
-    serves the pieces the range covers."""
+    """Past FILE_LIMIT a reader does not read a whole file for a range of it, nor the
+    file's other pieces: the piece the range lies in, once, into its copy."""
     from stagefs.format import PIECE
 
     pack, big = large
@@ -486,6 +489,7 @@ def test_a_range_of_a_file_over_the_file_limit_comes_from_the_origin_as_asked(
     monkeypatch.setattr(stream_mod, "DIRECT_LIMIT", PIECE)
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
         e = fs.namespace.file_entry("d/big.bin")
-        assert fs.read_entry(e, start=2 * PIECE + 1, length=10) == big[2 * PIECE + 1 :
-                                                                       2 * PIECE + 11]
-        assert fs.origin.stats.bytes_read == PIECE  # the piece that holds the range
+        for _ in range(2):
+            assert fs.read_entry(e, start=2 * PIECE + 1, length=10) == big[2 * PIECE + 1 :
+                                                                           2 * PIECE + 11]
+            assert fs.origin.stats.bytes_read == PIECE  # the piece that holds the range

@@ -196,9 +196,10 @@ class TierChain:
 
     def from_origin(self, shard: int, offset: int, data: bytes | memoryview,
                     verified: bool) -> None:
-        """The Store read ``data`` (one stored file) from the origin; if it was verified,
-        it goes into the partial copy holding its piece, the piece reserved now in the
-        first tier with room if no copy holds it yet."""
+        """The Store read ``data`` from the origin at ``offset`` of the shard: one stored file,
+        or checksum pieces of a large raw one. If it was verified, each extent wholly in it
+        goes into the partial copy holding its piece, the piece reserved now in the first
+        tier with room if no copy holds it yet."""
         self.misses += 1
         self.activity.touch()
         if not verified or self._closing or shard in self._route or shard in self._no_fill:
@@ -207,26 +208,36 @@ class TierChain:
         if not ext.tiles:
             self._no_fill.add(shard)
             return
-        k = ext.at(offset)
-        if k < 0:
+        end = offset + len(data)
+        lo, hi = ext.inside(offset, end)
+        if hi <= lo or ext.offs[lo] != offset:
             return
-        got = self._piece_copy(shard, int(ext.piece[k]))
-        if got is None:
-            return
-        f, t = got
-        try:
-            new = f.write(offset, data)
-        except OSError as exc:
-            self._drop_fill(shard, t, again=False)
-            self._tier_failed(t, exc)
-            return
-        except ValueError:  # closed under us (the store is closing)
-            return
-        if new:
-            t.stats.filled += new
-            t.stats.filled_bytes += len(data)
-            if f.complete():
-                self._finish(shard, f, t)
+        view = memoryview(data)
+        pieces = range(int(ext.piece[lo]), int(ext.piece[hi - 1]) + 1)
+        missing = [p for p in pieces if self._owner(shard, p) is None]
+        if missing and not self.full:
+            self._reserve(shard, missing)
+        for p in pieces:
+            got = self._owner(shard, p)
+            if got is None:
+                continue
+            f, t = got
+            i, j = max(lo, int(ext.pstart[p])), min(hi, int(ext.pstart[p + 1]))
+            a, b = int(ext.offs[i]), int(ext.ends[j - 1])
+            try:
+                new = f.write(a, view[a - offset : b - offset])
+            except OSError as exc:
+                self._drop_fill(shard, t, again=False)
+                self._tier_failed(t, exc)
+                return
+            except ValueError:  # closed under us (the store is closing)
+                return
+            if new:
+                t.stats.filled += new
+                t.stats.filled_bytes += b - a
+                if f.complete():
+                    self._finish(shard, f, t)
+                    return
 
     def _extents_of(self, shard: int) -> Extents:
         ext = self._extents.get(shard)
@@ -251,14 +262,6 @@ class TierChain:
             if f.res[p]:
                 return f, t
         return None
-
-    def _piece_copy(self, shard: int, p: int) -> Copy | None:
-        """The partial copy holding piece ``p``: the one where it is reserved, else reserved
-        now in the first tier with room (None: no tier has room, or the shard is whole)."""
-        got = self._owner(shard, p)
-        if got is None and not self.full:
-            got = self._reserve(shard, [p]).get(p)
-        return got
 
     def _copies_to_fill(self, shard: int) -> list[Copy] | None:
         """Every piece of the shard reserved (where room allows, in piece order), and the
@@ -611,19 +614,30 @@ class TierChain:
         log.warning("%s: placement stopped (%s); reads go on", t.name, reason)
         return "next"
 
-    def _checker(self, src: ShardSource) -> Callable[[int, int], None]:
-        """Check each file copied from ``src`` against the manifest (in place: the origin's
-        checksums are learnt as it is copied)."""
+    def _checker(self, src: ShardSource) -> placer.Check:
+        """Check each file (or checksum piece of a large file: fill.Extents) copied from
+        ``src`` against the manifest (in place: the origin's checksums are learnt as it is
+        copied)."""
         origin = src is self.origin
         where = self.origin_path if origin else src.name
+        m = self.manifest
 
-        def check(e: int, digest: int) -> None:
-            if origin and self._record is not None:
+        def check(e: int, part: int, digest: int) -> None:
+            if part >= 0:
+                sums = m.piece_sums(e)
+                if sums is not None and digest == sums[part]:
+                    return
+                what = f"piece {part} of {os.fsdecode(m.path_of(e))}"
+            elif origin and self._record is not None:
                 self._record(e, digest)
-            elif digest != self.manifest.checksum[e]:
-                raise CorruptShardError(
-                    f"{where}: {os.fsdecode(self.manifest.path_of(e))} does not match its "
-                    "checksum" + (" at the origin; the shard is not placed" if origin else ""))
+                return
+            elif digest == m.checksum[e]:
+                return
+            else:
+                what = os.fsdecode(m.path_of(e))
+            raise CorruptShardError(
+                f"{where}: {what} does not match its checksum"
+                + (" at the origin; the shard is not placed" if origin else ""))
 
         return check
 

@@ -5,9 +5,11 @@ its bytes into the shard's copy in a tier, so the epoch places the data as a sid
 the background placer only copies what no read brought in (its "gaps"). Every origin byte is
 then read once (MONARCH's placement during the first epoch).
 
-The unit of placement is a **piece** (docs/decisions/0015-pieces.md): the stored files of a
+The unit of placement is a **piece** (docs/decisions/0015-pieces.md): the extents of a
 shard whose first byte lies in one window of ``piece_size`` bytes (the manifest's checksum
-piece, 1 MiB as packed today) after the header. A piece is reserved in one tier (its room
+piece, 1 MiB as packed today) after the header. An **extent** is a stored file, or one
+checksum piece of a raw file larger than a piece (``Extents``): each is checked on its own,
+so a large file is placed, read and held piece by piece. A piece is reserved in one tier (its room
 counted) before any of its bytes are written there, and stays there: a tier of any size
 holds a share of the dataset, and a shard may have pieces in several tiers (one partial
 copy in each).
@@ -17,12 +19,13 @@ Files beside the shard's final name in a tier, shared by every process of the no
 - ``NAME.partial``: a sparse file of the shard's full size; its 64-byte header is written
   when it is created (it follows from the manifest). Each piece's bytes are allocated
   (``fallocate``) when the piece is reserved.
-- ``NAME.fill``: one byte per stored file of the shard, in offset order (files of size 0
-  are left out), then one byte per piece. A file's byte is 1 once its bytes are in
-  ``NAME.partial`` and were checked against the manifest's checksum (set only after they
-  are written); a piece's byte is 1 once the piece is reserved in this copy.
+- ``NAME.fill``: one byte per extent of the shard, in offset order (files of size 0 are
+  left out), then one byte per piece. An extent's byte is 1 once its bytes are in
+  ``NAME.partial`` and were checked against the manifest's checksum (the file's, or the
+  piece's; set only after they are written); a piece's byte is 1 once the piece is
+  reserved in this copy.
 
-The copy is complete when every file's byte is 1 (every piece is here); whoever sets the
+The copy is complete when every extent's byte is 1 (every piece is here); whoever sets the
 last one (a reader or the placer) renames ``NAME.partial`` to ``NAME`` and deletes
 ``NAME.fill``, under the tiers' lock. A copy whose tier had no room for all its pieces stays
 partial and serves the pieces it holds. Every read of a copy, partial or whole, is still
@@ -48,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stagefs.format import Manifest, ShardHeader
+from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import SourceUnavailable, pread_full
 
@@ -60,13 +63,18 @@ PARTIAL_SUFFIX = ".partial"
 
 @dataclass(frozen=True)
 class Extents:
-    """The stored files of one shard with bytes, in offset order: [offs[i], ends[i]), and
-    the pieces they form: piece ``piece[i]`` holds extent i; piece p is extents
+    """The stored byte runs of one shard that are checked on their own, in offset order:
+    [offs[i], ends[i]). Each is a whole stored file (``part[i] == -1``), or one checksum
+    piece of a raw file larger than a piece that has piece checksums (``part[i] == k``: its
+    raw bytes [k * P, (k + 1) * P), checked against ``manifest.piece_sums(e)[k]``), so that a
+    large file is placed, reserved and read piece by piece like the small ones. And the
+    placement pieces they form: piece ``piece[i]`` holds extent i; piece p is extents
     ``pstart[p]`` to ``pstart[p + 1] - 1``."""
 
     offs: npt.NDArray[np.int64]
     ends: npt.NDArray[np.int64]
     entries: npt.NDArray[np.int64]  # manifest entry of each extent
+    part: npt.NDArray[np.int64]  # -1: the whole file; k: its k-th checksum piece
     tiles: bool  # header, then the extents back to back, to the shard's end
     piece: npt.NDArray[np.int64]
     pstart: npt.NDArray[np.int64]
@@ -88,14 +96,24 @@ class Extents:
                          and (gaps < m.align.to).all())
         else:
             tiles = size == SHARD_HEADER.size
-        # a file belongs to the piece window its first byte lies in; empty windows (inside
-        # a large file) are skipped, so pieces are numbered 0.. with no gap
+        offs, ends, ents, part = _split(m, ents, offs, ends)
+        # an extent belongs to the piece window its first byte lies in; empty windows
+        # (inside a large compressed file) are skipped, so pieces are numbered 0.. with no gap
         window = (offs - SHARD_HEADER.size) // (piece_size or m.piece_size)
         new = np.ones(len(offs), bool)
         new[1:] = window[1:] != window[:-1]
         piece = np.cumsum(new, dtype=np.int64) - 1
         pstart = np.append(np.flatnonzero(new), len(offs)).astype(np.int64)
-        return cls(offs, ends, ents, tiles, piece, pstart)
+        return cls(offs, ends, ents, part, tiles, piece, pstart)
+
+    def whole(self, lo: int, hi: int) -> npt.NDArray[np.int64]:
+        """The entries of extents lo..hi-1 that are whole files."""
+        return self.entries[lo:hi][self.part[lo:hi] < 0]
+
+    def one_file(self, lo: int, hi: int) -> bool:
+        """Are extents lo..hi-1 (some) pieces of one file?"""
+        return hi > lo and (hi == lo + 1 or (self.entries[lo] == self.entries[hi - 1]
+                                             and self.part[lo] >= 0))
 
     def __len__(self) -> int:
         return len(self.offs)
@@ -209,8 +227,29 @@ class Activity:
             self._mm.close()
 
 
+def _split(m: Manifest, ents: npt.NDArray[np.int64], offs: npt.NDArray[np.int64],
+           ends: npt.NDArray[np.int64]) -> tuple[npt.NDArray[np.int64], ...]:
+    """The extents of these stored files: each raw file with piece checksums cut at its
+    checksum pieces, every other file whole. Returns (offs, ends, entries, part)."""
+    part = np.full(len(ents), -1, np.int64)
+    if m.piece is None or not len(ents):
+        return offs, ends, ents, part
+    big = m.arrays["piece"][ents] != NO_INDEX  # raw and over one piece
+    if not big.any():
+        return offs, ends, ents, part
+    p = m.piece_size
+    count = np.where(big, (ends - offs + p - 1) // p, 1)
+    first = np.repeat(np.cumsum(count) - count, count)  # each new extent's first one
+    rep = np.repeat(np.arange(len(ents)), count)
+    k = np.arange(len(rep), dtype=np.int64) - first
+    o = offs[rep] + np.where(big[rep], k * p, 0)
+    e = np.where(big[rep], np.minimum(o + p, ends[rep]), ends[rep])
+    return o, e, ents[rep], np.where(big[rep], k, -1)
+
+
 def map_size(ext: Extents) -> int:
-    """Bytes of a shard's fill map: one per stored file, one per piece."""
+    """Bytes of a shard's fill map: one per extent (a stored file, or a checksum piece of a
+    large one), one per piece."""
     return len(ext) + ext.pieces
 
 

@@ -3,7 +3,7 @@ fill.py: reads may have filled parts of it already): large reads of the runs sti
 then a rename, and nothing wrong ever renamed into place.
 
 Every stored file copied is checked while it streams through (xxh3 of its raw content against the
-manifest), or, for an in-place dataset whose checksums are not known yet, its checksum is
+manifest; a large raw file piece by piece, against its piece checksums), or, for an in-place dataset whose checksums are not known yet, its checksum is
 computed and handed to ``record``. Before the rename the partial file's size and header are
 checked. The copy is pure I/O on file descriptors; the decisions (which tier, whether there
 is room, who holds the claim) live in chain.py.
@@ -26,7 +26,7 @@ from stagefs.errors import CorruptShardError
 from stagefs.format import KIND_FILE, Manifest, ShardHeader
 from stagefs.format.codecs import decode
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
+from stagefs.tiers.fill import FILL_SUFFIX, Extents, ShardFill
 
 __all__ = ["BUSY_CHUNK", "CHUNK", "IN_FLIGHT", "CopyAborted", "Layout", "OriginFailed", "Pace",
            "fill_gaps", "finish_copy"]
@@ -60,49 +60,60 @@ class Layout:
         return [int(e) for e in self.idx[self.bounds[shard] : self.bounds[shard + 1]]]
 
 
-Check = Callable[[int, int], None]
-"""``check(entry, xxh3 of its raw content)``: raise if wrong, or record it."""
+Check = Callable[[int, int, int], None]
+"""``check(entry, part, xxh3)``: raise if wrong, or record it. ``part`` -1: the xxh3 of the
+file's raw content; k >= 0: of its k-th checksum piece (fill.Extents)."""
 
 
 class _Verifier:
-    """Feeds the bytes of a shard, in order, through one hasher per stored file."""
+    """Feeds the bytes of a shard, in order, through one hasher per extent (a stored file,
+    or one checksum piece of a large raw file: fill.Extents) of extents lo..hi-1;
+    ``done(i)`` is called for extent i once it passed."""
 
-    def __init__(self, m: Manifest, entries: list[int], check: Check, where: str) -> None:
-        self.ents = [(e, m.offset[e], m.stored[e], m.codec[e], m.size[e]) for e in entries
-                     if m.stored[e] > 0]
+    def __init__(self, m: Manifest, ext: Extents, lo: int, hi: int, check: Check,
+                 where: str, done: Callable[[int], None] | None = None) -> None:
+        self.items = [(int(ext.entries[i]), int(ext.offs[i]), int(ext.ends[i]), int(ext.part[i]))
+                      for i in range(lo, hi)]
+        self.lo = lo
+        self.m = m
         self.i = 0
         self.check = check
         self.where = where
+        self.done = done
         self.hasher = xxhash.xxh3_64()
         self.buf: list[bytes] = []
 
     def feed(self, pos: int, data: bytes) -> None:
         end = pos + len(data)
         view = memoryview(data)
-        while self.i < len(self.ents):
-            e, off, stored, codec, size = self.ents[self.i]
+        m = self.m
+        while self.i < len(self.items):
+            e, off, stop, part = self.items[self.i]
             if off >= end:
                 return
-            lo, hi = max(off, pos), min(off + stored, end)
+            codec = int(m.codec[e]) if part < 0 else 0
+            lo, hi = max(off, pos), min(stop, end)
             if lo < hi:
                 piece = view[lo - pos : hi - pos]
                 if codec:
                     self.buf.append(bytes(piece))
                 else:
                     self.hasher.update(piece)
-            if off + stored > end:
+            if stop > end:
                 return  # continues in the next chunk
             if codec:
-                raw = decode(codec, b"".join(self.buf), size, self.where)
+                raw = decode(codec, b"".join(self.buf), int(m.size[e]), self.where)
                 self.buf.clear()
-                self.check(e, xxhash.xxh3_64_intdigest(raw))
+                self.check(e, part, xxhash.xxh3_64_intdigest(raw))
             else:
-                self.check(e, self.hasher.intdigest())
+                self.check(e, part, self.hasher.intdigest())
                 self.hasher.reset()
+            if self.done is not None:
+                self.done(self.lo + self.i)
             self.i += 1
 
     def finish(self) -> None:
-        if self.i != len(self.ents):
+        if self.i != len(self.items):
             raise CorruptShardError(f"{self.where}: shard shorter than its files")
 
 
@@ -191,15 +202,12 @@ def fill_gaps(
 
 def _run_verifier(fill: ShardFill, lo: int, hi: int, m: Manifest, check: Check,
                   where: str) -> _Verifier:
-    """A verifier for extents lo..hi-1 that sets each file's fill byte once it is right."""
-    position = {int(e): lo + k for k, e in enumerate(fill.ext.entries[lo:hi])}
+    """A verifier for extents lo..hi-1 that sets each one's fill byte once it is right."""
 
-    def checked(e: int, digest: int) -> None:
-        check(e, digest)
-        k = position[e]
-        fill.mark(k, k + 1)
+    def checked(i: int) -> None:
+        fill.mark(i, i + 1)
 
-    return _Verifier(m, [int(e) for e in fill.ext.entries[lo:hi]], checked, where)
+    return _Verifier(m, fill.ext, lo, hi, check, where, checked)
 
 
 def finish_copy(fill: ShardFill, index: int, pack_id: bytes, size: int) -> None:

@@ -57,8 +57,8 @@ from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 from stagefs.tiers.placer import _pwrite_all, _run_verifier
 
-# a listener of streamed files: their manifest entries, and the checked runs of the shard
-# read for them (offset in the shard, bytes)
+# a listener of streamed files: the manifest entries of the whole files among them, and the
+# checked runs of the shard read for them (offset in the shard, bytes)
 Arrived = Callable[[npt.NDArray[np.int64], list[tuple[int, bytes]]], None]
 
 if TYPE_CHECKING:
@@ -284,14 +284,15 @@ class Reservations:
             self._held.clear()
 
 
-def _own_read(a: int, b: int, files: int, offset: int, end: int) -> bool:
-    """Whether a reader reads files [a, b) (``files`` of them) itself, whole, for the range
-    [offset, end) of them that it asks (none streaming them soon): a run up to
-    ``DIRECT_LIMIT``, or one file up to ``FILE_LIMIT``. Their bytes then fill the copy, so
-    the shard's stream does not read them again: a read of a few pieces of a 9 MB file
-    (``read``, or a FUSE mount's 1 MiB requests) read them from the origin, then the stream
-    the whole file. A range of a larger file is served from the origin as asked."""
-    return a <= offset and end <= b and (b - a <= DIRECT_LIMIT or (files == 1 and b - a <= FILE_LIMIT))
+def _own_read(a: int, b: int, one_file: bool, offset: int, end: int) -> bool:
+    """Whether a reader reads the extents [a, b) itself, whole, for the range [offset, end)
+    of them that it asks (none streaming them soon): a run up to ``DIRECT_LIMIT``, or (some
+    checksum pieces of) one file up to ``FILE_LIMIT``. Their bytes then fill the copy, so the
+    shard's stream does not read them again: a read of a few pieces of a 9 MB file (``read``,
+    or a FUSE mount's 1 MiB requests) read them from the origin, then the stream the whole
+    file. A range of a large raw file is its checksum pieces (fill.Extents): only those are
+    read; a range of a larger compressed file is served from the origin as asked."""
+    return a <= offset and end <= b and (b - a <= DIRECT_LIMIT or (one_file and b - a <= FILE_LIMIT))
 
 
 def _runs(idx: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
@@ -553,7 +554,7 @@ class Stream:
             chain._finish(shard, fill, tier)
         if arrived is not None:
             try:
-                arrived(fill.ext.entries[lo:hi], runs)
+                arrived(fill.ext.whole(lo, hi), runs)
             except Exception:  # a listener's failure is not the stream's
                 log.exception("the listener of streamed files failed")
         return data if pos - a == len(data or b"") else None
@@ -584,14 +585,18 @@ class Stream:
                     raise SourceUnavailable("no tier has room for its piece")
                 return self._from_whole(shard, offset, length, "no tier has room for it")
             try:
-                if len(runs) == 1:
-                    f, t = runs[0][2]
+                only = runs[0][2]
+                if len(runs) == 1 and only is not None:
+                    f, t = only
                     self._served.last = (shard, t)
                     return self._read_in(shard, f, t, offset, length)
-                out = bytearray(length)  # pieces in several tiers; zero padding between
-                for i, j, (f, t) in runs:
+                # pieces in several tiers, or some in none (those from the origin: a large
+                # file a tier holds in part); zero padding between
+                out = bytearray(length)
+                for i, j, c in runs:
                     a, b = max(offset, int(ext.offs[i])), min(end, int(ext.ends[j - 1]))
-                    out[a - offset : b - offset] = self._read_in(shard, f, t, a, b - a)
+                    out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a) \
+                        if c is not None else self._from_origin(shard, a, b - a)
                 self._served.last = (shard, None)
                 return bytes(out)
             except _Gone:
@@ -599,10 +604,10 @@ class Stream:
         raise SourceUnavailable("its partial copies kept changing under the read")
 
     def _owners(self, shard: int, ext: Extents, lo: int,
-                hi: int) -> list[tuple[int, int, Copy]] | None:
-        """Runs i..j-1 of the files lo..hi-1 whose pieces one partial copy holds, with that
-        copy, the pieces no copy holds reserved now where there is room; None if one of
-        them has no copy."""
+                hi: int) -> list[tuple[int, int, Copy | None]] | None:
+        """Runs i..j-1 of the extents lo..hi-1 whose pieces one partial copy holds, with that
+        copy (None: pieces no tier has room for), the pieces no copy holds reserved now where
+        there is room; None if no copy holds any of them."""
         chain = self.chain
         if hi <= lo:  # the header (or padding) alone: every copy has it
             copies = chain._fills.get(shard)
@@ -610,19 +615,21 @@ class Stream:
         pieces = range(int(ext.piece[lo]), int(ext.piece[hi - 1]) + 1)
         missing = [p for p in pieces if chain._owner(shard, p) is None]
         if missing:
-            if chain.full:
+            if chain.full and len(missing) == len(pieces):
                 return None
-            chain._reserve(shard, missing)
-        runs: list[tuple[int, int, Copy]] = []
+            if not chain.full:
+                chain._reserve(shard, missing)
+        runs: list[tuple[int, int, Copy | None]] = []
         for p in pieces:
             got = chain._owner(shard, p)
-            if got is None:
-                return None
             i, j = max(lo, int(ext.pstart[p])), min(hi, int(ext.pstart[p + 1]))
-            if runs and runs[-1][2][0] is got[0]:
+            if runs and (runs[-1][2] is got or (got is not None and runs[-1][2] is not None
+                                                and runs[-1][2][0] is got[0])):
                 runs[-1] = (runs[-1][0], j, got)
             else:
                 runs.append((i, j, got))
+        if all(c is None for _, _, c in runs):
+            return None
         return runs
 
     def _read_in(self, shard: int, fill: ShardFill, tier: DirTier, offset: int,
@@ -633,7 +640,7 @@ class Stream:
         end = offset + length
         lo, hi = fill.ext.touching(offset, end)
         whole = hi > lo and _own_read(int(fill.ext.offs[lo]), int(fill.ext.ends[hi - 1]),
-                                      hi - lo, offset, end)
+                                      fill.ext.one_file(lo, hi), offset, end)
         delay = _POLL_S[0]
         while True:
             if fill.covered(offset, end):
@@ -656,12 +663,24 @@ class Stream:
                 if runs is not None:
                     return self._read_myself(shard, fill, tier, h, runs, offset, length)
             elif not self.res.someone_holds(h, lo, hi):
-                # part of a file larger than FILE_LIMIT: the origin serves the range
-                # directly (the shard's stream reads the file again)
+                # a run of files over DIRECT_LIMIT, or part of a compressed file over
+                # FILE_LIMIT: the origin serves the range directly (the shard's stream
+                # reads those files again)
                 raise SourceUnavailable("not streamed now")
             with self._cond:
                 self._cond.wait(delay)
             delay = min(2 * delay, _POLL_S[1])
+
+    def _from_origin(self, shard: int, offset: int, length: int) -> bytes:
+        """Bytes of pieces no tier has room for, read from the origin for this read (the
+        Store checks the whole read)."""
+        chain = self.chain
+        chain.misses += 1
+        chain.activity.touch()
+        try:
+            return chain.origin.pread(shard, offset, length)
+        except (OSError, StagefsError) as exc:  # the Store asks the origin itself next
+            raise SourceUnavailable(f"origin read of shard {shard}: {exc}") from exc
 
     def _from_whole(self, shard: int, offset: int, length: int, why: str) -> bytes:
         """The shard became whole in a tier meanwhile (its last file came in): read it

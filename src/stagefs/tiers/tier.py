@@ -42,7 +42,7 @@ class TierStats:
     placed: int = 0  # shards this process made whole in it
     pieces: int = 0  # pieces this process reserved in it
     placed_bytes: int = 0
-    filled: int = 0  # files written into partial copies by reads (fill.py)
+    filled: int = 0  # extents (fill.Extents) written into partial copies by reads
     filled_bytes: int = 0
     dropped: int = 0  # copies deleted because a read found them corrupt
 
