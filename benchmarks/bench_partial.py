@@ -13,6 +13,12 @@ run; medians over ``--runs``. With ``--rate-mbit`` the PFS link is capped for th
 
     python3 benchmarks/bench_partial.py --pack /tmp/pfs/s21pack --runs 3
     python3 benchmarks/bench_partial.py --pack /tmp/pfs/s21pack --runs 3 --rate-mbit 800
+
+``--mixed DIR`` makes and uses another dataset instead (docs/benchmarks.md, "Other data"):
+3,000 files of 1-20 KB and 12 of 3-9 MiB (the large files more than two thirds of D), packed
+in shards of 24 MiB under DIR, where large files decide how full a tier gets:
+
+    python3 benchmarks/bench_partial.py --mixed /tmp/pfs/mixed --shares 0.25 0.5 0.8 0.9
 """
 
 from __future__ import annotations
@@ -94,6 +100,27 @@ def one_config(pack: str, paths: list[str], share: float, d: int, base: str,
     return rows
 
 
+def make_mixed(root: str) -> str:
+    """The mixed dataset under ``root`` (made once; the same bytes every time): its pack."""
+    pack = os.path.join(root, "pack")
+    if os.path.exists(os.path.join(pack, "manifest.sfm")):
+        return pack
+    rng = random.Random(18)
+    raw = os.path.join(root, "raw")
+    for i in range(3000):
+        d = os.path.join(raw, f"small/{i % 5}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"s{i:05d}.bin"), "wb") as f:
+            f.write(rng.randbytes(rng.randint(1024, 20 * 1024)))
+    for i in range(12):
+        d = os.path.join(raw, f"big/g{i % 3}")
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, f"big{i}.npy"), "wb") as f:
+            f.write(rng.randbytes(rng.randint(3 * 2**20, 9 * 2**20)))
+    stagefs.pack(raw, pack, shard_size="24MiB", progress=False, echo=lambda _m: None)
+    return pack
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pack", default="/tmp/pfs/s21pack")
@@ -102,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rate-mbit", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(RESULTS, "partial.json"))
+    ap.add_argument("--mixed", metavar="DIR",
+                    help="make (once) and use the dataset of small and large files under DIR")
     ap.add_argument("--afresh", action="store_true",
                     help="judge every read_many batch afresh, as the store did before it "
                          "carried over whether the last batch's origin reads waited")
     a = ap.parse_args(argv)
+    if a.mixed:
+        a.pack = make_mixed(a.mixed)
     with stagefs.open(a.pack) as fs:
         paths = sorted(os.path.join(dp, f) for dp, _, names in fs.walk() for f in names)
         d = data_bytes(fs)
