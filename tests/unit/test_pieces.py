@@ -333,7 +333,8 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
     """One large file's pieces in a RAM tier, a disk tier and no tier: a whole read comes
     from both copies and the origin (only its pieces no tier holds); a range from the
     copies alone; a byte changed in a copy is caught by the checks (a range's pieces', the
-    file's), the right bytes come from the origin, and the bad copy is dropped."""
+    file's), the right bytes come from the origin, and only the bad copy is dropped (a file
+    read from several copies once dropped them all)."""
     from stagefs.format.spec import SHARD_HEADER
     from stagefs.tiers.fill import Extents
     from stagefs.tiers.placer import Layout
@@ -382,7 +383,93 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
             b = f.read(1)
             f.seek(off + 3 * piece + 100)
             f.write(bytes([b[0] ^ 0xFF]))
-        assert fs.read_entry(e, start=3 * piece, length=10) == big[3 * piece : 3 * piece + 10]
+        # the whole file (from RAM, disk and the origin) fails its check: each copy's part
+        # is checked again and only the disk tier's copy is dropped, counted there
+        ram_partial = ram_t.path(shard) + ".partial"
+        inodes = os.stat(ram_partial).st_ino, os.stat(partial).st_ino
         assert fs.read(name) == big
-        assert not os.path.exists(partial)  # dropped
+        assert os.stat(ram_partial).st_ino == inodes[0]  # kept
+        assert not os.path.exists(partial) or os.stat(partial).st_ino != inodes[1]  # made anew
+        assert (ram_t.stats.dropped, disk_t.stats.dropped) == (0, 1)
+        assert fs.read_entry(e, start=piece - 3, length=2 * piece) == \
+            big[piece - 3 : 3 * piece - 3]
         assert fs.read(name) == big
+        # a flipped byte in piece 1 (RAM), read as a range: the range's piece check
+        with open(ram_t.path(shard) + ".partial", "r+b") as f:
+            f.seek(off + piece + 7)
+            b = f.read(1)
+            f.seek(off + piece + 7)
+            f.write(bytes([b[0] ^ 0xFF]))
+        assert fs.read_entry(e, start=piece, length=10) == big[piece : piece + 10]
+        assert not os.path.exists(ram_partial) or os.stat(ram_partial).st_ino != inodes[0]
+        assert ram_t.stats.dropped == 1
+        assert fs.read(name) == big
+
+
+def _flip(path: str, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_full_tier_takes_the_room_a_corrupt_copy_leaves(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """The tier is full; a whole copy in it turns out corrupt and is dropped: the room it
+    leaves opens the tier again and the shard is placed anew in the same process (it stayed
+    out, and every later epoch read it from the origin, while the tier was still 'full')."""
+    pack, files = dataset
+    with stagefs.open(pack) as probe:
+        d = data_bytes(probe)
+        shard_size = max(s.size for s in probe.manifest.shards)
+    cap = int(2.5 * shard_size)
+    with stagefs.open(pack, tiers=[f"{tmp_path / 't'}:{cap}"]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        epoch(fs, files, 21)
+        tier = chain.tiers[0]
+        assert chain.full and tier.stopped == "full"
+        whole = sorted(fs.held_shards())
+        assert whole
+        shard = whole[0]
+        m = fs.manifest
+        victim = next(p for p in sorted(files) if int(m.shard[m.lookup(p.encode())]) == shard)
+        _flip(tier.path(shard), int(m.offset[m.lookup(victim.encode())]) + 5)
+        assert fs.read(victim) == files[victim]
+        assert tier.stats.dropped == 1
+        assert chain.wait_idle(60)
+        assert shard in fs.held_shards()  # placed again
+        assert cap - 2 * m.piece_size <= tier.used_bytes() <= cap
+        second = epoch(fs, files, 22)
+        assert abs(second - (d - cap)) <= 0.05 * (d - cap), (second, d - cap)
+
+
+def test_two_processes_dropping_one_corrupt_copy_free_its_room_once(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """Two stores of the job read a whole copy, then find it corrupt: the first deletes it
+    and frees its room (and places the shard again); the second, reading the copy it had
+    open, deletes nothing and frees nothing more (it freed the room twice: the tier went
+    over its capacity by a shard, and deleted the new copy if it was there)."""
+    pack, files = dataset
+    tier = f"{tmp_path / 't'}:{64 * 2**20}"  # a capacity: its room is counted from the start
+    with stagefs.open(pack, tiers=[tier]) as a, stagefs.open(pack, tiers=[tier]) as b:
+        assert a.chain is not None and b.chain is not None
+        a.chain.prefetch([0])
+        assert a.chain.wait_idle(60)
+        m = a.manifest
+        mine = [p for p in sorted(files) if int(m.shard[m.lookup(p.encode())]) == 0]
+        for fs in (a, b):
+            assert fs.read(mine[0]) == files[mine[0]]  # each has the copy open now
+        room = a.chain.tiers[0].used_bytes()
+        path = a.chain.tiers[0].path(0)
+        _flip(path, int(m.offset[m.lookup(mine[1].encode())]) + 9)
+        assert a.read(mine[1]) == files[mine[1]]
+        assert a.chain.wait_idle(60)
+        assert 0 in a.held_shards()  # placed again
+        new = os.stat(path).st_ino
+        assert b.read(mine[1]) == files[mine[1]]  # its old copy: bad, dropped
+        assert b.chain.tiers[0].stats.dropped == 1
+        assert os.stat(path).st_ino == new  # the new copy stays
+        assert a.chain.tiers[0].used_bytes() == room
+        assert b.read(mine[1]) == files[mine[1]]

@@ -44,7 +44,7 @@ from stagefs.format import Manifest
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
-from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.base import ShardSource, SourceUnavailable, pread_full
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
@@ -384,9 +384,15 @@ class TierChain:
         return None
 
     def _room(self, t: DirTier, n: int) -> None:
-        """Count ``n`` more bytes held in ``t`` (the caller holds the tiers' lock)."""
+        """Count ``n`` more bytes held in ``t`` (the caller holds the tiers' lock). Bytes
+        freed (a corrupt copy dropped) open a tier that was full again: the shard dropped
+        is placed anew there."""
         if t.room is not None:
             t.room.add(n)
+        if n < 0 and t.stopped == "full":
+            t.stopped = None
+            if self.full and self.tiers:
+                self.full = False
 
     def _set_full(self) -> None:
         self.full = True
@@ -444,11 +450,34 @@ class TierChain:
                 self._queued.discard(shard)
             self._enqueue([shard], urgent=True)
 
-    def _dropped(self, tier: DirTier, shard: int) -> None:
-        """A tier dropped a corrupt whole copy: free its room, read elsewhere, and place the
-        shard again."""
+    def _intact(self, shard: int, tier: DirTier, a: int, b: int) -> bool:
+        """Do the extents of bytes [a, b) in the shard's partial copy in ``tier`` still
+        pass their checks? (A read from several copies failed its check: which was bad?)"""
+        f = self._copy_in(shard, tier)
+        if f is None:
+            return True
+        lo, hi = f.ext.touching(a, b)
+        if hi <= lo:
+            return True
+        start, end = int(f.ext.offs[lo]), int(f.ext.ends[hi - 1])
+        try:
+            data = pread_full(f.fd, end - start, start)
+        except OSError:
+            return False
+        src = self._fill_src[id(tier)]
+        return len(data) == end - start and placer.extents_ok(
+            self.manifest, f.ext, lo, hi, data, self._checker(src), src.name)
+
+    def _dropped(self, tier: DirTier, shard: int, ino: tuple[int, int] | None) -> None:
+        """A tier found its whole copy of the shard corrupt: delete it and free its room
+        (once: only if it is still the copy that was read, inode ``ino``, when known; two
+        processes that read it both drop it), read elsewhere, and place the shard again."""
+        path = tier.path(shard)
         with contextlib.suppress(OSError), self._tier_lock():
-            self._room(tier, -self._sizes[shard])
+            st = os.stat(path)
+            if ino is None or (st.st_dev, st.st_ino) == ino:
+                os.unlink(path)
+                self._room(tier, -self._sizes[shard])
         self._route.pop(shard, None)
         self._next_check.pop(shard, None)
         with self._cond:

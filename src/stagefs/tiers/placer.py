@@ -29,7 +29,7 @@ from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.fill import FILL_SUFFIX, Extents, ShardFill
 
 __all__ = ["BUSY_CHUNK", "CHUNK", "IN_FLIGHT", "CopyAborted", "Layout", "OriginFailed", "Pace",
-           "fill_gaps", "finish_copy"]
+           "extents_ok", "fill_gaps", "finish_copy"]
 
 CHUNK = 8 * 2**20  # bytes per origin read while placing
 IN_FLIGHT = 4  # origin reads of one shard in flight at once: one stream rarely fills a PFS link
@@ -198,6 +198,19 @@ def fill_gaps(
         raise CopyAborted(fill.final)
     if streaming is not None:
         streaming.finish()
+
+
+def extents_ok(m: Manifest, ext: Extents, lo: int, hi: int, data: bytes, check: Check,
+               where: str) -> bool:
+    """Do extents lo..hi-1, whose bytes are ``data`` (from the first one's offset), pass
+    their checks?"""
+    v = _Verifier(m, ext, lo, hi, check, where)
+    try:
+        v.feed(int(ext.offs[lo]), data)
+        v.finish()
+    except CorruptShardError:
+        return False
+    return True
 
 
 def _run_verifier(fill: ShardFill, lo: int, hi: int, m: Manifest, check: Check,

@@ -319,14 +319,22 @@ class StreamSource:
 
     def drop(self, shard: int) -> None:
         """A read found bad bytes in what this thread was given last: start the partial
-        copy they came from afresh (every copy of the shard if they came from several)."""
+        copy they came from afresh. If they came from several copies (and the origin, for
+        pieces no tier holds), each copy's part is checked again and only a copy whose part
+        fails is dropped, counted against its own tier."""
         chain = self.stream.chain
         last = getattr(self.stream._served, "last", None)
         copies = list(chain._fills.get(shard, ()))
-        if last is not None and last[0] == shard and last[1] is not None:
+        if last is not None and last[0] == shard and isinstance(last[1], list):
+            parts: list[tuple[DirTier, int, int]] = last[1]
+            bad = {id(t) for t, a, b in parts if not chain._intact(shard, t, a, b)}
+            copies = [c for c in copies if id(c[1]) in bad]
+        elif last is not None and last[0] == shard and last[1] is not None:
             copies = [c for c in copies if c[1] is last[1]]
         for k, (_, t) in enumerate(copies):
-            chain._drop_fill(shard, t, again=k == len(copies) - 1)
+            more = k < len(copies) - 1
+            chain._drop_fill(shard, t, again=not more)
+            t.stats.dropped += more  # _drop_fill counts the one it places again
 
     def close(self) -> None:
         pass
@@ -341,7 +349,8 @@ class Stream:
         self.source = StreamSource(self)
         self._clock, self._most = clock, most
         self.res = Reservations()
-        self._served = threading.local()  # (shard, tier or None) of this thread's last read
+        # (shard, tier, or [(tier, a, b)] for several copies) of this thread's last read
+        self._served = threading.local()
         # called in a stream thread with the manifest entries of the files a stream has just
         # placed and checked, before any reader asked for them, and the checked bytes it
         # read (runs of the shard: offset, bytes); the FUSE front end pushes them into the
@@ -593,11 +602,15 @@ class Stream:
                 # pieces in several tiers, or some in none (those from the origin: a large
                 # file a tier holds in part); zero padding between
                 out = bytearray(length)
+                parts: list[tuple[DirTier, int, int]] = []
                 for i, j, c in runs:
                     a, b = max(offset, int(ext.offs[i])), min(end, int(ext.ends[j - 1]))
-                    out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a) \
-                        if c is not None else self._from_origin(shard, a, b - a)
-                self._served.last = (shard, None)
+                    if c is None:
+                        out[a - offset : b - offset] = self._from_origin(shard, a, b - a)
+                        continue
+                    out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a)
+                    parts.append((c[1], a, b))
+                self._served.last = (shard, parts)
                 return bytes(out)
             except _Gone:
                 continue

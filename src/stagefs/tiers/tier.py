@@ -189,7 +189,8 @@ class DirTier:
         self._lock = threading.Lock()
         self.stats = TierStats()
         self.stopped: str | None = None  # why placement into this tier stopped, if it did
-        self.on_drop: Callable[[int], None] | None = None  # the chain forgets the copy
+        # the chain deletes a corrupt copy (shard, its inode if known) and forgets it
+        self.on_drop: Callable[[int, tuple[int, int] | None], None] | None = None
 
     def __repr__(self) -> str:
         cap = "free space" if self.capacity is None else format_size(self.capacity)
@@ -335,17 +336,25 @@ class DirTier:
             return self._maps.setdefault(shard, mm)
 
     def drop(self, shard: int) -> None:
-        """A read found this copy corrupt: delete it (all processes stop using it)."""
+        """A read found this copy corrupt: delete it (all processes stop using it). With a
+        chain (``on_drop``), the chain deletes it under the tiers' lock, only if it is still
+        the copy this process read (another process may have dropped it first, and placed
+        the shard again), and frees its room once."""
         with self._lock:
             self._maps.pop(shard, None)  # unmapped once no batch under way holds it
             fd = self._fds.pop(shard, None)
+        ino: tuple[int, int] | None = None
         if fd is not None:
+            with contextlib.suppress(OSError):
+                st = os.fstat(fd)
+                ino = (st.st_dev, st.st_ino)
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path(shard))
         self.stats.dropped += 1
         if self.on_drop is not None:
-            self.on_drop(shard)
+            self.on_drop(shard, ino)
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path(shard))
 
     def adopt(self, shard: int, fd: int) -> bool:
         """Keep ``fd`` (opened on the file just renamed into place) as the shard's fd,
