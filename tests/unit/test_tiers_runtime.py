@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_tiers import read_all
@@ -239,3 +240,40 @@ def test_stats_are_flushed_while_open(raw: tuple[Path, dict[str, bytes]], tmp_pa
         while time.monotonic() < deadline and not list(flushed(f"{os.getpid()}.*.json")):
             time.sleep(0.05)  # a partial file of the flush may be there first
         assert list(flushed(f"{os.getpid()}.*.json"))
+
+
+def _child_reads(fs: stagefs.Store, names: list[str], out: Any) -> None:
+    """In a multiprocessing child (as a DataLoader worker): read, flush, read one more."""
+    assert fs.chain is not None
+    for n in names[:-1]:
+        fs.read(n)
+    assert fs.chain.wait_idle(30)
+    fs.chain.flush_stats()
+    before = fs.chain.counters()
+    fs.read(names[-1])  # counted after the last flush
+    out.send((before, fs.chain.counters()))
+
+
+@pytest.mark.parametrize("how", ["fork", "spawn"])
+def test_a_multiprocessing_child_flushes_its_counters_as_it_ends(
+        raw: tuple[Path, dict[str, bytes]], tmp_path: Path, how: str) -> None:
+    """A forked DataLoader worker ends with os._exit (no atexit): its counters since its
+    last flush reached no ``stagefs status``; multiprocessing's exit finalizer flushes them
+    now (a spawned one ends through sys.exit and atexit, as before)."""
+    import multiprocessing
+
+    root, files = raw
+    names = sorted(files)[:12]
+    ctx = multiprocessing.get_context(how)
+    with stagefs.open(root, tiers=[str(tmp_path / "t")], runtime=tmp_path / "rt") as fs:
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child_reads, args=(fs, names, send))
+        p.start()
+        before, got = recv.recv()
+        p.join(60)
+        assert p.exitcode == 0
+        assert got != before  # the last read was counted (a tier hit, or an origin read)
+        flushed = [json.loads(f.read_text()) for f in (tmp_path / "rt" / "stats").glob(
+            f"{p.pid}.*.json")]
+        assert len(flushed) == 1
+        assert flushed[0] == got

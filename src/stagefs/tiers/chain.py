@@ -29,6 +29,7 @@ import functools
 import itertools
 import json
 import logging
+import multiprocessing.util as mp_util
 import os
 import resource
 import threading
@@ -137,6 +138,7 @@ class TierChain:
         self._init_threading()
         _raise_fd_limit()
         _CHAINS.add(self)
+        _flush_at_exit()
 
     def _init_threading(self) -> None:
         self._cond = threading.Condition()
@@ -857,6 +859,29 @@ def _close_all() -> None:
     for chain in list(_CHAINS):
         with contextlib.suppress(Exception):
             chain.close()
+
+
+def _flush_all() -> None:
+    for chain in list(_CHAINS):
+        with contextlib.suppress(Exception):
+            chain.flush_stats()
+
+
+_EXIT_FLUSH = [0]  # the process that registered _flush_all with multiprocessing
+
+
+def _flush_at_exit(_: object = None) -> None:
+    """A forked multiprocessing child (a DataLoader worker) ends with os._exit: no atexit
+    handler runs, and the counters it gathered since its last flush (once a
+    second, from the stream threads) were lost to ``stagefs status``. multiprocessing runs
+    its own exit finalizers there: flush the counters in one (once per process)."""
+    if _EXIT_FLUSH[0] != os.getpid():
+        _EXIT_FLUSH[0] = os.getpid()
+        mp_util.Finalize(None, _flush_all, exitpriority=0)
+
+
+_FLUSH_TOKEN = type("_FlushToken", (), {})()  # multiprocessing's after-fork hooks need one
+mp_util.register_after_fork(_FLUSH_TOKEN, _flush_at_exit)
 
 
 os.register_at_fork(before=lambda: _FORK_GUARD.acquire(),
