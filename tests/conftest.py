@@ -43,6 +43,15 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0xFF) -> None:
+    """Corrupt one byte of a file in place (a bad tier copy, shard or manifest)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def text_bytes(n: int, seed: int = 0) -> bytes:
     """Compressible text of exactly ``n`` bytes."""
     rng = random.Random(seed)

@@ -21,6 +21,7 @@ import pytest
 from cluster_helpers import make_pack, serve_args, start, status_json, stop, tail, wait_staged
 
 import stagefs
+from conftest import flip_byte
 from stagefs.cluster.cmap import ClusterMap, write_map
 from stagefs.cluster.daemon import _tier_runtime
 from stagefs.cluster.placement import place
@@ -57,13 +58,6 @@ def _raw_file_inside(m: Manifest) -> int:
                 and e != firsts[int(m.shard[e])])
 
 
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
-
 
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
@@ -96,7 +90,7 @@ def test_a_corrupt_file_at_the_origin_is_never_staged(tmp_path: Path) -> None:
     shard = int(m.shard[bad])
     name = m.shards[shard].name
     bad_path = os.fsdecode(m.path_of(bad))
-    _flip(os.path.join(pack, name), int(m.offset[bad]) + int(m.stored[bad]) // 2)
+    flip_byte(os.path.join(pack, name), int(m.offset[bad]) + int(m.stored[bad]) // 2)
     same_shard = [os.fsdecode(m.path_of(e)) for e in m.files()
                   if int(m.shard[e]) == shard and e != bad]
     log = os.path.join(work, "daemon0.log")
@@ -136,7 +130,7 @@ def test_a_bad_file_from_a_peer_is_fetched_from_the_origin(
     bad = _raw_file_inside(m)
     shard = int(m.shard[bad])
     name = m.shards[shard].name
-    _flip(str(copies / name), int(m.offset[bad]) + 1)
+    flip_byte(str(copies / name), int(m.offset[bad]) + 1)
     token = auth.new_token()
     srv = ShardServer(m, token, lambda s: str(copies / m.shards[s].name), "127.0.0.1").start()
     peer = PeerClient(*srv.address, token, pack_id=m.pack_id, name="node 0")

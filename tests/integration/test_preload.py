@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import stagefs
-from conftest import build_sample_tree, random_bytes, text_bytes
+from conftest import build_sample_tree, flip_byte, random_bytes, text_bytes
 from stagefs._native import preload_library
 from tiers_helpers import compile_c
 
@@ -420,13 +420,6 @@ def _tier_copy(tier: Path, pack: Path, rel: str) -> tuple[Path, int]:
         return tier / m.pack_id.hex() / m.shards[m.shard[e]].name, int(m.offset[e])
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
 
 def test_a_corrupt_copy_never_gives_wrong_bytes(packed: tuple[Path, Path], tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -441,13 +434,13 @@ def test_a_corrupt_copy_never_gives_wrong_bytes(packed: tuple[Path, Path], tmp_p
     monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
     copy, off = _tier_copy(tier, pack, "data/rand.bin")
     assert copy.is_file()
-    _flip(copy, off + 1000)
+    flip_byte(copy, off + 1000)
     want = hashlib.md5((src / "data/rand.bin").read_bytes()).hexdigest()
     # the tier's copy is bad: the origin's bytes are read instead
     got = run(pack, at, "md5sum", at / "data/rand.bin", tiers=[tier])
     assert got.stdout.decode().split()[0] == want, got.stderr.decode()
     # bad in the origin, read with no tier: an error, never bytes
-    _flip(pack / copy.name, off + 1000)
+    flip_byte(pack / copy.name, off + 1000)
     got = run(pack, at, "cat", at / "data/rand.bin", ok=False)
     assert got.returncode != 0 and b"Input/output error" in got.stderr
     assert got.stdout == b""

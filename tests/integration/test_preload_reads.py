@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_preload import BIG, _env, _flip, _tier_copy, plain, run
+from test_preload import BIG, _env, _tier_copy, plain, run
 
 import stagefs
-from conftest import random_bytes
+from conftest import flip_byte, random_bytes
 from stagefs._native import preload_library
 from tiers_helpers import compile_c
 
@@ -170,11 +170,11 @@ def test_a_bad_tier_copy_is_never_returned(tree: tuple[Path, Path], tmp_path: Pa
     tier = _staged_tier(pack, tmp_path)
     monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
     copy, off = _tier_copy(tier, pack, BIG)
-    _flip(copy, off + 2 * MiB + 12345)
+    flip_byte(copy, off + 2 * MiB + 12345)
     at = tmp_path / "data"
     got = run(pack, at, probe, at / BIG, *ops, tiers=[tier])
     assert got.stdout == plain(probe, src / BIG, *ops), got.stderr
-    _flip(pack / copy.name, off + 2 * MiB + 12345)
+    flip_byte(pack / copy.name, off + 2 * MiB + 12345)
     got = run(pack, at, probe, at / BIG, *ops)  # no tier: the origin's bad shard only
     last = got.stdout.decode().splitlines()[-1]
     assert last.endswith("error 5 dirty 0"), got.stdout  # EIO, nothing of the bad bytes
@@ -200,7 +200,7 @@ def test_a_process_verifies_a_copy_once(tree: tuple[Path, Path], tmp_path: Path,
     with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env()) as p:
         assert p.stdout is not None and p.stdin is not None
         assert p.stdout.readline().decode() == want  # verified, then waits
-        _flip(copy, off + 777)
+        flip_byte(copy, off + 777)
         p.stdin.write(b"go\n")
         p.stdin.flush()
         second = p.stdout.readline().decode()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes
+from conftest import flip_byte, random_bytes
 
 SAMPLE = 100_000
 N = 480  # 48 MB of incompressible samples, in 6 shards of 8 MiB (8 pieces of 1 MiB each)
@@ -378,11 +378,7 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
         assert fs.origin.stats.bytes_read == mid  # pieces 0-2: from RAM and disk
         # a flipped byte in the file's piece 3, in the disk tier's partial copy
         partial = disk_t.path(shard) + ".partial"
-        with open(partial, "r+b") as f:
-            f.seek(off + 3 * piece + 100)
-            b = f.read(1)
-            f.seek(off + 3 * piece + 100)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_byte(partial, off + 3 * piece + 100)
         # the whole file (from RAM, disk and the origin) fails its check: each copy's part
         # is checked again and only the disk tier's copy is dropped, counted there
         ram_partial = ram_t.path(shard) + ".partial"
@@ -395,23 +391,12 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
             big[piece - 3 : 3 * piece - 3]
         assert fs.read(name) == big
         # a flipped byte in piece 1 (RAM), read as a range: the range's piece check
-        with open(ram_t.path(shard) + ".partial", "r+b") as f:
-            f.seek(off + piece + 7)
-            b = f.read(1)
-            f.seek(off + piece + 7)
-            f.write(bytes([b[0] ^ 0xFF]))
+        flip_byte(ram_t.path(shard) + ".partial", off + piece + 7)
         assert fs.read_entry(e, start=piece, length=10) == big[piece : piece + 10]
         assert not os.path.exists(ram_partial) or os.stat(ram_partial).st_ino != inodes[0]
         assert ram_t.stats.dropped == 1
         assert fs.read(name) == big
 
-
-def _flip(path: str, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def test_a_full_tier_takes_the_room_a_corrupt_copy_leaves(
@@ -435,7 +420,7 @@ def test_a_full_tier_takes_the_room_a_corrupt_copy_leaves(
         shard = whole[0]
         m = fs.manifest
         victim = next(p for p in sorted(files) if int(m.shard[m.lookup(p.encode())]) == shard)
-        _flip(tier.path(shard), int(m.offset[m.lookup(victim.encode())]) + 5)
+        flip_byte(tier.path(shard), int(m.offset[m.lookup(victim.encode())]) + 5)
         assert fs.read(victim) == files[victim]
         assert tier.stats.dropped == 1
         assert chain.wait_idle(60)
@@ -463,7 +448,7 @@ def test_two_processes_dropping_one_corrupt_copy_free_its_room_once(
             assert fs.read(mine[0]) == files[mine[0]]  # each has the copy open now
         room = a.chain.tiers[0].used_bytes()
         path = a.chain.tiers[0].path(0)
-        _flip(path, int(m.offset[m.lookup(mine[1].encode())]) + 9)
+        flip_byte(path, int(m.offset[m.lookup(mine[1].encode())]) + 9)
         assert a.read(mine[1]) == files[mine[1]]
         assert a.chain.wait_idle(60)
         assert 0 in a.held_shards()  # placed again

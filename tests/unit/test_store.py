@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes, text_bytes
+from conftest import flip_byte, random_bytes, text_bytes
 from stagefs.errors import (
     ChecksumError,
     CorruptShardError,
@@ -112,13 +112,6 @@ def test_read_many_empty_and_adjacent(busy: tuple[Path, dict[str, bytes]],
     assert busy_store.read_many(empties + empties[:3]) == [b""] * (len(empties) + 3)
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
 
 @pytest.fixture
 def corruptible(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
@@ -146,7 +139,7 @@ def test_corrupt_byte_gives_checksum_error(corruptible: tuple[Path, dict[str, by
                                              m.offset[m.lookup(p.encode())]))
         k = order.index(victim)
         neighbours = order[max(0, k - 3) : k + 4]
-    _flip(pack / shard, off)
+    flip_byte(pack / shard, off, 0x01)
     with stagefs.open(pack) as fs:
         for read in (fs.read, lambda p: fs.read_many([p])[0],
                      lambda p: fs.read_many(neighbours)[neighbours.index(p)],
@@ -191,7 +184,7 @@ def test_corrupt_large_file_through_range_reads(tmp_path: Path,
     data = random_bytes(300_000, 8)
     (src / "big").write_bytes(data)
     stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
-    _flip(tmp_path / "pack" / shard_name(0), 64 + 250_000)
+    flip_byte(tmp_path / "pack" / shard_name(0), 64 + 250_000, 0x01)
     monkeypatch.setattr(fileobj, "WHOLE_READ_LIMIT", 1000)
     with stagefs.open(tmp_path / "pack") as fs:
         with fs.open("big", buffering=4096) as f:
@@ -458,7 +451,7 @@ def test_a_bad_file_read_by_a_helper_thread_is_reported(
         e = m.lookup(victim.encode())
         shard = m.shards[m.shard[e]].name
         off = int(m.offset[e]) + int(m.stored[e]) // 2
-    _flip(pack / shard, off)
+    flip_byte(pack / shard, off, 0x01)
     with stagefs.open(pack) as fs:
         with pytest.raises(ChecksumError, match=victim):
             fs.read_many(batch)

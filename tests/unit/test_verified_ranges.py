@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes, reseal_manifest
+from conftest import flip_byte, random_bytes, reseal_manifest
 from stagefs.errors import ChecksumError, CorruptManifestError
 from stagefs.format import KIND_FILE, MANIFEST_NAME, PIECE, Manifest, ManifestBuilder
 from stagefs.format.checksum import piece_sums
@@ -59,17 +59,10 @@ def _where(pack: Path, rel: str) -> tuple[str, int]:
         m.close()
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x5A]))
-
 
 def _corrupt_origin(pack: Path, rel: str = VICTIM, at: int = BAD_AT) -> str:
     name, off = _where(pack, rel)
-    _flip(pack / name, off + at)
+    flip_byte(pack / name, off + at, 0x5A)
     return name
 
 
@@ -172,7 +165,7 @@ def test_corrupt_tier_copy_is_passed_over(pack: Path, tmp_path: Path, runtime: P
         e = fs.namespace.file_entry(VICTIM)
         shard = int(fs.manifest.shard[e])
         name = fs.manifest.shards[shard].name
-        _flip(Path(fs.chain.tiers[0].path(shard)), int(fs.manifest.offset[e]) + BAD_AT)
+        flip_byte(fs.chain.tiers[0].path(shard), int(fs.manifest.offset[e]) + BAD_AT, 0x5A)
         if how == "range":
             with fs.open(VICTIM) as f:
                 f.seek(BAD_AT - 50)
