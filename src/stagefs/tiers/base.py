@@ -38,6 +38,10 @@ class SourceUnavailable(Exception):
     """
 
 
+class DamagedCopy(SourceUnavailable):
+    """A tier copy is shorter than its shard (cut short under us): it is dropped."""
+
+
 @runtime_checkable
 class ShardSource(Protocol):
     """Something that can return a byte range of a shard.

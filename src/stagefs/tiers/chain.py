@@ -45,9 +45,17 @@ from stagefs.format import Manifest
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
-from stagefs.tiers.base import ShardSource, SourceUnavailable, pread_full
+from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full
 from stagefs.tiers.claims import Claims
-from stagefs.tiers.fill import Activity, Extents, ShardFill, create_fill, open_fill, remove_fill
+from stagefs.tiers.fill import (
+    PARTIAL_SUFFIX,
+    Activity,
+    Extents,
+    ShardFill,
+    create_fill,
+    open_fill,
+    remove_fill,
+)
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.stream import Stream
 from stagefs.tiers.tier import NO_SPACE, DirTier
@@ -83,7 +91,11 @@ class _FillSource:
         f = self._chain._copy_in(shard, self.tier)
         if f is None:
             raise SourceUnavailable("no partial copy")
-        data = f.pread(offset, length)
+        try:
+            data = f.pread(offset, length)
+        except DamagedCopy:
+            self.drop(shard)  # cut short under us: placed anew
+            raise
         self.tier.stats.hits += 1
         self.tier.stats.bytes += length
         return data
@@ -131,6 +143,7 @@ class TierChain:
         self._queued: set[int] = set()
         self._failed: set[int] = set()
         self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
+        self._unusable: list[str] = []  # partial copies _look found cut short or without a map
         self.misses = 0
         self.corrupt = 0  # files that failed their checksum while copied into a tier
         self.full = not self.tiers
@@ -180,6 +193,8 @@ class TierChain:
             # open() per tier when there is none, against a read from the origin; a process
             # forked while a read-ahead filled the first batches read them again otherwise)
             self._look(shard)
+        if self._unusable:
+            self._clear_unusable(shard)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
         copies = self._fills.get(shard)
@@ -303,7 +318,7 @@ class TierChain:
                     self._graveyard_fills.append(f)  # a reader may still be using it
             for t in self.tiers:
                 if not any(t is u for _, u in keep):
-                    opened = open_fill(t.path(shard), self._sizes[shard], ext)
+                    opened = open_fill(t.path(shard), self._sizes[shard], ext, self._unusable)
                     if opened is not None:
                         keep.append((opened, t))
             if keep:
@@ -324,9 +339,13 @@ class TierChain:
                 # looked for again under the lock, in every tier: another process may have
                 # reserved a piece (or finished the shard) since, in a tier this one counts
                 # as full; a piece reserved twice would be placed twice
-                if any(os.path.exists(t.path(shard)) for t in self.tiers):
+                if any(os.path.exists(t.path(shard)) and not self._cut_short(t, shard)
+                       for t in self.tiers):
                     return out  # whole already: the next look finds it
                 self._look(shard)
+                for t in self.tiers:
+                    if self._copy_in(shard, t) is None:
+                        self._leftover(t, shard)
                 if not self._extents_of(shard).pieces and shard not in self._fills:
                     self._reserve_one(shard, None)  # no file with bytes: the header alone
                 for p in pieces:
@@ -342,6 +361,55 @@ class TierChain:
                     self._tier_failed(t, exc)
             self._set_full()
         return out
+
+    def _cut_short(self, t: DirTier, shard: int) -> bool:
+        """A whole copy under the shard's name whose size is wrong (cut short: nothing
+        renames a wrong one into place) is deleted, its room freed; True if it was. The
+        caller holds the tiers' lock."""
+        path = t.path(shard)
+        try:
+            if os.stat(path).st_size == self._sizes[shard]:
+                return False
+            os.unlink(path)
+        except FileNotFoundError:
+            return True
+        log.warning("%s: shorter than shard %d; deleted, to be placed anew", path, shard)
+        self._room(t, -self._sizes[shard])
+        t.forget(shard)
+        t.stats.dropped += 1
+        return True
+
+    def _clear_unusable(self, shard: int) -> None:
+        """Delete the partial copies of the shard ``_look`` found unusable (a read meets
+        them; the tiers may be full, so no reservation would), then place it anew."""
+        finals, self._unusable[:] = set(self._unusable), []
+        done = False
+        with contextlib.suppress(OSError), self._tier_lock():
+            for t in self.tiers:
+                if t.path(shard) in finals and self._copy_in(shard, t) is None:
+                    done |= self._leftover(t, shard)
+        if done:
+            with self._cond:
+                self._queued.discard(shard)
+
+    def _leftover(self, t: DirTier, shard: int) -> bool:
+        """A partial copy no process can use (cut short, its fill map gone or of an earlier
+        version) is deleted, and the bytes it holds freed (the caller holds the tiers' lock;
+        ``_look`` found no usable copy in ``t``). True if one was."""
+        partial = t.path(shard) + PARTIAL_SUFFIX
+        usable = open_fill(t.path(shard), self._sizes[shard], self._extents_of(shard))
+        if usable is not None:  # made meanwhile by another process (under the lock)
+            usable.close()
+            return False
+        try:
+            held = os.stat(partial).st_blocks * 512
+        except FileNotFoundError:
+            return False
+        log.warning("%s: a partial copy that cannot be used; deleted", partial)
+        remove_fill(t.path(shard))
+        self._room(t, -held)
+        t.stats.dropped += 1
+        return True
 
     def _reserve_one(self, shard: int, p: int | None) -> Copy | None:
         """Reserve piece ``p`` in the first tier with room (the caller holds both locks);

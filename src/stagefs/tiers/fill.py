@@ -53,7 +53,7 @@ import numpy.typing as npt
 
 from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import SourceUnavailable, pread_full
+from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
 
 __all__ = ["Activity", "Extents", "ShardFill", "create_fill", "open_fill"]
 
@@ -314,7 +314,7 @@ class ShardFill:
         except OSError as exc:
             raise SourceUnavailable(f"{self.partial}: {exc.strerror}") from exc
         if len(data) != length:
-            raise SourceUnavailable("short read of a partial copy")
+            raise DamagedCopy(f"{self.partial}: short read (cut short?)")
         return data
 
     def write(self, offset: int, data: bytes | memoryview) -> int:
@@ -350,12 +350,14 @@ class ShardFill:
         return bool(self.bits[self.mine()].all())
 
     def linked(self) -> bool:
-        """Is this still the partial copy the tier names (not dropped, not finished)?"""
+        """Is this still the partial copy the tier names (not dropped, not finished), with
+        its fill map (without one no other process can use it: it is let go, and deleted
+        by the next reservation)?"""
         try:
             st = os.stat(self.partial)
         except FileNotFoundError:
             return False
-        return (st.st_dev, st.st_ino) == self.ino
+        return (st.st_dev, st.st_ino) == self.ino and os.path.exists(self.final + FILL_SUFFIX)
 
     def close(self) -> None:
         self.bits = self.res = np.ones(0, np.uint8)
@@ -366,8 +368,11 @@ class ShardFill:
             os.close(self.fd)
 
 
-def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
-    """Open an existing partial copy, or None if there is none (or it is not a whole one)."""
+def open_fill(final: str, size: int, ext: Extents,
+              unusable: list[str] | None = None) -> ShardFill | None:
+    """Open an existing partial copy, or None if there is none (or it is not a whole one:
+    cut short, its fill map gone or of another size; then ``final`` is added to
+    ``unusable``)."""
     try:
         fd = os.open(final + PARTIAL_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -376,10 +381,14 @@ def open_fill(final: str, size: int, ext: Extents) -> ShardFill | None:
         ffd = os.open(final + FILL_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         os.close(fd)
+        if unusable is not None:
+            unusable.append(final)
         return None
     try:
         if os.fstat(fd).st_size != size or os.fstat(ffd).st_size != map_size(ext):
             os.close(fd)
+            if unusable is not None:
+                unusable.append(final)
             return None
         return ShardFill(final, fd, ffd, ext)
     except BaseException:

@@ -53,7 +53,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stagefs.errors import CorruptShardError, StagefsError
-from stagefs.tiers.base import SourceUnavailable
+from stagefs.tiers.base import DamagedCopy, SourceUnavailable
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 from stagefs.tiers.placer import _pwrite_all, _run_verifier
 
@@ -657,7 +657,11 @@ class Stream:
         delay = _POLL_S[0]
         while True:
             if fill.covered(offset, end):
-                data = fill.pread(offset, length)
+                try:
+                    data = fill.pread(offset, length)
+                except DamagedCopy:
+                    self.chain._drop_fill(shard, tier)  # cut short under us: placed anew
+                    raise
                 tier.stats.hits += 1
                 tier.stats.bytes += length
                 return data

@@ -26,7 +26,7 @@ from stagefs.config import TierSpec, env, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import SourceUnavailable, pread_full
+from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
 
 log = logging.getLogger("stagefs")
 
@@ -275,8 +275,9 @@ class DirTier:
             data = pread_full(fd, length, offset)
         except OSError as exc:
             raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
-        if len(data) != length:
-            raise SourceUnavailable(f"{self.path(shard)}: short read")
+        if len(data) != length:  # cut short under us: dropped, placed anew
+            self.drop(shard)
+            raise DamagedCopy(f"{self.path(shard)}: short read (cut short?)")
         self.stats.hits += 1
         self.stats.bytes += length
         return data
@@ -306,8 +307,13 @@ class DirTier:
                     out.append(None)
             return out
         maps, hits, nbytes = self._maps, 0, 0
+        seen: set[int] = set()
         for shard, offset, length in ranges:
             mm = maps.get(shard) or self._map(shard)
+            if mm is not None and shard not in seen:
+                seen.add(shard)
+                if not self._whole_still(shard, len(mm)):
+                    mm = None  # cut short under us: a copy out of it would be a SIGBUS
             if mm is None or offset + length > len(mm):
                 out.append(None)
                 continue
@@ -317,6 +323,18 @@ class DirTier:
         self.stats.hits += hits
         self.stats.bytes += nbytes
         return out
+
+    def _whole_still(self, shard: int, size: int) -> bool:
+        """Is the mapped copy still ``size`` bytes long (one fstat a shard a batch)? If not
+        (cut short), it is dropped."""
+        fd = self._fds.get(shard)
+        try:
+            if fd is None or os.fstat(fd).st_size >= size:
+                return True
+        except OSError:
+            return True
+        self.drop(shard)
+        return False
 
     def _map(self, shard: int) -> mmap.mmap | None:
         """A read-only mapping of the held copy of ``shard`` (kept until it is dropped)."""
