@@ -88,6 +88,10 @@ class _FillSource:
         self._chain = chain
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
+        sizes = self._chain._sizes
+        if not 0 <= shard < len(sizes) or offset < 0 or length < 0 or \
+                offset + length > sizes[shard]:
+            raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
         f = self._chain._copy_in(shard, self.tier)
         if f is None:
             raise SourceUnavailable("no partial copy")
@@ -143,7 +147,7 @@ class TierChain:
         self._queued: set[int] = set()
         self._failed: set[int] = set()
         self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
-        self._unusable: list[str] = []  # partial copies _look found cut short or without a map
+        self._unusable: set[str] = set()  # partial copies _look found cut short or without a map
         self.misses = 0
         self.corrupt = 0  # files that failed their checksum while copied into a tier
         self.full = not self.tiers
@@ -382,7 +386,10 @@ class TierChain:
     def _clear_unusable(self, shard: int) -> None:
         """Delete the partial copies of the shard ``_look`` found unusable (a read meets
         them; the tiers may be full, so no reservation would), then place it anew."""
-        finals, self._unusable[:] = set(self._unusable), []
+        finals = {t.path(shard) for t in self.tiers} & self._unusable
+        if not finals:
+            return
+        self._unusable -= finals
         done = False
         with contextlib.suppress(OSError), self._tier_lock():
             for t in self.tiers:

@@ -369,7 +369,7 @@ class ShardFill:
 
 
 def open_fill(final: str, size: int, ext: Extents,
-              unusable: list[str] | None = None) -> ShardFill | None:
+              unusable: set[str] | None = None) -> ShardFill | None:
     """Open an existing partial copy, or None if there is none (or it is not a whole one:
     cut short, its fill map gone or of another size; then ``final`` is added to
     ``unusable``)."""
@@ -382,13 +382,13 @@ def open_fill(final: str, size: int, ext: Extents,
     except FileNotFoundError:
         os.close(fd)
         if unusable is not None:
-            unusable.append(final)
+            unusable.add(final)
         return None
     try:
         if os.fstat(fd).st_size != size or os.fstat(ffd).st_size != map_size(ext):
             os.close(fd)
             if unusable is not None:
-                unusable.append(final)
+                unusable.add(final)
             return None
         return ShardFill(final, fd, ffd, ext)
     except BaseException:

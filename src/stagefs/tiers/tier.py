@@ -275,8 +275,11 @@ class DirTier:
             data = pread_full(fd, length, offset)
         except OSError as exc:
             raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
-        if len(data) != length:  # cut short under us: dropped, placed anew
-            self.drop(shard)
+        if len(data) != length:
+            if offset < 0 or length < 0 or offset + length > self._sizes[shard]:
+                raise SourceUnavailable(f"{self.path(shard)}: no range [{offset}, "
+                                        f"{offset + length}) in the shard")
+            self.drop(shard)  # cut short under us: dropped, placed anew
             raise DamagedCopy(f"{self.path(shard)}: short read (cut short?)")
         self.stats.hits += 1
         self.stats.bytes += length
