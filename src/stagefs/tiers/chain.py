@@ -88,10 +88,7 @@ class _FillSource:
         self._chain = chain
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        sizes = self._chain._sizes
-        if not 0 <= shard < len(sizes) or offset < 0 or length < 0 or \
-                offset + length > sizes[shard]:
-            raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
+        self._chain.in_shard(shard, offset, length)
         f = self._chain._copy_in(shard, self.tier)
         if f is None:
             raise SourceUnavailable("no partial copy")
@@ -343,12 +340,12 @@ class TierChain:
                 # looked for again under the lock, in every tier: another process may have
                 # reserved a piece (or finished the shard) since, in a tier this one counts
                 # as full; a piece reserved twice would be placed twice
-                if any(os.path.exists(t.path(shard)) and not self._cut_short(t, shard)
-                       for t in self.tiers):
+                if any(self._whole_in(t, shard) for t in self.tiers):
                     return out  # whole already: the next look finds it
                 self._look(shard)
-                for t in self.tiers:
-                    if self._copy_in(shard, t) is None:
+                for t in self.tiers:  # the partial copies the look found unusable
+                    if t.path(shard) in self._unusable and self._copy_in(shard, t) is None:
+                        self._unusable.discard(t.path(shard))
                         self._leftover(t, shard)
                 if not self._extents_of(shard).pieces and shard not in self._fills:
                     self._reserve_one(shard, None)  # no file with bytes: the header alone
@@ -366,22 +363,28 @@ class TierChain:
             self._set_full()
         return out
 
-    def _cut_short(self, t: DirTier, shard: int) -> bool:
-        """A whole copy under the shard's name whose size is wrong (cut short: nothing
-        renames a wrong one into place) is deleted, its room freed; True if it was. The
+    def _whole_in(self, t: DirTier, shard: int) -> bool:
+        """Is the shard whole in ``t``? A file under its name whose size is wrong (cut
+        short: nothing renames a wrong one into place) is deleted and its room freed. The
         caller holds the tiers' lock."""
         path = t.path(shard)
         try:
             if os.stat(path).st_size == self._sizes[shard]:
-                return False
+                return True
             os.unlink(path)
         except FileNotFoundError:
-            return True
+            return False
         log.warning("%s: shorter than shard %d; deleted, to be placed anew", path, shard)
         self._room(t, -self._sizes[shard])
         t.forget(shard)
         t.stats.dropped += 1
-        return True
+        return False
+
+    def in_shard(self, shard: int, offset: int, length: int) -> None:
+        """Refuse a range that is not inside the shard (every holder of the chain)."""
+        if not 0 <= shard < len(self._sizes) or offset < 0 or length < 0 or \
+                offset + length > self._sizes[shard]:
+            raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
 
     def _clear_unusable(self, shard: int) -> None:
         """Delete the partial copies of the shard ``_look`` found unusable (a read meets

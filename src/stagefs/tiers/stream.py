@@ -575,9 +575,7 @@ class Stream:
         pieces once the stream (or another reader) has them there, or read now by this
         caller."""
         chain = self.chain
-        if not 0 <= shard < len(chain._sizes) or offset < 0 or length < 0 or \
-                offset + length > chain._sizes[shard]:
-            raise SourceUnavailable(f"no range [{offset}, {offset + length}) in shard {shard}")
+        chain.in_shard(shard, offset, length)
         ext = chain._extents_of(shard)
         if not ext.tiles:
             raise SourceUnavailable("not placed in pieces")
