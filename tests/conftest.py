@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import stat as st
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +29,6 @@ os.environ["STAGEFS_JOB"] = _SUITE_JOB
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    import shutil
-
     from stagefs.runtime import Runtime
 
     if os.environ.get("STAGEFS_JOB") == _SUITE_JOB and not os.environ.get("STAGEFS_RUNTIME"):
@@ -210,6 +210,16 @@ def runtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
     monkeypatch.delenv("STAGEFS_TIERS", raising=False)
     return rt
+
+
+@pytest.fixture
+def memory_dir(runtime: Path) -> Iterator[Path]:
+    """A directory on /dev/shm for a memory tier (removed after the test)."""
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm on this machine")
+    d = Path("/dev/shm") / f"stagefs-test-{uuid.uuid4().hex[:8]}"
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def reseal_manifest(raw: bytearray) -> bytes:

@@ -595,9 +595,24 @@ class Store:
         stats = self.stats
         stats.reads += reads
         stats.bytes += nbytes
-        if self._counts is not None:
-            holder = "origin" if src is self.origin else getattr(src, "holder", "peer")
-            self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes, stored)
+        if self._counts is None:
+            return
+        served_by = getattr(src, "served_by", None)
+        split = served_by() if served_by is not None else None
+        if split and len(split) > 1:
+            # from several holders (a large file's pieces in two tiers and the origin): the
+            # bytes to each, the sample to the one that gave the most
+            left_n, left_s = nbytes, stored
+            for k, (holder, part) in enumerate(split):
+                last = k == len(split) - 1
+                n = left_n if last else nbytes * part // max(stored, 1)
+                m = left_s if last else part
+                self._counts.add(holder, reads if k == 0 else 0, n, m)
+                left_n, left_s = left_n - n, left_s - m
+            return
+        holder = split[0][0] if split else \
+            "origin" if src is self.origin else getattr(src, "holder", "peer")
+        self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes, stored)
 
     def count_delivered(self, nbytes: int) -> None:
         """One sample of ``nbytes`` that a front end delivered without a read through this

@@ -4,11 +4,8 @@ checked as a read alone checks it, a bad copy read again per file along the same
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +21,6 @@ from tiers_helpers import make_tree, packed_tree
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     return packed_tree(tmp_path_factory.mktemp("batch"), n=160)
-
-
-@pytest.fixture
-def memory_dir(runtime: Path) -> Iterator[Path]:
-    if not os.access("/dev/shm", os.W_OK):
-        pytest.skip("no writable /dev/shm on this machine")
-    d = Path("/dev/shm") / f"stagefs-test-{uuid.uuid4().hex[:8]}"
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class Spy:

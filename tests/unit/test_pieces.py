@@ -328,6 +328,26 @@ def test_large_files_are_placed_in_pieces(large_files: tuple[Path, dict[str, byt
         assert fs.chain.held_pieces() == held
 
 
+def _large_file_pieces(pack: Path, name: str) -> tuple[int, int, int, list[int], list[int]]:
+    """(shard, entry, piece size, its shard's pieces that hold it, their sizes) of a file of
+    5 checksum pieces, each an extent of its own."""
+    from stagefs.tiers.fill import Extents
+    from stagefs.tiers.placer import Layout
+
+    with stagefs.open(pack) as probe:
+        m = probe.manifest
+        e = probe.namespace.file_entry(name)
+        shard, off, n = int(m.shard[e]), int(m.offset[e]), int(m.size[e])
+        lay = Layout(m)
+        ext = Extents.of(m, lay.idx[lay.bounds[shard] : lay.bounds[shard + 1]],
+                         m.shards[shard].size)
+        lo, hi = ext.touching(off, off + n)
+        assert hi - lo == 5 and list(ext.part[lo:hi]) == list(range(5))
+        assert ext.one_file(lo, hi) and not ext.one_file(lo - 1, hi)
+        pieces = [int(p) for p in ext.piece[lo:hi]]
+        return shard, e, m.piece_size, pieces, [int(s) for s in ext.sizes()[pieces]]
+
+
 def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
         large_files: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
     """One large file's pieces in a RAM tier, a disk tier and no tier: a whole read comes
@@ -336,25 +356,13 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
     file's), the right bytes come from the origin, and only the bad copy is dropped (a file
     read from several copies once dropped them all)."""
     from stagefs.format.spec import SHARD_HEADER
-    from stagefs.tiers.fill import Extents
-    from stagefs.tiers.placer import Layout
 
     pack, files = large_files
     name = "v/09.npy"  # 4.9 MiB: 5 checksum pieces
     big = files[name]
+    shard, e, piece, pieces, size = _large_file_pieces(pack, name)
     with stagefs.open(pack) as probe:
-        m = probe.manifest
-        piece = m.piece_size
-        e = probe.namespace.file_entry(name)
-        shard, off = int(m.shard[e]), int(m.offset[e])
-        lay = Layout(m)
-        ext = Extents.of(m, lay.idx[lay.bounds[shard] : lay.bounds[shard + 1]],
-                         m.shards[shard].size)
-        lo, hi = ext.touching(off, off + len(big))
-        assert hi - lo == 5 and list(ext.part[lo:hi]) == list(range(5))
-        assert ext.one_file(lo, hi) and not ext.one_file(lo - 1, hi)
-        pieces = [int(p) for p in ext.piece[lo:hi]]
-        size = [int(s) for s in ext.sizes()[pieces]]
+        off = int(probe.manifest.offset[e])
     # the file's first two pieces fit the RAM tier, the next two the disk tier, not the last
     tiers = [f"{tmp_path / 'ram'}:{size[0] + size[1] + SHARD_HEADER.size}",
              f"{tmp_path / 'disk'}:{size[2] + size[3] + SHARD_HEADER.size}"]
@@ -397,6 +405,44 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
         assert ram_t.stats.dropped == 1
         assert fs.read(name) == big
 
+
+
+def test_a_large_file_from_two_tiers_and_the_origin_is_counted_by_holder(
+        large_files: tuple[Path, dict[str, bytes]], runtime: Path, memory_dir: Path,
+        tmp_path: Path) -> None:
+    """The read counters by holder (``stagefs status``): a large file whose pieces are in a
+    memory tier, a disk tier and no tier is counted byte for byte where each piece came
+    from, the sample once (they counted it all as the origin's: the stream served it)."""
+    from stagefs.format.spec import SHARD_HEADER
+
+    pack, files = large_files
+    name = "v/09.npy"  # 4.9 MiB: 5 checksum pieces
+    big = files[name]
+    shard, e, piece, pieces, size = _large_file_pieces(pack, name)
+    tiers = [f"{memory_dir}:{size[0] + size[1] + SHARD_HEADER.size}",
+             f"{tmp_path / 'disk'}:{size[2] + size[3] + SHARD_HEADER.size}"]
+    with stagefs.open(pack, tiers=tiers) as fs:
+        chain = fs.chain
+        assert chain is not None
+        got = chain._reserve(shard, pieces)
+        ram_t, disk_t = chain.tiers
+        assert (ram_t.kind, disk_t.kind) == ("memory", "disk")
+        assert [got[p][1] if p in got else None for p in pieces] == \
+            [ram_t, ram_t, disk_t, disk_t, None]
+
+        def holders() -> dict[str, tuple[int, int]]:
+            h = fs.status()["holders"]
+            return {k: (v["reads"], v["bytes"]) for k, v in h.items() if v["reads"] or v["bytes"]}
+
+        assert fs.read(name) == big  # each piece read from the origin now, into its copy
+        assert holders() == {"origin": (1, len(big))}
+        assert fs.read(name) == big  # from both copies, the last piece from the origin
+        assert holders() == {"origin": (1, 2 * len(big) - 4 * piece),
+                             "memory": (1, 2 * piece), "disk": (0, 2 * piece)}
+        # a range of pieces 1-2: one from each copy, nothing from the origin
+        assert fs.read_entry(e, start=piece, length=2 * piece) == big[piece : 3 * piece]
+        assert holders() == {"origin": (1, 2 * len(big) - 4 * piece),
+                             "memory": (1, 3 * piece), "disk": (0, 3 * piece)}
 
 
 def test_a_full_tier_takes_the_room_a_corrupt_copy_leaves(

@@ -315,7 +315,15 @@ class StreamSource:
         self.stream = stream
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
+        self.stream._served.split = None
         return self.stream.read(shard, offset, length)
+
+    def served_by(self) -> list[tuple[str, int]] | None:
+        """The holders of this thread's last read, with their bytes, the most first (the
+        read counters' split: a large file's pieces may come from a copy in each tier and
+        the origin); None if not known (counted as the origin's)."""
+        split: list[tuple[str, int]] | None = getattr(self.stream._served, "split", None)
+        return split
 
     def drop(self, shard: int) -> None:
         """A read found bad bytes in what this thread was given last: start the partial
@@ -596,19 +604,28 @@ class Stream:
                 if len(runs) == 1 and only is not None:
                     f, t = only
                     self._served.last = (shard, t)
-                    return self._read_in(shard, f, t, offset, length)
+                    data = self._read_in(shard, f, t, offset, length)
+                    self._served.split = [(self._served.holder, length)]
+                    return data
                 # pieces in several tiers, or some in none (those from the origin: a large
                 # file a tier holds in part); zero padding between
                 out = bytearray(length)
                 parts: list[tuple[DirTier, int, int]] = []
+                split: dict[str, int] = {}
                 for i, j, c in runs:
                     a, b = max(offset, int(ext.offs[i])), min(end, int(ext.ends[j - 1]))
                     if c is None:
                         out[a - offset : b - offset] = self._from_origin(shard, a, b - a)
+                        split["origin"] = split.get("origin", 0) + b - a
                         continue
                     out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a)
                     parts.append((c[1], a, b))
+                    split[self._served.holder] = split.get(self._served.holder, 0) + b - a
                 self._served.last = (shard, parts)
+                # the padding between the runs (none between a file's pieces) to the largest
+                top = max(split, key=split.__getitem__, default="origin")
+                split[top] = split.get(top, 0) + length - sum(split.values())
+                self._served.split = sorted(split.items(), key=lambda kv: -kv[1])
                 return bytes(out)
             except _Gone:
                 continue
@@ -653,6 +670,7 @@ class Stream:
         whole = hi > lo and _own_read(int(fill.ext.offs[lo]), int(fill.ext.ends[hi - 1]),
                                       fill.ext.one_file(lo, hi), offset, end)
         delay = _POLL_S[0]
+        held = True  # the copy held them when asked: its tier's bytes, not the origin's
         while True:
             if fill.covered(offset, end):
                 try:
@@ -662,7 +680,9 @@ class Stream:
                     raise
                 tier.stats.hits += 1
                 tier.stats.bytes += length
+                self._served.holder = tier.holder if held else "origin"
                 return data
+            held = False
             h = self.res.held(shard, fill)
             if h is None or not fill.linked():  # finished or dropped meanwhile
                 raise _Gone
@@ -676,6 +696,7 @@ class Stream:
                 if runs == []:
                     continue  # filled since the look: read from the copy (a tier hit)
                 if runs is not None:
+                    self._served.holder = "origin"  # read now for this read
                     return self._read_myself(shard, fill, tier, h, runs, offset, length)
             elif not self.res.someone_holds(h, lo, hi):
                 # a run of files over DIRECT_LIMIT, or part of a compressed file over
@@ -703,7 +724,10 @@ class Stream:
         chain = self.chain
         if not chain._find(shard):
             raise SourceUnavailable(why)
-        return chain._route[shard][0].pread(shard, offset, length)
+        whole = chain._route[shard][0]
+        data = whole.pread(shard, offset, length)
+        self._served.split = [(getattr(whole, "holder", "origin"), length)]
+        return data
 
     def _read_myself(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held,
                      runs: list[tuple[int, int]], offset: int, length: int) -> bytes:
