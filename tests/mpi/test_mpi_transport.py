@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,14 +109,82 @@ def test_daemons_stage_through_mpi(tmp_path: Path) -> None:
         # each replica copied from its primary through MPI, the bytes the copies counted
         assert forwarded > 0 and through_mpi == forwarded == served
         assert all(s["staging"]["checksum_failures"] == 0 for s in nodes)
-        # training processes still read peers over TCP, and get every byte right
+        # training processes send their reads to their node's daemon (the fabric), which
+        # reads the ranges other nodes hold through MPI too; every byte right
         assert MPIEXEC is not None
         readers = start([MPIEXEC, "-n", str(n), sys.executable, READER, work, "1"],
                         os.path.join(work, "readers.log"))
         assert readers.wait(240) == 0, tail(os.path.join(work, "readers.log"))
-        for res in results(work, n):
-            assert res["bad"] == 0 and res["origin_bytes"] == 0
+        res = results(work, n)
+        for r in res:
+            assert r["bad"] == 0 and r["origin_bytes"] == 0
+        after = status_json(work, 0)["nodes"]
+        assert isinstance(after, list)
+        relayed = sum(s["fabric"]["relay"]["parts"] for s in after)
+        assert relayed > 0 and sum(s["fabric"]["relay"]["missing"] for s in after) == 0
+        mpi_after = sum(p["bytes"] for s in after for p in s["mpi"]["peers"].values())
+        served_after = sum(s["mpi"]["server"]["bytes_served"] for s in after)
+        # the relayed bytes came through MPI: every one a peer served, none over TCP
+        assert mpi_after - through_mpi >= sum(r["peer_bytes"] for r in res) > 0
+        assert served_after - served == mpi_after - through_mpi
+        assert sum(s["fabric"]["relay"]["upstream_failures"] for s in after) == 0
     finally:
+        code = stop(daemons)
+    assert code == 0, tail(log)
+
+
+def test_a_hung_rank_under_relayed_mpi_reads_costs_no_byte(tmp_path: Path) -> None:
+    """``--transport mpi``, 4 daemons, 2 copies of each shard; one daemon stopped
+    (SIGSTOP) while readers on the 3 other nodes read through their daemons, which read
+    other nodes' ranges through MPI: the parts sent to the stopped rank are hedged to the
+    other replica or given up on before the batch's deadline, and every byte is right."""
+    import signal
+
+    n = 4
+    work = str(tmp_path)
+    pack, content = make_pack(work, files=120)
+    write_expected(work, content)
+    log = os.path.join(work, "daemons.log")
+    assert MPIEXEC is not None
+    daemons = start([MPIEXEC, "-n", str(n), *serve_args(
+        work, pack, "--bind", "127.0.0.1", "--replicas", "2", "--transport", "mpi")], log)
+    hung: int | None = None
+    try:
+        wait_staged(work, n, daemons, log=log)
+        nodes = status_json(work, 0)["nodes"]
+        assert isinstance(nodes, list)
+        hung = int(nodes[3]["pid"])
+        os.kill(hung, signal.SIGSTOP)
+        readers = start([MPIEXEC, "-n", "3", sys.executable, READER, work, "1"],
+                        os.path.join(work, "readers.log"))
+        assert readers.wait(300) == 0, tail(os.path.join(work, "readers.log"))
+        res = results(work, 3)
+        assert len(res) == 3 and all(r["bad"] == 0 for r in res), res
+        after = status_json(work, 0)["nodes"]
+        assert isinstance(after, list)
+        live = [s for s in after[:3] if s]
+        assert len(live) == 3
+        # the stopped rank was met (hedged away from, or given up on), and the relay went on
+        assert sum(s["fabric"]["hedged"] + s["fabric"]["gave_up"] for s in live) > 0
+        assert sum(s["fabric"]["relay"]["parts"] for s in live) > 0
+        assert sum(p["bytes"] for s in live for k, p in s["mpi"]["peers"].items()
+                   if str(k) != "3") > 0
+        # through MPI: the parts sent to the stopped rank fail there by their batch's
+        # deadline (4 s; a read of the transport's own waits 30 s)
+        deadline = time.monotonic() + 60  # (each status waits for the stopped node)
+        while True:
+            now = status_json(work, 0)["nodes"]
+            assert isinstance(now, list)
+            to_hung = [s["mpi"]["peers"].get("3") for s in now[:3] if s]
+            if sum(p["failures"] for p in to_hung if p) > 0:
+                break
+            assert time.monotonic() < deadline, to_hung
+            time.sleep(0.5)
+        os.kill(hung, signal.SIGCONT)
+        hung = None
+    finally:
+        if hung is not None:
+            os.kill(hung, signal.SIGCONT)
         code = stop(daemons)
     assert code == 0, tail(log)
 

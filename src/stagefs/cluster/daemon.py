@@ -46,7 +46,7 @@ from stagefs.cluster.bootstrap import (
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
 from stagefs.cluster.connect import ClusterHolders
 from stagefs.cluster.fabric import FABRIC_NAME
-from stagefs.cluster.mpi_transport import mpi_library
+from stagefs.cluster.mpi_transport import MpiPeer, mpi_library
 from stagefs.cluster.placement import place, shards_matching
 from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
@@ -230,7 +230,9 @@ class Daemon:
         self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
         self.pipes = (PipePool(most=pool_pipes(new)) if env("RELAY_PIPES", "1") != "0"
                       else None)
-        self.relay = Relay(self._relay_peers_of, o.relay_timeout, self.pipes)
+        self._relay_mpi: dict[int, MpiPeer] = {}  # id(relay peer) -> its MPI reader
+        self.relay = Relay(self._relay_peers_of, o.relay_timeout, self.pipes,
+                           channel=lambda peer: self._relay_mpi.get(id(peer)))
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self._status_cache: tuple[float, dict[str, Any]] | None = None
         # the relay's pipes are descriptors too: kept out of the connections' share
@@ -276,6 +278,9 @@ class Daemon:
         # dead_after, so a death is declared within about dead_after of the silence
         wait = min(5.0, o.dead_after / 2)
         relay, ps = self.relay, self.holders.peers
+        if self.transport is not None:  # the readers' relayed ranges through MPI too
+            self._relay_mpi = {id(ps[n]): self.transport.peer(n, f"node {n}")
+                               for n in self.peers}
         probes = {n: (lambda p=ps[n]: relay.probe(p, wait)) for n in self.peers}
         self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,
                                          self.peers, probes, self.stop,

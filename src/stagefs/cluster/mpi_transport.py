@@ -379,9 +379,11 @@ class MpiPeer:
 
     # -- reading -------------------------------------------------------------------------------
 
-    def read(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
+    def read(self, ranges: Sequence[tuple[int, int, int]],
+             timeout: float | None = None) -> list[bytes | None]:
         """The bytes of each (shard, offset, length), or None where the peer does not give
-        it. Raises PeerUnavailable if the peer cannot answer (or is suspect)."""
+        it. Raises PeerUnavailable if the peer cannot answer (or is suspect), or has not
+        answered every request of a window within ``timeout`` (default: the limits')."""
         if self.suspect():
             self.stats.skipped += 1
             raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
@@ -402,7 +404,8 @@ class MpiPeer:
             size += p[3]
         parts: dict[int, list[bytes | None]] = {}
         for w in range(0, len(batches), lim.window):
-            self._exchange(batches[w : w + lim.window], lim.timeout, parts)
+            self._exchange(batches[w : w + lim.window],
+                           lim.timeout if timeout is None else timeout, parts)
         self.health.answered()
         out: list[bytes | None] = [None] * len(ranges)
         for i, chunks in parts.items():

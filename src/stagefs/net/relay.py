@@ -24,6 +24,11 @@ loop, not in threads:
   malformed frame: the peer is suspect, with a back-off), goes to its next holder;
 - the whole request has one deadline (``timeout``): what is not in by then is None.
 
+A peer may give the relay a **channel** instead (``channel(peer)``: the MPI transport's
+``MpiPeer`` when the daemons run with ``--transport mpi``): its parts are then read by a
+blocking call in a worker thread each, and the answer or the failure is handed back to the
+loop, under the same timers and rules.
+
 A late reply is still received (the stream stays in step) and its bytes dropped; it clears
 its peer's suspicion, as any answer does. A connection with a reply overdue (a part's
 after its client's timeout, a probe's after its own) is closed: one watchdog timer a
@@ -52,7 +57,7 @@ from stagefs.net.client import PeerClient
 from stagefs.net.hedge import ReplyTimes
 from stagefs.net.pipes import Fill, Piped, PipePool
 
-__all__ = ["Loop", "Relay", "RelayPeer", "RelayStats"]
+__all__ = ["Channel", "Loop", "Reads", "Relay", "RelayPeer", "RelayStats"]
 
 log = logging.getLogger("stagefs.relay")
 
@@ -97,6 +102,20 @@ class RelayPeer(Protocol):
 
 
 Holders = Callable[[int], Sequence[RelayPeer]]
+
+
+class Reads(Protocol):
+    """A blocking reader of one peer's ranges by another transport (the MPI transport's
+    ``MpiPeer``): each range's bytes, None where it does not give them; PeerUnavailable
+    (any exception) if the peer cannot answer."""
+
+    def read(self, ranges: Sequence[tuple[int, int, int]],
+             timeout: float | None = None) -> list[bytes | None]: ...
+
+
+Channel = Callable[[RelayPeer], Reads | None]
+_CHANNEL_THREADS = 64  # parts in flight at once through a blocking channel (a part to a
+# peer that hangs holds its thread until its batch's deadline, not the channel's own)
 
 
 @dataclass
@@ -215,10 +234,16 @@ class Relay:
     daemon. ``holders(shard)``: the shard's peers in the order to ask them; ``timeout``:
     each batch's deadline; ``pipes``: where relayed ranges are received (None: memory)."""
 
-    def __init__(self, holders: Holders, timeout: float, pipes: PipePool | None) -> None:
+    def __init__(self, holders: Holders, timeout: float, pipes: PipePool | None,
+                 channel: Channel | None = None) -> None:
         self.holders = holders
         self.timeout = timeout
         self.pipes = pipes
+        # a peer's parts go through the channel it gives (the MPI transport), if any,
+        # in threads of their own: a blocking call each, its outcome handed to the loop
+        self.channel = channel
+        self._through: set[_Part] = set()  # parts out through a channel
+        self._workers: ThreadPoolExecutor | None = None
         self.stats = RelayStats()
         self._loop: Loop | None = None
         self._ups: dict[int, _Upstream] = {}  # id(peer) ->
@@ -292,7 +317,50 @@ class Relay:
         part.timers.append(loop.later(delays.origin_delay(), lambda: self._give_up(part)))
         # plain (shard, offset, length) tuples: the READ is packed from them as they are
         asked = cast("tuple[P.Range, ...]", tuple(b.ranges[i] for i in part.idx))
+        reads = self.channel(part.peer) if self.channel is not None else None
+        if reads is not None:
+            self._send_through(reads, part, asked)
+            return
         self._request(part.peer, part, P.Read(part.rid, asked), part.peer.client.timeout)
+
+    def _send_through(self, reads: Reads, part: _Part, asked: Sequence[tuple[int, int, int]]
+                      ) -> None:
+        """Read ``part`` through the peer's channel in a worker thread; its answer, or its
+        failure (the part's ranges go on to their next holder), comes back to the loop."""
+        loop = self._loop
+        assert loop is not None
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(_CHANNEL_THREADS,
+                                               thread_name_prefix="stagefs-relay-channel")
+        self._through.add(part)
+        timeout = max(0.05, part.batch.deadline - time.monotonic())
+
+        def work() -> None:
+            try:
+                chunks = reads.read(asked, timeout)
+            except Exception as exc:  # PeerUnavailable, or the channel is gone
+                err = exc
+                loop.soon(lambda: self._through_failed(part, err))
+                return
+            loop.soon(lambda: self._through_answered(part, chunks))
+
+        try:
+            self._workers.submit(work)
+        except RuntimeError as exc:  # shut down: the relay is closing
+            self._through_failed(part, exc)
+
+    def _through_answered(self, part: _Part, chunks: list[bytes | None]) -> None:
+        self._through.discard(part)
+        self._answered(part, list(chunks))
+
+    def _through_failed(self, part: _Part, exc: BaseException) -> None:
+        """The channel could not read ``part`` (its own health rules count it): its ranges
+        go on to their next holder."""
+        self._through.discard(part)
+        self.stats.upstream_failures += 1
+        log.info("relay to %s: %s", part.peer.name, exc)
+        if part.live:
+            self._drop(part)
 
     def _request(self, peer: RelayPeer, item: _Part | _Query, msg: P.Message,
                  timeout: float) -> None:
@@ -441,20 +509,21 @@ class Relay:
         """The batch's deadline: what is not in is None."""
         if b.finished:
             return
-        for up in self._ups.values():
-            for p in up.inflight:
-                if isinstance(p, _Part) and p.batch is b and p.live:
-                    self.stats.late += 1
+        self.stats.late += sum(p.live for p in self._parts_of(b))
         self._finish(b)
+
+    def _parts_of(self, b: _Batch) -> list[_Part]:
+        """The parts of ``b`` still out, on the connections and through the channels."""
+        out = [p for up in self._ups.values() for p in up.inflight
+               if isinstance(p, _Part) and p.batch is b]
+        return out + [p for p in self._through if p.batch is b]
 
     def _finish(self, b: _Batch) -> None:
         b.finished = True
         if b.timer is not None:
             b.timer.cancel()
-        for up in self._ups.values():  # the parts still out are not waited for
-            for p in up.inflight:
-                if isinstance(p, _Part) and p.batch is b:
-                    self._settle(p)
+        for p in self._parts_of(b):  # the parts still out are not waited for
+            self._settle(p)
         out = b.out
         self.stats.missing += sum(c is None for c in out)
         b.done(out)
@@ -699,6 +768,8 @@ class Relay:
             self._close(up)
         if self._connector is not None:
             self._connector.shutdown(wait=False, cancel_futures=True)
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
 
 
 _READ, _WRITE = 1, 2  # selectors.EVENT_READ, EVENT_WRITE
