@@ -506,9 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--mpi", action=argparse.BooleanOptionalAction, default=None,
                     help="use MPI to bootstrap (default: if an MPI launcher started us)")
     sp.add_argument("--transport", choices=("tcp", "mpi"), default="tcp",
-                    help="how daemons copy each other's shards while staging: tcp, or mpi "
-                         "(the daemons are MPI ranks; the MPI library's fabric, RDMA where it "
-                         "has one); relayed reads and re-replication use TCP")
+                    help="how daemons read each other's shards (staging copies, the "
+                         "ranges relayed for their readers): tcp, or mpi (the daemons are MPI "
+                         "ranks; the MPI library's fabric, RDMA where it has one); "
+                         "re-replication uses TCP")
 
     sp = add("clean", cmd_clean, "remove this job's tier data and runtime directory (staged "
              "data is otherwise kept for the next job); refused while a process uses them")

@@ -15,7 +15,9 @@ once under one deadline, from the server's event loop on one connection of its o
 peer (net/relay.py; the re-replication probes go on it too, and staging and status on one
 ``PeerClient`` connection: two per peer). It does not verify relayed bytes: the reader
 does. Relayed bytes are received into kernel pipes and sent on from them (net/pipes.py: no
-copy in this process; ``STAGEFS_RELAY_PIPES=0``: through memory).
+copy in this process; ``STAGEFS_RELAY_PIPES=0``: through memory). With ``--transport mpi``
+the relay reads the peers' ranges through MPI instead (the MPI transport's peers, a channel
+each: net/relay.py), as the staging copies are.
 """
 
 from __future__ import annotations
