@@ -583,10 +583,12 @@ class Store:
         self.stats.checksum_failures += 1
         if self._counts is not None:
             self._counts.count("checksum_failures")
-        tried.append(src.name)
+        last_from = getattr(src, "last_from", None)  # the stream: which copies it read
+        who = last_from() if last_from is not None else src.name
+        tried.append(who)
         log.log(logging.DEBUG if last else logging.WARNING,
                 "%s, %s: bad bytes from %s (%s); trying the next holder",
-                self._where(e), self._show(e, path), src.name, exc)
+                self._where(e), self._show(e, path), who, exc)
         self._corrupt(src, self._shard[e])
 
     def _count(self, src: ShardSource | None, reads: int, nbytes: int, stored: int) -> None:

@@ -349,7 +349,8 @@ def _large_file_pieces(pack: Path, name: str) -> tuple[int, int, int, list[int],
 
 
 def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
-        large_files: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+        large_files: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     """One large file's pieces in a RAM tier, a disk tier and no tier: a whole read comes
     from both copies and the origin (only its pieces no tier holds); a range from the
     copies alone; a byte changed in a copy is caught by the checks (a range's pieces', the
@@ -391,7 +392,12 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
         # is checked again and only the disk tier's copy is dropped, counted there
         ram_partial = ram_t.path(shard) + ".partial"
         inodes = os.stat(ram_partial).st_ino, os.stat(partial).st_ino
-        assert fs.read(name) == big
+        with caplog.at_level("WARNING", logger="stagefs"):
+            assert fs.read(name) == big
+        # the warning names the copies the bad bytes came from (it said "stream")
+        said = [r.getMessage() for r in caplog.records if "bad bytes from" in r.getMessage()]
+        assert said and str(tmp_path / "disk") in said[0] and str(tmp_path / "ram") in said[0]
+        assert "the origin" in said[0]
         assert os.stat(ram_partial).st_ino == inodes[0]  # kept
         assert not os.path.exists(partial) or os.stat(partial).st_ino != inodes[1]  # made anew
         assert (ram_t.stats.dropped, disk_t.stats.dropped) == (0, 1)

@@ -325,6 +325,20 @@ class StreamSource:
         split: list[tuple[str, int]] | None = getattr(self.stream._served, "split", None)
         return split
 
+    def last_from(self) -> str:
+        """What this thread's last read came from, for a message: the stream and the copies
+        it read them in (and the origin)."""
+        last = getattr(self.stream._served, "last", None)
+        split = getattr(self.stream._served, "split", None) or []
+        if last is None:
+            return self.name
+        tiers = last[1] if isinstance(last[1], list) else [(last[1], 0, 0)]
+        names = list(dict.fromkeys(f"the partial copy in {t.name}" for t, _, _ in tiers
+                                   if t is not None))
+        if any(h == "origin" for h, _ in split):
+            names.append("the origin")
+        return f"{self.name} ({', '.join(names)})" if names else self.name
+
     def drop(self, shard: int) -> None:
         """A read found bad bytes in what this thread was given last: start the partial
         copy they came from afresh. If they came from several copies (and the origin, for
