@@ -89,15 +89,21 @@ def test_a_hung_peer_is_unavailable_and_comes_back(tmp_path: Path) -> None:
     assert res["bad_after"] == 0 and int(str(res["mpi_bytes_after"])) > 0  # through MPI again
 
 
-def test_daemons_stage_through_mpi(tmp_path: Path) -> None:
-    n = 4
-    work = str(tmp_path)
+def _mpi_daemons(work: str, n: int) -> tuple[str, subprocess.Popen[bytes]]:
+    """``n`` daemons with ``--transport mpi`` and 2 copies of each shard, in one MPI job, of
+    a pack of 120 files (its expected hashes written): (their log, the job)."""
     pack, content = make_pack(work, files=120)
     write_expected(work, content)
     log = os.path.join(work, "daemons.log")
     assert MPIEXEC is not None
-    daemons = start([MPIEXEC, "-n", str(n), *serve_args(
+    return log, start([MPIEXEC, "-n", str(n), *serve_args(
         work, pack, "--bind", "127.0.0.1", "--replicas", "2", "--transport", "mpi")], log)
+
+
+def test_daemons_stage_through_mpi(tmp_path: Path) -> None:
+    n = 4
+    work = str(tmp_path)
+    log, daemons = _mpi_daemons(work, n)
     try:
         wait_staged(work, n, daemons, log=log)
         nodes = status_json(work, 0)["nodes"]
@@ -142,12 +148,7 @@ def test_a_hung_rank_under_relayed_mpi_reads_costs_no_byte(tmp_path: Path) -> No
 
     n = 4
     work = str(tmp_path)
-    pack, content = make_pack(work, files=120)
-    write_expected(work, content)
-    log = os.path.join(work, "daemons.log")
-    assert MPIEXEC is not None
-    daemons = start([MPIEXEC, "-n", str(n), *serve_args(
-        work, pack, "--bind", "127.0.0.1", "--replicas", "2", "--transport", "mpi")], log)
+    log, daemons = _mpi_daemons(work, n)
     hung: int | None = None
     try:
         wait_staged(work, n, daemons, log=log)

@@ -4,9 +4,11 @@ the held set stays put, and a tier smaller than a shard still holds its share.""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -328,9 +330,13 @@ def test_large_files_are_placed_in_pieces(large_files: tuple[Path, dict[str, byt
         assert fs.chain.held_pieces() == held
 
 
-def _large_file_pieces(pack: Path, name: str) -> tuple[int, int, int, list[int], list[int]]:
-    """(shard, entry, piece size, its shard's pieces that hold it, their sizes) of a file of
-    5 checksum pieces, each an extent of its own."""
+@contextlib.contextmanager
+def split_over_two_tiers(pack: Path, name: str, first: Path, second: Path
+                         ) -> Iterator[tuple[stagefs.Store, int, int, int]]:
+    """A store whose two tiers (at ``first`` and ``second``) hold the first two and the next
+    two of the 5 checksum pieces of file ``name`` (each an extent of its own), reserved in
+    them; the last piece in neither. Yields (store, shard, entry, piece size)."""
+    from stagefs.format.spec import SHARD_HEADER
     from stagefs.tiers.fill import Extents
     from stagefs.tiers.placer import Layout
 
@@ -345,7 +351,18 @@ def _large_file_pieces(pack: Path, name: str) -> tuple[int, int, int, list[int],
         assert hi - lo == 5 and list(ext.part[lo:hi]) == list(range(5))
         assert ext.one_file(lo, hi) and not ext.one_file(lo - 1, hi)
         pieces = [int(p) for p in ext.piece[lo:hi]]
-        return shard, e, m.piece_size, pieces, [int(s) for s in ext.sizes()[pieces]]
+        size = [int(s) for s in ext.sizes()[pieces]]
+        piece = m.piece_size
+    tiers = [f"{first}:{size[0] + size[1] + SHARD_HEADER.size}",
+             f"{second}:{size[2] + size[3] + SHARD_HEADER.size}"]
+    with stagefs.open(pack, tiers=tiers) as fs:
+        chain = fs.chain
+        assert chain is not None
+        got = chain._reserve(shard, pieces)
+        t1, t2 = chain.tiers
+        assert [got[p][1] if p in got else None for p in pieces] == [t1, t1, t2, t2, None]
+        assert chain.full
+        yield fs, shard, e, piece
 
 
 def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
@@ -356,25 +373,15 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
     copies alone; a byte changed in a copy is caught by the checks (a range's pieces', the
     file's), the right bytes come from the origin, and only the bad copy is dropped (a file
     read from several copies once dropped them all)."""
-    from stagefs.format.spec import SHARD_HEADER
-
     pack, files = large_files
     name = "v/09.npy"  # 4.9 MiB: 5 checksum pieces
     big = files[name]
-    shard, e, piece, pieces, size = _large_file_pieces(pack, name)
-    with stagefs.open(pack) as probe:
-        off = int(probe.manifest.offset[e])
     # the file's first two pieces fit the RAM tier, the next two the disk tier, not the last
-    tiers = [f"{tmp_path / 'ram'}:{size[0] + size[1] + SHARD_HEADER.size}",
-             f"{tmp_path / 'disk'}:{size[2] + size[3] + SHARD_HEADER.size}"]
-    with stagefs.open(pack, tiers=tiers) as fs:
-        chain = fs.chain
-        assert chain is not None
-        got = chain._reserve(shard, pieces)
-        ram_t, disk_t = chain.tiers
-        assert [got[p][1] if p in got else None for p in pieces] == \
-            [ram_t, ram_t, disk_t, disk_t, None]
-        assert chain.full
+    with split_over_two_tiers(pack, name, tmp_path / "ram", tmp_path / "disk") as \
+            (fs, shard, e, piece):
+        assert fs.chain is not None
+        ram_t, disk_t = fs.chain.tiers
+        off = int(fs.manifest.offset[e])
         before = fs.origin.stats.bytes_read
         assert fs.read(name) == big
         assert fs.origin.stats.bytes_read - before == len(big)  # each byte once
@@ -419,22 +426,13 @@ def test_a_large_file_from_two_tiers_and_the_origin_is_counted_by_holder(
     """The read counters by holder (``stagefs status``): a large file whose pieces are in a
     memory tier, a disk tier and no tier is counted byte for byte where each piece came
     from, the sample once (they counted it all as the origin's: the stream served it)."""
-    from stagefs.format.spec import SHARD_HEADER
-
     pack, files = large_files
     name = "v/09.npy"  # 4.9 MiB: 5 checksum pieces
     big = files[name]
-    shard, e, piece, pieces, size = _large_file_pieces(pack, name)
-    tiers = [f"{memory_dir}:{size[0] + size[1] + SHARD_HEADER.size}",
-             f"{tmp_path / 'disk'}:{size[2] + size[3] + SHARD_HEADER.size}"]
-    with stagefs.open(pack, tiers=tiers) as fs:
-        chain = fs.chain
-        assert chain is not None
-        got = chain._reserve(shard, pieces)
-        ram_t, disk_t = chain.tiers
-        assert (ram_t.kind, disk_t.kind) == ("memory", "disk")
-        assert [got[p][1] if p in got else None for p in pieces] == \
-            [ram_t, ram_t, disk_t, disk_t, None]
+    with split_over_two_tiers(pack, name, memory_dir, tmp_path / "disk") as \
+            (fs, _, e, piece):
+        assert fs.chain is not None
+        assert [t.kind for t in fs.chain.tiers] == ["memory", "disk"]
 
         def holders() -> dict[str, tuple[int, int]]:
             h = fs.status()["holders"]
