@@ -254,7 +254,10 @@ class Store:
         for k in np.flatnonzero(a["kind"][ents] != KIND_FILE).tolist():
             out[k] = self.read_entry(el[k], names[k], count=count)  # raises as a read
         # empty files are read from no holder (b"")
-        pick = np.flatnonzero(a["size"][ents] > 0)
+        sized = a["size"][ents] > 0
+        pick = np.flatnonzero(sized)
+        if count and len(pick) < n:
+            self._count_empty(int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))))
         if not len(pick):
             return out
         sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]
@@ -491,6 +494,8 @@ class Store:
                 lo, hi, first = start, end, 0
             offset, stored = offset + lo, hi - lo
         elif size == 0:
+            if count:
+                self._count_empty(1)
             return b""
         tried: list[str] = []
         holders = self._holders(shard)
@@ -615,6 +620,14 @@ class Store:
         holder = split[0][0] if split else \
             "origin" if src is self.origin else getattr(src, "holder", "peer")
         self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes, stored)
+
+    def _count_empty(self, reads: int) -> None:
+        """``reads`` empty files read: samples of no bytes, which the manifest, in memory,
+        answers (no holder is read): counted as ``memory``'s."""
+        if reads:
+            self.stats.reads += reads
+            if self._counts is not None:
+                self._counts.add("memory", reads, 0, 0)
 
     def count_delivered(self, nbytes: int) -> None:
         """One sample of ``nbytes`` that a front end delivered without a read through this

@@ -52,13 +52,15 @@ def test_forked_dataloader_workers_are_counted(dataset: tuple[Path, dict[str, by
     samples = total = 0
     with stagefs.open(pack, tiers=[str(tier)], runtime=str(rt)) as fs:
         stored = int(fs.manifest.arrays["stored"].sum())
+        m = fs.manifest
+        empty = sum(1 for e in range(len(m)) if m.kind[e] == 0 and not m.size[e])
         ds = FileDataset(fs, root="")
         loader = torch.utils.data.DataLoader(ds, batch_size=16, shuffle=True, num_workers=2,
                                              multiprocessing_context="fork",
                                              collate_fn=lambda b: b, timeout=120)
         for epoch in range(2):
             for batch in loader:
-                samples += sum(1 for data, _ in batch if data)  # an empty file: no read
+                samples += len(batch)  # an empty file too: a sample of no bytes
                 total += sum(len(data) for data, _ in batch)
             st = status(rt)
             # the workers' streams and reads took every stored byte from the origin once,
@@ -66,9 +68,11 @@ def test_forked_dataloader_workers_are_counted(dataset: tuple[Path, dict[str, by
             assert st["fetched"]["bytes"] == stored, st
             assert st["hit_rate"] == pytest.approx(epoch / (epoch + 1)), st
         assert fs.stats.reads == 0  # the workers read, not this process
-    assert samples == 2 * len(files)
+    assert empty and samples == 2 * (len(files) + empty)
     assert (st["reads"], st["bytes"]) == (samples, total), st
     held = st["holders"]
+    # the empty files from memory (the manifest answers them), no bytes
+    assert held["memory"]["reads"] >= 2 * empty
     tiered = held["memory"]["bytes"] + held["disk"]["bytes"]
     assert held["origin"]["bytes"] + tiered == total
     assert tiered >= total // 2  # the second epoch came from the tier
@@ -166,3 +170,21 @@ def test_a_large_file_read_in_parts_is_one_sample_and_a_compressed_one_weighs_as
     again = status(rt)
     assert (again["reads"], again["bytes"]) == (st["reads"], st["bytes"] + 10)
     assert again["fetched"] == st["fetched"] and again["hit_rate"] > 0  # from the tier
+
+
+def test_an_empty_file_is_a_sample_of_no_bytes(tmp_path: Path) -> None:
+    """An empty file read (``read``, ``read_many``, a file object) is one sample of no
+    bytes, from memory (the manifest answers it); it was not counted at all."""
+    raw, rt = tmp_path / "raw", tmp_path / "rt"
+    raw.mkdir()
+    (raw / "empty").write_bytes(b"")
+    (raw / "full").write_bytes(b"x" * 1000)
+    stagefs.pack(raw, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")], runtime=str(rt)) as fs:
+        assert fs.read("empty") == b""
+        assert fs.read_many(["empty", "full", "empty"]) == [b"", b"x" * 1000, b""]
+        with fs.open("empty") as f:
+            assert f.read() == b""
+    st = status(rt)
+    assert (st["reads"], st["bytes"]) == (5, 1000), st
+    assert st["holders"]["memory"]["reads"] >= 4
