@@ -38,11 +38,12 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from stagefs._fsutil import atomic_write, file_lock
 from stagefs.config import TierSpec
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
-from stagefs.format.spec import SHARD_HEADER
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
 from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full
@@ -52,9 +53,11 @@ from stagefs.tiers.fill import (
     Activity,
     Extents,
     ShardFill,
+    copy_charge,
     create_fill,
     open_fill,
     remove_fill,
+    whole_charge,
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.stream import Stream
@@ -375,7 +378,7 @@ class TierChain:
         except FileNotFoundError:
             return False
         log.warning("%s: shorter than shard %d; deleted, to be placed anew", path, shard)
-        self._room(t, -self._sizes[shard])
+        self._room(t, -whole_charge(self._extents_of(shard), t.block))
         t.forget(shard)
         t.stats.dropped += 1
         return False
@@ -425,18 +428,24 @@ class TierChain:
         """Reserve piece ``p`` in the first tier with room (the caller holds both locks);
         None: only make a copy of the shard there."""
         ext = self._extents_of(shard)
-        a, b = ext.span(p) if p is not None else (0, 0)
         for t in self.tiers:
             if t.stopped is not None:
                 continue
             f = self._copy_in(shard, t)
             made = f is None
+            # in whole blocks of the tier's file system (Extents.charged)
+            size = 0
+            if p is not None:
+                held = np.zeros(ext.pieces, bool) if f is None else f.res.astype(bool)
+                before = ext.charged(held, t.block)
+                held[p] = True
+                size = ext.charged(held, t.block) - before
+            header = copy_charge(ext, t.block) if made else 0
             try:
-                header = SHARD_HEADER.size if made else 0
-                why = t.no_room(b - a + header)
+                why = t.no_room(size + header)
                 if why is not None:
                     small = PIECE_SIZE or self.manifest.piece_size
-                    if b - a > 2 * small and t.no_room(small + header) is None:
+                    if size > 2 * small and t.no_room(small + header) is None:
                         continue  # a piece of one large file: smaller pieces still fit
                     t.stopped = why
                     log.info("%s: %s; it takes no more pieces", t.name, why)
@@ -446,17 +455,17 @@ class TierChain:
                                     self.manifest.pack_id)
                     self._fills.setdefault(shard, []).append((f, t))
                     self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
-                    self._room(t, SHARD_HEADER.size)
+                    self._room(t, header)
                 if p is not None:
                     f.reserve(p)
             except OSError as exc:
                 if made and f is not None:  # a copy with no piece: not left behind
                     remove_fill(f.final)
-                    self._room(t, -SHARD_HEADER.size)
+                    self._room(t, -header)
                     self._forget_fill(shard, t)
                 self._tier_failed(t, exc)
                 continue
-            self._room(t, b - a)
+            self._room(t, size)
             t.stats.pieces += p is not None
             return f, t
         if all(t.stopped is not None for t in self.tiers):
@@ -474,6 +483,10 @@ class TierChain:
             if self.full and self.tiers:
                 self.full = False
 
+    def _charged(self, f: ShardFill, t: DirTier) -> int:
+        """What partial copy ``f`` in ``t`` is counted in its room: its pieces and itself."""
+        return f.reserved_bytes(t.block) + copy_charge(f.ext, t.block)
+
     def _set_full(self) -> None:
         self.full = True
         self.stream.clear()
@@ -488,9 +501,10 @@ class TierChain:
             except (CorruptShardError, OSError) as exc:
                 log.warning("shard %d: partial copy not kept: %s", shard, exc)
                 remove_fill(f.final)
-                self._room(t, -(f.reserved_bytes() + SHARD_HEADER.size))
+                self._room(t, -self._charged(f, t))
                 self._forget_fill(shard, t)
                 return False
+            # counted as it was (every piece and the copy: whole_charge, what its drop frees)
         fd = os.dup(f.fd)
         if not t.adopt(shard, fd):
             os.close(fd)
@@ -521,7 +535,7 @@ class TierChain:
             with contextlib.suppress(OSError), self._tier_lock():
                 if f.linked():
                     remove_fill(f.final)
-                    self._room(tier, -(f.reserved_bytes() + SHARD_HEADER.size))
+                    self._room(tier, -self._charged(f, tier))
             tier.stats.dropped += again
             self._forget_fill(shard, tier)
         if again:
@@ -557,7 +571,7 @@ class TierChain:
             st = os.stat(path)
             if ino is None or (st.st_dev, st.st_ino) == ino:
                 os.unlink(path)
-                self._room(tier, -self._sizes[shard])
+                self._room(tier, -whole_charge(self._extents_of(shard), tier.block))
         self._route.pop(shard, None)
         self._next_check.pop(shard, None)
         with self._cond:
@@ -975,3 +989,4 @@ def _raise_fd_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < want:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
+

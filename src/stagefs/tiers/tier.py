@@ -175,6 +175,11 @@ class DirTier:
         self.dir = os.path.join(self.root, self.pack_id)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.kind = "memory" if fs_type(self.root) in ("tmpfs", "ramfs") else "disk"
+        # what its file system allocates at least: room is counted in these (fill.py)
+        try:
+            self.block = max(mmap.PAGESIZE, os.statvfs(self.root).f_frsize)
+        except OSError:
+            self.block = mmap.PAGESIZE
         self.holder = self.kind  # what the read counters call it (stagefs status)
         self.room = Room(room_dir, self.root) if room_dir is not None else None
         self.name = f"{self.kind} tier {self.root}"
