@@ -625,9 +625,16 @@ class Store:
         """``reads`` empty files read: samples of no bytes, which the manifest, in memory,
         answers (no holder is read): counted as ``memory``'s."""
         if reads:
-            self.stats.reads += reads
-            if self._counts is not None:
-                self._counts.add("memory", reads, 0, 0)
+            self.count_kept(0, reads)
+
+    def count_kept(self, nbytes: int, reads: int = 1, stored: int | None = None) -> None:
+        """``reads`` samples of ``nbytes`` in all (``stored`` as stored) that a front end
+        served again from its own memory (the FUSE server's last files), or that need no
+        holder: ``memory``'s."""
+        self.stats.reads += reads
+        self.stats.bytes += nbytes
+        if self._counts is not None:
+            self._counts.add("memory", reads, nbytes, nbytes if stored is None else stored)
 
     def count_delivered(self, nbytes: int) -> None:
         """One sample of ``nbytes`` that a front end delivered without a read through this

@@ -276,6 +276,17 @@ def test_streamed_files_are_pushed_into_the_page_cache(tmp_path: Path, push: boo
             assert pushed["bytes"] == sum(len(files[n]) for n in names[1:])
         else:
             assert pushed == {"reads": 0, "bytes": 0}
+        # the kernel lets go of the pages (memory needed elsewhere) and the program reads
+        # every file again (its next epoch): each is a new sample, pushed before or not
+        for rel in names:
+            fd = os.open(t.mp / rel, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        for rel in names:
+            assert _read_fd(t.mp / rel) == files[rel]
+        assert _counted(rt) == 2 * len(files)
     finally:
         if is_mounted(str(t.mp)):
             unmount(str(t.mp))

@@ -14,6 +14,17 @@ def test_a_pushed_file_read_later_is_counted_once() -> None:
     assert not s.claim(1)  # and is never pushed again
 
 
+def test_a_read_of_a_file_pushed_before_is_a_new_read() -> None:
+    """The kernel let go of a pushed file's pages and the program reads it again (the next
+    epoch): counted (it never was: a later epoch of pushed files counted nothing)."""
+    s = Served(4)
+    assert s.claim(0)
+    s.pushed(0)  # the push landed and was counted
+    assert s.read(0) is True
+    assert s.read(0) is True
+    assert not s.claim(0)
+
+
 def test_a_file_read_first_is_not_pushed() -> None:
     s = Served(4)
     assert s.read(2) is True
