@@ -60,9 +60,12 @@ class _RangeRaw(io.RawIOBase):
     whole pieces that cover it (verified) and keeps that span, so a sequential reader reads
     and verifies each piece once."""
 
-    def __init__(self, store: Store, e: int, name: str) -> None:
+    def __init__(self, store: Store, e: int, name: str, per_open: bool = True) -> None:
         m = store.manifest
         self._store, self._e, self.name, self.mode = store, e, name, "rb"
+        # one sample for the file object's reads (a FUSE server's reader, kept for many
+        # opens it cannot see: a sample per read from the start of the file)
+        self._sample: int | None = 1 if per_open else None
         self._size, self._piece = m.size[e], m.piece_size
         self._pos = 0
         self._span_at, self._span = 0, b""  # the last verified span read, and where it starts
@@ -94,7 +97,8 @@ class _RangeRaw(io.RawIOBase):
         if not 0 <= rel < len(self._span):
             end, p = pos + n, self._piece
             lo, hi = pos - pos % p, min(self._size, end + (-end) % p)
-            self._span = self._store.read_entry(self._e, self.name, lo, hi - lo)
+            self._span = self._store.read_entry(self._e, self.name, lo, hi - lo,
+                                                sample=self._next_sample())
             self._span_at, rel = lo, pos - lo
         n = min(n, len(self._span) - rel)  # the rest comes with the next call
         memoryview(buf)[:n] = memoryview(self._span)[rel : rel + n]
@@ -102,9 +106,17 @@ class _RangeRaw(io.RawIOBase):
         return n
 
     def readall(self) -> bytes:
-        data = self._store.read_entry(self._e, self.name, self._pos, -1)
+        data = self._store.read_entry(self._e, self.name, self._pos, -1,
+                                      sample=self._next_sample())
         self._pos += len(data)
         return data
+
+    def _next_sample(self) -> int | None:
+        """The samples the next read counts: 1 for a file object's first, then 0."""
+        n = self._sample
+        if n:
+            self._sample = 0
+        return n
 
 
 class LargeFile(_Base, io.BufferedReader):
@@ -131,12 +143,16 @@ class LargeFile(_Base, io.BufferedReader):
         return f"<stagefs file {self.name!r} mode='rb'>"
 
 
-def open_entry(store: Store, e: int, name: str, mode: str, buffering: int) -> Any:
+def open_entry(store: Store, e: int, name: str, mode: str, buffering: int, *,
+               per_open: bool = True) -> Any:
+    """A file object of entry ``e``: one sample whatever it reads (``per_open``), or, for
+    a reader kept across opens it cannot see (a FUSE server's), one for each read from the
+    start of the file."""
     m = store.manifest
     if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
         f: Any = SmallFile(store.read_entry(e, name), name)
     else:
-        f = LargeFile(_RangeRaw(store, e, name), buffering)
+        f = LargeFile(_RangeRaw(store, e, name, per_open), buffering)
     if "b" not in mode:
         return io.TextIOWrapper(f, encoding="utf-8")
     return f

@@ -461,10 +461,13 @@ class Store:
             out[k] = self.read_entry(el[k], names[k], count=count)
 
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
-                   length: int = -1, *, count: bool = True) -> bytes:
+                   length: int = -1, *, count: bool = True, sample: int | None = None
+                   ) -> bytes:
         """The verified bytes of entry ``e``: the whole file, or ``length`` bytes from
         ``start`` (to the end if ``length`` is negative). ``count=False``: not counted in
         the read counters (a sample a front end counted already, ``count_delivered``).
+        ``sample``: the samples it counts (a file object counts one for all its reads);
+        by default one for a read from the start of the file.
 
         The one read path: each holder of the shard in turn (the tiers, then the origin)
         until one returns bytes that pass the checksum: the file's for a whole file, the
@@ -484,7 +487,8 @@ class Store:
                 return b""
             piece = self.manifest.piece_size
             if codec or size <= piece:  # one piece: the whole file
-                return self.read_entry(e, path, count=count)[start:end]
+                return self.read_entry(e, path, count=count,
+                                       sample=1 if sample is None else sample)[start:end]
             if self.verify:
                 sums = self.manifest.piece_sums(e) or self._derived.get(e)
                 derive = sums is None
@@ -495,7 +499,7 @@ class Store:
             offset, stored = offset + lo, hi - lo
         elif size == 0:
             if count:
-                self._count_empty(1)
+                self._count_empty(1 if sample is None else sample)
             return b""
         tried: list[str] = []
         holders = self._holders(shard)
@@ -526,7 +530,8 @@ class Store:
                 self._bad(src, e, path, exc, tried, src is holders[-1])
                 continue
             if count:  # a sample per file read: a range counts one if it starts the file
-                self._count(src, int(start == 0), len(data), len(raw))
+                self._count(src, int(start == 0) if sample is None else sample, len(data),
+                            len(raw))
             if src is self.origin and self._from_origin is not None and (
                     sums is not None or stored == self._stored[e]):
                 # the whole file, or the checked pieces of a range: into the tiers

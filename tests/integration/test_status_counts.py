@@ -170,6 +170,18 @@ def test_a_large_file_read_in_parts_is_one_sample_and_a_compressed_one_weighs_as
     again = status(rt)
     assert (again["reads"], again["bytes"]) == (st["reads"], st["bytes"] + 10)
     assert again["fetched"] == st["fetched"] and again["hit_rate"] > 0  # from the tier
+    # a file object is one sample whatever it reads: its second half (it counted none), or
+    # all of it twice over (it counted two)
+    with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")], runtime=str(rt)) as fs:
+        with fs.open("big.bin") as f:
+            f.seek(len(big) // 2)
+            assert f.read() == big[len(big) // 2 :]
+        assert status(rt)["reads"] == again["reads"] + 1
+        with fs.open("big.bin") as f:
+            assert f.read() == big
+            f.seek(0)
+            assert f.read(1000) == big[:1000]
+        assert status(rt)["reads"] == again["reads"] + 2
 
 
 def test_an_empty_file_is_a_sample_of_no_bytes(tmp_path: Path) -> None:

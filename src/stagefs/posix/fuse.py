@@ -511,7 +511,8 @@ def _operations(store: Any, mountpoint: str) -> Any:
             with self._lock:
                 h = self._readers.pop(e, None)
                 if h is None:
-                    h = [open_entry(store, e, path, "rb", -1), threading.Lock()]
+                    h = [open_entry(store, e, path, "rb", -1, per_open=False),
+                         threading.Lock()]
                 self._readers[e] = h  # most recent last
                 while len(self._readers) > _OPEN_READERS:
                     old = self._readers.pop(next(iter(self._readers)))
