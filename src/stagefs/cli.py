@@ -267,7 +267,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     from stagefs.cluster.status import has_cluster, print_cluster_status, wait_for_cluster
 
     if args.wait_staged is not None:  # the daemons may not have started yet
+        waited = args.wait_staged
         args.wait_staged = wait_for_cluster(args.runtime, args.wait_staged)
+        if not has_cluster(args.runtime):  # (a daemon with --wait writes it once staged)
+            where = args.runtime or "this job's runtime directory"
+            print(f"stagefs status: no cluster daemon has written {where} within "
+                  f"{waited:g} s: not staged (is 'stagefs serve' running on this node?)",
+                  file=sys.stderr)
+            return 1
     if has_cluster(args.runtime):  # a cluster daemon runs on this node: show the cluster
         return print_cluster_status(args.runtime, as_json=args.json,
                                     wait_staged=args.wait_staged)

@@ -112,11 +112,12 @@ def stop(proc: subprocess.Popen[bytes], sig: int | None = None, timeout: float =
     return proc.wait(timeout)
 
 
-def results(workdir: str, n: int) -> list[dict[str, int]]:
+def results(workdir: str, n: int | list[int]) -> list[dict[str, int]]:
+    """The readers' results of ranks 0..n-1 (or of the ranks listed)."""
     import json
 
     out = []
-    for r in range(n):
+    for r in range(n) if isinstance(n, int) else n:
         with open(os.path.join(workdir, f"result{r}.json")) as f:
             out.append(json.load(f))
     return out

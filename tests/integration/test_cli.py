@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -505,3 +506,15 @@ def test_doctor_reports_a_tier_that_cannot_be_used(tmp_path: Path) -> None:
     status, meaning = rows[f"tier {typo}"]
     assert status == "error" and f"mkdir -p {typo.parent}" in meaning
     assert str(typo) in proc.stderr.decode()
+
+
+def test_wait_staged_with_no_cluster_fails(tmp_path: Path) -> None:
+    """`stagefs status --wait-staged` before any daemon wrote the runtime directory (it
+    exists; daemons started with --wait write it once staged): not staged, exit 1, saying
+    so (it printed a single node's table and exited 0)."""
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    r = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime", str(rt),
+                        "--wait-staged", "0.5"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "no cluster daemon" in r.stderr and "not staged" in r.stderr

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from cluster_helpers import (
+    cluster_maps,
     make_pack,
     results,
     serve_args,
@@ -84,7 +85,7 @@ class Cluster:
             then()
         for r, p in zip(ranks, self.readers, strict=True):
             assert p.wait(300) == 0, tail(os.path.join(self.work, f"reader{r}.log"))
-        out = [res for res in results(self.work, max(ranks) + 1) if res["rank"] in ranks]
+        out = results(self.work, ranks)
         for res in out:
             assert res["bad"] == 0 and res["checksum_failures"] == 0, res
             assert res["origin_bytes"] == 0, (res, ranks)
@@ -177,3 +178,28 @@ def test_a_stopped_node_rejoins_and_serves_nothing_stale(cluster: Cluster) -> No
     after = status_json(c.work, 0)["nodes"]
     assert isinstance(after, list)
     assert after[3]["server"]["bytes_served"] > served  # it serves again, and right bytes
+
+
+def test_a_node_lost_before_the_cluster_staged_is_not_waited_for(tmp_path: Path) -> None:
+    """A node killed before it staged: the others stage, find it dead, copy its shards
+    again, and the cluster is staged without it (it waited for it forever: no reader could
+    connect to daemons started with --wait, `status --wait-staged` never succeeded)."""
+    c = Cluster(str(tmp_path))
+    try:
+        c.daemons[2].send_signal(signal.SIGKILL)
+        live = [0, 1, 3]
+        deadline = time.monotonic() + 120
+        while not all((m or {}).get("staged") for m in
+                      [cluster_maps(c.work, N)[r] for r in live]):
+            assert time.monotonic() < deadline, f"not staged without node 2\n{c.logs()}"
+            time.sleep(0.2)
+        recs = c.wait_rereplicated([2], 0)
+        assert sum(r["shards_copied"] for r in recs) == len(c.placement.shards_of(2))
+        text = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                               os.path.join(c.work, "rt0"), "--wait-staged", "30"],
+                              capture_output=True, text=True, timeout=60)
+        assert text.returncode == 0, text.stdout + text.stderr
+        c.read(live, 1)  # exact, none from the origin
+    finally:
+        for d in c.daemons:
+            stop(d)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from xxhash import xxh3_64_intdigest
@@ -35,8 +35,10 @@ class Bootstrap(Protocol):
 
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]: ...
 
-    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
-        """Wait until every node has staged; False if stopped first."""
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
+                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
+        """Wait until every node has staged, but those ``gone()`` names (found dead: their
+        shards are copied again by the others); False if stopped first."""
         ...
 
     def finished(self) -> bool:
@@ -57,7 +59,8 @@ class SingleBootstrap:
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return [address]
 
-    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
+                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
         return not stop.is_set()
 
     def finished(self) -> bool:
@@ -100,9 +103,10 @@ class MpiBootstrap:
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return [(str(h), int(p)) for h, p in self.comm.allgather(address)]
 
-    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
+                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
         # Ibarrier + test with sleeps: a blocking MPI barrier would spin a core for as
-        # long as the slowest node stages
+        # long as the slowest node stages (a rank that dies ends the MPI job: no ``gone``)
         req = self.comm.Ibarrier()
         self._pending = True
         while not stop.is_set():
@@ -144,10 +148,14 @@ class StaticBootstrap:
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return list(self.hosts)
 
-    def barrier(self, stop: threading.Event, status: dict[int, PeerClient]) -> bool:
+    def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
+                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
         waiting = set(status)
         pause = 0.2  # growing to 2 s: N nodes asking N peers must not fill their links
         while waiting and not stop.is_set():
+            # a node that died before it staged is not waited for (it would be forever):
+            # the live ones copy its shards again (rereplicate.py) and say so when done
+            waiting -= gone()
             for n in list(waiting):
                 try:
                     if status[n].status().get("staging_done"):

@@ -387,7 +387,7 @@ class Daemon:
         self.monitor = threading.Thread(target=self.rereplicator.run, name="stagefs-monitor",
                                         daemon=True)
         self.monitor.start()
-        staged = self.boot.barrier(self.stop, self.peers)
+        staged = self.boot.barrier(self.stop, self.peers, lambda: self.rereplicator.dead)
         if staged:
             self.staged_at = time.time()
             self.state = "staged"
@@ -454,7 +454,8 @@ class Daemon:
         last_bytes, last_t = 0, t0
         while not self.stop.wait(self.o.progress):
             nodes = self._gather()
-            if all(s and s["staging_done"] for s in nodes):
+            dead = self.rereplicator.dead  # not waited for: the others copy their shards
+            if all((s and s["staging_done"]) or n in dead for n, s in enumerate(nodes)):
                 return  # the final report says it, with the time staging took: a rate over
                 # this interval would count the time since staging ended
             done = sum(s["staging"]["bytes_held"] for s in nodes if s)
@@ -468,7 +469,8 @@ class Daemon:
             mean = statistics.fmean(fracs.values()) if fracs else 0.0
             lag = [f"node {i} ({f:.0%})" for i, f in sorted(fracs.items(), key=lambda x: x[1])
                    if f < 0.75 * mean][:5]
-            lag += [f"node {i} (unreachable)" for i, s in enumerate(nodes) if s is None][:5]
+            lag += [f"node {i} ({'dead' if i in dead else 'unreachable'})"
+                    for i, s in enumerate(nodes) if s is None][:5]
             eta_s = f"{eta:.0f} s" if eta != float("inf") else "?"
             _say(0, f"staging: {format_size(done)} of {format_size(total)} "
                  f"({done / max(total, 1):.0%}), {format_size(rate)}/s, ETA {eta_s}"

@@ -115,7 +115,7 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
     deadline = time.monotonic() + (wait_staged or 0)
     while True:
         cmap, nodes = cluster_status(runtime)
-        staged = all(s is not None and s.get("state") == "staged" for s in nodes)
+        staged = all_staged(nodes)
         if wait_staged is None or staged or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
@@ -142,10 +142,28 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
     if down:
         print(f"{down} node(s) unreachable: reads of their shards go to replicas or the "
               "origin", file=sys.stderr)
-    if wait_staged is not None and not staged:
-        print("not every node has staged yet", file=sys.stderr)
-        return 1
+    if wait_staged is not None:
+        if not staged:
+            print("not every node has staged yet", file=sys.stderr)
+            return 1
+        return 0  # staged: every node, but those found dead whose shards were copied again
     return 0 if not down else 1
+
+
+def all_staged(nodes: list[dict[str, Any] | None]) -> bool:
+    """Has every node staged? A node that does not answer and that the others found dead
+    is not waited for once they have copied its shards again (it may have died before it
+    staged: the cluster is staged without it)."""
+    live = [s for s in nodes if s is not None]
+    if not live or not all(s.get("state") == "staged" for s in live):
+        return False
+    dead: set[int] = set()
+    for s in live:
+        r = s.get("rereplication") or {}
+        dead.update(r.get("dead", ()))
+        if r and not r.get("done"):
+            return False  # still copying the dead nodes' shards
+    return all(s is not None or n in dead for n, s in enumerate(nodes))
 
 
 def wait_for_cluster(runtime: str | None, seconds: float,
