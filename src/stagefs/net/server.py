@@ -235,20 +235,44 @@ class HeldFiles:
     reaches the file system is a shard index and ``locate``'s answer, never a path from
     the wire."""
 
-    def __init__(self, manifest: Manifest, locate: Locate) -> None:
+    RECHECK = 0.05  # seconds between two looks at whether an open copy was deleted
+
+    def __init__(self, manifest: Manifest, locate: Locate,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.sizes = [s.size for s in manifest.shards]
         self.locate = locate
         self._fds: dict[int, int] = {}
+        self._checked: dict[int, float] = {}
+        self._gone: list[int] = []  # deleted copies' fds, closed with the others
+        self._clock = clock
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._fds)
 
     def fd(self, shard: int) -> int | None:
-        """The open file of ``shard``, or None if this node does not hold a whole copy."""
+        """The open file of ``shard``, or None if this node does not hold a whole copy.
+
+        A copy deleted since it was opened (a reader found it corrupt and dropped it) is
+        not served any more: its file stayed readable through the open fd, and peers were
+        given its bad bytes until the daemon ended (it looks again at most every
+        ``RECHECK`` seconds: one fstat)."""
         fd = self._fds.get(shard)
         if fd is not None:
-            return fd
+            now = self._clock()
+            if now - self._checked.get(shard, 0.0) < self.RECHECK:
+                return fd
+            self._checked[shard] = now
+            try:
+                linked = os.fstat(fd).st_nlink > 0
+            except OSError:
+                linked = False
+            if linked:
+                return fd
+            with self._lock:
+                if self._fds.get(shard) == fd:
+                    del self._fds[shard]
+                    self._gone.append(fd)  # a send queued may still read from it
         path = self.locate(shard)
         if path is None:
             return None
@@ -273,7 +297,8 @@ class HeldFiles:
 
     def close(self) -> None:
         with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
+            fds, self._fds = list(self._fds.values()) + self._gone, {}
+            self._gone = []
         for fd in fds:
             os.close(fd)
 
