@@ -92,3 +92,15 @@ def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
     # contended tier lock cost at least 50 ms, where the holder keeps it for microseconds
     with filelock.FileLock(os.fspath(path), mode=0o600).acquire(poll_interval=_POLL_S):
         yield
+
+
+def hold_lock(path: str | os.PathLike[str]) -> filelock.BaseFileLock | None:
+    """Take the lock on the file ``path`` (as ``file_lock``) for as long as the caller
+    keeps it (``release()``, or the process ends), without waiting: None if another
+    process holds it."""
+    lock = filelock.FileLock(os.fspath(path), mode=0o600)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return None
+    return lock

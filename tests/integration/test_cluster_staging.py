@@ -326,3 +326,29 @@ def test_read_many_falls_back_per_item_when_a_peer_dies_mid_batch(
         assert cluster.requests()[2] > before
         assert cluster.servers[2].stats.ranges_not_held > not_held
         assert fs.status()["origin"]["bytes_read"] > 0
+
+
+def test_a_second_daemon_on_a_runtime_in_use_is_refused(tmp_path: Path) -> None:
+    """The same `stagefs serve` run twice on one node: the second is refused, naming the
+    first (it took over the runtime's map, token and socket, and deleted them when it
+    stopped: no reader could reach the first any more); the first serves on. And --rank
+    without --hosts is refused (a one-node cluster started instead)."""
+    work = str(tmp_path)
+    pack, content = make_pack(work, files=40)
+    log = os.path.join(work, "daemon0.log")
+    d = start(serve_args(work, pack, "--bind", "127.0.0.1"), log)
+    try:
+        wait_staged(work, 1, d, log=log)
+        again = subprocess.run(serve_args(work, pack, "--bind", "127.0.0.1"),
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode != 0
+        assert f"pid {d.pid}" in again.stderr and "already serves" in again.stderr, again.stderr
+        with stagefs.connect(os.path.join(work, "rt0")) as fs:  # the first serves on
+            some = sorted(content)[:10]
+            assert fs.read_many(some) == [content[p] for p in some]
+    finally:
+        code = stop(d)
+    assert code == 0, tail(log)
+    r = subprocess.run([*serve_args(work, pack, "--bind", "127.0.0.1"), "--rank", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--hosts" in r.stderr, r.stderr

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stagefs._fsutil import atomic_write, hold_lock
 from stagefs._malloc import tune_malloc
 from stagefs.cluster.bootstrap import (
     Bootstrap,
@@ -151,6 +152,9 @@ def _bootstrap(o: ServeOptions) -> Bootstrap:
                               "--transport tcp")
         mpi_library("--transport mpi was given")  # MPI_THREAD_MULTIPLE, before bootstrap
         return MpiBootstrap(asked=True)
+    if o.rank is not None and not o.hosts:
+        raise ConfigError("--rank is the static bootstrap's: give --hosts FILE too (under "
+                          "mpiexec or srun the launcher gives each daemon its rank)")
     if o.hosts:
         rank = o.rank if o.rank is not None else detect().rank
         return StaticBootstrap(read_hosts(o.hosts), rank, o.token_file,
@@ -211,6 +215,7 @@ class Daemon:
         self.tier_specs = [parse_tier(t, rank=self.rank) for t in o.tiers]
         raw_rt = o.runtime or runtime_default()
         self.runtime = os.path.abspath(raw_rt.replace("{rank}", str(self.rank)))
+        self._one = _only_daemon(self.runtime)
         self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
         self.token = self.boot.token()
         # a lease (clean refuses while we run) and where our data goes (clean removes it);
@@ -488,6 +493,30 @@ class Daemon:
         _say(0, f"staged: {format_size(held)} on {len(ok)} nodes in {took:.1f} s; origin "
              f"read {format_size(origin)} ({origin / max(dataset, 1):.2f}x the dataset), "
              f"{format_size(fwd)} forwarded between nodes")
+
+
+DAEMON_LOCK = "daemon.lock"  # held by the runtime directory's daemon while it lives
+DAEMON_PID = "daemon.pid"
+
+
+def _only_daemon(runtime: str) -> Any:
+    """Take the runtime directory's daemon lock, or refuse: a second daemon on it (the
+    same command run twice) took the first one's place, its map, token and socket, and
+    deleted them when it stopped, leaving the first serving no reader."""
+    prepare_runtime(runtime)
+    lock = hold_lock(os.path.join(runtime, DAEMON_LOCK))
+    pid_file = os.path.join(runtime, DAEMON_PID)
+    if lock is None:
+        try:
+            with open(pid_file) as f:
+                who = f"pid {int(f.read().strip())}"
+        except (OSError, ValueError):
+            who = "another process"
+        raise ConfigError(f"a stagefs daemon ({who}) already serves {runtime}: stop it "
+                          "first ('stagefs status' shows its cluster), or give this one "
+                          "another --runtime")
+    atomic_write(pid_file, f"{os.getpid()}\n".encode())
+    return lock
 
 
 def _tier_runtime(path: str) -> Runtime:
