@@ -67,7 +67,7 @@ class _ReplyRecv:
     than receiving it, and a peer that trickles bytes gets at most 1/16 more than the
     deadline."""
 
-    __slots__ = ("armed", "at", "patience", "seconds", "sock", "step")
+    __slots__ = ("armed", "at", "begun", "patience", "seconds", "sock", "step")
 
     def __init__(self, sock: socket.socket, seconds: float,
                  patience: Patience | None = None) -> None:
@@ -76,7 +76,12 @@ class _ReplyRecv:
         self.at = time.monotonic() + seconds
         self.step = seconds / 16
         self.armed = float("-inf")
-        self.patience = patience  # until the reply's first byte: see PeerClient.patience
+        # each silence waited for patience[0] seconds at a time, and on only while the peer
+        # answers a probe (see PeerClient.patience): before the reply's first byte, and
+        # between its bytes (a daemon stopped in the middle of a reply cost its readers
+        # the whole deadline, 10 s)
+        self.patience = patience
+        self.begun = False
 
     def _arm(self) -> None:
         now = time.monotonic()
@@ -94,24 +99,35 @@ class _ReplyRecv:
         """Exactly ``n`` bytes, received straight into the bytes object returned (no copy
         in user space; one system call unless the kernel timeout or a signal cuts it)."""
         self._arm()
-        if self.patience is not None:
+        if self.patience is not None and not self.begun:
             return self._first(n)
-        try:
-            data = self.sock.recv(n, socket.MSG_WAITALL)
-            if len(data) == n:
-                return data
-            parts = [data]
-            got = len(data)
-            while data and got < n:
-                self._arm()
+        parts: list[bytes] = []
+        got = 0
+        while got < n:
+            try:
                 data = self.sock.recv(n - got, socket.MSG_WAITALL)
-                parts.append(data)
-                got += len(data)
-        except BlockingIOError:  # the kernel timeout passed with nothing received
-            raise TimeoutError(errno.ETIMEDOUT, "peer did not answer in time") from None
-        if got < n:
-            raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
+            except BlockingIOError:  # the kernel timeout passed with nothing received
+                if not self._wait_on():
+                    raise TimeoutError(errno.ETIMEDOUT, "peer did not answer in time") from None
+                continue
+            if not data:
+                raise ConnectionError(errno.ECONNRESET, "connection closed by peer")
+            if not parts and len(data) == n:
+                return data
+            parts.append(data)
+            got += len(data)
+            if got < n:
+                self._arm()
         return b"".join(parts)
+
+    def _wait_on(self) -> bool:
+        """A receive timed out: wait on (armed again) if the deadline is not past and the
+        peer answers a probe (with patience), else not."""
+        if self.patience is None or time.monotonic() >= self.at or not self.patience[1]():
+            return False
+        self.armed = float("-inf")
+        self._arm()
+        return True
 
     def _first(self, n: int) -> _Bytes:
         """The reply's first bytes, waited for ``patience[0]`` seconds at a time: each time
@@ -130,7 +146,7 @@ class _ReplyRecv:
                 self._arm()
                 continue
             break
-        self.patience = None  # it answers: the rest of the reply under the deadline alone
+        self.begun = True  # it answers: the rest of the reply as it comes (bytes)
         self.armed = float("-inf")
         return self.bytes(n)  # (what was peeked, and the rest: closed, if nothing came)
 
