@@ -49,6 +49,10 @@ def stage_with_progress(fs: Store, *, progress: bool | None = None
 def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     rt = Runtime(runtime)
     if not rt.exists():
+        if runtime is not None:
+            print(f"no stagefs runtime at {rt.path} (--runtime): no process of a job with "
+                  "tiers or a cluster daemon has used it")
+            return 1
         print(f"no stagefs runtime for job {rt.job} at {rt.path}: a job's read counters are "
               "kept where its processes use node-local tiers (--tier, tiers=[...], "
               "$STAGEFS_TIERS) or a cluster; is $STAGEFS_JOB (or --job) the job's?")

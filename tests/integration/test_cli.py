@@ -518,3 +518,7 @@ def test_wait_staged_with_no_cluster_fails(tmp_path: Path) -> None:
                         "--wait-staged", "0.5"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "no cluster daemon" in r.stderr and "not staged" in r.stderr
+    # a --runtime that is not there: said as such (it named a job and $STAGEFS_JOB)
+    r = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                        str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "(--runtime)" in r.stdout and "STAGEFS_JOB" not in r.stdout

@@ -352,3 +352,12 @@ def test_a_second_daemon_on_a_runtime_in_use_is_refused(tmp_path: Path) -> None:
     r = subprocess.run([*serve_args(work, pack, "--bind", "127.0.0.1"), "--rank", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "--hosts" in r.stderr, r.stderr
+    # a --token-file that is not there: said as the daemon's (it asked whether the daemon
+    # was running: this is the daemon)
+    hosts = os.path.join(work, "hosts1")
+    with open(hosts, "w") as f:
+        f.write("127.0.0.1:1\n")
+    r = subprocess.run([*serve_args(work, pack), "--hosts", hosts, "--rank", "0",
+                        "--token-file", os.path.join(work, "no-token")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--new-token" in r.stderr and "running" not in r.stderr

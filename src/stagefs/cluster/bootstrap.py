@@ -46,12 +46,17 @@ class Bootstrap(Protocol):
         ...
 
 
+_NO_TOKEN_FILE = ("no such token file (--token-file): make one with 'stagefs serve "
+                  "--new-token FILE' where every node can read it")
+
+
 class SingleBootstrap:
     source = "single"
 
     def __init__(self, token_file: str | None = None) -> None:
         self.rank, self.size = 0, 1
-        self._token = auth.read_token(token_file) if token_file else auth.new_token()
+        self._token = auth.read_token(token_file, _NO_TOKEN_FILE) if token_file else \
+            auth.new_token()
 
     def token(self) -> bytes:
         return self._token
@@ -140,7 +145,7 @@ class StaticBootstrap:
                 "the static bootstrap needs the job token in a file every node can read: "
                 "--token-file FILE (make one with 'stagefs serve --new-token FILE')"
             )
-        self._token = auth.read_token(token_file)
+        self._token = auth.read_token(token_file, _NO_TOKEN_FILE)
 
     def token(self) -> bytes:
         return self._token
@@ -195,7 +200,8 @@ class SlurmBootstrap(StaticBootstrap):
         path = token_file or secret_path()
         self.rank, self.size = step.node, len(step.hosts)
         self.hosts = [(h, port) for h in step.hosts]
-        self._token = auth.read_token(path) if token_file else auth.job_token(step.job, path)
+        self._token = auth.read_token(path, _NO_TOKEN_FILE) if token_file else \
+            auth.job_token(step.job, path)
 
 
 def slurm_port(job: str, base: int = 20000, span: int = 20000) -> int:

@@ -81,14 +81,16 @@ def job_token(job: str, secret_path: str) -> bytes:
     return hmac.new(secret, b"stagefs-v1 job " + job.encode(), hashlib.sha256).digest()
 
 
-def read_token(path: str) -> bytes:
-    """Read a token file; refuse one that others can read."""
+def read_token(path: str, missing: str = "no job token here; is the stagefs daemon "
+               "running?") -> bytes:
+    """Read a token file; refuse one that others can read. ``missing``: what to say if
+    there is none (a reader's runtime: the daemon may not run; a daemon's --token-file)."""
     try:
         st = os.stat(path)
         with open(path, "rb") as f:
             text = f.read().strip()
     except FileNotFoundError:
-        raise ClusterError(f"{path}: no job token here; is the stagefs daemon running?") from None
+        raise ClusterError(f"{path}: {missing}") from None
     except PermissionError:
         raise ClusterError(f"{path}: the job token belongs to another user") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
