@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-import stagefs.verify as verify_mod
+import stagefs.tiers.audit as verify_mod
 from conftest import random_bytes, text_bytes
 from stagefs.format import shard_name
 from stagefs.verify import verify_pack
