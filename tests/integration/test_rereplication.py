@@ -203,3 +203,42 @@ def test_a_node_lost_before_the_cluster_staged_is_not_waited_for(tmp_path: Path)
     finally:
         for d in c.daemons:
             stop(d)
+
+
+def test_a_copy_a_reader_finds_bad_is_checked_and_deleted_where_it_is(cluster: Cluster
+                                                                        ) -> None:
+    """A byte flipped in one node's copy of a shard that node 0 does not hold: a reader on
+    node 0 gets the right bytes (the check catches it), and its report has the copy
+    checked where it is: deleted there and placed again, so the next reads come from the
+    other replica, not the origin (it was served to every reader until the daemon ended,
+    each of them reading the origin instead)."""
+    import stagefs
+    from conftest import flip_byte
+
+    c = cluster
+    m = Manifest(os.path.join(c.pack, "manifest.sfm"))
+    try:
+        shard = next(s for s in range(len(c.sizes)) if 0 not in c.placement.holders[s]
+                     and any(int(m.shard[e]) == s for e in m.files()))
+        first = c.placement.holders[shard][0]
+        ents = [e for e in m.files() if int(m.shard[e]) == shard and m.size[e]]
+        victim = os.fsdecode(m.path_of(ents[0]))
+        copy = os.path.join(c.work, f"node{first}", "mem", m.pack_id.hex(),
+                            m.shards[shard].name)
+        ino = os.stat(copy).st_ino
+        flip_byte(copy, int(m.offset[ents[0]]) + 5)
+    finally:
+        m.close()
+    with stagefs.connect(os.path.join(c.work, "rt0")) as fs:
+        assert fs.read(victim) == c.content[victim]  # the bad copy's bytes never come out
+        deadline = time.monotonic() + 60
+        while os.path.exists(copy) and os.stat(copy).st_ino == ino:
+            assert time.monotonic() < deadline, f"the bad copy was not deleted\n{c.logs()}"
+            time.sleep(0.1)
+        nodes = status_json(c.work, first)["nodes"]
+        assert isinstance(nodes, list) and nodes[first]["checks"]["dropped"] == 1
+        assert nodes[0]["checks"]["forwarded"] >= 1
+        time.sleep(0.2)  # past the server's look at whether a copy it opened was deleted
+        before = fs.status()["origin"]["bytes_read"]
+        assert fs.read(victim) == c.content[victim]
+        assert fs.status()["origin"]["bytes_read"] == before  # from the other replica

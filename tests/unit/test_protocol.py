@@ -29,6 +29,7 @@ messages = st.one_of(
     st.builds(P.StatusRequest),
     st.builds(P.Status, st.dictionaries(st.text(), json_val, max_size=5)),
     st.builds(P.Error, st.integers(0, 65535), st.text(max_size=50)),
+    st.builds(P.Check, st.integers(0, 2**32 - 1)),
 )
 
 

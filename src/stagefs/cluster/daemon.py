@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ from stagefs.cluster.staging import Stager
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import env, format_size, parse_tier
-from stagefs.errors import ConfigError, RuntimeInUseError
+from stagefs.errors import ConfigError, RuntimeInUseError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.hedge import HedgePolicy
@@ -64,6 +65,7 @@ from stagefs.net.pipes import PipePool, pipe_descriptors, pool_pipes
 from stagefs.net.relay import Relay, RelayPeer
 from stagefs.net.server import ServerLimits, ShardServer, connection_room, raise_fd_limit
 from stagefs.runtime import Runtime, clean
+from stagefs.tiers.audit import check_shard
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.origin import PackOrigin
@@ -74,6 +76,7 @@ __all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
+CHECK_EVERY = 10.0  # seconds between two checks of one shard's copies asked by readers
 PEER_CONNECTIONS = 1  # per peer for staging and status; the relay keeps one more (its
 # readers' relayed ranges and the probes: net/relay.py)
 # descriptors a daemon spends on each peer: its connections to the peer (data, relay) and
@@ -247,7 +250,13 @@ class Daemon:
             o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
         self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
                                   limits=limits, status=self.status,
-                                  unix_path=self.fabric_path, relay=self.relay)
+                                  unix_path=self.fabric_path, relay=self.relay,
+                                  check=self._check_shard)
+        # CHECKs of copies readers found bad bytes in: one at a time, at most one a shard
+        # every CHECK_EVERY seconds
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="stagefs-check")
+        self._checked: dict[int, float] = {}
+        self.checks = {"asked": 0, "checked": 0, "dropped": 0, "forwarded": 0}
         self.nodes = self.boot.exchange(self.server.address)
         short = descriptor_shortfall(self.fd_limit, limits.fd_reserve, len(self.nodes) - 1)
         if short is not None:
@@ -298,6 +307,51 @@ class Daemon:
         self.progress_unreachable = 0
         self.staged_at = 0.0
 
+    # -- copies a reader found bad bytes in (CHECK) ------------------------------------
+
+    def _check_shard(self, shard: int) -> str:
+        """A reader (or a peer's daemon) found bad bytes of ``shard`` from here: check this
+        node's copy in the background, or, if it holds none (it relayed them), have the
+        shard's holders check theirs. Called in the server's event loop: returns at once."""
+        if not 0 <= shard < len(self.manifest.shards):
+            return "no such shard"
+        now = time.monotonic()
+        if now - self._checked.get(shard, float("-inf")) < CHECK_EVERY:
+            return "checked recently"
+        self._checked[shard] = now
+        self.checks["asked"] += 1
+        try:
+            self._checker.submit(self._check_copy, shard)
+        except RuntimeError:  # shut down: the daemon is stopping
+            return "stopping"
+        return "queued"
+
+    def _check_copy(self, shard: int) -> None:
+        """Check every file of each whole copy of ``shard`` this node holds (tiers/audit.py,
+        the readers' check); a bad copy is deleted and placed again (the tiers' own drop:
+        the server stops serving it). None held: the shard's holders are asked."""
+        held = [t for t in self.chain.tiers if shard in t.held()]
+        for t in held:
+            try:
+                _, _, bad = check_shard(t.dir, self.manifest, shard)
+            except (StagefsError, OSError) as exc:
+                bad = [exc]  # type: ignore[list-item]
+            self.checks["checked"] += 1
+            if bad:
+                self.checks["dropped"] += 1
+                log.warning("%s: shard %d: %s; the copy is deleted and placed again", t.name,
+                            shard, getattr(bad[0], "reason", bad[0]))
+                t.drop(shard)
+        if held:
+            return
+        for n in self.placement.holders[shard]:
+            if n != self.rank and n in self.peers:
+                self.checks["forwarded"] += 1
+                try:
+                    self.peers[n].check(shard)
+                except SourceUnavailable:
+                    continue
+
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
     def _relay_peers_of(self, shard: int) -> Sequence[RelayPeer]:
@@ -336,6 +390,7 @@ class Daemon:
             "bootstrap": self.boot.source,
             "transport": self.o.transport,
             **({} if self.transport is None else {"mpi": self.transport.status()}),
+            "checks": dict(self.checks),
             "fabric": {"socket": self.fabric_path, "fd_limit": self.fd_limit,
                        "relay": self.relay.stats.as_dict(),
                        **self._relay_peers()},
@@ -410,6 +465,7 @@ class Daemon:
     def close(self) -> None:
         self.stop.set()
         self.server.close()  # and its relay
+        self._checker.shutdown(wait=True, cancel_futures=True)  # a check under way ends
         if self.pipes is not None:
             self.pipes.close()
         if self.state != "starting":  # the stager ran: let it end the shard it copies

@@ -49,6 +49,12 @@ class FabricHolder:
     def is_down(self) -> bool:
         return self.client.is_down()
 
+    def drop(self, shard: int) -> None:
+        """Bytes of ``shard`` it gave (from its tiers, or relayed from a peer) failed their
+        checksum: it checks its copy, or has the shard's holders check theirs; a bad one
+        is deleted (it was served to every reader until the daemon ended)."""
+        self.client.report_bad(shard)
+
     def pread(self, shard: int, offset: int, length: int) -> bytes:
         try:
             data = self.client.read([(shard, offset, length)])[0]

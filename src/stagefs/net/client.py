@@ -48,6 +48,7 @@ __all__ = ["ClientStats", "PeerAuthenticationError", "PeerClient", "PeerSource",
            "PeerUnavailable"]
 
 log = logging.getLogger("stagefs.client")
+REPORT_EVERY = 10.0  # seconds between two reports of one shard's bad bytes to one peer
 
 _REPLY_LIMIT = 64 * 2**20  # must not exceed the server's max_reply
 _BATCH_BYTES = 16 * 2**20  # data in one READ (relayed: one relay each); more: pipelined
@@ -214,6 +215,7 @@ class PeerClient:
         # waited for on (up to ``timeout``) only while ``alive()`` says the peer answers
         # otherwise (the node daemon: a probe on another connection); None: ``timeout``
         self.patience: Patience | None = None
+        self._reported: dict[int, float] = {}  # shard -> when its copy was reported bad
         self.stats = ClientStats()
         self._ids = itertools.count(1)
         tune_malloc()  # replies become sample-sized bytes: keep their memory for reuse
@@ -537,6 +539,35 @@ class PeerClient:
             raise PeerUnavailable(f"{self.name}: expected STATUS, got {type(reply).__name__}")
         return reply.info
 
+    def check(self, shard: int) -> str:
+        """Ask the peer to check its copy of ``shard`` (bytes of it from there failed their
+        checksum): what it says it does (``"queued"``, ``"recent"``, ...)."""
+        reply = self._exchange(P.Check(shard))
+        if not isinstance(reply, P.Status):
+            raise PeerUnavailable(f"{self.name}: expected STATUS, got {type(reply).__name__}")
+        return str(reply.info.get("check"))
+
+    def report_bad(self, shard: int) -> None:
+        """Bytes of ``shard`` from this peer failed their checksum: ask it to check its copy
+        (``check``), in a thread of its own, at most once per ``REPORT_EVERY`` seconds a
+        shard (a reader that meets a bad copy meets it at every read until it is gone)."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._reported.get(shard, float("-inf")) < REPORT_EVERY:
+                return
+            self._reported[shard] = now
+
+        def send() -> None:
+            try:
+                got = self.check(shard)
+            except (SourceUnavailable, OSError) as exc:
+                log.debug("%s: could not ask for a check of shard %d: %s", self.name, shard,
+                          exc)
+                return
+            log.debug("%s: shard %d: check %s", self.name, shard, got)
+
+        threading.Thread(target=send, name="stagefs-report-bad", daemon=True).start()
+
     def close(self) -> None:
         self._check_fork()
         with self._lock:
@@ -559,6 +590,13 @@ class PeerSource:
     def __init__(self, client: PeerClient, name: str | None = None) -> None:
         self.client = client
         self.name = name or f"peer {client.name}"
+
+    def drop(self, shard: int) -> None:
+        """Its bytes of ``shard`` failed their checksum: it is asked to check its copy
+        (and deletes it if bad)."""
+        report = getattr(self.client, "report_bad", None)  # (the MPI transport's has none)
+        if report is not None:
+            report(shard)
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
         if shard < 0 or offset < 0 or length < 0:

@@ -29,6 +29,7 @@ __all__ = [
     "Auth",
     "AuthOk",
     "Challenge",
+    "Check",
     "Data",
     "Error",
     "FrameDecoder",
@@ -59,9 +60,11 @@ _COUNT = struct.Struct("!II")  # request id, count
 DATA_HEAD = _COUNT.size  # a DATA payload begins with its request id and slot count
 SLOT_SIZE = _SLOT.size
 _ERR = struct.Struct("!H")
+_SHARD = struct.Struct("!I")
 
 # message types
 T_CHALLENGE, T_AUTH, T_AUTH_OK, T_READ, T_DATA, T_STATUS_REQ, T_STATUS, T_ERROR = range(1, 9)
+T_CHECK = 9
 
 # DATA slot status
 OK, NOT_HELD, INVALID = 0, 1, 2
@@ -141,7 +144,15 @@ class Error:
     message: str
 
 
-Message = Challenge | Auth | AuthOk | Read | Data | StatusRequest | Status | Error
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Client → server: bytes of this shard from this node (or relayed by it) failed their
+    checksum; check the copy (answered with a STATUS: ``{"check": outcome}``)."""
+
+    shard: int
+
+
+Message = Challenge | Auth | AuthOk | Read | Data | StatusRequest | Status | Error | Check
 
 
 def _frame(mtype: int, payload_len: int) -> bytes:
@@ -201,6 +212,11 @@ def _payload(msg: Message) -> tuple[int, bytes]:
         return T_STATUS, json.dumps(msg.info, sort_keys=True).encode()
     if isinstance(msg, Error):
         return T_ERROR, _ERR.pack(msg.code) + msg.message.encode("utf-8", "replace")
+    if isinstance(msg, Check):
+        try:
+            return T_CHECK, _SHARD.pack(msg.shard)
+        except struct.error as exc:
+            raise ProtocolError(f"shard out of bounds: {exc}") from exc
     raise ProtocolError(f"cannot encode {type(msg).__name__}")
 
 
@@ -222,7 +238,7 @@ def parse_header(header: bytes | bytearray | memoryview, max_frame: int = MAX_FR
             f"peer speaks protocol version {version}, this stagefs speaks {VERSION}: run the "
             "same stagefs version on every node"
         )
-    if not T_CHALLENGE <= mtype <= T_ERROR:
+    if not T_CHALLENGE <= mtype <= T_CHECK:
         raise ProtocolError(f"unknown message type {mtype}")
     if length > max_frame:
         raise ProtocolError(f"frame of {length} bytes exceeds the limit of {max_frame}")
@@ -265,6 +281,9 @@ def decode_payload(mtype: int, payload: bytes | bytearray | memoryview) -> Messa
         _need(n >= _ERR.size, "ERROR", n)
         (code,) = _ERR.unpack_from(p)
         return Error(code, bytes(p[_ERR.size :]).decode("utf-8", "replace"))
+    if mtype == T_CHECK:
+        _need(n == _SHARD.size, "CHECK", n)
+        return Check(_SHARD.unpack_from(p)[0])
     raise ProtocolError(f"unknown message type {mtype}")
 
 

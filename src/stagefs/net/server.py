@@ -311,7 +311,8 @@ class ShardServer:
     def __init__(self, manifest: Manifest, token: bytes, locate: Locate, host: str,
                  port: int = 0, *, limits: ServerLimits | None = None,
                  status: Callable[[], dict[str, Any]] | None = None,
-                 unix_path: str | None = None, relay: Relay | None = None) -> None:
+                 unix_path: str | None = None, relay: Relay | None = None,
+                 check: Callable[[int], str] | None = None) -> None:
         if host in ("", "0.0.0.0", "::"):
             raise ConfigError(
                 "the stagefs server does not listen on all interfaces; give the address of "
@@ -323,6 +324,9 @@ class ShardServer:
         self.limits = limits or ServerLimits()
         self.status_fn = status or dict
         self.relay = relay
+        # a CHECK (a reader found bad bytes of a shard from here): queued, never run in
+        # the loop; what it says back (the daemon's _check_shard)
+        self.check = check
         self.stats = ServerStats()
         self._sizes = [s.size for s in manifest.shards]
         self._held = HeldFiles(manifest, locate)
@@ -582,6 +586,9 @@ class ShardServer:
             self._read(conn, msg)
         elif isinstance(msg, P.StatusRequest):
             self._queue(conn, P.encode_parts(P.Status(self._status())))
+        elif isinstance(msg, P.Check):
+            outcome = self.check(msg.shard) if self.check is not None else "not checked here"
+            self._queue(conn, P.encode_parts(P.Status({"check": outcome})))
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
 
