@@ -686,11 +686,15 @@ class Store:
         raise SourceUnavailable(f"shard {shard}: no holder answered")
 
     def _corrupt(self, src: ShardSource, shard: int) -> None:
-        """A holder returned bad bytes: tell it to drop its copy, if it keeps copies; the
-        origin says what is wrong with its shard file, if that is the cause."""
+        """A holder returned bad bytes: tell it to drop its copy, if it keeps copies (a peer
+        to check its copy); the origin says what is wrong with its shard file, if that is
+        the cause."""
         drop = getattr(src, "drop", None)
         if drop is not None:
             drop(shard)
+        report = getattr(src, "report_bad", None)  # a peer: it checks its copy (CHECK)
+        if report is not None:
+            report(shard)
         diagnose = getattr(src, "diagnose", None)
         if diagnose is not None:
             diagnose(shard)

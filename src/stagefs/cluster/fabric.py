@@ -49,7 +49,7 @@ class FabricHolder:
     def is_down(self) -> bool:
         return self.client.is_down()
 
-    def drop(self, shard: int) -> None:
+    def report_bad(self, shard: int) -> None:
         """Bytes of ``shard`` it gave (from its tiers, or relayed from a peer) failed their
         checksum: it checks its copy, or has the shard's holders check theirs; a bad one
         is deleted (it was served to every reader until the daemon ended)."""

@@ -591,9 +591,9 @@ class PeerSource:
         self.client = client
         self.name = name or f"peer {client.name}"
 
-    def drop(self, shard: int) -> None:
+    def report_bad(self, shard: int) -> None:
         """Its bytes of ``shard`` failed their checksum: it is asked to check its copy
-        (and deletes it if bad)."""
+        (and deletes it if bad; a holder that ``drop``s stops serving at once)."""
         report = getattr(self.client, "report_bad", None)  # (the MPI transport's has none)
         if report is not None:
             report(shard)

@@ -160,9 +160,9 @@ class HedgedPeer:
         """Suspect: a reader goes straight to the next holder."""
         return self.client.suspect()
 
-    def drop(self, shard: int) -> None:
+    def report_bad(self, shard: int) -> None:
         """Its bytes of ``shard`` failed their checksum: the peer checks its copy."""
-        self.source.drop(shard)
+        self.source.report_bad(shard)
 
     def close(self) -> None:
         """The peer's connections belong to its client, which the owner closes."""
