@@ -257,7 +257,8 @@ class Store:
         sized = a["size"][ents] > 0
         pick = np.flatnonzero(sized)
         if count and len(pick) < n:
-            self._count_empty(int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))))
+            # empty files: samples of no bytes the manifest answers (count_kept)
+            self.count_kept(0, int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))))
         if not len(pick):
             return out
         sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]
@@ -498,8 +499,8 @@ class Store:
                 lo, hi, first = start, end, 0
             offset, stored = offset + lo, hi - lo
         elif size == 0:
-            if count:
-                self._count_empty(1 if sample is None else sample)
+            if count:  # a sample of no bytes the manifest answers
+                self.count_kept(0, 1 if sample is None else sample)
             return b""
         tried: list[str] = []
         holders = self._holders(shard)
@@ -609,33 +610,24 @@ class Store:
         stats.bytes += nbytes
         if self._counts is None:
             return
-        served_by = getattr(src, "served_by", None)
-        split = served_by() if served_by is not None else None
-        if split and len(split) > 1:
-            # from several holders (a large file's pieces in two tiers and the origin): the
-            # bytes to each, the sample to the one that gave the most
-            left_n, left_s = nbytes, stored
-            for k, (holder, part) in enumerate(split):
-                last = k == len(split) - 1
-                n = left_n if last else nbytes * part // max(stored, 1)
-                m = left_s if last else part
-                self._counts.add(holder, reads if k == 0 else 0, n, m)
-                left_n, left_s = left_n - n, left_s - m
-            return
-        holder = split[0][0] if split else \
-            "origin" if src is self.origin else getattr(src, "holder", "peer")
-        self._counts.add(holder if holder in HOLDERS else "peer", reads, nbytes, stored)
-
-    def _count_empty(self, reads: int) -> None:
-        """``reads`` empty files read: samples of no bytes, which the manifest, in memory,
-        answers (no holder is read): counted as ``memory``'s."""
-        if reads:
-            self.count_kept(0, reads)
+        served_by = getattr(src, "served_by", None)  # the stream: the holders of its read
+        split = (served_by() if served_by is not None else None) or [
+            ("origin" if src is self.origin else getattr(src, "holder", "peer"), stored)]
+        # from several holders (a large file's pieces in two tiers and the origin): the
+        # bytes to each, the sample to the one that gave the most (the first)
+        left_n, left_s = nbytes, stored
+        for k, (holder, part) in enumerate(split):
+            last = k == len(split) - 1
+            n = left_n if last else nbytes * part // max(stored, 1)
+            m = left_s if last else part
+            self._counts.add(holder if holder in HOLDERS else "peer", reads if k == 0 else 0,
+                             n, m)
+            left_n, left_s = left_n - n, left_s - m
 
     def count_kept(self, nbytes: int, reads: int = 1, stored: int | None = None) -> None:
         """``reads`` samples of ``nbytes`` in all (``stored`` as stored) that a front end
         served again from its own memory (the FUSE server's last files), or that need no
-        holder: ``memory``'s."""
+        holder (empty files: the manifest, in memory, answers them): ``memory``'s."""
         self.stats.reads += reads
         self.stats.bytes += nbytes
         if self._counts is not None:

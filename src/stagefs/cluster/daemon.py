@@ -57,7 +57,7 @@ from stagefs.cluster.staging import Stager
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import env, format_size, parse_tier
-from stagefs.errors import ConfigError, RuntimeInUseError, StagefsError
+from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.hedge import HedgePolicy
@@ -332,15 +332,12 @@ class Daemon:
         the server stops serving it). None held: the shard's holders are asked."""
         held = [t for t in self.chain.tiers if shard in t.held()]
         for t in held:
-            try:
-                _, _, bad = check_shard(t.dir, self.manifest, shard)
-            except (StagefsError, OSError) as exc:
-                bad = [exc]  # type: ignore[list-item]
+            _, _, bad = check_shard(t.dir, self.manifest, shard)  # (says what it cannot read)
             self.checks["checked"] += 1
             if bad:
                 self.checks["dropped"] += 1
-                log.warning("%s: shard %d: %s; the copy is deleted and placed again", t.name,
-                            shard, getattr(bad[0], "reason", bad[0]))
+                log.warning("%s: shard %d: %s: %s; the copy is deleted and placed again",
+                            t.name, shard, bad[0].path, bad[0].reason)
                 t.drop(shard)
         if held:
             return

@@ -989,4 +989,3 @@ def _raise_fd_limit() -> None:
     if soft != resource.RLIM_INFINITY and soft < want:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
-
