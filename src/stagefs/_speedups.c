@@ -12,8 +12,13 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "_xxh3.h"
 
@@ -226,8 +231,181 @@ static PyObject *mod_xxh3_64(PyObject *m, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* ---- gather: many stored files read at once, each hashed as its bytes arrive ------------
+ *
+ * gather(sources, offsets, lengths, slow_s=-1.0, copy_rate=1.0) -> (datas, sums, done, waited)
+ *
+ * sources[i] is an int (a file descriptor: preadv; -1: none, the item is None) or a
+ * bytes-like object (a mapping of a copy: memcpy); item i is lengths[i] bytes at offsets[i] of it. Items next to each other in
+ * one file (the same fd, each starting where the one before ends) are read with one preadv
+ * into their own bytes objects (at most IOV_MAX items, COALESCE bytes). Each item's XXH3-64
+ * is taken right after its read, while its bytes are in the CPU's cache. The interpreter
+ * lock is let go for all the reads and hashes (other threads run meanwhile).
+ *
+ * datas[i]: the bytes, or None if they could not all be read (an error, the file or the
+ * mapping ended first: the caller reads that item again by its one-item path, which says
+ * what is wrong); sums[i]: the hash, or 0. With slow_s >= 0, the reads stop after the first
+ * one that waited (took longer than slow_s + its bytes / copy_rate: a file system's latency,
+ * not a copy from memory); done: the items read (the rest are None); waited: whether the
+ * last read waited. Python fallback with
+ * the same results: tiers/base.py gather. */
+
+enum { COALESCE = 8 << 20 };
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *mod_gather(PyObject *m, PyObject *args) {
+    PyObject *srcs, *offs, *lens;
+    double slow_s = -1.0, copy_rate = 1.0;
+    if (!PyArg_ParseTuple(args, "OOO|dd", &srcs, &offs, &lens, &slow_s, &copy_rate)) return NULL;
+    PyObject *s_f = PySequence_Fast(srcs, "sources must be a sequence");
+    if (s_f == NULL) return NULL;
+    PyObject *o_f = PySequence_Fast(offs, "offsets must be a sequence");
+    PyObject *l_f = o_f ? PySequence_Fast(lens, "lengths must be a sequence") : NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(s_f);
+    PyObject *result = NULL, *datas = NULL, *sums = NULL;
+    long long *fd = NULL, *off = NULL, *len = NULL;
+    Py_buffer *bufs = NULL;
+    char *ok = NULL;
+    PyObject **out = NULL;
+    uint64_t *hash = NULL;
+    Py_ssize_t done = n, k;
+    int waited = 0;
+    if (l_f == NULL) goto end;
+    if (PySequence_Fast_GET_SIZE(o_f) != n || PySequence_Fast_GET_SIZE(l_f) != n) {
+        PyErr_SetString(PyExc_ValueError, "sources, offsets and lengths differ in length");
+        goto end;
+    }
+    fd = PyMem_Calloc((size_t)n + 1, sizeof *fd);
+    off = PyMem_Calloc((size_t)n + 1, sizeof *off);
+    len = PyMem_Calloc((size_t)n + 1, sizeof *len);
+    bufs = PyMem_Calloc((size_t)n + 1, sizeof *bufs);
+    ok = PyMem_Calloc((size_t)n + 1, 1);
+    out = PyMem_Calloc((size_t)n + 1, sizeof *out);
+    hash = PyMem_Calloc((size_t)n + 1, sizeof *hash);
+    if (!fd || !off || !len || !bufs || !ok || !out || !hash) { PyErr_NoMemory(); goto end; }
+    for (k = 0; k < n; k++) {
+        PyObject *s = PySequence_Fast_GET_ITEM(s_f, k);
+        off[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(o_f, k));
+        len[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(l_f, k));
+        if (PyErr_Occurred()) goto end;
+        if (off[k] < 0 || len[k] < 0 || len[k] > PY_SSIZE_T_MAX) {
+            PyErr_Format(PyExc_ValueError, "item %zd: offset %lld, length %lld", k, off[k],
+                         len[k]);
+            goto end;
+        }
+        if (PyLong_Check(s)) {
+            fd[k] = PyLong_AsLongLong(s);  /* -1: no source, the item is None */
+            if (fd[k] < -1 || fd[k] > INT_MAX) {
+                if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "item %zd: fd %lld", k, fd[k]);
+                goto end;
+            }
+        } else {
+            fd[k] = -2;
+            if (PyObject_GetBuffer(s, &bufs[k], PyBUF_SIMPLE) < 0) goto end;
+        }
+        out[k] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len[k]);
+        if (out[k] == NULL) goto end;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    struct iovec iov[64];
+    k = 0;
+    while (k < n) {
+        double t0 = slow_s >= 0 ? now_s() : 0.0;
+        long long nbytes = 0;
+        Py_ssize_t j = k + 1;
+        if (fd[k] == -1) {
+            nbytes = 0;  /* no source: None */
+        } else if (fd[k] == -2) {  /* a mapping: copy */
+            if (off[k] + len[k] <= (long long)bufs[k].len) {
+                memcpy(PyBytes_AS_STRING(out[k]), (const char *)bufs[k].buf + off[k], (size_t)len[k]);
+                ok[k] = 1;
+                nbytes = len[k];
+            }
+        } else {  /* a file: the run of items next to each other, with one preadv */
+            long long end_ = off[k] + len[k];
+            nbytes = len[k];
+            while (j < n && j - k < 64 && fd[j] == fd[k] && off[j] == end_
+                   && nbytes + len[j] <= COALESCE) {
+                end_ += len[j];
+                nbytes += len[j];
+                j++;
+            }
+            for (Py_ssize_t i = k; i < j; i++) {
+                iov[i - k].iov_base = PyBytes_AS_STRING(out[i]);
+                iov[i - k].iov_len = (size_t)len[i];
+            }
+            struct iovec *v = iov;
+            int nv = (int)(j - k);
+            long long pos = off[k], left = nbytes;
+            while (left > 0 && nv > 0) {
+                ssize_t got = preadv((int)fd[k], v, nv, (off_t)pos);
+                if (got < 0 && errno == EINTR) continue;
+                if (got <= 0) break;  /* an error, or the file ended: these items are None */
+                pos += got;
+                left -= got;
+                while (nv > 0 && (size_t)got >= v->iov_len) { got -= (ssize_t)v->iov_len; v++; nv--; }
+                if (nv > 0 && got > 0) {
+                    v->iov_base = (char *)v->iov_base + got;
+                    v->iov_len -= (size_t)got;
+                }
+            }
+            /* the items read whole; zero-length items always are */
+            long long filled = nbytes - left;
+            for (Py_ssize_t i = k; i < j; i++) {
+                if (len[i] <= filled) ok[i] = 1;
+                filled -= len[i];
+                if (filled < 0) filled = -1;
+            }
+        }
+        for (Py_ssize_t i = k; i < j; i++)
+            if (ok[i]) hash[i] = xxh3_64((const uint8_t *)PyBytes_AS_STRING(out[i]), (size_t)len[i]);
+        k = j;
+        if (slow_s >= 0 && now_s() - t0 > slow_s + (double)nbytes / copy_rate) {
+            done = k;
+            waited = 1;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    datas = PyList_New(n);
+    sums = PyList_New(n);
+    if (datas == NULL || sums == NULL) goto end;
+    for (k = 0; k < n; k++) {
+        PyObject *h = PyLong_FromUnsignedLongLong(ok[k] ? hash[k] : 0);
+        if (h == NULL) goto end;
+        PyList_SET_ITEM(sums, k, h);
+        if (ok[k]) {
+            PyList_SET_ITEM(datas, k, out[k]);
+            out[k] = NULL;
+        } else {
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(datas, k, Py_None);
+        }
+    }
+    result = Py_BuildValue("(OOnO)", datas, sums, done, waited ? Py_True : Py_False);
+end:
+    Py_XDECREF(datas);
+    Py_XDECREF(sums);
+    for (k = 0; bufs && out && k < n; k++) {
+        if (bufs[k].obj != NULL) PyBuffer_Release(&bufs[k]);
+        Py_XDECREF(out[k]);
+    }
+    PyMem_Free(fd); PyMem_Free(off); PyMem_Free(len); PyMem_Free(bufs); PyMem_Free(ok);
+    PyMem_Free(out); PyMem_Free(hash);
+    Py_XDECREF(s_f); Py_XDECREF(o_f); Py_XDECREF(l_f);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"xxh3_64", mod_xxh3_64, METH_O, "XXH3-64 (seed 0) of a bytes-like object"},
+    {"gather", mod_gather, METH_VARARGS,
+     "gather(sources, offsets, lengths, slow_s=-1.0, copy_rate=1.0) -> (datas, sums, done, "
+     "waited)"},
     {NULL, NULL, 0, NULL},
 };
 

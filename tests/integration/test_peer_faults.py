@@ -323,7 +323,8 @@ def test_a_foreign_listener_is_skipped(kind: str, packed: Pack, tmp_path: object
         assert store.read_many(paths[1:]) == [content[p] for p in paths[1:]]
         assert store.read(paths[1]) == content[paths[1]]
         assert client.stats.attempts == attempts and fake.accepts == 1  # not asked again
-        assert client.stats.skipped >= 2
+        # read skips it; read_many's batch goes to the origin at once (the peer is down)
+        assert client.stats.skipped >= 1
     finally:
         store.close()
         fake.close()

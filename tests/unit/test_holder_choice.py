@@ -10,6 +10,7 @@ import random
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from stagefs.net import auth
 from stagefs.net.hedge import HedgePolicy, ReplyTimes
 from stagefs.net.server import ShardServer
 from stagefs.store import Store, _first_up
+from stagefs.tiers.base import Gathered
 from stagefs.tiers.origin import PackOrigin
 
 Cluster = tuple[Store, ClusterHolders, dict[int, ShardServer], dict[str, bytes]]
@@ -169,13 +171,13 @@ def test_read_many_reads_this_nodes_tier_in_one_call(three: Cluster) -> None:
     paths = sorted(content)
     random.Random(7).shuffle(paths)
     calls: list[int] = []
-    real = tier.pread_many
+    real = tier.gather_many
 
-    def pread_many(ranges: list[tuple[int, int, int]]) -> list[bytes | None]:
+    def gather_many(ranges: list[tuple[int, int, int]], *args: Any) -> Gathered:
         calls.append(len(ranges))
-        return real(ranges)
+        return real(ranges, *args)
 
-    tier.pread_many = pread_many  # type: ignore[method-assign]
+    tier.gather_many = gather_many  # type: ignore[method-assign]
     here = [p for p in paths if int(m.shard[store.namespace.file_entry(p)]) in mine]
     assert store.read_many(paths) == [content[p] for p in paths]
     assert calls == [len(here)]

@@ -156,6 +156,31 @@ def test_corrupt_byte_gives_checksum_error(corruptible: tuple[Path, dict[str, by
         assert fs.stats.checksum_failures >= 4
 
 
+def test_read_many_of_a_truncated_shard_says_what_read_says(tmp_path: Path) -> None:
+    """The batch reads a shard's files at once (``gather``): those the cut took away are
+    read again alone and raise what ``read`` raises, naming the shard; a batch of the files
+    before the cut is read whole, and right."""
+    files = _busy_tree(tmp_path / "src")
+    stagefs.pack(tmp_path / "src", tmp_path / "pack", shard_size="40KiB", jobs=1,
+                 progress=False, echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack") as fs:
+        m = fs.manifest
+        shard = int(m.shard[m.lookup(b"d0/f007")])
+        mine = sorted((p for p, d in files.items() if d and m.shard[m.lookup(p.encode())] == shard),
+                      key=lambda p: int(m.offset[m.lookup(p.encode())]))
+        cut = int(m.offset[m.lookup(mine[len(mine) // 2].encode())]) + 1
+        name = m.shards[shard].name
+    assert len(mine) >= 4
+    os.truncate(tmp_path / "pack" / name, cut)
+    with stagefs.open(tmp_path / "pack") as fs:
+        whole = mine[: len(mine) // 2]
+        assert fs.read_many(whole) == [files[p] for p in whole]
+        for read in (fs.read, lambda p: fs.read_many(mine)[mine.index(p)]):
+            with pytest.raises(CorruptShardError, match="truncated") as info:
+                read(mine[-1])
+            assert name in str(info.value)
+
+
 @pytest.mark.parametrize("err", [
     ChecksumError("c0/f1.bin", "shard shard-000001.sfs via origin"),
     OriginUnavailableError("/pfs/ds", "shard shard-000002.sfs", "origin (unavailable)"),

@@ -181,11 +181,12 @@ def test_in_place_sum_learnt_elsewhere_during_a_check(raw: tuple[Path, dict[str,
         real = store_mod.check
         learnt: list[bool] = []
 
-        def check(codec: int, stored: bytes, size: int, expected: int) -> bytes:
+        def check(codec: int, stored: bytes, size: int, expected: int,
+                  digest: int | None = None) -> bytes:
             if not learnt:  # b checks its bytes now: a learns the sum first
                 learnt.append(True)
                 assert a.read(path) == files[path]
-            return real(codec, stored, size, expected)
+            return real(codec, stored, size, expected, digest)
 
         monkeypatch.setattr(store_mod, "check", check)
         assert b.read(path) == files[path]

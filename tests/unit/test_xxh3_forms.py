@@ -1,6 +1,6 @@
-"""The three forms of XXH3-64's long-input loop in src/stagefs/_xxh3.h (plain C, SSE2, AVX2)
-each give the xxhash package's value: a program compiled with each form forced hashes
-slices of random bytes (lengths around block and stripe edges, odd starting addresses)."""
+"""The four forms of XXH3-64's long-input loop in src/stagefs/_xxh3.h (plain C, SSE2, AVX2,
+AVX-512) each give the xxhash package's value: a program compiled with each form forced
+hashes slices of random bytes (lengths around block and stripe edges, odd starting addresses)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ int main(int argc, char **argv) {
 }
 """
 
-FORMS = {"plain C": 0, "SSE2": 1, "AVX2": 2}
+FORMS = {"plain C": 0, "SSE2": 1, "AVX2": 2, "AVX-512": 3}
 
 
 def _cpu_has(flag: str) -> bool:
@@ -58,6 +58,8 @@ def test_each_form_equals_xxhash(form: str, tmp_path: Path) -> None:
         pytest.skip(f"{form} is an x86-64 form")
     if level == 2 and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
+    if level == 3 and not _cpu_has("avx512f"):
+        pytest.skip("this CPU has no AVX-512")
     (tmp_path / "p.c").write_text(PROGRAM)
     exe = tmp_path / "p"
     subprocess.run([cc, "-O2", f"-DXXH3_FORCE={level}", f"-I{HEADER.parent}", "-o", exe,

@@ -20,13 +20,16 @@ checksum = xxh3_64_intdigest
 __all__ = ["StreamSum", "bad_piece", "check", "checksum", "piece_count", "piece_sums"]
 
 
-def check(codec: int, stored: bytes, size: int, expected: int) -> bytes:
+def check(codec: int, stored: bytes, size: int, expected: int, digest: int | None = None
+          ) -> bytes:
     """The raw bytes of one stored file, decoded and matching ``expected``; else raise
-    ``CorruptShardError`` saying what is wrong (the caller adds which file and where)."""
+    ``CorruptShardError`` saying what is wrong (the caller adds which file and where).
+    ``digest``: the checksum of ``stored``, taken as it was read (tiers/base.py ``gather``),
+    used for a file stored raw instead of hashing it again."""
     data = decode(codec, stored, size, "") if codec else stored
     if len(data) != size:
         raise CorruptShardError(f"{len(data)} bytes where the manifest says {size}")
-    if xxh3_64_intdigest(data) != expected:
+    if (xxh3_64_intdigest(data) if digest is None or codec else digest) != expected:
         raise CorruptShardError("checksum mismatch")
     return data
 

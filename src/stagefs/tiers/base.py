@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, fields
-from typing import Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "pread_full"]
+from xxhash import xxh3_64_intdigest
+
+try:
+    from stagefs._speedups import gather as _c_gather  # type: ignore[import-not-found]
+except ImportError:  # not built: the Python loop below, same results
+    _c_gather = None
+
+__all__ = ["Gathered", "OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "gather",
+           "pread_full"]
 
 
 _MAX_ONE_READ = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read
@@ -29,6 +39,85 @@ def pread_full(fd: int, length: int, offset: int) -> bytes:
         parts.append(part)
         done += len(part)
     return b"".join(parts)
+
+
+class Gathered(NamedTuple):
+    """What ``gather`` read: each item's bytes (None where they could not all be read), the
+    XXH3-64 of each (0 where None), the items read (fewer than asked if the reads stopped
+    at one that waited), and whether the last read waited."""
+
+    datas: list[bytes | None]
+    sums: list[int]
+    done: int
+    waited: bool = False
+
+
+GATHER_PART = 8  # items: a batch is split over threads in parts of at least this many
+
+
+def gather(sources: Sequence[Any], offsets: Sequence[int], lengths: Sequence[int],
+           slow_s: float = -1.0, copy_rate: float = 1.0, pool: Executor | None = None,
+           parts: int = 1) -> Gathered:
+    """Read many stored files at once: item k is ``lengths[k]`` bytes at ``offsets[k]`` of
+    ``sources[k]``, a file descriptor (read with pread; -1: none, the item is None; items
+    next to each other in one file with one ``preadv``) or a bytes-like mapping of a copy
+    (copied out). Each item is hashed as it arrives, while its bytes are in the CPU's cache
+    (on this project's machine a batch copied out of a mapping, then hashed, ran at 0.81 of
+    that). An item not read whole (an error, the file or mapping ended first) is None: the
+    caller reads it again by its one-item path, which says what is wrong.
+
+    With ``slow_s >= 0`` the reads stop after the first that waited (longer than ``slow_s``
+    plus its bytes at ``copy_rate``: a file system's latency, not a copy from memory), so
+    that the caller can hand the rest to threads. Else, with a ``pool``, the batch is read in
+    up to ``parts`` parts at once (``GATHER_PART`` items at least), one in this thread: the
+    C accelerator reads and hashes without the interpreter lock, so parts run on as many
+    cores (page-cache reads of 64 samples of 110 KB in two parts: 1.5x one part, on two
+    cores). The Python loop below is the C code's reference (same results)."""
+    n = len(sources)
+    parts = min(parts, n // GATHER_PART) if _c_gather is not None else 1  # Python: the GIL
+    if pool is None or parts < 2 or slow_s >= 0:
+        return _gather(sources, offsets, lengths, slow_s, copy_rate)
+    size = -(-n // parts)
+    futures = [pool.submit(_gather, sources[a : a + size], offsets[a : a + size],
+                           lengths[a : a + size]) for a in range(size, n, size)]
+    try:
+        first = _gather(sources[:size], offsets[:size], lengths[:size])
+    finally:
+        rest = [f.result() for f in futures]  # every part has ended before a return
+    datas, sums = first.datas, first.sums
+    for got in rest:
+        datas += got.datas
+        sums += got.sums
+    return Gathered(datas, sums, n)
+
+
+def _gather(sources: Sequence[Any], offsets: Sequence[int], lengths: Sequence[int],
+            slow_s: float = -1.0, copy_rate: float = 1.0) -> Gathered:
+    """``gather`` of one part, in this thread."""
+    if _c_gather is not None:
+        return Gathered(*_c_gather(sources, offsets, lengths, slow_s, copy_rate))
+    n = len(sources)
+    out: list[bytes | None] = [None] * n
+    hashes = [0] * n
+    clock = time.perf_counter
+    for k in range(n):
+        src, offset, length = sources[k], offsets[k], lengths[k]
+        t0 = clock()
+        data: bytes | None = None
+        if isinstance(src, int):
+            if src < -1:
+                raise ValueError(f"item {k}: fd {src}")
+            try:
+                data = pread_full(src, length, offset)
+            except OSError:
+                data = None
+        elif offset + length <= len(src):
+            data = bytes(src[offset : offset + length])
+        if data is not None and len(data) == length:
+            out[k], hashes[k] = data, xxh3_64_intdigest(data)
+        if slow_s >= 0 and clock() - t0 > slow_s + length / copy_rate:
+            return Gathered(out, hashes, k + 1, True)
+    return Gathered(out, hashes, n)
 
 
 class SourceUnavailable(Exception):
@@ -77,9 +166,10 @@ class OriginStats:
     # where a read is counted for the job as well (``stagefs status``: the Store's counters)
     sink: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
 
-    def read(self, nbytes: int) -> None:
-        """One read of ``nbytes`` from the origin: counted here and in the job's counters."""
-        self.reads += 1
+    def read(self, nbytes: int, reads: int = 1) -> None:
+        """``reads`` reads of ``nbytes`` in all from the origin: counted here and in the
+        job's counters."""
+        self.reads += reads
         self.bytes_read += nbytes
         sink = self.sink
         if sink is not None:

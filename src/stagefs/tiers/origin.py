@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Sequence
+from concurrent.futures import Executor
 
 from stagefs.config import env
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import OriginStats, SourceUnavailable, pread_full
+from stagefs.tiers.base import Gathered, OriginStats, SourceUnavailable, gather, pread_full
 
 __all__ = ["PackOrigin"]
 
@@ -154,6 +156,38 @@ class PackOrigin:
                 "bytes): the shard is truncated; copy the pack again or re-pack"
             )
         return data
+
+    def gather_many(self, ranges: Sequence[tuple[int, int, int]], slow_s: float = -1.0,
+                    copy_rate: float = 1.0, pool: Executor | None = None, parts: int = 1
+                    ) -> Gathered:
+        """The bytes of each (shard, offset, length) and their hashes, read by ``gather``
+        (stopping after the first read that waited, with ``slow_s``; in ``parts`` at once
+        with a ``pool``); None for a range that could not be read whole, which the caller
+        reads again by ``pread`` (which says why)."""
+        fds: list[int] = []
+        fd_of: dict[tuple[int, bool], int] = {}
+        for shard, _, length in ranges:
+            key = (shard, length >= BULK_READ)
+            fd = fd_of.get(key)
+            if fd is None:
+                try:
+                    fd = self._fd(*key)
+                except (OSError, SourceUnavailable, CorruptShardError):
+                    fd = -1  # none: pread then says what is wrong
+                fd_of[key] = fd
+            fds.append(fd)
+        got = gather(fds, [r[1] for r in ranges], [r[2] for r in ranges], slow_s, copy_rate,
+                     pool, parts)
+        datas = got.datas
+        nbytes = reads = 0
+        for k in range(got.done):
+            data = datas[k]
+            if data is not None:
+                nbytes += len(data)
+                reads += 1
+        if reads:
+            self.stats.read(nbytes, reads)
+        return got
 
     def reset_after_fork(self) -> None:
         """In a forked child: count afresh (the fds stay valid)."""
