@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
-from stagefs.config import env
+from stagefs.config import env_flag
 
 __all__ = ["trim_malloc", "tune_malloc"]
 
@@ -30,7 +30,7 @@ def tune_malloc() -> bool:
     if _done:
         return True
     _done = True
-    if env("MALLOC_TUNE", "1") == "0":
+    if not env_flag("MALLOC_TUNE"):
         return False
     name = ctypes.util.find_library("c")
     try:

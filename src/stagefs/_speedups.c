@@ -293,7 +293,7 @@ static PyObject *mod_gather(PyObject *m, PyObject *args) {
         off[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(o_f, k));
         len[k] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(l_f, k));
         if (PyErr_Occurred()) goto end;
-        if (off[k] < 0 || len[k] < 0 || len[k] > PY_SSIZE_T_MAX) {
+        if (off[k] < 0 || len[k] < 0 || len[k] > PY_SSIZE_T_MAX || off[k] > LLONG_MAX - len[k]) {
             PyErr_Format(PyExc_ValueError, "item %zd: offset %lld, length %lld", k, off[k],
                          len[k]);
             goto end;

@@ -184,3 +184,19 @@ def env(name: str, default: str | None = None) -> str | None:
         raise KeyError(f"{key} is not in stagefs.config.ENV_VARS: add it there")
     value = os.environ.get(key)
     return default if value in (None, "") else value
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True,
+          "0": False, "false": False, "no": False, "off": False}
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """A switch ``STAGEFS_<NAME>``: 1/0 (or true/false, yes/no, on/off); unset, ``default``;
+    anything else is a ConfigError that names it (not silently taken as on)."""
+    value = env(name)
+    if value is None:
+        return default
+    flag = _FLAGS.get(value.strip().lower())
+    if flag is None:
+        raise ConfigError(f"STAGEFS_{name.upper()}={value!r}: use 1 or 0")
+    return flag

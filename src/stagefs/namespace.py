@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from stagefs.config import env
+from stagefs.config import env_flag
 from stagefs.errors import (
     IsADirectoryError_,
     NotADirectoryError_,
@@ -375,7 +375,7 @@ _noticed = False  # NOT_BUILT is logged once per process
 
 def _index_type() -> tuple[Any, str]:
     """The C accelerator's Index class and "active", or None and why it is not used."""
-    if env("SPEEDUPS", "1") == "0":
+    if not env_flag("SPEEDUPS"):
         return None, "off (STAGEFS_SPEEDUPS=0)"
     if os.stat_result.n_fields != 19:
         return None, "not used: this platform's os.stat_result has another layout"

@@ -256,9 +256,13 @@ class Store:
         """
         n = len(entries)
         names: Sequence[PathArg | None] = paths if paths is not None else [None] * n
+        ents = np.asarray(entries, dtype=np.int64)
+        if n and (int(ents.min()) < 0 or int(ents.max()) >= len(self.manifest)):
+            bad = int(ents[(ents < 0) | (ents >= len(self.manifest))][0])
+            raise IndexError(f"entry {bad} is not in this pack's manifest (entries 0 to "
+                             f"{len(self.manifest) - 1}): look entries up with the Store")
         if n < 2:
             return [self.read_entry(int(e), names[0], count=count) for e in entries]
-        ents = np.asarray(entries, dtype=np.int64)
         el: list[int] = ents.tolist()
         a = self.manifest.arrays
         out: list[bytes] = [b""] * n

@@ -200,3 +200,29 @@ def test_an_empty_file_is_a_sample_of_no_bytes(tmp_path: Path) -> None:
     st = status(rt)
     assert (st["reads"], st["bytes"]) == (5, 1000), st
     assert st["holders"]["memory"]["reads"] >= 4
+
+
+def test_a_batch_from_the_origin_counts_its_reads_as_the_origin_saw_them(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+    """``read_many`` reads runs of adjacent files with one call each (``gather``; a run cut
+    where the batch is split, after its first reads and into parts, is two): the process's
+    origin counter and the job's (`stagefs status`) both count those calls, not the files,
+    and bytes once."""
+    pack, files = dataset
+    rt = tmp_path / "rt"
+    # a tier too small for any shard: a job `stagefs status` shows, every read the origin's
+    with stagefs.open(pack, tiers=[f"{tmp_path / 'tier'}:4KiB"], runtime=str(rt)) as fs:
+        m = fs.manifest
+        names = sorted(files)
+        batch = names[: len(names) // 2] + names[len(names) // 2 :: 3]  # runs, and gaps
+        ents = sorted((int(m.shard[m.lookup(p.encode())]), int(m.offset[m.lookup(p.encode())]),
+                       int(m.stored[m.lookup(p.encode())])) for p in batch)
+        runs = sum(1 for k, (s, o, _) in enumerate(ents)
+                   if k == 0 or s != ents[k - 1][0] or o != ents[k - 1][1] + ents[k - 1][2])
+        assert fs.read_many(batch) == [files[p] for p in batch]
+        reads = fs.origin.stats.reads
+        assert runs <= reads <= runs + len(os.sched_getaffinity(0)) < len(batch)
+        assert fs.origin.stats.bytes_read == sum(n for _, _, n in ents)
+        fs.status()  # writes this process's counters
+    st = status(rt)
+    assert st["fetched"] == {"reads": reads, "bytes": sum(n for _, _, n in ents)}, st

@@ -4,6 +4,7 @@ checked as a read alone checks it, a bad copy read again per file along the same
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -140,6 +141,37 @@ def test_a_corrupt_tier_copy_of_one_file(dataset: tuple[Path, dict[str, bytes]],
         assert _holders(fs) == {"memory": len(batch) - 1, "disk": 0, "peer": 0, "origin": 1}
         assert _tiers(fs)[0].stats.dropped == 1  # the bad copy, as a read alone drops it
         assert fs.read(victim) == files[victim]
+
+
+@pytest.mark.parametrize("how", ["drop", "forget"])
+def test_a_dropped_copys_descriptor_is_never_another_files(
+        dataset: tuple[Path, dict[str, bytes]], memory_dir: Path, how: str) -> None:
+    """Another thread may hold a copy's descriptor number when the copy is dropped (a read
+    of it, a mapping being made): closed at once, the number went to the next file opened,
+    which that thread then mapped as the copy and died of SIGBUS copying out of it. Now the
+    number reads nothing until the tier closes, and the copy's blocks are freed."""
+    pack, _ = dataset
+    with stagefs.open(pack, tiers=[str(memory_dir)]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        tier = _tiers(fs)[0]
+        shard = min(tier.held())
+        fd = tier._held_fd(shard)
+        assert fd is not None and os.fstat(fd).st_size > 0
+        gone = os.fstat(fd)
+        getattr(tier, how)(shard)
+        other = os.open(os.devnull, os.O_RDONLY)  # the next file opened
+        try:
+            assert other != fd
+        finally:
+            os.close(other)
+        st = os.fstat(fd)
+        assert (st.st_dev, st.st_ino) != (gone.st_dev, gone.st_ino)
+        assert os.pread(fd, 10, 0) == b""  # a short read: the next holder
+        if how == "drop":  # deleted: nothing to map (forget leaves the file to its caller)
+            assert tier._map(shard) is None
+    with pytest.raises(OSError):  # closed with the tier
+        os.fstat(fd)
 
 
 def test_a_missing_path_fails_the_batch_as_read_fails(

@@ -77,6 +77,8 @@ def test_bad_arguments_raise(form: str, blob: tuple[int, bytes, Any]) -> None:
     if form == "c":  # the Python loop indexes them: an IndexError or a short result
         with pytest.raises(ValueError):
             base.gather([fd, fd], [0], [10, 10])
+        with pytest.raises(ValueError):  # offset + length past 2**63: no read, no crash
+            base.gather([b"abcdef"], [2**63 - 4], [8])
 
 
 def test_reads_stop_after_the_first_that_waited(form: str,

@@ -156,6 +156,29 @@ def test_corrupt_byte_gives_checksum_error(corruptible: tuple[Path, dict[str, by
         assert fs.stats.checksum_failures >= 4
 
 
+def test_read_entries_refuses_entries_not_in_the_manifest(busy_store: stagefs.Store) -> None:
+    """-1 once read the manifest's last entry (numpy's indexing from the end)."""
+    n = len(busy_store.manifest)
+    e = busy_store.namespace.file_entry("d0/f000")
+    for bad in ([-1], [-1, e], [e, n], [n + 5]):
+        with pytest.raises(IndexError, match="not in this pack's manifest"):
+            busy_store.read_entries(bad)
+    assert busy_store.read_entries([e, e]) == [busy_store.read("d0/f000")] * 2
+
+
+def test_switches_take_1_or_0_and_refuse_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagefs.config import env_flag
+    from stagefs.errors import ConfigError
+
+    for value, want in (("0", False), ("off", False), ("No", False), ("1", True),
+                        ("true", True), ("", True)):
+        monkeypatch.setenv("STAGEFS_TIER_MAP", value)
+        assert env_flag("TIER_MAP") is want
+    monkeypatch.setenv("STAGEFS_TIER_MAP", "2")
+    with pytest.raises(ConfigError, match="STAGEFS_TIER_MAP='2'"):
+        env_flag("TIER_MAP")
+
+
 def test_read_many_of_a_truncated_shard_says_what_read_says(tmp_path: Path) -> None:
     """The batch reads a shard's files at once (``gather``): those the cut took away are
     read again alone and raise what ``read`` raises, naming the shard; a batch of the files

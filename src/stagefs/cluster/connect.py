@@ -33,7 +33,7 @@ from stagefs.cluster.cmap import ClusterMap, load_runtime
 from stagefs.cluster.fabric import FabricHolder
 from stagefs.cluster.placement import SPARE, place
 from stagefs.cluster.world import runtime_default
-from stagefs.config import TierSpec, env
+from stagefs.config import TierSpec, env, env_flag
 from stagefs.errors import ClusterError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
@@ -95,7 +95,7 @@ class ClusterHolders:
         self.holders = self._holders_of
         self.fabric: FabricHolder | None = None  # the node daemon (cluster/fabric.py)
         name = cmap.extra.get("fabric")
-        if clients is None and name and env("FABRIC", "1") != "0":
+        if clients is None and name and env_flag("FABRIC"):
             self.fabric = FabricHolder(PeerClient(
                 "", 0, token, unix=os.path.join(runtime, str(name)), pack_id=manifest.pack_id,
                 timeout=timeout, connect_timeout=min(1.0, timeout), pool_size=2,

@@ -56,7 +56,7 @@ from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
-from stagefs.config import env, format_size, parse_tier
+from stagefs.config import env_flag, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
@@ -238,7 +238,7 @@ class Daemon:
             log.info("open file limit raised from %d to %d", old, new)
         self.fd_limit = new
         self.holders: ClusterHolders | None = None  # the relay's, once the nodes are known
-        self.pipes = (PipePool(most=pool_pipes(new)) if env("RELAY_PIPES", "1") != "0"
+        self.pipes = (PipePool(most=pool_pipes(new)) if env_flag("RELAY_PIPES")
                       else None)
         self._relay_mpi: dict[int, MpiPeer] = {}  # id(relay peer) -> its MPI reader
         self.relay = Relay(self._relay_peers_of, o.relay_timeout, self.pipes,

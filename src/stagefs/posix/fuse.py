@@ -43,7 +43,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stagefs._sysinfo import memory_available
-from stagefs.config import env
+from stagefs.config import env_flag
 from stagefs.errors import ConfigError
 from stagefs.runtime import job_id
 
@@ -360,7 +360,7 @@ def _pusher(store: Any, mountpoint: str, served: Served) -> Pusher | None:
     """A Pusher for this mount, once the session runs (called in INIT); None where pushing
     is off, the store has no cold pipeline, or libfuse lacks the call."""
     chain = getattr(store, "chain", None)
-    if env("FUSE_PUSH", "1") == "0" or chain is None:
+    if not env_flag("FUSE_PUSH") or chain is None:
         return None
     lib = _binding()._libfuse
     try:

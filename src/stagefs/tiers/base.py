@@ -164,7 +164,7 @@ class OriginStats:
     reads: int = 0
     bytes_read: int = 0
     # where a read is counted for the job as well (``stagefs status``: the Store's counters)
-    sink: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
+    sink: Callable[[int, int], None] | None = field(default=None, repr=False, compare=False)
 
     def read(self, nbytes: int, reads: int = 1) -> None:
         """``reads`` reads of ``nbytes`` in all from the origin: counted here and in the
@@ -173,7 +173,7 @@ class OriginStats:
         self.bytes_read += nbytes
         sink = self.sink
         if sink is not None:
-            sink(nbytes)
+            sink(nbytes, reads)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sink"}

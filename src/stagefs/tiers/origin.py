@@ -176,16 +176,17 @@ class PackOrigin:
                     fd = -1  # none: pread then says what is wrong
                 fd_of[key] = fd
             fds.append(fd)
-        got = gather(fds, [r[1] for r in ranges], [r[2] for r in ranges], slow_s, copy_rate,
-                     pool, parts)
+        offs, lens = [r[1] for r in ranges], [r[2] for r in ranges]
+        got = gather(fds, offs, lens, slow_s, copy_rate, pool, parts)
+        # one read a run of adjacent files (one preadv), as the origin saw them
         datas = got.datas
         nbytes = reads = 0
         for k in range(got.done):
             data = datas[k]
             if data is not None:
                 nbytes += len(data)
-                reads += 1
-        if reads:
+                reads += k == 0 or fds[k] != fds[k - 1] or offs[k] != offs[k - 1] + lens[k - 1]
+        if nbytes or reads:
             self.stats.read(nbytes, reads)
         return got
 

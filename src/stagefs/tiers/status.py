@@ -64,10 +64,10 @@ class ReadCounters:
     def count(self, name: str, n: int = 1) -> None:
         self._add((_SLOT[name], n))
 
-    def fetched(self, nbytes: int) -> None:
-        """One read of ``nbytes`` from the origin by this process (a reader's, a stream's,
-        staging's): what the hit rate is counted against."""
-        self._add((_FETCHED, 1), (_FETCHED + 1, nbytes))
+    def fetched(self, nbytes: int, reads: int = 1) -> None:
+        """``reads`` reads of ``nbytes`` in all from the origin by this process (a
+        reader's, a stream's, staging's): what the hit rate is counted against."""
+        self._add((_FETCHED, reads), (_FETCHED + 1, nbytes))
 
     def _add(self, *counts: tuple[int, int]) -> None:
         """Add each (slot, n) to this process's file (made at its first count)."""

@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stagefs.config import TierSpec, env, format_size
+from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
@@ -192,8 +192,9 @@ class DirTier:
         self._maps: dict[int, mmap.mmap] = {}  # memory tier: held copies mapped (pread_many)
         # (the pages a process touches through them count in its RSS, as shared memory:
         # STAGEFS_TIER_MAP=0 preads instead, for a scheduler that sums its tasks' RSS)
-        self._mapped = self.kind == "memory" and env("TIER_MAP", "1") != "0"
+        self._mapped = self.kind == "memory" and env_flag("TIER_MAP")
         self._lock = threading.Lock()
+        self._retired: list[int] = []  # descriptors let go of while in use (_retire)
         self.stats = TierStats()
         self.stopped: str | None = None  # why placement into this tier stopped, if it did
         # the chain deletes a corrupt copy (shard, its inode if known) and forgets it
@@ -388,7 +389,7 @@ class DirTier:
             with contextlib.suppress(OSError):
                 st = os.fstat(fd)
                 ino = (st.st_dev, st.st_ino)
-            os.close(fd)
+            self._retire(fd)
         self.stats.dropped += 1
         if self.on_drop is not None:
             self.on_drop(shard, ino)
@@ -414,13 +415,33 @@ class DirTier:
             self._maps.pop(shard, None)
             fd = self._fds.pop(shard, None)
         if fd is not None:
+            self._retire(fd)
+
+    def _retire(self, fd: int) -> None:
+        """Let go of a copy's descriptor that another thread may be using now (a read, a
+        mapping being made): it is pointed at /dev/null, so that such a thread reads nothing
+        (a short read: the next holder) and maps nothing, and its number is kept until the
+        tier closes, so that no file opened meanwhile takes it. Closed at once instead, a
+        thread mapping the copy mapped whatever file got the number next, and died of SIGBUS
+        copying out of it. The copy's blocks are freed at once all the same (unless a
+        mapping of it is in use). One descriptor for each copy dropped (damaged copies)."""
+        try:
+            null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.dup2(null, fd, inheritable=False)
+            finally:
+                os.close(null)
+        except OSError:
             os.close(fd)
+            return
+        self._retired.append(fd)
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd in [*self._fds.values(), *self._retired]:
                 os.close(fd)
             self._fds.clear()
+            self._retired.clear()
             self._maps.clear()  # each unmapped once no batch under way holds it
 
 
