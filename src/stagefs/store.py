@@ -593,7 +593,10 @@ class Store:
                 raw = src.pread(shard, offset, stored)
             except SourceUnavailable as exc:
                 self._unavailable(src)
-                tried.append(f"{src.name} (unavailable)")
+                # the origin's reason in the error (a permission, a missing mount); a tier's
+                # or a stream's is that it does not hold the shard (yet)
+                tried.append(f"{src.name} (unavailable: {exc})" if src is self.origin
+                             else f"{src.name} (unavailable)")
                 log.debug("%s: %s unavailable (%s)", self._where(e), src.name, exc)
                 continue
             except CorruptShardError as exc:  # from _derive: the whole file is wrong here
@@ -620,7 +623,7 @@ class Store:
             return data
         if not tried:
             raise ConfigError(f"no source can serve shard {shard}")
-        if all(t.endswith("(unavailable)") for t in tried):
+        if all("(unavailable" in t for t in tried):
             raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
 

@@ -570,3 +570,25 @@ def test_the_kernel_read_ahead_can_be_kept(busy: tuple[Path, dict[str, bytes]],
     monkeypatch.setenv("STAGEFS_ORIGIN_READAHEAD", "sometimes")
     with pytest.raises(ConfigError, match="STAGEFS_ORIGIN_READAHEAD"):
         stagefs.open(pack)
+
+
+def test_an_unreadable_shard_says_why(busy: tuple[Path, dict[str, bytes]], tmp_path: Path
+                                      ) -> None:
+    """A shard file the origin cannot read (here a directory in its place; a permission, a
+    file system gone) fails with OriginUnavailableError carrying the system's reason, from
+    read and from read_many alike."""
+    import shutil
+
+    pack = tmp_path / "pack"
+    shutil.copytree(busy[0], pack)
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        victim = next(p for p, d in sorted(busy[1].items()) if d)
+        name = m.shards[int(m.shard[m.lookup(victim.encode())])].name
+    (pack / name).unlink()
+    (pack / name).mkdir()
+    with stagefs.open(pack) as fs:
+        for read in (fs.read, lambda p: fs.read_many([p, p])[0]):
+            with pytest.raises(OriginUnavailableError) as info:
+                read(victim)
+            assert name in str(info.value) and "Is a directory" in str(info.value)
