@@ -63,6 +63,7 @@ def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike
             scan_stats = OriginStats()
             manifest, cache, _ = open_manifest(path, rt, progress=progress, stats=scan_stats)
             origin = InPlaceOrigin(path, manifest)
+            origin.on_changed = cache.mark_stale  # a file changed in place: scan at next open
             origin.stats = scan_stats  # the scan's operations on the origin count too
             sums = SumTable(cache.sums_path, len(manifest))
         chain = None

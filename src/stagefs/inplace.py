@@ -10,7 +10,8 @@ is stat'ed again; if any is gone or its mtime differs (a file was added, removed
 in it), the cache is stale and the directory is scanned again, which gives the dataset a new
 pack id, so no copy staged from the old scan is ever used. A file changed in place (same
 directory mtime) is caught when the origin opens it: its size and mtime must match the scan,
-or the read fails with a ``SourceChangedError`` naming it.
+or the read fails with a ``SourceChangedError`` naming it, and the cached scan is marked
+stale (``InPlaceCache.mark_stale``), so that the next open scans again, as the error says.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 from xxhash import xxh3_64_hexdigest
 
-from stagefs._fsutil import file_lock
+from stagefs._fsutil import atomic_write, file_lock
 from stagefs.errors import UnreadableSourceError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, Manifest, ManifestBuilder, shard_name
 from stagefs.format.manifest import Entry, ShardInfo
@@ -182,6 +183,13 @@ class InPlaceCache:
         self.dir = os.path.join(runtime.inplace, xxh3_64_hexdigest(root.encode()))
         self.manifest_path = os.path.join(self.dir, MANIFEST)
         self.sums_path = os.path.join(self.dir, SUMS)
+        self.stale_path = os.path.join(self.dir, "stale")
+
+    def mark_stale(self, why: str) -> None:
+        """A file changed in place since the scan (its directory did not: ``is_stale``
+        cannot see it): the next open scans again."""
+        with contextlib.suppress(OSError):
+            atomic_write(self.stale_path, why, fsync=False)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -222,6 +230,8 @@ def open_manifest(root: str, runtime: Runtime, *, shard_size: int = DEFAULT_SHAR
             m = Manifest(cache.manifest_path)
             meta = m.meta.get("inplace", {})
             why = "made for another directory" if meta.get("origin") != root else None
+            with contextlib.suppress(OSError), open(cache.stale_path) as f:
+                why = why or f.read()
             why = why or is_stale(root, m, stats)
             if why is None:
                 return m, cache, False
@@ -230,8 +240,9 @@ def open_manifest(root: str, runtime: Runtime, *, shard_size: int = DEFAULT_SHAR
         t0 = time.perf_counter()
         entries = scan_tree(root, progress=progress, stats=stats)
         build_manifest(root, entries, cache.manifest_path, shard_size)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cache.sums_path)  # the sums belong to the old scan
+        for old in (cache.sums_path, cache.stale_path):  # the sums belong to the old scan
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old)
         log.info("scanned %s: %d entries in %.1f s", root, len(entries),
                  time.perf_counter() - t0)
         return Manifest(cache.manifest_path), cache, True

@@ -140,6 +140,13 @@ def test_in_place_detects_changes(raw: tuple[Path, dict[str, bytes]], tmp_path: 
         (root / victim).write_bytes(files[victim] + b"more")
         with pytest.raises(SourceChangedError, match=victim):
             fs.read(victim)
+    # as the error says, a new open scans again (the directory's mtime did not change)
+    with stagefs.open(root, runtime=rt) as fs:
+        assert fs.manifest.pack_id != pid
+        assert fs.read(victim) == files[victim] + b"more"
+        pid = fs.manifest.pack_id
+    with stagefs.open(root, runtime=rt) as fs:  # and only once: the scan is current now
+        assert fs.manifest.pack_id == pid
     # a file added: the directory's mtime changed, so the next open rescans
     (root / "c0" / "new.bin").write_bytes(b"fresh")
     with stagefs.open(root, runtime=rt) as fs:

@@ -18,6 +18,7 @@ import bisect
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from stagefs.errors import SourceChangedError
@@ -83,6 +84,14 @@ class InPlaceOrigin:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0  # the process whose threads the pool has (a forked child has none)
+        # told of a file changed since the scan (the cache then scans again at the next open)
+        self.on_changed: Callable[[str], None] | None = None
+
+    def _changed(self, what: str) -> SourceChangedError:
+        """The error for a file changed since the scan; the scan is marked stale first."""
+        if self.on_changed is not None:
+            self.on_changed(what)
+        return SourceChangedError(f"{what}; reopen the dataset to scan it again")
 
     def reset_after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -141,26 +150,22 @@ class InPlaceOrigin:
         except OSError as exc:
             if not os.path.isdir(self.root):
                 raise SourceUnavailable(f"{self.root}: {exc.strerror}") from exc
-            raise SourceChangedError(
-                f"{path}: {exc.strerror} (it was there when {self.root} was scanned); reopen "
-                "the dataset to scan it again"
-            ) from exc
+            raise self._changed(f"{path}: {exc.strerror} (it was there when {self.root} was "
+                                "scanned)") from exc
         try:
             self.stats.opens += 1
             self.stats.stats += 1
             s = os.fstat(fd)
             if s.st_size != m.size[e] or s.st_mtime_ns != m.mtime_ns[e]:
-                raise SourceChangedError(
-                    f"{path} changed since {self.root} was scanned (size {m.size[e]} → "
-                    f"{s.st_size}, or its mtime); reopen the dataset to scan it again"
-                )
+                raise self._changed(f"{path} changed since {self.root} was scanned (size "
+                                    f"{m.size[e]} → {s.st_size}, or its mtime)")
             data = os.pread(fd, n, start)
         except OSError as exc:
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
         finally:
             os.close(fd)
         if len(data) != n:
-            raise SourceChangedError(f"{path}: shorter than scanned; reopen to scan it again")
+            raise self._changed(f"{path}: shorter than scanned")
         return data
 
     def close(self) -> None:
