@@ -96,8 +96,8 @@ def _read_threads() -> int:
 class Holders(Protocol):
     """Who holds each shard, and the rest a Store hands to the same object: the node's
     tiers (tiers/chain.py) or a cluster (cluster/connect.py). A holder that offers
-    ``pread_many`` (tiers/base.py ``PreadMany``: a peer, a node-local tier) gets the ranges
-    of a ``read_many`` that go to it in one call."""
+    ``pread_many`` (tiers/base.py ``PreadMany``: a peer) or ``gather_many`` (a node-local
+    tier) gets the ranges of a ``read_many`` that go to it in one call."""
 
     def holders(self, shard: int) -> Sequence[ShardSource]: ...
     def prefetch(self, shards: Iterable[int]) -> None: ...
@@ -241,7 +241,7 @@ class Store:
         order asked: what ``read_entry`` gives each, at a lower cost per sample.
 
         The batch is sorted by shard and offset with the manifest's arrays. The files of a
-        shard held in a local tier are read with one call to the tier (``pread_many``),
+        shard held in a local tier are read with one call to the tier (``gather_many``),
         then checked one after the other. Elsewhere, files next to each other in a shard
         are read with one call; what has to come from a remote source (the origin, a
         partial copy that may not hold it yet) is read by up to ``read_threads`` threads
@@ -285,7 +285,7 @@ class Store:
         lens: list[int] = a["stored"][ents[pick]].tolist()
         cuts = [0, *(np.flatnonzero(sh[1:] != sh[:-1]) + 1).tolist(), len(order)]
         # the shards held in a local tier that takes a batch: (tier, its call, positions)
-        local: dict[int, tuple[ShardSource, PreadMany, list[int]]] = {}
+        local: dict[int, tuple[ShardSource, Callable[..., Gathered], list[int]]] = {}
         # elsewhere, runs of adjacent files (order[i:j], shard, span): for a holder that
         # takes many ranges in one request (a peer), by holder; for the others (the
         # origin, partial copies), in one list
@@ -297,12 +297,12 @@ class Store:
         for g in range(len(cuts) - 1):
             i, end = cuts[g], cuts[g + 1]
             hs = holders(shards[i])
-            many: PreadMany | None = getattr(hs[0], "pread_many", None)
-            if many is not None and getattr(hs[0], "local", False):
-                local.setdefault(id(hs[0]), (hs[0], many, []))[2].extend(range(i, end))
+            gather_many = getattr(hs[0], "gather_many", None)
+            if gather_many is not None and getattr(hs[0], "local", False):
+                local.setdefault(id(hs[0]), (hs[0], gather_many, []))[2].extend(range(i, end))
                 continue
             src = _first_up(hs)
-            many = getattr(src, "pread_many", None)
+            many: PreadMany | None = getattr(src, "pread_many", None)
             units = batches.setdefault(id(src), (src, many, []))[2] if many else (
                 direct if src is origin and self._gather is not None else remote)
             while i < end:  # a run grows while the next file starts where it ends
@@ -315,16 +315,12 @@ class Store:
                 i = j
 
         def read_local() -> None:
-            for src, many, idx in local.values():
-                ranges = [(shards[i], offs[i], lens[i]) for i in idx]
-                sums: list[int] | None = None
-                gather_many = getattr(src, "gather_many", None)  # hashed as they are read
-                if gather_many is not None:
-                    pool = self._read_pool() if self._parts > 1 else None
-                    got, sums = gather_many(ranges, pool, self._parts)[:2]
-                else:
-                    got = many(ranges)
-                self._take(src, [order[i] for i in idx], el, names, got, out, count, sums)
+            pool = self._read_pool() if self._parts > 1 else None
+            for src, gather_many, idx in local.values():  # hashed as they are read
+                got = gather_many([(shards[i], offs[i], lens[i]) for i in idx], pool,
+                                  self._parts)
+                self._take(src, [order[i] for i in idx], el, names, got.datas, out, count,
+                           got.sums)
 
         if batches or remote or direct:
             self._read_remote(batches, remote, order, el, names, out,

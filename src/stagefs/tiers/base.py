@@ -149,10 +149,11 @@ class ShardSource(Protocol):
 
 
 PreadMany = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]
-"""``pread_many(ranges)``, offered besides ``pread`` by a peer and by a node-local tier: the
-bytes of each (shard, offset, length) in one exchange or call, None where it cannot give
-them (down, not held). Store.read_many sends each such holder all its ranges at once (a
-local one in the calling thread) and verifies each."""
+"""``pread_many(ranges)``, offered besides ``pread`` by a peer: the bytes of each (shard,
+offset, length) in one exchange, None where it cannot give them (down, not held).
+Store.read_many sends each such holder all its ranges at once and verifies each. A
+node-local tier offers ``gather_many`` instead (the same, with each range's hash: ``gather``),
+read in the calling thread."""
 
 
 @dataclass

@@ -189,7 +189,7 @@ class DirTier:
         self._sizes = [s.size for s in manifest.shards]
         self._index = {n: i for i, n in enumerate(self._names)}
         self._fds: dict[int, int] = {}
-        self._maps: dict[int, mmap.mmap] = {}  # memory tier: held copies mapped (pread_many)
+        self._maps: dict[int, mmap.mmap] = {}  # memory tier: held copies mapped (gather_many)
         # (the pages a process touches through them count in its RSS, as shared memory:
         # STAGEFS_TIER_MAP=0 preads instead, for a scheduler that sums its tasks' RSS)
         self._mapped = self.kind == "memory" and env_flag("TIER_MAP")
@@ -299,11 +299,6 @@ class DirTier:
         if fd is None and self.holds(shard):
             fd = self._fds.get(shard)
         return fd
-
-    def pread_many(self, ranges: Sequence[tuple[int, int, int]]) -> list[bytes | None]:
-        """The bytes of each (shard, offset, length), None where the shard is not held (or
-        the range is not in it): ``gather_many`` without the hashes."""
-        return self.gather_many(ranges).datas
 
     def gather_many(self, ranges: Sequence[tuple[int, int, int]],
                     pool: Executor | None = None, parts: int = 1) -> Gathered:
