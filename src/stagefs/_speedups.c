@@ -14,6 +14,8 @@
 #include <Python.h>
 #include <errno.h>
 #include <limits.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
@@ -243,7 +245,7 @@ static PyObject *mod_xxh3_64(PyObject *m, PyObject *arg) {
  * lock is let go for all the reads and hashes (other threads run meanwhile).
  *
  * datas[i]: the bytes, or None if they could not all be read (an error, the file or the
- * mapping ended first: the caller reads that item again by its one-item path, which says
+ * mapping ended first, the mapping's file cut short under the copy: the caller reads that item again by its one-item path, which says
  * what is wrong); sums[i]: the hash, or 0. With slow_s >= 0, the reads stop after the first
  * one that waited (took longer than slow_s + its bytes / copy_rate: a file system's latency,
  * not a copy from memory); done: the items read (the rest are None); waited: whether the
@@ -251,6 +253,60 @@ static PyObject *mod_xxh3_64(PyObject *m, PyObject *arg) {
  * the same results: tiers/base.py gather. */
 
 enum { COALESCE = 8 << 20 };
+
+/* A mapping's file cut short by another process (something outside stagefs writing into a
+ * tier directory) turns a copy out of the mapping into a SIGBUS. A copy is guarded: the
+ * handler, installed by the first gather given a mapping, jumps back out of the copy of the
+ * thread that faulted, and that item is None (read again by its one-item path, which finds
+ * the copy cut short and drops it). A SIGBUS outside a guarded copy goes to the disposition
+ * there was before (the default: the process dies of it, as without the handler). */
+static _Thread_local sigjmp_buf *volatile bus_jump;
+static struct sigaction bus_before;
+static int bus_installed;  /* under the interpreter lock */
+
+static void on_sigbus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *jump = bus_jump;
+    if (jump != NULL) {
+        bus_jump = NULL;
+        siglongjmp(*jump, 1);
+    }
+    if (bus_before.sa_flags & SA_SIGINFO) {
+        if (bus_before.sa_sigaction != NULL) {
+            bus_before.sa_sigaction(sig, info, ctx);
+            return;
+        }
+    } else if (bus_before.sa_handler != SIG_DFL && bus_before.sa_handler != SIG_IGN) {
+        bus_before.sa_handler(sig);
+        return;
+    }
+    /* the default: return to the faulting access, which faults again and ends the process */
+    signal(SIGBUS, SIG_DFL);
+}
+
+static int guard_install(void) {
+    if (bus_installed) return 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;  /* NODEFER: SIGBUS is not left blocked by the jump */
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &bus_before) != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    bus_installed = 1;
+    return 0;
+}
+
+/* memcpy that returns 0 instead of dying when the source's pages are gone (see above). */
+static __attribute__((noinline)) int guarded_copy(char *dst, const char *src, size_t n) {
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0) != 0) return 0;
+    bus_jump = &jump;
+    memcpy(dst, src, n);
+    bus_jump = NULL;
+    return 1;
+}
 
 static double now_s(void) {
     struct timespec ts;
@@ -306,6 +362,7 @@ static PyObject *mod_gather(PyObject *m, PyObject *args) {
             }
         } else {
             fd[k] = -2;
+            if (guard_install() < 0) goto end;
             if (PyObject_GetBuffer(s, &bufs[k], PyBUF_SIMPLE) < 0) goto end;
         }
         out[k] = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)len[k]);
@@ -321,8 +378,9 @@ static PyObject *mod_gather(PyObject *m, PyObject *args) {
         if (fd[k] == -1) {
             nbytes = 0;  /* no source: None */
         } else if (fd[k] == -2) {  /* a mapping: copy */
-            if (off[k] + len[k] <= (long long)bufs[k].len) {
-                memcpy(PyBytes_AS_STRING(out[k]), (const char *)bufs[k].buf + off[k], (size_t)len[k]);
+            if (off[k] + len[k] <= (long long)bufs[k].len
+                && guarded_copy(PyBytes_AS_STRING(out[k]), (const char *)bufs[k].buf + off[k],
+                                (size_t)len[k])) {
                 ok[k] = 1;
                 nbytes = len[k];
             }

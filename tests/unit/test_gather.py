@@ -107,3 +107,67 @@ def test_parts_at_once_give_the_same_as_one(form: str, blob: tuple[int, bytes, A
         parts = base.gather(*zip(*items, strict=True), pool=pool, parts=4)
     assert parts == one
     assert one.datas == [data[o : o + n] for _, o, n in items]
+
+
+needs_c = pytest.mark.skipif(base._c_gather is None,
+                             reason="the C accelerator is not built (needs a C compiler)")
+
+
+@needs_c
+def test_a_mapping_cut_short_under_the_copy_gives_none_not_sigbus(tmp_path: Path) -> None:
+    """Another process cutting a mapped file short turns a copy out of the mapping into a
+    SIGBUS, which killed the reader: the C form catches it in the copying thread, and the
+    item is None (the caller reads it again and finds the copy cut short); the items before
+    the cut are read, and a thread pool's parts survive it as well."""
+    page = mmap.PAGESIZE
+    data = random.Random(5).randbytes(64 * page)
+    path = tmp_path / "copy"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    try:
+        os.truncate(path, 16 * page)  # the mapping still says 64 pages
+        items = [(mm, 0, 1000), (mm, 20 * page, 5000), (mm, 15 * page, 2 * page),
+                 (mm, 3 * page, page), (mm, 63 * page, page)]
+        got = base.gather(*zip(*items, strict=True))
+        assert got.datas == [data[:1000], None, None, data[3 * page : 4 * page], None]
+        assert got.sums[0] == xxhash.xxh3_64_intdigest(data[:1000]) and got.sums[1] == 0
+        many = [(mm, (k % 64) * page, page) for k in range(64)]
+        with ThreadPoolExecutor(3) as pool:
+            parts = base.gather(*zip(*many, strict=True), pool=pool, parts=4)
+        assert parts.datas == [data[o : o + page] if o < 16 * page else None
+                               for _, o, _ in many]
+    finally:
+        mm.close()
+        os.close(fd)
+
+
+@needs_c
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_a_sigbus_outside_a_copy_still_ends_the_process(tmp_path: Path,
+                                                        faulthandler: bool) -> None:
+    """The guard is for gather's copies only: after it has caught one, a SIGBUS anywhere
+    else ends the process as before (with faulthandler's report where it is on)."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "bus.py"
+    script.write_text(
+        "import mmap, os\n"
+        "from stagefs.tiers import base\n"
+        f"p = {str(tmp_path / 'f')!r}\n"
+        "open(p, 'wb').write(b'x' * 8 * mmap.PAGESIZE)\n"
+        "fd = os.open(p, os.O_RDONLY)\n"
+        "mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\n"
+        "os.truncate(p, mmap.PAGESIZE)\n"
+        "got = base.gather([mm], [4 * mmap.PAGESIZE], [10])\n"
+        "print('caught', got.datas == [None], flush=True)\n"
+        "print('read', mm[5 * mmap.PAGESIZE], flush=True)\n")
+    args = [sys.executable] + (["-X", "faulthandler"] if faulthandler else []) + [str(script)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert "caught True" in run.stdout, run.stderr
+    assert "read" not in run.stdout.replace("caught", "")
+    assert run.returncode == -signal.SIGBUS, (run.returncode, run.stderr)
+    if faulthandler:
+        assert "Bus error" in run.stderr

@@ -15,8 +15,11 @@ try:
     from stagefs._speedups import gather as _c_gather  # type: ignore[import-not-found]
 except ImportError:  # not built: the Python loop below, same results
     _c_gather = None
+# The C form survives a mapping whose file is cut short under a copy (the item is None);
+# in Python that copy is a SIGBUS, which kills the process: without it, tiers never map.
+MAPPINGS_GUARDED = _c_gather is not None
 
-__all__ = ["Gathered", "OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "gather",
+__all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "gather",
            "pread_full"]
 
 

@@ -28,7 +28,14 @@ from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import DamagedCopy, Gathered, SourceUnavailable, gather, pread_full
+from stagefs.tiers.base import (
+    MAPPINGS_GUARDED,
+    DamagedCopy,
+    Gathered,
+    SourceUnavailable,
+    gather,
+    pread_full,
+)
 
 log = logging.getLogger("stagefs")
 
@@ -192,7 +199,8 @@ class DirTier:
         self._maps: dict[int, mmap.mmap] = {}  # memory tier: held copies mapped (gather_many)
         # (the pages a process touches through them count in its RSS, as shared memory:
         # STAGEFS_TIER_MAP=0 preads instead, for a scheduler that sums its tasks' RSS)
-        self._mapped = self.kind == "memory" and env_flag("TIER_MAP")
+        # (and only where gather's C form guards the copies: base.MAPPINGS_GUARDED)
+        self._mapped = self.kind == "memory" and env_flag("TIER_MAP") and MAPPINGS_GUARDED
         self._lock = threading.Lock()
         self._retired: list[int] = []  # descriptors let go of while in use (_retire)
         self.stats = TierStats()
@@ -337,7 +345,7 @@ class DirTier:
         if self._mapped:
             mm = self._maps.get(shard) or self._map(shard)
             if mm is not None and self._whole_still(shard, len(mm)):
-                return mm  # cut short under us: a copy out of it would be a SIGBUS
+                return mm  # (cut short later, under the copy: gather's item is None)
             return -1
         fd = self._held_fd(shard)
         return -1 if fd is None else fd
