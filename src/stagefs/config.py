@@ -82,8 +82,18 @@ def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
     The capacity is checked against the device: asking for more than it has is an error.
     """
     path, sep, size = spec.rpartition(":")
-    if not sep or not size or "/" in size:
+    if sep and not size.strip():
+        raise ConfigError(
+            f"tier {spec!r}: no capacity after ':' (a variable left empty?); give DIR:SIZE "
+            "(e.g. /dev/shm/me:16GiB or /nvme/me:80%), or DIR alone for all its free space"
+        )
+    if not sep or "/" in size:
         path, size = spec, ""
+    elif _is_size(path.rpartition(":")[2]):
+        raise ConfigError(
+            f"tier {spec!r} has two capacities; give DIR:SIZE with one (a directory whose "
+            "name ends in ':SIZE' cannot be a tier)"
+        )
     if rank is not None:
         path = path.replace("{rank}", str(rank))
     elif "{rank}" in path:
@@ -99,6 +109,15 @@ def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
                 f"({format_size(usage.total)} in all); give a smaller size or a percentage"
             )
     return TierSpec(path, capacity)
+
+
+def _is_size(text: str) -> bool:
+    stripped = text.strip()
+    if stripped.endswith("%"):
+        stripped = stripped[:-1]
+        return bool(stripped) and stripped.replace(".", "", 1).isdigit()
+    match = _SIZE_RE.match(stripped)
+    return match is not None and match.group(2).lower() in _UNITS
 
 
 def _existing_parent(path: str) -> str:

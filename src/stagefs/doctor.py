@@ -23,6 +23,7 @@ from stagefs._sysinfo import meminfo
 from stagefs._table import table
 from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError
+from stagefs.format.spec import PIECE
 from stagefs.tiers.tier import tier_dir_problem
 
 __all__ = ["Finding", "check_node", "check_tier", "render"]
@@ -123,12 +124,18 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
     """A tier named by the user: its directory, free space and speed; ``error`` if unusable."""
     label = f"tier {spec}"
     try:
-        path = parse_tier(spec).path
+        tier = parse_tier(spec)
     except ConfigError as exc:
         return [Finding(label, "error", str(exc))]
+    path = tier.path
     problem = tier_dir_problem(path)
     if problem:
         return [Finding(label, "error", problem)]
+    if tier.capacity is not None and tier.capacity < PIECE:
+        return [Finding(label, "warn", f"capacity {format_size(tier.capacity)} is less than "
+                        f"one piece of placement ({format_size(PIECE)} as packed by "
+                        f"default): it holds little or nothing; give it at least "
+                        f"{format_size(PIECE)}, or leave it out")]
     if not os.path.isdir(path):
         parent = os.path.dirname(path)
         total, free = _space(parent)

@@ -154,7 +154,9 @@ class Namespace:
                 return e
             target = m.first[e]
             if target == NO_INDEX:
-                raise NotFoundError(_show(path), "No such file or directory (dangling symlink)")
+                raise NotFoundError(_show(path), "No such file or directory (a symlink whose "
+                                    "target is not in the dataset: missing, or outside its "
+                                    "tree)")
             e = target
         raise SymlinkLoopError(_show(path))
 

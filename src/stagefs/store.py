@@ -8,6 +8,7 @@ only decides the order to ask them in and verifies what they return.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -116,6 +117,16 @@ class ReadStats:
     unavailable: int = 0
 
 
+_WAYS_IN = ("_find", "stat", "lstat", "listdir", "exists", "isdir", "isfile", "islink",
+            "getsize", "readlink", "scandir", "walk", "info", "read_entries", "read_entry",
+            "open", "prefetch", "held_shards")
+
+
+def _closed_store(pack_dir: str, *args: Any, **kwargs: Any) -> Any:
+    raise ValueError(f"I/O operation on a closed Store ({pack_dir}): open the dataset "
+                     "again with stagefs.open")
+
+
 class Store:
     """A read-only view of one dataset. Use ``stagefs.open`` to get one.
 
@@ -168,6 +179,7 @@ class Store:
         self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
         self._codec = m.codec
+        self._entries = len(m)
         self._checksum = m.checksum if sums is None else sums.sums
         self._derived: dict[int, Sequence[int]] = {}  # piece sums learnt by _derive
         tune_malloc()
@@ -256,11 +268,7 @@ class Store:
         """
         n = len(entries)
         names: Sequence[PathArg | None] = paths if paths is not None else [None] * n
-        ents = np.asarray(entries, dtype=np.int64)
-        if n and (int(ents.min()) < 0 or int(ents.max()) >= len(self.manifest)):
-            bad = int(ents[(ents < 0) | (ents >= len(self.manifest))][0])
-            raise IndexError(f"entry {bad} is not in this pack's manifest (entries 0 to "
-                             f"{len(self.manifest) - 1}): look entries up with the Store")
+        ents = self._entry_array(entries)
         if n < 2:
             return [self.read_entry(int(e), names[0], count=count) for e in entries]
         el: list[int] = ents.tolist()
@@ -537,6 +545,28 @@ class Store:
         for k in again:
             out[k] = self.read_entry(el[k], names[k], count=count)
 
+    def _entry_array(self, entries: Sequence[int] | npt.NDArray[np.integer[Any]]
+                     ) -> npt.NDArray[np.int64]:
+        """``entries`` as an array of entries of this manifest; else IndexError (an entry
+        outside it) or TypeError (not whole numbers)."""
+        raw = np.asarray(entries)
+        if raw.size == 0:
+            return np.zeros(0, np.int64)
+        if raw.dtype.kind not in "iu" and (
+                raw.dtype.kind != "O" or not all(isinstance(x, int) for x in raw.flat)):
+            raise TypeError(f"entries are whole numbers (manifest indices), not "
+                            f"{raw.dtype} ({raw.flat[0]!r}): look entries up with the Store")
+        n = len(self.manifest)
+        bad = [int(x) for x in raw.flat if not 0 <= x < n][:1] if raw.dtype.kind == "O" else \
+            raw[(raw < 0) | (raw >= n)][:1].tolist()
+        if bad:
+            self._no_entry(bad[0])
+        return raw.astype(np.int64)
+
+    def _no_entry(self, e: object) -> None:
+        raise IndexError(f"entry {e} is not in this pack's manifest (entries 0 to "
+                         f"{len(self.manifest) - 1}): look entries up with the Store")
+
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
                    length: int = -1, *, count: bool = True, sample: int | None = None
                    ) -> bytes:
@@ -551,6 +581,10 @@ class Store:
         pieces' for a range of a large raw file (only the pieces covering the range are
         read). A holder with bad bytes is counted, logged, and told to drop its copy.
         """
+        if not 0 <= e < self._entries or e.__class__ is float:
+            if e.__class__ is float:
+                raise TypeError(f"an entry is a whole number (a manifest index), not {e!r}")
+            self._no_entry(e)
         if self._kind[e] != KIND_FILE:
             raise IsADirectoryError_(self._show(e, path))
         size = self._size[e]
@@ -831,6 +865,10 @@ class Store:
                 return
             self._closed = True
             pool, self._pool = self._pool, None
+            # every way in says so (the manifest's arrays are let go of below)
+            closed = functools.partial(_closed_store, self.pack_dir)
+            for name in _WAYS_IN:
+                setattr(self, name, closed)
         if pool is not None and pool[0] == os.getpid():
             pool[1].shutdown(wait=True)
         if self._policy is not None:
@@ -923,11 +961,20 @@ def open(
             f"{p}: not a pack yet (no {MANIFEST_NAME}): finish the interrupted pack by running "
             "the same 'stagefs pack' command again."
         )
-    if not os.path.exists(os.path.join(p, MANIFEST_NAME)) and not os.listdir(p):
+    if not os.path.exists(os.path.join(p, MANIFEST_NAME)):
         from stagefs.errors import CorruptManifestError
 
-        raise CorruptManifestError(
-            f"{p}: not a pack (no {MANIFEST_NAME}) and no files to use in place: an empty "
-            f"directory. Pack a tree with 'stagefs pack SRC {p}', or open a directory of files."
-        )
+        names = os.listdir(p)
+        if not names:
+            raise CorruptManifestError(
+                f"{p}: not a pack (no {MANIFEST_NAME}) and no files to use in place: an empty "
+                f"directory. Pack a tree with 'stagefs pack SRC {p}', or open a directory of "
+                "files."
+            )
+        if any(n.startswith("shard-") and n.endswith(".sfs") for n in names):
+            raise CorruptManifestError(
+                f"{p}: a pack's shards without its {MANIFEST_NAME} (deleted, or not copied "
+                "with them): copy the whole pack again, or pack the source tree again with "
+                f"'stagefs pack SRC {p} --force'"
+            )
     return build_store(p, tiers=tiers, runtime=runtime, verify=verify)

@@ -86,3 +86,8 @@ def test_closed_mode_refuses_locality_and_bad_values(pack: Path,
             Sampler(ds)
         monkeypatch.setenv("STAGEFS_CLOSED", "0")
         assert not Sampler(ds).closed
+        for on in ("on", "1", "Yes"):  # as every other switch ("on" was refused)
+            monkeypatch.setenv("STAGEFS_CLOSED", on)
+            assert Sampler(ds).closed
+        monkeypatch.setenv("STAGEFS_CLOSED", "off")
+        assert not Sampler(ds).closed

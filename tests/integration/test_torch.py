@@ -305,6 +305,14 @@ def test_state_dict_without_consumed_counts_yielded(tree: tuple[Path, Path]) -> 
     assert first + list(t) == list(Sampler(ds, rank=0, world_size=1, seed=9))
     with pytest.raises(ConfigError, match="seed"):
         Sampler(ds, rank=0, world_size=1, seed=10).load_state_dict(s.state_dict())
+    # a negative count, or a state edited by hand, is refused (the resumed epoch held
+    # 5 samples of hundreds)
+    with pytest.raises(ValueError, match="negative"):
+        s.state_dict(consumed=-5)
+    bad = s.state_dict()
+    bad["segments"][-1][1] = -5
+    with pytest.raises(ConfigError, match="damaged"):
+        t.load_state_dict(bad)
 
 
 def test_resume_with_other_worker_count(tree: tuple[Path, Path]) -> None:

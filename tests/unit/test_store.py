@@ -10,6 +10,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import stagefs
@@ -164,6 +165,45 @@ def test_read_entries_refuses_entries_not_in_the_manifest(busy_store: stagefs.St
         with pytest.raises(IndexError, match="not in this pack's manifest"):
             busy_store.read_entries(bad)
     assert busy_store.read_entries([e, e]) == [busy_store.read("d0/f000")] * 2
+    # one entry alone, as read_entry: -1 read the last file, n numpy's IndexError
+    for bad_one in (-1, n, 2**70):
+        with pytest.raises(IndexError, match="not in this pack's manifest"):
+            busy_store.read_entry(bad_one)
+    with pytest.raises(IndexError, match="not in this pack's manifest"):
+        busy_store.read_entries([2**70])  # was numpy's OverflowError
+    # a float was taken as the entry it rounds down to
+    for not_whole in ([float(e)], np.array([e + 0.5]), ["1"], [True]):
+        with pytest.raises(TypeError, match="whole number"):
+            busy_store.read_entries(not_whole)
+    with pytest.raises(TypeError, match="whole number"):
+        busy_store.read_entry(float(e))  # type: ignore[arg-type]
+
+
+def test_a_closed_store_says_so(busy: tuple[Path, dict[str, bytes]]) -> None:
+    """After close, a read raised "operation forbidden on released memoryview object"."""
+    fs = stagefs.open(busy[0])
+    e = fs.namespace.file_entry("d0/f000")
+    fs.close()
+    for way_in in (lambda: fs.read("d0/f000"), lambda: fs.read_many(["d0/f000"]),
+                   lambda: fs.read_entries([e, e]), lambda: fs.stat("d0/f000"),
+                   lambda: fs.listdir(""), lambda: fs.open("d0/f000"), lambda: list(fs.walk())):
+        with pytest.raises(ValueError, match="closed Store"):
+            way_in()
+    fs.close()  # twice is fine
+
+
+def test_a_packs_shards_without_their_manifest_are_not_a_raw_dataset(
+        busy: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+    """Served as a raw directory of shard files before: every dataset path was missing."""
+    import shutil
+
+    from stagefs.errors import CorruptManifestError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(busy[0], copy)
+    (copy / "manifest.sfm").unlink()
+    with pytest.raises(CorruptManifestError, match=r"without its manifest\.sfm"):
+        stagefs.open(copy)
 
 
 def test_switches_take_1_or_0_and_refuse_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -398,6 +398,38 @@ def test_pickled_store_reopens_with_its_tiers(pack: Path, files: dict[str, bytes
 def test_parse_tier_capacity() -> None:
     assert parse_tier("/tmp/x:1MiB").capacity == 2**20
     assert parse_tier("/tmp/x").capacity is None
+    assert parse_tier("/tmp/a:b/c").path == "/tmp/a:b/c"
+    assert parse_tier("/tmp/x:v2:1MiB").path == "/tmp/x:v2"  # a colon in a name is kept
+
+
+@pytest.mark.parametrize("spec, says", [
+    ("/tmp/x:", "no capacity after ':'"),  # DIR:$SIZE with SIZE unset
+    ("/tmp/x: ", "no capacity after ':'"),
+    ("/tmp/x:1MiB:2", "two capacities"),
+    ("/tmp/x:50%:1GiB", "two capacities"),
+])
+def test_a_tier_spec_with_an_empty_or_second_capacity_is_refused(spec: str, says: str) -> None:
+    """A tier named "/tmp/x:" (no limit) or "/tmp/x:1MiB" of 2 bytes was made silently."""
+    with pytest.raises(ConfigError, match=says):
+        parse_tier(spec)
+
+
+def test_a_tier_smaller_than_a_piece_is_warned_of(pack: Path, runtime: Path, tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A tier below one piece of placement holds nothing: said when the store opens, and
+    by the doctor, instead of an INFO line once it is found full."""
+    from stagefs.doctor import check_tier
+
+    with caplog.at_level(logging.WARNING, logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tmp_path / 'small'}:512KiB",
+                                      f"{tmp_path / 'big'}:64MiB"]) as fs:
+        assert fs.chain is not None
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("small" in m and "less than one piece" in m for m in said), said
+    assert not any("big" in m for m in said), said
+    (finding,) = check_tier(f"{tmp_path / 'small'}:512KiB")
+    assert finding.status == "warn" and "less than one piece" in finding.meaning
+    assert check_tier(f"{tmp_path / 'big'}:64MiB")[0].status == "ok"
 
 
 @pytest.mark.parametrize("chunk", [777, 4096])

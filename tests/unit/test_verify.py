@@ -89,14 +89,19 @@ def test_verify_truncated_and_missing_shards(verify_pack_dir: Path, tmp_path: Pa
     pack = _copy(verify_pack_dir, tmp_path)
     with stagefs.open(pack) as fs:
         m = fs.manifest
+        # an empty file (f00) is in no shard's bytes: it reads fine whatever its shard
         in0 = sorted(os.fsdecode(m.path_of(e)) for e in range(len(m))
-                     if m.kind[e] == 0 and m.shard[e] == 0)
+                     if m.kind[e] == 0 and m.shard[e] == 0 and m.size[e])
         in1 = sorted(os.fsdecode(m.path_of(e)) for e in range(len(m))
-                     if m.kind[e] == 0 and m.shard[e] == 1)
+                     if m.kind[e] == 0 and m.shard[e] == 1 and m.size[e])
+        assert m.shard[fs.namespace.file_entry("f00")] in (0, 1)
     os.truncate(pack / shard_name(0), 100)
     os.unlink(pack / shard_name(1))
     report = verify_pack(str(pack), jobs=2, progress=False)
     assert sorted(c.path for c in report.corrupt) == sorted(in0 + in1)
+    assert report.files == 41
+    with stagefs.open(pack) as fs:
+        assert fs.read("f00") == b""
     reasons = {c.shard: c.reason for c in report.corrupt}
     assert "truncated" in reasons[shard_name(0)] and shard_name(0) in reasons[shard_name(0)]
     assert shard_name(1) in reasons[shard_name(1)]

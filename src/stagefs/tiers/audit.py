@@ -62,8 +62,10 @@ def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list
     copies: the same names) against the manifest ``m``: (files, bytes, the corrupt ones)."""
     origin = PackOrigin(directory, m, check_headers=True)
     a = m.arrays
-    ents = [int(e) for e in (a["shard"] == shard).nonzero()[0] if a["kind"][e] == KIND_FILE]
-    ents.sort(key=lambda e: int(m.offset[e]))
+    files = [int(e) for e in (a["shard"] == shard).nonzero()[0] if a["kind"][e] == KIND_FILE]
+    # an empty file is in no shard's bytes (the manifest answers it): never corrupt
+    empty = sum(1 for e in files if m.stored[e] == 0)
+    ents = sorted((e for e in files if m.stored[e] > 0), key=lambda e: int(m.offset[e]))
     name = m.shards[shard].name
     bad: list[Corrupt] = []
     nbytes = 0
@@ -72,7 +74,8 @@ def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list
             origin.fileno(shard)  # opens the shard and checks its header
         except (StagefsError, OSError) as exc:
             reason = str(exc)
-            return len(ents), 0, [Corrupt(os.fsdecode(m.path_of(e)), name, reason) for e in ents]
+            return len(files), 0, [Corrupt(os.fsdecode(m.path_of(e)), name, reason)
+                                   for e in ents]
         i = 0
         while i < len(ents):
             e = ents[i]
@@ -93,7 +96,7 @@ def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list
             bad += [c for c in found if c is not None]
             nbytes += sum(int(m.size[x]) for x in ents[i:j])
             i = j
-        return len(ents), nbytes, bad
+        return len(ents) + empty, nbytes, bad
     finally:
         origin.close()
         del a

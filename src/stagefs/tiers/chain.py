@@ -17,7 +17,7 @@ background placement of shards into the tiers. The only module that knows their 
   read once.
 - Capacity, in pieces (fill.py): a piece goes into the first tier with room for it, and
   stays there; a tier that has no room for a piece takes no more (no eviction: the held set
-  stays put, MONARCH's rule), so a tier of any size holds its share and a shard may have
+  stays put, MONARCH's rule), so a tier of a piece or more holds its share and a shard may have
   pieces in several tiers. ENOSPC deletes that partial copy and stops the tier.
 """
 
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from stagefs._fsutil import atomic_write, file_lock
-from stagefs.config import TierSpec
+from stagefs.config import TierSpec, format_size
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
@@ -124,8 +124,14 @@ class TierChain:
         self.origin_path = origin_path
         self.pack_id = manifest.pack_id.hex()
         self.tiers = [DirTier(s, manifest, runtime.claims) for s in specs]
+        piece = PIECE_SIZE or manifest.piece_size
         for t in self.tiers:
             t.on_drop = functools.partial(self._dropped, t)
+            if t.capacity is not None and t.capacity < piece:
+                log.warning("%s: its capacity (%s) is less than one piece of placement "
+                            "(%s): it will hold little or nothing; give it at least %s, or "
+                            "leave it out", t.name, format_size(t.capacity),
+                            format_size(piece), format_size(piece))
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another

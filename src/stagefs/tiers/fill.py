@@ -10,7 +10,7 @@ shard whose first byte lies in one window of ``piece_size`` bytes (the manifest'
 piece, 1 MiB as packed today) after the header. An **extent** is a stored file, or one
 checksum piece of a raw file larger than a piece (``Extents``): each is checked on its own,
 so a large file is placed, read and held piece by piece. A piece is reserved in one tier (its room
-counted) before any of its bytes are written there, and stays there: a tier of any size
+counted) before any of its bytes are written there, and stays there: a tier of a piece or more
 holds a share of the dataset, and a shard may have pieces in several tiers (one partial
 copy in each).
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.utils.data
 
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
-from stagefs.config import env, parse_size
+from stagefs.config import env_flag, parse_size
 from stagefs.errors import ConfigError
 from stagefs.torch._dataset import EpochPlan, Upcoming
 from stagefs.torch._prefetch import Prefetcher, TierAhead
@@ -32,10 +32,7 @@ Holders = tuple[tuple[int, ...], ...]
 
 def closed_mode() -> bool:
     """``$STAGEFS_CLOSED``: MLPerf Storage CLOSED rules (nothing informed by the seed)."""
-    text = (env("closed") or "0").strip().lower()
-    if text not in ("0", "1", "true", "false", "yes", "no"):
-        raise ConfigError(f"STAGEFS_CLOSED must be 0 or 1, not {text!r}")
-    return text in ("1", "true", "yes")
+    return env_flag("closed", default=False)
 
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
@@ -333,6 +330,9 @@ class Sampler(torch.utils.data.Sampler[int]):
         this sampler has yielded times world_size is used: exact with num_workers=0, ahead
         of the training loop with workers (they fetch a few batches in advance).
         """
+        if consumed is not None and int(consumed) < 0:
+            raise ValueError(f"consumed={consumed}: the samples consumed since this iteration "
+                             "started cannot be negative")
         plan = self.plan()
         k = self._yielded if consumed is None else int(consumed) // self.world_size
         segs = list(plan.segments)
@@ -359,10 +359,15 @@ class Sampler(torch.utils.data.Sampler[int]):
             if state[key] != getattr(self, key):
                 raise ConfigError(f"sampler state has {key}={state[key]!r} but this sampler "
                                   f"has {getattr(self, key)!r}: it is another run's state")
-        self.epoch = int(state["epoch"])
-        self._segments = [
+        segments = [
             Segment(int(w), int(c), None if h is None else tuple(tuple(x) for x in h))
             for w, c, h in state["segments"]]
+        if not segments or any(s.world < 1 or s.consumed < 0 for s in segments) \
+                or int(state["epoch"]) < 0:
+            raise ConfigError(f"sampler state is damaged (epoch {state['epoch']!r}, segments "
+                              f"{state['segments']!r}): save it again with state_dict()")
+        self.epoch = int(state["epoch"])
+        self._segments = segments
         self._plan = None
         self._yielded = 0
         self._tell_workers()
