@@ -22,8 +22,9 @@
  * - Compressed files, datasets without direct shards (in place, a cluster), and any copy
  *   that fails its checksum go to the helper (a Python process that `stagefs run` starts):
  *   it reads the file through the Store (the one verified read path: every holder in turn)
- *   and passes back a memfd holding the file (SCM_RIGHTS). That memfd then replaces the
- *   descriptor (dup3), keeping its number.
+ *   and passes back a memfd holding the file (SCM_RIGHTS), sealed and reopened read-only
+ *   here (a write through it fails as through any read-only descriptor). For a copy that
+ *   failed, that memfd then replaces the descriptor (dup3), keeping its number.
  * - A staged directory is a real descriptor on an empty directory of the run (so a call
  *   that escapes the wrappers sees nothing, never other bytes); its listing comes from the
  *   manifest.
@@ -654,11 +655,34 @@ out:
     return fd;
 }
 
-/* A memfd holding entry e's verified bytes, from the helper (the Store's read path). */
+/* The helper's memfd m made what an open(O_RDONLY) of a real file gives: write fails with
+ * EBADF, a shared writable mapping with EACCES, F_GETFL says O_RDONLY (the helper wrote it,
+ * so it came open for writing). Sealed first (the helper makes it with MFD_ALLOW_SEALING),
+ * so that its bytes never change, whoever reopens it; then a read-only reopen through
+ * /proc takes m's number (dup3: no other thread can take it in between). Without /proc, or
+ * where /proc names another file, m stays sealed: a write fails with EPERM instead. */
+static int read_only(int m, int cloexec) {
+    int saved = errno;
+    real_fcntl(m, F_ADD_SEALS, F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
+    char p[64];
+    snprintf(p, sizeof p, "/proc/self/fd/%d", m);
+    int ro = real_openat(AT_FDCWD, p, O_RDONLY | O_NOCTTY | O_CLOEXEC);
+    struct stat a, b;
+    if (ro >= 0 && sys_fstat(m, &a) == 0 && sys_fstat(ro, &b) == 0 && a.st_dev == b.st_dev &&
+        a.st_ino == b.st_ino)
+        real_dup3(ro, m, cloexec ? O_CLOEXEC : 0);
+    if (ro >= 0) real_close(ro);
+    errno = saved;
+    return m;
+}
+
+/* A read-only memfd holding entry e's verified bytes, from the helper (the Store's read
+ * path). Every descriptor the helper gives comes through here. */
 static int helper_file(uint32_t e, int cloexec) {
     char req[64];
     snprintf(req, sizeof req, "open %u\n", e);
-    return helper(req, 1, cloexec);
+    int m = helper(req, 1, cloexec);
+    return m < 0 ? m : read_only(m, cloexec);
 }
 
 /* Ask the helper to place a shard in the tiers (once per shard per process). */

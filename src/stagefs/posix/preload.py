@@ -146,8 +146,10 @@ def write_sidecar(store: Any, root: str, run_dir: str, socket_path: str,
 def memfd(data: bytes, name: str) -> int:
     """An anonymous file holding ``data`` (its offset at 0): the descriptor a caller gets
     for a file that has none of its own (the library's helper, and the Python-level
-    interception's ``fileno()`` outside ``stagefs run``)."""
-    fd = os.memfd_create("stagefs:" + os.path.basename(name)[:200], os.MFD_CLOEXEC)
+    interception's ``fileno()`` outside ``stagefs run``). It may be sealed: the library
+    seals the helper's before a program gets it (preload.c's read_only)."""
+    fd = os.memfd_create("stagefs:" + os.path.basename(name)[:200],
+                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)
         while view:
