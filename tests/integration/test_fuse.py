@@ -39,8 +39,13 @@ def _stagefs(*args: str) -> subprocess.CompletedProcess[str]:
 
 @contextlib.contextmanager
 def mounted(pack: Path, mp: Path) -> Iterator[Path]:
-    """``pack`` mounted at ``mp`` by `stagefs mount` while inside; unmounted after."""
-    r = _stagefs("mount", str(pack), str(mp))
+    """``pack`` mounted at ``mp`` by `stagefs mount` while inside; unmounted after. The
+    server's log goes beside ``mp``, not into the system's temp dir: one that logged
+    anything (a test's corrupt file) is kept."""
+    logs = mp.parent / f"{mp.name}.logs"
+    logs.mkdir(exist_ok=True)
+    r = _run([sys.executable, "-m", "stagefs.cli", "mount", str(pack), str(mp)],
+             env={**os.environ, "TMPDIR": str(logs)})
     assert r.returncode == 0, r.stderr
     assert is_mounted(str(mp))
     try:
@@ -234,3 +239,66 @@ def test_detached_server_leaves_no_log_after_a_clean_unmount(
     while any(logs.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(logs.iterdir())
+
+
+def _shard_file(pack: Path, rel: str) -> Path:
+    from stagefs.format import MANIFEST_NAME, Manifest
+
+    m = Manifest(str(pack / MANIFEST_NAME))
+    try:
+        return pack / m.shards[int(m.shard[m.lookup(rel.encode())])].name
+    finally:
+        m.close()
+
+
+def test_reads_of_a_damaged_pack_fail_with_eio_and_umount_names_the_kept_log(
+    tree: Any, tmp_path: Path
+) -> None:
+    """Shards truncated, from another pack, or missing after packing: each listed file of
+    theirs fails to read with EIO (not EINVAL, not ENOENT), as under `stagefs run`; the
+    others read. The reason, each shard's once, on one line, is in the detached server's
+    log, which `stagefs umount` names and shows and which outlives the server."""
+    src, orig = tree[0], tree[1]
+    pack = tmp_path / "pack"
+    shutil.copytree(orig, pack)
+    other = tmp_path / "other"  # another pack (whose shards hold other bytes)
+    stagefs.pack(src, other, shard_size="256KiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    truncated, replaced, missing = "sizes/three_mb.bin", "sizes/five_mb.bin", "sizes/odd"
+    shards = {rel: _shard_file(pack, rel) for rel in (truncated, replaced, missing)}
+    assert len(set(shards.values())) == 3
+    os.truncate(shards[truncated], 3000)
+    shutil.copyfile(_shard_file(other, "a.txt"), shards[replaced])
+    shards[missing].unlink()
+    logs, mp = tmp_path / "tmp", tmp_path / "m"
+    logs.mkdir()
+    mp.mkdir()
+    env = {**os.environ, "TMPDIR": str(logs)}
+    r = _run([sys.executable, "-m", "stagefs.cli", "mount", str(pack), str(mp)], env=env)
+    assert r.returncode == 0, r.stderr
+    server = int(r.stdout.split("server pid ")[1].split(";")[0])
+    try:
+        for rel in [truncated, replaced, missing] * 2:
+            assert (mp / rel).is_file()
+            with pytest.raises(OSError) as err:
+                (mp / rel).read_bytes()
+            assert err.value.errno == errno.EIO, rel
+        assert (mp / "a.txt").read_bytes() == (src / "a.txt").read_bytes()
+    finally:
+        r = _stagefs("umount", str(mp))
+    assert r.returncode == 0, r.stderr
+    (log,) = logs.iterdir()
+    assert f"kept in {log}" in r.stderr
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{server}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{server}")
+    lines = log.read_text().splitlines()  # kept after the server ended
+    assert "Traceback" not in log.read_text() and "EINVAL" not in log.read_text()
+    told = [line for line in lines if "fail with EIO" in line]
+    assert len(told) == 3, lines
+    for rel, why in ((truncated, "truncated"), (replaced, "another pack"),
+                     (missing, "missing from the pack")):
+        (line,) = [t for t in told if f"reads from {shards[rel].name} " in t]
+        assert str(mp / rel) in line and why in line and str(shards[rel]) in line
+        assert line in r.stderr

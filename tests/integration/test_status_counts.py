@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,40 @@ def test_fuse_reads_are_counted(dataset: tuple[Path, dict[str, bytes]],
     assert st["bytes"] == sum(len(d) for d in files.values()), st
     assert st["reads"] == len(files)
     assert os.listdir(rt / "stats")
+
+
+@pytest.mark.skipif(fuse_available() is not None, reason=str(fuse_available()))
+def test_a_cold_fuse_read_of_a_file_read_whole_is_one_sample(tmp_path: Path) -> None:
+    """`cat` of files of 1-4 MiB (and a compressed one over 4 MiB), read whole by the server,
+    through a cold mount with a tier: one sample each and its bytes. The kernel asks for
+    such a file in two or more READs at once; each read and counted it (two samples)."""
+    rng = random.Random(21)
+    files = {"a.bin": rng.randbytes(2 * 2**20 - 1), "b.bin": rng.randbytes(4 * 2**20),
+             "c.bin": rng.randbytes(2**20 + 1),
+             "t.txt": b"".join(b"line %d\n" % rng.randrange(10**9) for _ in range(400_000))}
+    raw, rt, tier, mp = tmp_path / "raw", tmp_path / "rt", tmp_path / "tier", tmp_path / "mnt"
+    raw.mkdir()
+    mp.mkdir()
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", shard_size="1MiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack") as fs:
+        assert fs.manifest.codec[fs.namespace.file_entry("t.txt")]  # read whole too
+    assert len(files["t.txt"]) > 4 * 2**20
+    r = _stagefs("mount", str(tmp_path / "pack"), str(mp), "--tier", str(tier),
+                 "--runtime", str(rt))
+    assert r.returncode == 0, r.stderr
+    try:
+        for name, data in files.items():
+            got = subprocess.run(["cat", name], cwd=mp, capture_output=True, timeout=120,
+                                 check=True).stdout
+            assert got == data
+    finally:
+        r = _stagefs("umount", str(mp))
+        assert r.returncode == 0, r.stderr
+    st = status(rt)
+    assert (st["reads"], st["bytes"]) == (len(files), sum(map(len, files.values()))), st
 
 
 def test_a_program_under_stagefs_run_is_counted_and_downloads_once(

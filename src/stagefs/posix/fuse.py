@@ -22,6 +22,18 @@ dataset (an ImageFolder, ``os.walk``) then opens and stats each file with no LOO
 a file costs this process one READ. Warm, nothing reaches this process but the ``isatty``
 ioctl of each buffered ``open()`` (Python < 3.14), which the kernel always forwards and
 libfuse answers in C.
+
+A file read whole (up to 4 MiB, or compressed) is read once for all the READs the kernel
+sends for it at once, and counted once (``Whole``). Errors (``Failures``): a name not in
+the dataset is ENOENT (ENOTDIR, ELOOP: the namespace's own errno); a read of damaged or
+unavailable data is EIO whatever the stagefs error (a shard truncated, another pack's,
+missing from the pack, bytes that fail their checksum, an origin gone), as under
+``stagefs run``; no error reaches the binding, which answers one without an errno with
+EINVAL and logs its traceback. The reason, the error's own message, goes to the log once
+per shard, on one line. A detached server (``mount_background``) logs to a
+``stagefs-mount-*.log`` in the temp directory: removed when the server ends if it is
+empty, kept if anything was logged (warnings and errors, at the default level), and then
+``unmount`` (``stagefs umount``) names it and shows its first lines.
 """
 
 from __future__ import annotations
@@ -39,12 +51,14 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from stagefs._sysinfo import memory_available
 from stagefs.config import env_flag
-from stagefs.errors import ConfigError
+from stagefs.errors import ConfigError, PathError, StagefsError
 from stagefs.runtime import job_id
 
 __all__ = ["CACHE_TIMEOUT", "check_mountpoint", "fuse_available", "is_mounted", "mount", "unmount"]
@@ -383,6 +397,155 @@ def _pusher(store: Any, mountpoint: str, served: Served) -> Pusher | None:
     return p
 
 
+class Whole:
+    """The small (and compressed) files the kernel is reading: each read whole and verified
+    once, kept for its other READs (the kernel asks for a file in requests of at most
+    ``MAX_READ``, several at once), the last ``keep`` of them.
+
+    A file's first READ reads it; its other READs meanwhile (the kernel's read-ahead asks
+    for the file's second MiB before the first is answered) wait for that read, and are
+    not counted: one sample, whichever of them came first. Then a READ from the start of a
+    file kept (its pages let go of: the program's next epoch) is a new read of it, a sample
+    from this process's memory; the READ from the start that the first read served is not
+    (it may come second, after a READ further on started the read). Before, each READ
+    that found the file not kept yet read and counted it: a cold read of a file of 1-4 MiB
+    was two samples and twice its bytes."""
+
+    def __init__(self, store: Any, served: Served, keep: int = _RECENT_FILES) -> None:
+        self.store, self.served, self.keep = store, served, keep
+        self._files: dict[int, _Kept] = {}  # most recent last
+        self._lock = threading.Lock()
+
+    def read(self, e: int, path: str, start: bool) -> bytes:
+        """File ``e``'s bytes for a READ (``start``: one from the start of the file)."""
+        with self._lock:
+            k = self._files.pop(e, None)
+            mine = k is None
+            if k is None:
+                k = _Kept()
+            again = start and k.started  # a read from the start served before
+            k.started |= start
+            self._files[e] = k
+            while len(self._files) > self.keep:  # the oldest read (not one being read)
+                old = next((x for x, v in self._files.items() if v.data.done()), None)
+                if old is None:
+                    break
+                del self._files[old]
+        if not mine:
+            kept = k.data.result()  # another READ's read of it, or its error
+            if again:
+                self.store.count_kept(len(kept), stored=int(self.store.manifest.stored[e]))
+            return kept
+        try:
+            data: bytes = self.store.read_entry(e, path, count=self.served.read(e))
+        except BaseException as exc:
+            with self._lock:
+                if self._files.get(e) is k:  # the next READ tries again
+                    del self._files[e]
+            k.data.set_exception(exc)
+            raise
+        k.data.set_result(data)
+        return data
+
+
+class _Kept:
+    __slots__ = ("data", "started")
+
+    def __init__(self) -> None:
+        self.data: Future[bytes] = Future()
+        self.started = False  # a READ from the start of the file was served
+
+
+class Failures:
+    """How the operations answer errors: the kernel passes a program an errno only, so
+    the reason goes to this process's log, once.
+
+    A name the kernel asked about that the dataset does not have (or that cannot be used
+    as asked: ENOTDIR, ELOOP) is answered with its own errno, silently: that is ordinary
+    traffic. Anything else is EIO: a read of damaged or unavailable data, whatever the
+    error (a shard file missing from the pack is not a file missing from the dataset:
+    EIO, not ENOENT; a shard truncated or from another pack is a ``FormatError``, a
+    ``ValueError``, which the binding would answer with EINVAL and a traceback). Its
+    reason, the stagefs error's own message (the shard, what is wrong with it, what to
+    do), is logged as one line, once per shard (per operation for errors that are not a
+    read's); an error that is not a stagefs or system error is a bug, logged as an error
+    with where it was raised."""
+
+    def __init__(self, fuse_error: type[OSError], mountpoint: str, manifest: Any) -> None:
+        self._fuse_error, self._mountpoint, self._m = fuse_error, mountpoint, manifest
+        self._told: set[Any] = set()
+        self._lock = threading.Lock()
+
+    def answer(self, op: str, path: str | None, exc: Exception) -> OSError:
+        """The error that operation ``op`` of ``path`` answers for ``exc``."""
+        code = getattr(exc, "errno", None)
+        if isinstance(exc, (self._fuse_error, PathError)) and isinstance(code, int) \
+                and code > 0:
+            return exc  # type: ignore[return-value]  # an errno chosen, or a name's
+        self._tell(("op", op), f"{op} of {self._show(path)} failed with EIO", exc)
+        return self._fuse_error(errno.EIO)
+
+    def unreadable(self, e: int, path: str, exc: Exception) -> OSError:
+        """A read of file ``e`` failed with ``exc``: EIO, and the reason told once for its
+        shard."""
+        name = self._m.shards[int(self._m.shard[e])].name
+        self._tell(("shard", name), f"reads from {name} fail with EIO (first: "
+                   f"{self._show(path)})", exc)
+        return self._fuse_error(errno.EIO)
+
+    def _tell(self, key: Any, what: str, exc: Exception) -> None:
+        with self._lock:
+            first = key not in self._told
+            self._told.add(key)
+        ours = isinstance(exc, (StagefsError, OSError))  # the data's or the system's
+        level = logging.DEBUG if not first else logging.WARNING if ours else logging.ERROR
+        log.log(level, "stagefs mount: %s: %s", what, _reason(exc))
+
+    def _show(self, path: str | None) -> str:
+        return os.path.join(self._mountpoint, (path or "").lstrip("/"))
+
+
+def _reason(exc: BaseException) -> str:
+    """An error's own message on one line: an OSError's without the "[Errno N]" that
+    ``str`` puts first; for an error that is not stagefs's or the system's (a bug), its
+    type and the line that raised it."""
+    text = str(exc)
+    if isinstance(exc, OSError) and exc.strerror and text.startswith("[Errno"):
+        text = exc.strerror if exc.filename is None else \
+            f"{os.fsdecode(exc.filename)}: {exc.strerror}"
+    elif not isinstance(exc, (StagefsError, OSError)):
+        where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        at = f" at {os.path.basename(where[0].filename)}:{where[0].lineno}" if where else ""
+        text = f"{type(exc).__name__}: {text}{at} (a bug in stagefs: please report it)"
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def _guarded(op: Callable[..., Any]) -> Callable[..., Any]:
+    """Operation ``op`` with every error answered as ``Failures.answer`` says (a listing's
+    too, which come as the binding reads it), none left to the binding, which answers an
+    error without an errno with EINVAL and logs its traceback."""
+
+    @functools.wraps(op)
+    def run(self: Any, path: str | None, *args: Any, **kw: Any) -> Any:
+        try:
+            out = op(self, path, *args, **kw)
+        except Exception as exc:
+            raise self.failures.answer(op.__name__, path, exc) from None
+        if isinstance(out, Iterator):
+            return _guarded_items(self.failures, op.__name__, path, out)
+        return out
+
+    return run
+
+
+def _guarded_items(failures: Failures, op: str, path: str | None,
+                   items: Iterator[Any]) -> Iterator[Any]:
+    try:
+        yield from items
+    except Exception as exc:
+        raise failures.answer(op, path, exc) from None
+
+
 def _operations(store: Any, mountpoint: str) -> Any:
     fusepy = _binding()
     from stagefs.fileobj import WHOLE_READ_LIMIT, open_entry
@@ -394,12 +557,13 @@ def _operations(store: Any, mountpoint: str) -> Any:
         use_ns = True
 
         def __init__(self) -> None:
-            self._recent: dict[int, bytes] = {}
             self._readers: dict[int, list[Any]] = {}  # entry → [file object, its lock]
             self._lock = threading.Lock()
             self._no_open = False
             self.pusher: Pusher | None = None
             self._served = Served(len(m))
+            self._whole = Whole(store, self._served)
+            self.failures = Failures(fusepy.FuseOSError, mountpoint, m)
 
         def init_with_config(self, conn: Any, config: Any) -> None:
             # mounted by now (the kernel sends INIT once mount(2) is done), and the
@@ -428,6 +592,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
             if self.pusher is not None:
                 self.pusher.close()
 
+        @_guarded
         def getattr(self, path: str, fh: int | None = None) -> dict[str, Any]:
             return self._attrs(ns.lstat(path))
 
@@ -440,13 +605,16 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 "st_ctime": s.st_ctime_ns, "st_blocks": s.st_blocks, "st_blksize": s.st_blksize,
             }
 
+        @_guarded
         def readlink(self, path: str) -> str:
             return str(ns.readlink(path))
 
+        @_guarded
         def readdir(self, path: str, fh: int) -> Iterator[Any]:
             for name, attrs, _ in self._listing(path, 0, False):
                 yield name, attrs, 0
 
+        @_guarded
         def readdir_plus(self, path: str, start: int
                          ) -> Iterator[tuple[str, dict[str, Any], bool]]:
             """The listing from its ``start``-th item on, each child with its whole
@@ -473,6 +641,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
         # No per-open state: the read-only mount makes the kernel refuse opens for writing
         # with EROFS itself, and reads find the file by path.
 
+        @_guarded
         def open(self, path: str, flags: int) -> int:
             # ENOSYS once, where the kernel supports it, and it stops sending OPEN and
             # RELEASE for the life of the mount ("no_open", Linux 4.19+), keeping the page
@@ -481,30 +650,18 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 raise fusepy.FuseOSError(errno.ENOSYS)
             return 0
 
+        @_guarded
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
-            e = ns.file_entry(path)
-            if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
-                return self._small(e, path, offset == 0)[offset : offset + size]
-            h = self._large(e, path)
-            with h[1]:
-                h[0].seek(offset)
-                return bytes(h[0].read(size))
-
-        def _small(self, e: int, path: str, start: bool) -> bytes:
-            """A small file's verified bytes; the last few are kept, as the kernel asks for
-            a file in pieces of at most 128 KiB. A read from the start (``start``) of one
-            kept is a new read of it (the program's next epoch, its pages let go of): a
-            sample from this process's memory."""
-            data = self._recent.get(e)
-            if data is not None and start:
-                store.count_kept(len(data), stored=int(store.manifest.stored[e]))
-            if data is None:
-                data = store.read_entry(e, path, count=self._served.read(e))
-                with self._lock:
-                    self._recent[e] = data
-                    while len(self._recent) > _RECENT_FILES:
-                        self._recent.pop(next(iter(self._recent)))
-            return data
+            e = ns.file_entry(path)  # a name not in the dataset: ENOENT
+            try:  # the data: EIO whatever fails (Failures)
+                if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
+                    return self._whole.read(e, path, offset == 0)[offset : offset + size]
+                h = self._large(e, path)
+                with h[1]:
+                    h[0].seek(offset)
+                    return bytes(h[0].read(size))
+            except Exception as exc:
+                raise self.failures.unreadable(e, path, exc) from None
 
         def _large(self, e: int, path: str) -> list[Any]:
             """A reader of a large file (each range verified by piece), kept while in use."""
@@ -520,6 +677,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
                         old[0].close()
             return h
 
+        @_guarded
         def access(self, path: str, amode: int) -> int:
             s = ns.stat(path)
             if amode & os.W_OK:
@@ -528,6 +686,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 raise fusepy.FuseOSError(errno.EACCES)
             return 0
 
+        @_guarded
         def statfs(self, path: str) -> dict[str, int]:
             info = ns.summary()
             blocks = (info["raw_bytes"] + 4095) // 4096
@@ -622,10 +781,13 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
 
 
 def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
-    """Unmount a stagefs mount; the serving process then exits by itself."""
+    """Unmount a stagefs mount; the serving process then exits by itself. A detached
+    server whose log holds anything (a read that failed, and why) keeps it: a warning
+    names it and shows its first lines."""
     mp = os.path.abspath(mountpoint)
     if not is_mounted(mp):
         raise ConfigError(f"{mp} is not mounted")
+    server_log = _server_log(mp)  # while the server runs
     errors = []
     for cmd in (["fusermount3", "-u", mp], ["fusermount", "-u", mp], ["umount", mp]):
         try:
@@ -643,18 +805,70 @@ def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
     if is_mounted(mp):
         raise ConfigError(f"could not unmount {mp}: {'; '.join(errors)} (is it busy? "
                           "close the programs using it, or: umount -l)")
+    if server_log is not None:
+        _tell_log(mp, server_log)
 
 
 _LOG_VAR = "STAGEFS_MOUNT_LOG"  # the detached server's log, named for it to remove
+_LOG_SHOWN = 10  # lines of a kept log that unmount shows
 
 
 def remove_own_log() -> None:
-    """Called by a detached server that ended cleanly: its log is of no more use (a server
-    that failed keeps it, and ``stagefs mount`` names it)."""
+    """Called by a detached server that ended cleanly: its log is removed if it is empty.
+    One that holds anything (at the default level, warnings and errors: a read that
+    failed, and why) is kept; ``unmount`` names it (as ``stagefs mount`` names the log of
+    a server that failed)."""
     path = os.environ.pop(_LOG_VAR, None)
     if path and os.path.basename(path).startswith("stagefs-mount-"):
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            if not os.path.getsize(path):
+                os.unlink(path)
+
+
+def _server_log(mountpoint: str) -> str | None:
+    """The log of the detached server (``mount_background``) serving ``mountpoint``, from
+    its command line and environment in /proc; None for a server in the foreground (its
+    log is its terminal) or one this process may not look at."""
+    names = {os.fsencode(mountpoint), os.fsencode(os.path.realpath(mountpoint))}
+    var = _LOG_VAR.encode() + b"="
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if b"stagefs.cli" not in argv or b"--foreground" not in argv \
+                    or not names.intersection(argv):
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # ended meanwhile, or another user's
+            continue
+        for item in env:
+            if item.startswith(var):
+                return os.fsdecode(item[len(var):])
+    return None
+
+
+def _tell_log(mountpoint: str, path: str) -> None:
+    """A warning naming a detached server's log and showing its first lines, if it holds
+    anything (it is then kept)."""
+    shown: list[str] = []
+    n = 0
+    try:
+        with open(path, errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    n += 1
+                    if n <= _LOG_SHOWN:
+                        shown.append(f"  {line.rstrip()}")
+    except OSError:
+        return
+    if n > _LOG_SHOWN:
+        shown.append(f"  ... ({n - _LOG_SHOWN} more)")
+    if n:
+        log.warning("the server of %s logged %d line%s, kept in %s:\n%s", mountpoint, n,
+                    "s" if n > 1 else "", path, "\n".join(shown))
 
 
 def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | None, *,
@@ -664,8 +878,9 @@ def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | No
     """Start ``stagefs mount --foreground`` as a detached process; return once mounted.
 
     The child runs in its own session (a closed terminal does not end it), writes its log
-    next to nothing the user owns (a file in the temp dir, named in any error), and ends
-    with ``stagefs umount``, SIGTERM or SIGINT.
+    next to nothing the user owns (a file in the temp dir, named in any error; kept after
+    the server ends if anything was logged, and then named by ``unmount``), and ends with
+    ``stagefs umount``, SIGTERM or SIGINT.
     """
     import sys
     import tempfile
