@@ -735,8 +735,11 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
     """The absolute mount point, once it is an existing directory, not mounted, and empty
     (unless ``nonempty``: a mount hides what the directory holds until it is unmounted)."""
     mp = os.path.abspath(mountpoint)
+    if os.path.lexists(mp) and not os.path.isdir(mp):
+        raise ConfigError(f"mount point {mp} is a file, not a directory: name an empty "
+                          "directory to mount on")
     if not os.path.isdir(mp):
-        raise ConfigError(f"mount point {mp} is not a directory: create it first (mkdir -p)")
+        raise ConfigError(f"mount point {mp} does not exist: create it first (mkdir -p {mp})")
     if is_mounted(mp):
         raise ConfigError(f"{mp} is already a mount point: 'stagefs umount {mp}' first")
     if not nonempty:
