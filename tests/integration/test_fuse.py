@@ -214,16 +214,16 @@ def test_foreground_mount_ends_cleanly_on_a_signal(tree: Any, tmp_path: Path,
 def test_mount_errors_are_clear(tree: Any, tmp_path: Path, mnt: Path) -> None:
     r = _stagefs("mount", str(tree[1]), str(tmp_path / "missing"))
     assert r.returncode == 1 and "does not exist: create it first" in r.stderr
-    (tmp_path / "files").mkdir()
-    (tmp_path / "files" / "a-file").write_bytes(b"x")  # was told to create it (mkdir -p)
-    r = _stagefs("mount", str(tree[1]), str(tmp_path / "files" / "a-file"))
-    assert r.returncode == 1 and "is a file, not a directory" in r.stderr
     r = _stagefs("mount", str(tree[1]), str(mnt))
     assert r.returncode == 1 and "already a mount point" in r.stderr
     r = _stagefs("umount", str(tmp_path))
     assert r.returncode == 1 and "is not mounted" in r.stderr
     r = _stagefs("mount", str(tmp_path / "nopack"), str(tmp_path))
     assert r.returncode == 1 and "no dataset here" in r.stderr
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "a-file").write_bytes(b"x")  # was told to create it (mkdir -p)
+    r = _stagefs("mount", str(tree[1]), str(tmp_path / "files" / "a-file"))
+    assert r.returncode == 1 and "is a file, not a directory" in r.stderr
 
 
 def test_detached_server_leaves_no_log_after_a_clean_unmount(
