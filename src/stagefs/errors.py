@@ -19,6 +19,7 @@ the real file system would set it.
     │   └── CorruptShardError                        truncated, wrong pack, bad header
     ├── ChecksumError (OSError, EIO)           bytes read did not match the manifest
     ├── OriginUnavailableError (OSError, EIO)  the origin cannot be read (gone, unmounted)
+    ├── DescriptorLimitError (OSError, EMFILE) this process is at its open-file limit
     ├── PackError                              packing a source tree failed
     │   ├── UnsafeSymlinkError                       a symlink points out of the tree
     │   ├── UnreadableSourceError (PermissionError)  a file or directory cannot be read
@@ -47,6 +48,7 @@ __all__ = [
     "ConfigError",
     "CorruptManifestError",
     "CorruptShardError",
+    "DescriptorLimitError",
     "DestinationExistsError",
     "FormatError",
     "IsADirectoryError_",
@@ -154,6 +156,25 @@ class OriginUnavailableError(StagefsError, OSError):
         msg = (f"the origin {origin} cannot be read ({where}: {why}); shards held in the "
                "tiers still read. Is the shared file system mounted and the dataset there?")
         OSError.__init__(self, errno.EIO, msg, origin)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class DescriptorLimitError(StagefsError, OSError):
+    """A read found no holder it could open: this process has reached its open-file limit
+    (stagefs keeps a descriptor open for each shard it reads)."""
+
+    def __init__(self, where: str) -> None:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        show = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+        msg = (f"{where}: this process has reached its open-file limit ({soft}; hard limit "
+               f"{show}): stagefs keeps a descriptor open for each shard it reads; raise "
+               "the limit (ulimit -n; above the hard limit: ulimit -Hn, nofile in "
+               "limits.conf, or Slurm's PropagateResourceLimits)")
+        OSError.__init__(self, errno.EMFILE, msg)
 
     def __str__(self) -> str:
         return str(self.strerror)

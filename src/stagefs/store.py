@@ -8,6 +8,7 @@ only decides the order to ask them in and verifies what they return.
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -28,6 +29,7 @@ from stagefs.errors import (
     ChecksumError,
     ConfigError,
     CorruptShardError,
+    DescriptorLimitError,
     IsADirectoryError_,
     NotFoundError,
     OriginUnavailableError,
@@ -120,6 +122,18 @@ class ReadStats:
 _WAYS_IN = ("_find", "stat", "lstat", "listdir", "exists", "isdir", "isfile", "islink",
             "getsize", "readlink", "scandir", "walk", "info", "read_entries", "read_entry",
             "open", "prefetch", "held_shards")
+
+
+def _out_of_descriptors(exc: BaseException) -> bool:
+    """Did a holder fail for want of a descriptor (EMFILE, ENFILE), here or in its cause?"""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _closed_store(pack_dir: str, *args: Any, **kwargs: Any) -> Any:
@@ -613,6 +627,7 @@ class Store:
                 self.count_kept(0, 1 if sample is None else sample)
             return b""
         tried: list[str] = []
+        no_fds: SourceUnavailable | None = None  # a holder failed for want of a descriptor
         holders = self._holders(shard)
         for src in holders:
             # before the check reads the sum: in place, another process may learn it meanwhile
@@ -623,6 +638,8 @@ class Store:
                 raw = src.pread(shard, offset, stored)
             except SourceUnavailable as exc:
                 self._unavailable(src)
+                if _out_of_descriptors(exc):
+                    no_fds = exc
                 # the origin's reason in the error (a permission, a missing mount); a tier's
                 # or a stream's is that it does not hold the shard (yet)
                 tried.append(f"{src.name} (unavailable: {exc})" if src is self.origin
@@ -654,6 +671,8 @@ class Store:
         if not tried:
             raise ConfigError(f"no source can serve shard {shard}")
         if all("(unavailable" in t for t in tried):
+            if no_fds is not None:  # not the shared file system's fault: say what is
+                raise DescriptorLimitError(self._where(e)) from no_fds
             raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
 

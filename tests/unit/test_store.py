@@ -632,3 +632,35 @@ def test_an_unreadable_shard_says_why(busy: tuple[Path, dict[str, bytes]], tmp_p
             with pytest.raises(OriginUnavailableError) as info:
                 read(victim)
             assert name in str(info.value) and "Is a directory" in str(info.value)
+
+
+def test_a_reader_at_its_open_file_limit_is_told_so(busy: tuple[Path, dict[str, bytes]]) -> None:
+    """Out of descriptors, a read said "the origin cannot be read ... Is the shared file
+    system mounted?": now the limit, and what to raise it with."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, resource, sys, stagefs\n"
+        "from stagefs.errors import DescriptorLimitError\n"
+        "fs = stagefs.open(sys.argv[1])\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit("
+        "resource.RLIMIT_NOFILE)[1]))\n"
+        "held = []\n"
+        "try:\n"
+        "    while True: held.append(os.open(os.devnull, os.O_RDONLY))\n"
+        "except OSError: pass\n"
+        "try:\n"
+        "    fs.read(sys.argv[2]); print('read')\n"
+        "except DescriptorLimitError as exc:\n"
+        "    print('limit', exc.errno, exc)\n"
+        "for fd in held: os.close(fd)\n"
+        "print('after', fs.read(sys.argv[2]) == open(sys.argv[3], 'rb').read())\n")
+    src = busy[0].parent / "src" / "d0" / "f000"
+    run = subprocess.run([sys.executable, "-c", script, str(busy[0]), "d0/f000", str(src)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    first, after = run.stdout.splitlines()[-2:]
+    assert first.startswith(f"limit {errno.EMFILE} ") and "open-file limit (64;" in first
+    assert "ulimit -n" in first and "shared file system" not in first
+    assert after == "after True"
