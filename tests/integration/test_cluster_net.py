@@ -417,3 +417,56 @@ def test_descriptors_kept_for_the_relay_are_not_given_to_connections(
     assert got[0] == [60, 0, 0]
     ok, refused, busy = got[100]
     assert ok == 400 - 256 - 100 - 1 and refused == busy == 60 - ok  # (- 1: shard 0's file)
+
+
+def test_a_storm_of_silent_connections_does_not_keep_a_peer_out(
+        packed: tuple[str, dict[str, bytes]]) -> None:
+    """100 connections that say nothing and connect again as soon as they are dropped:
+    with 32 handshakes kept, each new one pushed a real client's out before its proof came
+    (every attempt failed while the storm lasted). Now a server keeps up to 1024 (a quarter
+    of its connections' descriptors): the storm is never dropped, nobody is pushed out."""
+    pack, _ = packed
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
+                      0, limits=ServerLimits(handshake_timeout=60)).start()
+    stop = threading.Event()
+
+    def storm() -> None:
+        socks = [socket.create_connection(srv.address, timeout=10) for _ in range(100)]
+        for s in socks:
+            s.setblocking(False)
+        while not stop.is_set():
+            for i, s in enumerate(socks):
+                try:
+                    if s.recv(65536) == b"":  # dropped: connect again at once
+                        raise ConnectionResetError
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    s.close()
+                    socks[i] = socket.create_connection(srv.address, timeout=10)
+                    socks[i].setblocking(False)
+            time.sleep(0.001)
+        for s in socks:
+            s.close()
+
+    t = threading.Thread(target=storm, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while srv.stats.connections < 100:  # the storm is in
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.01)
+        for _ in range(20):  # a new connection each time, as a restarted reader makes
+            c = PeerClient(*srv.address, token, timeout=30, connect_timeout=30)
+            try:
+                assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]
+            finally:
+                c.close()
+        assert srv.stats.dropped_unauthenticated == 0
+    finally:
+        stop.set()
+        t.join(30)
+        srv.close()
+        m.close()

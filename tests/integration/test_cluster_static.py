@@ -126,3 +126,68 @@ def test_serve_errors_are_clear(tmp_path: Path) -> None:
 
     with pytest.raises(ClusterError, match="stagefs serve"):
         stagefs.connect(os.path.join(work, "nothing"))
+
+
+def test_tiers_too_small_for_the_shards_end_staging_at_once(tmp_path: Path) -> None:
+    """Two nodes whose tiers hold none of their shards: each waited for the other's copies
+    of its second replicas, which would never exist, until the forward timeout (10
+    minutes; `stagefs status --wait-staged` and `serve --wait` with it). Now a node whose
+    tiers are full, or a shard whose primary finished its own shards without it, is done
+    with at once; the readers read the origin."""
+    import stagefs
+
+    n, work = 2, str(tmp_path)
+    pack, content = make_pack(work, files=60, shard_size="1MiB")
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                    os.path.join(work, "token")], check=True, timeout=60)
+    daemons = [start([sys.executable, "-m", "stagefs.cli", "serve", pack,
+                      "--tier", os.path.join(work, "node{rank}", "disk") + ":512KiB",
+                      "--runtime", os.path.join(work, "rt{rank}"), "--hosts",
+                      os.path.join(work, "hosts"), "--rank", str(r), "--token-file",
+                      os.path.join(work, "token"), "--replicas", "2"],
+                     os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+    try:
+        for r, d in enumerate(daemons):  # (the forward timeout is 600 s)
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        st = status_json(work, 0)
+        assert all(s is not None and s["staging"]["no_room"] > 0 for s in st["nodes"]), st
+        with stagefs.connect(os.path.join(work, "rt0")) as fs:
+            for path, data in content.items():
+                assert fs.read(path) == data
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
+def test_shards_their_primaries_could_not_copy_end_staging_at_once(tmp_path: Path) -> None:
+    """Every shard bad at the origin: each primary refuses its copies, and its second
+    holder waited for them (and the primary, staging its own second copies, for the
+    other's) until the forward timeout. A primary done with its own shards without one
+    now means that shard will not come from it."""
+    n, work = 2, str(tmp_path)
+    pack, _ = make_pack(work, files=60, shard_size="128KiB")
+    for name in os.listdir(pack):
+        if name.startswith("shard-"):
+            with open(os.path.join(pack, name), "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                    os.path.join(work, "token")], check=True, timeout=60)
+    daemons = [_daemon(work, pack, r) for r in range(n)]
+    try:
+        for r, d in enumerate(daemons):  # (the forward timeout is 600 s)
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        st = status_json(work, 0)
+        for s in st["nodes"]:
+            assert s is not None and s["state"] == "staged", st
+            assert s["staging"]["checksum_failures"] > 0
+            assert s["staging"]["shards_held"] < s["staging"]["shards_assigned"]
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]

@@ -10,6 +10,7 @@ contact it. Assertions are on outcomes and counters, never on elapsed time.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
@@ -18,7 +19,9 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 from cluster_helpers import make_pack
@@ -29,7 +32,7 @@ from stagefs.format import Manifest
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.net import auth
 from stagefs.net import protocol as P
-from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.client import PeerClient, PeerSource, PeerUnavailable
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.net.server import ServerLimits, ShardServer
 from stagefs.store import Store
@@ -192,6 +195,76 @@ def test_a_malformed_frame_closes_that_connection_only(
         good.close()
     finally:
         srv.close()
+
+
+def test_a_request_that_fails_is_answered_and_the_server_serves_on(packed: Pack) -> None:
+    """Out of descriptors while a STATUS lists the tiers, or while a READ opens a shard's
+    copy: each is answered with an error that names the limit (its client takes the next
+    holder), and the server serves on. An exception there once ended the server's thread,
+    leaving a live daemon that served nothing."""
+    pack, token = packed[0], auth.new_token()
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+
+    def emfile(*_: object) -> Any:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    def locate(shard: int) -> str:
+        return emfile() if shard == 0 else os.path.join(pack, m.shards[shard].name)
+
+    srv = ShardServer(m, token, locate, "127.0.0.1", status=emfile).start()
+    clients = [PeerClient(*srv.address, token) for _ in range(3)]
+    try:
+        with pytest.raises(PeerUnavailable, match="open-file limit"):
+            clients[0].status()
+        with pytest.raises(PeerUnavailable, match="open-file limit"):
+            clients[1].read([(0, 0, 8)])
+        assert clients[2].read([(1, 0, 8)]) == [b"STGFSSHD"]
+        assert srv.stats.internal_errors == 2 and srv.stats.tcp_peers >= 1
+    finally:
+        for c in clients:
+            c.close()
+        srv.close()
+        m.close()
+
+
+_OUT_OF_DESCRIPTORS = """
+import os, resource, sys, time
+from stagefs.format import Manifest
+from stagefs.net.server import ShardServer
+pack, token = sys.argv[1], bytes.fromhex(sys.argv[2])
+m = Manifest(os.path.join(pack, "manifest.sfm"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
+                  status=lambda: {"alive": True}).start()
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+print(srv.address[1], len(held), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_server_out_of_descriptors_still_answers(packed: Pack) -> None:
+    """Every descriptor of the process taken (a daemon whose staging reached the limit):
+    the server lets go of the one it keeps in reserve to take a connection, and answers
+    it. It could not accept any: `stagefs status` saw the node unreachable."""
+    token = auth.new_token()
+    with subprocess.Popen([sys.executable, "-c", _OUT_OF_DESCRIPTORS, packed[0],
+                           token.hex()], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            port, held = map(int, proc.stdout.readline().split())
+            assert held > 100  # it was out of descriptors
+            for _ in range(3):  # one after another: the reserve is taken again each time
+                c = PeerClient("127.0.0.1", port, token, timeout=5, connect_timeout=5)
+                assert c.status()["alive"] is True
+                c.close()
+                time.sleep(1.5)  # (closed on its side too, and the reserve taken again)
+        finally:
+            proc.kill()
 
 
 # -- bad peers, seen from a reader --------------------------------------------------------------

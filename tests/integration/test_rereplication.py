@@ -248,3 +248,52 @@ def test_a_copy_a_reader_finds_bad_is_checked_and_deleted_where_it_is(cluster: C
         before = fs.status()["origin"]["bytes_read"]
         assert fs.read(victim) == c.content[victim]
         assert fs.status()["origin"]["bytes_read"] == before  # from the other replica
+
+
+def test_a_bad_copy_a_reader_finds_on_its_own_node_is_placed_again(cluster: Cluster
+                                                                    ) -> None:
+    """A byte flipped in node 0's own copy of a shard: a reader on node 0 reads it from its
+    tier, finds it bad, and gets the right bytes from the other replica (through its
+    daemon, not the origin); the daemon checks the copy, deletes it and places it again,
+    and its status counts the failure. The reader deleted the copy itself, and nothing
+    placed it again: the node kept K-1 copies while its status said it held them all."""
+    import stagefs
+    from conftest import flip_byte
+
+    c = cluster
+    m = Manifest(os.path.join(c.pack, "manifest.sfm"))
+    try:
+        shard = next(s for s in range(len(c.sizes)) if 0 in c.placement.holders[s]
+                     and any(int(m.shard[e]) == s and m.size[e] for e in m.files()))
+        ents = [e for e in m.files() if int(m.shard[e]) == shard and m.size[e]]
+        victim = os.fsdecode(m.path_of(ents[0]))
+        copy = os.path.join(c.work, "node0", "mem", m.pack_id.hex(), m.shards[shard].name)
+        ino = os.stat(copy).st_ino
+        flip_byte(copy, int(m.offset[ents[0]]) + 5)
+    finally:
+        m.close()
+    with stagefs.connect(os.path.join(c.work, "rt0")) as fs:
+        assert fs.read(victim) == c.content[victim]
+        st = fs.status()
+        assert st["checksum_failures"] == 1 and st["origin"]["bytes_read"] == 0, st
+        deadline = time.monotonic() + 60
+        node: dict[str, Any] = {}
+        while True:
+            nodes = status_json(c.work, 0)["nodes"]
+            assert isinstance(nodes, list)
+            node = nodes[0]
+            if node["checks"]["placed"] == 1 and os.path.exists(copy) and \
+                    node["reads"]["checksum_failures"] == 1:  # (summed once a second)
+                break
+            assert time.monotonic() < deadline, f"not placed again: {node}\n{c.logs()}"
+            time.sleep(0.2)
+        assert os.stat(copy).st_ino != ino and node["checks"]["dropped"] == 1
+        staging = node["staging"]
+        assert staging["shards_held"] == staging["shards_assigned"], staging
+        assert fs.read(victim) == c.content[victim]  # from the new copy, checked
+        assert fs.status()["local_hits"] > 0 and fs.status()["checksum_failures"] == 1
+    text = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                           os.path.join(c.work, "rt0")], capture_output=True, text=True,
+                          timeout=60).stdout
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["0"])
+    assert row.split()[-1] == "1", text  # its checksum failures, as --json counts them

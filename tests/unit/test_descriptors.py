@@ -12,9 +12,10 @@ from stagefs.cluster.daemon import (
     descriptor_shortfall,
     descriptors_for,
     peers_within,
+    shard_descriptors,
 )
 from stagefs.doctor import BIG_JOB, check_descriptors
-from stagefs.net.pipes import PIPE_BYTES, PipePool, budget, pool_pipes
+from stagefs.net.pipes import PIPE_BYTES, PipePool, budget, pipe_descriptors, pool_pipes
 
 
 def test_the_pipe_pool_takes_a_small_share_of_a_small_limit() -> None:
@@ -51,6 +52,22 @@ def test_a_short_limit_is_told_with_what_to_raise_it_to() -> None:
     assert f"({1024})" in msg and f"about {peers_within(1024, 192)} peers" in msg
     assert "this job has 199" in msg and f"to {descriptors_for(199)} or more" in msg
     assert "ulimit -Hn" in msg
+
+
+def test_a_node_of_many_shards_is_told_what_they_take() -> None:
+    """2,600 shards on a node of two under a limit of 4,096: its tier copies alone take
+    more (the limit held "about 750 peers", and staging stopped at Too many open files)."""
+    shard_fds = shard_descriptors(2600, 1300)
+    assert shard_fds > 4096
+    assert descriptor_shortfall(1 << 16, 768, 1, shard_fds) is None
+    msg = descriptor_shortfall(4096, pipe_descriptors(4096), 1, shard_fds)
+    assert msg is not None and "(4096)" in msg and f"about {shard_fds} descriptors" in msg
+    need = descriptors_for(1, shard_fds)
+    assert f"ulimit -n {need}" in msg and "Too many open files" in msg
+    assert descriptor_shortfall(need, pipe_descriptors(need), 1, shard_fds) is None
+    assert descriptor_shortfall(need - 1, pipe_descriptors(need - 1), 1, shard_fds)
+    # one node of a thousand shards: no peer, and still short
+    assert descriptor_shortfall(1024, pipe_descriptors(1024), 0, shard_descriptors(1000, 1000))
 
 
 def test_doctor_warns_below_what_the_largest_job_needs() -> None:

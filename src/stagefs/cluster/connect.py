@@ -17,13 +17,25 @@ The node fabric: when the node's daemon listens on its Unix socket (``fabric.soc
 runtime directory), every read that is not a local tier hit goes to it instead (one holder,
 ``fabric``, between the tier copies and the origin), so the process opens no connection to
 any peer: the daemon relays to its peers and verifies nothing; the Store verifies. While the
-daemon does not answer (killed, restarting), the holders are the direct ones above again.
+daemon does not answer (killed, restarting), the holders are the direct ones above again;
+once it answers, the connections they opened to peers are closed (``PeerClient.shed``).
+
+This node's tier copies are its daemon's (their room, their placement): one a read finds
+bad is not deleted here but reported to the daemon (CHECK), which checks it, deletes it and
+places it again; this process does not read that copy meanwhile (``_dropped_here``).
+
+A process keeps a descriptor open for each shard of this node it reads (two for a memory
+tier's, mapped by ``read_many``): ``connect`` raises its soft open-file limit to the hard
+one, as the single-node tier chain does, and says so when even that cannot hold them.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import random
+import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, replace
@@ -39,11 +51,17 @@ from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.store import ReadStats, Store
-from stagefs.tiers.base import ShardSource
+from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.chain import _raise_fd_limit
 from stagefs.tiers.origin import PackOrigin
 from stagefs.tiers.tier import DirTier
 
 __all__ = ["ClusterHolders", "connect"]
+
+log = logging.getLogger("stagefs.connect")
+READER_DESCRIPTORS = 128  # a reader's own beyond its shards: the manifest, sockets, logs
+_told_limit: set[int] = set()  # the limits a process was told are too low (once each)
+_Copy = tuple[int, int, int]  # a tier copy's (device, inode, ctime): which file it was
 
 
 class ClusterHolders:
@@ -93,6 +111,15 @@ class ClusterHolders:
             self._ranked_nodes.append(nodes)
         self._mine = set(self.placement.shards_of(self.rank))
         self.holders = self._holders_of
+        self._token, self._timeout = token, timeout
+        self._direct = False  # read peers directly since the daemon last answered
+        # this node's tier copies a read found bad: (tier, shard) -> which file it was;
+        # not read again here until the daemon has replaced it (``_dropped_here``)
+        self._bad: dict[tuple[int, int], _Copy] = {}
+        self._daemon_tcp: PeerClient | None = None  # to report them without the fabric
+        if clients is None:  # a reader (a daemon's own holders read no tier)
+            for i, t in enumerate(self.tiers):
+                t.on_drop = functools.partial(self._dropped_here, i)
         self.fabric: FabricHolder | None = None  # the node daemon (cluster/fabric.py)
         name = cmap.extra.get("fabric")
         if clients is None and name and env_flag("FABRIC"):
@@ -104,19 +131,77 @@ class ClusterHolders:
 
     def _via_fabric(self, shard: int) -> Sequence[ShardSource]:
         """This node's tier copies, then the node daemon, then the origin; the direct
-        holders while the daemon does not answer."""
-        hs = self._holders_of(shard)
+        holders while the daemon does not answer. Back on the daemon, the connections the
+        direct reads opened to peers are closed: the fabric's bound (connections grow
+        with nodes, not readers) holds again."""
         fabric = self.fabric
-        if fabric is None or fabric.is_down():
-            return hs
-        local = 0
-        while getattr(hs[local], "local", False):
-            local += 1
-        return [*hs[:local], fabric, self.origin]
+        assert fabric is not None
+        if fabric.is_down():
+            self._direct = True
+            return self._holders_of(shard)
+        if self._direct:
+            self._leave_peers()
+        here = self._here(shard) if self.rank in self._ranked_nodes[shard] else []
+        return [*here, fabric, self.origin]
 
     def _peers_of(self, shard: int) -> Sequence[ShardSource]:
+        """The shard's peers, for a read the daemon did not answer (cluster/fabric.py)."""
+        self._direct = True
         return [h for h in self._holders_of(shard)
                 if h is not self.origin and not getattr(h, "local", False)]
+
+    def _leave_peers(self) -> None:
+        """The daemon answers again: close the connections to peers that reads opened
+        while it did not (each in use now as it comes back). (Two threads may both shed:
+        no harm, and no lock for a forked worker to inherit held.)"""
+        self._direct = False
+        for c in self.clients.values():
+            c.shed()
+
+    # -- this node's tier copies -----------------------------------------------------------
+
+    def _here(self, shard: int) -> list[ShardSource]:
+        """This node's tier copies of ``shard`` that this process may read (opened, and
+        kept open, by ``DirTier.holds``)."""
+        if not self._bad:
+            return [t for t in self.tiers if t.holds(shard)]
+        return [t for i, t in enumerate(self.tiers) if self._readable(i, shard)
+                and t.holds(shard)]
+
+    def _readable(self, tier: int, shard: int) -> bool:
+        """Not the copy a read found bad (still there: the daemon has not replaced it)."""
+        bad = self._bad.get((tier, shard))
+        if bad is None:
+            return True
+        if _copy_of(self.tiers[tier].path(shard)) == bad:
+            return False
+        self._bad.pop((tier, shard), None)  # deleted, or replaced: read what is there
+        return True
+
+    def _dropped_here(self, tier: int, shard: int, ino: tuple[int, int] | None) -> None:
+        """A read found bad bytes in this node's copy of ``shard`` in ``tier`` (the copy's
+        inode ``ino``, when known). The copy is the daemon's: it is asked to check it
+        (CHECK), which deletes it, frees its room and places it again (deleted here, it
+        stayed missing: the daemon never knew); this process reads it no more."""
+        copy = _copy_of(self.tiers[tier].path(shard))
+        if copy is None or (ino is not None and copy[:2] != ino):
+            return  # gone already, or replaced by another copy
+        self._bad[(tier, shard)] = copy
+        log.info("%s: shard %d: this node's copy is bad; its daemon is asked to check it "
+                 "and place it again", self.tiers[tier].name, shard)
+        if self.fabric is not None and not self.fabric.is_down():
+            try:  # at once: the read goes on to the daemon, which must not serve this copy
+                self.fabric.check(shard)
+                return
+            except SourceUnavailable:
+                pass
+        if self._daemon_tcp is None:  # no fabric (STAGEFS_FABRIC=0), or it does not answer
+            host, port = self.cmap.nodes[self.rank]
+            self._daemon_tcp = PeerClient(
+                host, port, self._token, pack_id=bytes.fromhex(self.cmap.pack_id),
+                timeout=self._timeout, connect_timeout=min(3.0, self._timeout),
+                pool_size=1, name=f"node {self.rank} daemon (TCP)")
+        self._daemon_tcp.report_bad(shard)  # (in a thread of its own)
 
     def _replicas(self, shard: int) -> Sequence[HedgedPeer]:
         """The peers of the shard's ranking, in order: where a hedge goes (HedgedPeer skips
@@ -133,15 +218,14 @@ class ClusterHolders:
         nodes = self._ranked_nodes[shard]
         if shard in self._mine:
             # only a copy the tier holds now: read_many reads it in the calling thread
-            here: list[ShardSource] = [t for t in self.tiers if t.holds(shard)]
+            here = self._here(shard)
             if here:
                 return here + self._static_after[nodes]
         out: list[ShardSource] = [*self.remote(shard), self.origin]
         if self.rank in nodes and shard not in self._mine:
             # a copy this node made when a holder died (whatever this reader knows of the
             # dead: one open() when there is none)
-            here = [t for t in self.tiers if t.holds(shard)]
-            return here + out
+            return self._here(shard) + out
         return out
 
     def remote(self, shard: int) -> list[HedgedPeer]:
@@ -209,6 +293,8 @@ class ClusterHolders:
     def close(self) -> None:
         if self.fabric is not None:
             self.fabric.close()
+        if self._daemon_tcp is not None:
+            self._daemon_tcp.close()
         for c in self.clients.values():
             c.close()
         for t in self.tiers:
@@ -247,6 +333,8 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
     except BaseException:
         manifest.close()
         raise
+    _raise_fd_limit()  # a descriptor per shard of this node read (as the tier chain does)
+    _check_fd_limit(len(holders.held_shards()), any(t.kind == "memory" for t in holders.tiers))
     stats = os.path.join(path, "stats")  # the daemon's runtime: reads counted by holder
     store = Store(cmap.pack, verify=verify, manifest=manifest, origin=origin, policy=holders,
                   counters=stats if os.path.isdir(stats) else None)
@@ -256,3 +344,37 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
 
 def _reconnect(runtime: str, verify: bool) -> Store:
     return connect(runtime, verify=verify, timeout=30.0)
+
+
+def _copy_of(path: str) -> _Copy | None:
+    """Which file is at ``path`` now (None: none): a copy replaced by another (renamed into
+    place) differs, even if its inode number was reused."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _descriptors_to_read(shards: int, memory: bool) -> int:
+    """The open files a reader may hold reading the ``shards`` held on its node (one a
+    shard, two on a memory tier: ``read_many`` maps them), and its own."""
+    return shards * (2 if memory else 1) + READER_DESCRIPTORS
+
+
+def _check_fd_limit(shards: int, memory: bool) -> None:
+    """Say so (once a process) when the open-file limit, raised to the hard one, cannot hold
+    a descriptor for each shard this node holds: reads past it fail for want of one."""
+    need = _descriptors_to_read(shards, memory)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need or soft in _told_limit:
+        return
+    _told_limit.add(soft)
+    log.warning(
+        "the open-file limit of this process (%d, its hard limit %s) is below what reading "
+        "this node's %d shards may take (%d descriptors: one a shard read%s, and the "
+        "process's own): reads past it fail with 'Too many open files'. Raise it before "
+        "training starts: ulimit -n %d (above the hard limit: ulimit -Hn, limits.conf "
+        "nofile, or Slurm's PropagateResourceLimits)", soft,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard, shards, need,
+        ", two on a memory tier" if memory else "", need)

@@ -18,11 +18,18 @@ does. Relayed bytes are received into kernel pipes and sent on from them (net/pi
 copy in this process; ``STAGEFS_RELAY_PIPES=0``: through memory). With ``--transport mpi``
 the relay reads the peers' ranges through MPI instead (the MPI transport's peers, a channel
 each: net/relay.py), as the staging copies are.
+
+A copy reported bad (CHECK: by a reader of this node, or a peer) is not served until it is
+checked; a bad one is deleted and placed again from a peer that holds it, else the origin.
+Descriptors: each peer costs the daemon about ``PEER_DESCRIPTORS``, each shard it holds
+``SHARD_DESCRIPTORS`` (one more if read from the origin); it says at start when its limit
+cannot hold them, and out of them it serves on (net/server.py) and says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -69,10 +76,11 @@ from stagefs.tiers.audit import check_shard
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.origin import PackOrigin
-from stagefs.tiers.status import ReadCounters
+from stagefs.tiers.status import ReadCounters, read_counts
+from stagefs.tiers.tier import DirTier
 
 __all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
-           "interface_address", "peers_within", "serve"]
+           "interface_address", "peers_within", "serve", "shard_descriptors"]
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
@@ -83,6 +91,10 @@ PEER_CONNECTIONS = 1  # per peer for staging and status; the relay keeps one mor
 # the peer's to it
 PEER_DESCRIPTORS = 2 * (PEER_CONNECTIONS + 1)
 READER_ALLOWANCE = 64  # descriptors counted for the node's own readers (4 ranks x 16)
+# descriptors a daemon keeps open for each shard it holds, until it ends: its tier copy,
+# the two of the copy's staging (the tier chain keeps them), the server's (read by peers);
+# and one more for each shard it read from the origin (its primaries)
+SHARD_DESCRIPTORS = 4
 
 
 def peers_within(fd_limit: int, fd_reserve: int | None = None) -> int:
@@ -95,27 +107,57 @@ def peers_within(fd_limit: int, fd_reserve: int | None = None) -> int:
                // PEER_DESCRIPTORS)
 
 
-def descriptors_for(peers: int) -> int:
-    """The smallest open-file limit under which a daemon has room for ``peers`` peers."""
-    limit = peers * PEER_DESCRIPTORS + READER_ALLOWANCE
-    while (fit := peers_within(limit)) < peers:
-        limit += (peers - fit) * PEER_DESCRIPTORS
-    while peers_within(limit - 1) >= peers:  # the steps above may pass it by a few
+def _left(fd_limit: int, peers: int, shard_fds: int = 0, fd_reserve: int | None = None
+          ) -> int:
+    """The descriptors left under ``fd_limit`` once a daemon has room for its ``peers``,
+    its node's readers and the ``shard_fds`` it keeps for its shards (negative: short)."""
+    if fd_reserve is None:
+        fd_reserve = pipe_descriptors(fd_limit)
+    return (connection_room(fd_limit - shard_fds, fd_reserve) - READER_ALLOWANCE
+            - peers * PEER_DESCRIPTORS)
+
+
+def descriptors_for(peers: int, shard_fds: int = 0) -> int:
+    """The smallest open-file limit under which a daemon has room for ``peers`` peers and
+    the ``shard_fds`` descriptors of its shards (``shard_descriptors``)."""
+    limit = peers * PEER_DESCRIPTORS + READER_ALLOWANCE + shard_fds
+    while (short := -_left(limit, peers, shard_fds)) > 0:
+        limit += short
+    while _left(limit - 1, peers, shard_fds) >= 0:  # the steps above may pass it by a few
         limit -= 1
     return limit
 
 
-def descriptor_shortfall(fd_limit: int, fd_reserve: int, peers: int) -> str | None:
+def shard_descriptors(shards: int, primaries: int) -> int:
+    """The descriptors a daemon keeps open for the ``shards`` it holds, ``primaries`` of
+    them read from the origin (``SHARD_DESCRIPTORS``)."""
+    return SHARD_DESCRIPTORS * shards + primaries
+
+
+def descriptor_shortfall(fd_limit: int, fd_reserve: int, peers: int,
+                         shard_fds: int = 0) -> str | None:
     """What to tell the user when ``fd_limit`` descriptors cannot hold a daemon's
-    connections with its ``peers`` (None when they can)."""
+    connections with its ``peers`` and the ``shard_fds`` descriptors of the shards it holds
+    (``shard_descriptors``); None when they can."""
     fit = peers_within(fd_limit, fd_reserve)
-    if fit >= peers:
+    if fit >= peers and _left(fd_limit, peers, shard_fds, fd_reserve) >= 0:
         return None
-    return (f"the open-file limit ({fd_limit}) leaves room for connections with about {fit} "
-            f"peers, and this job has {peers}: the others' connections will be refused and "
-            f"their reads go to the origin; raise the hard limit to {descriptors_for(peers)} "
-            "or more (ulimit -Hn; limits.conf nofile, or Slurm's PropagateResourceLimits): "
-            "stagefs doctor checks it")
+    want = descriptors_for(peers, shard_fds)
+    advice = ("(ulimit -Hn; limits.conf nofile, or Slurm's PropagateResourceLimits): "
+              "stagefs doctor checks it")
+    if fit < peers:
+        return (f"the open-file limit ({fd_limit}) leaves room for connections with about "
+                f"{fit} peers, and this job has {peers}: the others' connections will be "
+                f"refused and their reads go to the origin; raise the hard limit to {want} "
+                f"or more {advice}")
+    return (f"the open-file limit ({fd_limit}) cannot hold what this node keeps open: about "
+            f"{shard_fds} descriptors for its shards ({SHARD_DESCRIPTORS} a shard held, one "
+            f"more a shard read from the origin) and its connections"
+            f"{f' with {peers} peer' + 's' * (peers > 1) if peers else ''}: "
+            "staging stops at the limit ('Too many open files') and the shards not staged "
+            f"are read from other nodes or the origin; raise the hard limit to {want} or "
+            f"more (ulimit -n {want} where the daemons start), or hold fewer shards a node "
+            f"(larger shards, more nodes) {advice}")
 
 
 @dataclass(frozen=True)
@@ -245,10 +287,14 @@ class Daemon:
                            channel=lambda peer: self._relay_mpi.get(id(peer)))
         self.fabric_path = os.path.join(self.runtime, FABRIC_NAME) if o.fabric else None
         self._status_cache: tuple[float, dict[str, Any]] | None = None
+        self._missing: set[int] = set()  # its copies deleted as bad, not placed again yet
+        self._used: dict[str, int] = {}  # each tier's bytes used, as last read
+        self._reads_at, self._reads_bad = float("-inf"), 0
         # the relay's pipes are descriptors too: kept out of the connections' share
         limits = dataclasses.replace(
             o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
-        self.server = ShardServer(self.manifest, self.token, self.chain.locate, host, port,
+        self._checking: set[int] = set()  # shards whose copies are checked now: not served
+        self.server = ShardServer(self.manifest, self.token, self._locate, host, port,
                                   limits=limits, status=self.status,
                                   unix_path=self.fabric_path, relay=self.relay,
                                   check=self._check_shard)
@@ -256,12 +302,8 @@ class Daemon:
         # every CHECK_EVERY seconds
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="stagefs-check")
         self._checked: dict[int, float] = {}
-        self.checks = {"asked": 0, "checked": 0, "dropped": 0, "forwarded": 0}
+        self.checks = {"asked": 0, "checked": 0, "dropped": 0, "placed": 0, "forwarded": 0}
         self.nodes = self.boot.exchange(self.server.address)
-        short = descriptor_shortfall(self.fd_limit, limits.fd_reserve, len(self.nodes) - 1)
-        if short is not None:
-            log.warning("%s", short)
-            _say(self.rank, short)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
               int(self.manifest.shard[e])) for e in self.manifest.files()),
@@ -271,6 +313,13 @@ class Daemon:
                  f"{self.size} copies (a node holds one copy at most)")
         self.placement = place(len(self.manifest.shards), self.size, o.replicas,
                                everywhere=self.everywhere, seed=o.seed)
+        short = descriptor_shortfall(
+            self.fd_limit, limits.fd_reserve, len(self.nodes) - 1,
+            shard_descriptors(len(self.placement.shards_of(self.rank)),
+                              len(self.placement.primary_shards(self.rank))))
+        if short is not None:
+            log.warning("%s", short)
+            _say(self.rank, short)
         self.peers = {n: PeerClient(h, p, self.token, pack_id=self.manifest.pack_id,
                                     name=f"node {n}", timeout=30.0,
                                     pool_size=PEER_CONNECTIONS)
@@ -289,6 +338,7 @@ class Daemon:
                              self.peers, self.stop, o.forward_timeout,
                              sources=peer_sources(self.transport, self.peers),
                              unreachable_after=o.dead_after)
+        self._mine = frozenset(self.stager.mine)  # (staging counts what it placed)
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
         # probes go on the relay's connection to each peer (STATUS): two fit in
         # dead_after, so a death is declared within about dead_after of the silence
@@ -320,25 +370,48 @@ class Daemon:
             return "checked recently"
         self._checked[shard] = now
         self.checks["asked"] += 1
+        # not served until checked: a reader that found this node's copy bad reads on
+        # through this daemon, which then relays the shard from a peer
+        self._checking.add(shard)
+        self.server.forget(shard)
         try:
             self._checker.submit(self._check_copy, shard)
         except RuntimeError:  # shut down: the daemon is stopping
+            self._checking.discard(shard)
             return "stopping"
         return "queued"
 
+    def _locate(self, shard: int) -> str | None:
+        """The shard's copy to serve (the server's ``locate``): none while it is checked."""
+        return None if shard in self._checking else self.chain.locate(shard)
+
     def _check_copy(self, shard: int) -> None:
         """Check every file of each whole copy of ``shard`` this node holds (tiers/audit.py,
-        the readers' check); a bad copy is deleted and placed again (the tiers' own drop:
-        the server stops serving it). None held: the shard's holders are asked."""
+        the readers' check); a bad copy is deleted (the tiers' own drop: the server stops
+        serving it) and placed again, from a peer if one gives it. None held: the shard's
+        holders are asked."""
+        try:
+            self._check_held(shard)
+        finally:
+            self._checking.discard(shard)  # served again (placed again, if it was bad)
+
+    def _check_held(self, shard: int) -> None:
         held = [t for t in self.chain.tiers if shard in t.held()]
         for t in held:
+            if not _can_open(t.path(shard)):
+                # out of descriptors: the audit would take the copy for a corrupt one
+                log.warning("%s: shard %d not checked: out of descriptors (the open-file "
+                            "limit, %d)", t.name, shard, self.fd_limit)
+                self._checked.pop(shard, None)  # the next report asks again
+                continue
             _, _, bad = check_shard(t.dir, self.manifest, shard)  # (says what it cannot read)
             self.checks["checked"] += 1
             if bad:
                 self.checks["dropped"] += 1
                 log.warning("%s: shard %d: %s: %s; the copy is deleted and placed again",
                             t.name, shard, bad[0].path, bad[0].reason)
-                t.drop(shard)
+                self._drop(t, shard)
+                self._place_again(shard)
         if held:
             return
         for n in self.placement.holders[shard]:
@@ -348,6 +421,40 @@ class Daemon:
                     self.peers[n].check(shard)
                 except SourceUnavailable:
                     continue
+
+    def _drop(self, tier: DirTier, shard: int) -> None:
+        """Delete the tier's bad copy of ``shard`` (the tier chain's drop: its room freed),
+        under the shard's claim: the drop queues the shard for the chain's own streams,
+        which read the origin, and a stream that finds it claimed leaves it (to
+        ``_place_again``, which reads a peer)."""
+        claimed = self.chain.claims.acquire(shard)
+        try:
+            self._missing.add(shard)
+            tier.drop(shard)
+            deadline = time.monotonic() + 1.0
+            while claimed and shard in self.chain.stream.queued() and \
+                    time.monotonic() < deadline:
+                time.sleep(0.005)  # until a stream has taken it off its queue, and left it
+        finally:
+            if claimed:
+                self.chain.claims.release(shard)
+
+    def _place_again(self, shard: int) -> None:
+        """Place ``shard`` again, its bad copy deleted: from a live peer that holds it, else
+        from the origin. (Should a stream of the tier chain have claimed it first, it
+        places it from the origin, and this finds it placed.)"""
+        outcome = "unavailable"
+        for n in self.placement.live(shard, self.rereplicator.dead):
+            if n == self.rank or n not in self.peers or self.peers[n].is_down():
+                continue
+            outcome = self.chain.place(shard, source=self.stager.sources[n])
+            if outcome not in ("corrupt", "unavailable"):
+                break
+        else:
+            outcome = self.chain.place(shard)
+        if outcome == "placed":
+            self.checks["placed"] += 1
+        log.info("shard %d placed again: %s", shard, outcome)
 
     # -- the fabric: relayed reads of this node's readers -------------------------------
 
@@ -366,21 +473,35 @@ class Daemon:
         cached = self._status_cache
         if cached is not None and now - cached[0] < 0.2:
             return cached[1]
-        out = self._status()
+        try:
+            out = self._status()
+        except OSError as exc:  # out of descriptors: what it said last
+            if cached is None or exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            return cached[1]
         self._status_cache = (now, out)
         return out
 
     def _status(self) -> dict[str, Any]:
         st = self.stager.stats.as_dict()
+        # what the tiers hold now, not what staging placed: a copy deleted since (found
+        # bad) is missing until it is placed again
+        gone = self._still_missing() & self._mine
+        st["shards_held"] -= len(gone)
+        st["bytes_held"] -= sum(self.manifest.shards[s].size for s in gone)
         return {
             "rank": self.rank, "size": self.size, "host": self.server.address[0],
             "port": self.server.address[1], "pid": os.getpid(), "state": self.state,
             "staging": st,
             # with re-replication idle: a node copying from this one waits for it until then
             "staging_done": self.stager.done.is_set() and self.rereplicator.idle(),
+            "primary_done": self.stager.primary_done,
             "rereplication": self.rereplicator.status(),
             "staging_error": None if self.stager.error is None else str(self.stager.error),
             "tiers": self._tier_usage(), "pack": self.pack,
+            # files that failed their checksum: copied in staging, and read by this
+            # node's processes (its readers, and the daemon)
+            "reads": {"checksum_failures": self._reads_failed()},
             "peers_unreachable": st["peers_unreachable"] + self.progress_unreachable + sum(
                 c.stats.failures for c in self.peers.values()),
             "checksum_failures": st["checksum_failures"],
@@ -401,10 +522,39 @@ class Daemon:
                 "gave_up": sum(p.gave_up for p in peers),
                 "suspect_peers": sorted(n for n, c in self.peers.items() if c.is_suspect())}
 
+    def _still_missing(self) -> set[int]:
+        """The shards whose copies were deleted as bad and are not placed again yet (a
+        stream of the tier chain may have placed one: looked up, one open at most)."""
+        for shard in list(self._missing):
+            if self.chain.locate(shard) is not None:
+                self._missing.discard(shard)
+        return set(self._missing)
+
     def _tier_usage(self) -> list[dict[str, Any]]:
-        sizes = [sh.size for sh in self.manifest.shards]
+        # used: what the tier's room counts (whole and partial copies, in its blocks), as
+        # its capacity is checked against; a partial copy was shown as nothing
         return [{"path": t.root, "capacity": t.capacity, "stopped": t.stopped,
-                 "used": sum(sizes[s] for s in t.held())} for t in self.chain.tiers]
+                 "used": self._used_bytes(t)} for t in self.chain.tiers]
+
+    def _used_bytes(self, tier: DirTier) -> int:
+        """The tier's ``used_bytes``; what it was last if it cannot be read now (out of
+        descriptors: STATUS is answered all the same)."""
+        try:
+            self._used[tier.root] = tier.used_bytes()
+        except OSError as exc:
+            log.debug("%s: use not read: %s", tier.name, exc)
+        return self._used.get(tier.root, 0)
+
+    def _reads_failed(self) -> int:
+        """Checksum failures of the reads of this node's processes (their counters in the
+        runtime directory), summed at most once a second."""
+        now = time.monotonic()
+        if now - self._reads_at >= 1.0:
+            self._reads_at = now
+            # (they only grow: a listing that failed, out of descriptors, counts none)
+            self._reads_bad = max(self._reads_bad,
+                                  read_counts(self.lease.stats)["checksum_failures"])
+        return self._reads_bad
 
     def cmap(self, staged: bool) -> ClusterMap:
         return ClusterMap(
@@ -422,7 +572,7 @@ class Daemon:
         stager = threading.Thread(target=self.stager.run, name="stagefs-stager", daemon=True)
         stager.start()
         if not self.o.wait:
-            write_map(self.runtime, self.cmap(False), self.token)
+            self._publish(False)
         reporter = None
         if self.rank == 0 and self.o.progress > 0:
             reporter = threading.Thread(target=self._report, name="stagefs-progress",
@@ -435,9 +585,24 @@ class Daemon:
         while not self.stager.done.wait(0.2):
             if self.stop.is_set():
                 break
-        if self.stager.error is not None:
-            _say(self.rank, f"staging failed: {self.stager.error}; reads of the shards "
-                 "not staged go to other nodes or the origin")
+        err = self.stager.error
+        short = (isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE)) or \
+            _free_descriptors() < _HEADROOM
+        limit = ""
+        if short:
+            limit = (f" (this daemon's open-file limit, {self.fd_limit}, is reached: raise "
+                     "it with ulimit -n before starting the daemons)")
+            # room to serve what it holds: the origin's descriptors (one a shard it staged;
+            # opened again when read) and the server's shard files go
+            self.origin.close()
+            self.server.make_room()
+        if err is not None:
+            _say(self.rank, f"staging failed: {err}{limit}; reads of the shards not staged "
+                 "go to other nodes or the origin")
+        elif short:
+            st = self.stager.stats
+            _say(self.rank, f"staged {st.shards_held} of its {st.shards_assigned} shards"
+                 f"{limit}; reads of the others go to other nodes or the origin")
         # deaths are watched for once this node has staged: while a large job starts, its
         # links and cores are busy with staging, and the stager itself waits for holders
         # that do not answer yet (staging.py), so a probe then proves little
@@ -448,7 +613,7 @@ class Daemon:
         if staged:
             self.staged_at = time.time()
             self.state = "staged"
-            write_map(self.runtime, self.cmap(True), self.token)
+            self._publish(True)
             if reporter is not None:
                 reporter.join(timeout=10)
             if self.rank == 0:
@@ -458,6 +623,27 @@ class Daemon:
         self.state = "stopping"
         self.close()
         return 0
+
+    def _publish(self, staged: bool) -> None:
+        """Write the runtime map for this node's readers. Out of descriptors, the server
+        closes the shard files it can (opened again when read) and it is tried again
+        every second, until it is written or the daemon stops."""
+        told = False
+        while True:
+            try:
+                write_map(self.runtime, self.cmap(staged), self.token)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                if not told:
+                    told = True
+                    log.warning("the runtime map is not written: out of descriptors (the "
+                                "open-file limit, %d); tried again every second",
+                                self.fd_limit)
+                self.server.make_room()
+            if self.stop.wait(1.0):
+                return
 
     def close(self) -> None:
         self.stop.set()
@@ -570,6 +756,33 @@ def _only_daemon(runtime: str) -> Any:
                           "another --runtime")
     atomic_write(pid_file, f"{os.getpid()}\n".encode())
     return lock
+
+
+_HEADROOM = 32  # descriptors free after staging, at least: else it is short of them
+
+
+def _free_descriptors(most: int = _HEADROOM) -> int:
+    """How many more descriptors this process can open now (up to ``most``)."""
+    fds: list[int] = []
+    try:
+        while len(fds) < most:
+            fds.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        pass
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return len(fds)
+
+
+def _can_open(path: str) -> bool:
+    """Can this process open ``path`` (for reading) now? False only for want of descriptors
+    (EMFILE, ENFILE): whatever else is wrong with the file is for its check to say."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError as exc:
+        return exc.errno not in (errno.EMFILE, errno.ENFILE)
+    return True
 
 
 def _tier_runtime(path: str) -> Runtime:

@@ -55,6 +55,13 @@ class FabricHolder:
         is deleted (it was served to every reader until the daemon ended)."""
         self.client.report_bad(shard)
 
+    def check(self, shard: int) -> str:
+        """Ask the daemon now to check its copy of ``shard`` (a read found this node's tier
+        copy bad): it serves the copy no more until checked, so the read that goes on to
+        it gets the bytes from a peer. What it says (``"queued"``, ...), or
+        SourceUnavailable if it does not answer."""
+        return self.client.check(shard)
+
     def pread(self, shard: int, offset: int, length: int) -> bytes:
         try:
             data = self.client.read([(shard, offset, length)])[0]

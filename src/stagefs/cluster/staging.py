@@ -107,6 +107,10 @@ class Stager:
         self.stats = StagingStats(shards_assigned=len(self.mine),
                                   bytes_assigned=sum(manifest.shards[s].size for s in self.mine))
         self.done = threading.Event()
+        # every shard this node is the primary of has had its copy made or refused (no room,
+        # a bad origin): one it does not hold then never comes from it (_gone)
+        self.primary_done = False
+        self._primaries = {s for s in self.mine if holders[s][0] == rank}
         self.error: BaseException | None = None
         self._lock = threading.Lock()
 
@@ -129,6 +133,8 @@ class Stager:
         # the shards this node is primary for first: the other holders wait for them
         pending = sorted((s for s in self.mine if s not in held),
                          key=lambda s: self.holders[s][0] != self.rank)
+        self._primaries -= held
+        self.primary_done = not self._primaries
         self._stage(pending)
 
     def _stage(self, pending: list[int]) -> None:
@@ -137,7 +143,8 @@ class Stager:
         first_try = {s: time.monotonic() for s in pending}
         pause = 0.05
         while pending and not self.stop.is_set():
-            asked: dict[int, bool] = {}  # peer -> finished staging (asked once a round)
+            # peer -> (finished staging, finished its primary shards): asked once a round
+            asked: dict[int, tuple[bool, bool]] = {}
             progress = False
             for s in list(pending):
                 if self.stop.is_set():
@@ -145,14 +152,19 @@ class Stager:
                 if self._stage_one(s, first_try[s], asked):
                     pending.remove(s)
                     progress = True
+                    self._primaries.discard(s)
+                    self.primary_done = not self._primaries
             if progress:
                 pause = 0.05
             else:
                 self.stop.wait(pause)
                 pause = min(pause * 1.5, 1.0)
 
-    def _stage_one(self, shard: int, since: float, asked: dict[int, bool]) -> bool:
+    def _stage_one(self, shard: int, since: float, asked: dict[int, tuple[bool, bool]]) -> bool:
         """One attempt at ``shard``; True when there is nothing more to do for it."""
+        if self.chain.full:  # the tiers take no more: waiting on the peers for it is vain
+            self.stats.no_room += 1
+            return True
         if self.holders[shard][0] == self.rank:
             return self._place(shard, None) != "elsewhere"
         live = [n for n in self._sources(shard) if not self.peers[n].is_down()]
@@ -174,17 +186,25 @@ class Stager:
         self.stats.forward_fallbacks += 1
         return self._place(shard, None) != "elsewhere"
 
-    def _gone(self, shard: int, live: list[int], asked: dict[int, bool]) -> bool:
-        """Will no peer ever give ``shard``? Each is down, or finished staging without it
-        (one more look, in case it finished it just now)."""
+    def _gone(self, shard: int, live: list[int], asked: dict[int, tuple[bool, bool]]) -> bool:
+        """Will no peer ever give ``shard``? Each is down, or finished staging without it;
+        or its primary finished its own shards without it (no room for it there: its other
+        holders would only read the origin too). One more look, in case it came just now.
+        Without the second rule, nodes whose tiers could not hold their shards each waited
+        on the others' copies until the forward timeout (10 minutes)."""
+        primary = self.holders[shard][0]
         for n in live:
             if n not in asked:
                 try:
-                    asked[n] = bool(self.peers[n].status().get("staging_done"))
+                    st = self.peers[n].status()
+                    asked[n] = (bool(st.get("staging_done")), bool(st.get("primary_done")))
                 except (SourceUnavailable, AuthenticationError):
                     self.stats.peers_unreachable += 1
-                    asked[n] = False
-            if not asked[n]:
+                    asked[n] = (False, False)
+            done, primary_done = asked[n]
+            if n == primary and primary_done:
+                return not self._peer_holds(n, shard)
+            if not done:
                 return False
         return not any(self._peer_holds(n, shard) for n in live)
 

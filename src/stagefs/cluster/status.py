@@ -1,5 +1,9 @@
 """``stagefs status`` for a cluster: ask every daemon (STATUS over the protocol), one table,
-then a line per node that has seen a node die: its re-replication (cluster/rereplicate.py)."""
+then a line per node that has seen a node die: its re-replication (cluster/rereplicate.py).
+
+A node's "checksum failures" are its staging's (files copied bad: ``checksum_failures``)
+and its processes' reads' (``reads.checksum_failures``, the counters its daemon sums from
+the node's runtime directory, as ``--json``'s ``reads`` sums this node's)."""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.status import holder_summary, read_counts, read_lines
 
-__all__ = ["cluster_status", "has_cluster", "print_cluster_status", "rereplication_lines",
-           "wait_for_cluster"]
+__all__ = ["checksum_failures", "cluster_status", "has_cluster", "print_cluster_status",
+           "rereplication_lines", "wait_for_cluster"]
 
 
 def has_cluster(runtime: str | None) -> bool:
@@ -70,7 +74,13 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
     mpi = (s.get("mpi") or {}).get("server") or {}  # --transport mpi: its staging copies
     served = srv["bytes_served"] + int(mpi.get("bytes_served", 0))
     return [str(n), addr, s["state"], share, tiers, format_size(served), conns,
-            relayed, _unreachable(s), str(s["checksum_failures"])]
+            relayed, _unreachable(s), str(checksum_failures(s))]
+
+
+def checksum_failures(s: dict[str, Any]) -> int:
+    """A node's files that failed their checksum: copied by its staging, and read by its
+    processes (``reads``: its readers', as ``--json`` counts them for this node)."""
+    return int(s["checksum_failures"]) + int((s.get("reads") or {}).get("checksum_failures", 0))
 
 
 def _unreachable(s: dict[str, Any]) -> str:

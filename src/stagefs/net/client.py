@@ -25,6 +25,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -227,6 +228,11 @@ class PeerClient:
         self._free = threading.Condition(self._lock)  # a connection came back
         self._out = 0  # connections taken from the pool or being made
         self._idle: list[socket.socket] = []
+        # the generation each connection was made in: one made before the last ``shed``
+        # is closed when it comes back, not pooled
+        self._gen = 0
+        self._born: weakref.WeakKeyDictionary[socket.socket, int] = \
+            weakref.WeakKeyDictionary()
         answered_at = getattr(self, "health", None)
         self.health = PeerHealth(self.name, self.probe, self._clock, backoff=self.backoff_range,
                                  lock=self._lock, on_suspect=self._free.notify_all)
@@ -368,6 +374,8 @@ class PeerClient:
             raise
         set_timeouts(sock, self.timeout)
         self.stats.connects += 1
+        with self._lock:
+            self._born[sock] = self._gen
         return sock
 
     def _handshake(self, sock: socket.socket, dl: Deadline) -> None:
@@ -423,10 +431,23 @@ class PeerClient:
 
     def _give(self, sock: socket.socket) -> None:
         with self._lock:
-            if len(self._idle) < self.pool_size and self._fork == _fork[0]:
+            if len(self._idle) < self.pool_size and self._fork == _fork[0] and \
+                    self._born.get(sock, self._gen) == self._gen:
                 self._idle.append(sock)
                 return
         sock.close()
+
+    def shed(self) -> None:
+        """Close the pooled connections, and those in use now as each comes back (a
+        request in flight, a probe): the caller reads this peer another way for now (a
+        reader back on its node daemon's fabric, cluster/connect.py). A connection made
+        after this call is pooled as usual."""
+        self._check_fork()
+        with self._lock:
+            self._gen += 1
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
 
     def _exchange(self, msg: P.Message) -> P.Message:
         replies: list[P.Message] = []

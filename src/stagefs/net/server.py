@@ -11,6 +11,11 @@ object and a selector entry: no thread, no buffer. A reply is a list of parts se
 buffer per reply) and ``os.sendfile`` for large ranges, so no range is copied through
 Python more than the one read that fetches it.
 
+A request the server fails to handle (out of descriptors: EMFILE; a bug) is answered with an
+ERROR (E_INTERNAL: its client takes the next holder) and logged once for each kind of
+failure; the connection and the loop go on. No failure in one connection's events ends the
+loop: that connection is closed, and the others are served.
+
 A connection is *unauthenticated* until its peer has proven the job token: such connections
 live in their own small set (the oldest is dropped when it is full) and have a total
 deadline for the whole handshake, so slow, silent or hostile connections never take the
@@ -81,7 +86,10 @@ class ServerLimits:
     restarts at each byte."""
 
     max_connections: int | None = None  # authenticated; None: the descriptor limit allows
-    max_unauthenticated: int = 32  # connections still in the handshake; the oldest is dropped
+    # connections still in the handshake (the oldest is dropped when full), at most a
+    # quarter of the descriptors a server leaves its connections: to push a real peer's
+    # handshake (one round trip) out, an attacker must open this many within it
+    max_unauthenticated: int = 1024
     max_request: int = 2 * 2**20  # bytes of one request frame (a READ of 131k ranges)
     max_reply: int = 64 * 2**20  # bytes of data in one DATA reply
     handshake_timeout: float = 5.0  # connect to AUTH_OK, all of it
@@ -116,6 +124,7 @@ class ServerStats:
     relayed_missing: int = 0  # of which no peer gave: NOT_HELD, the reader goes on
     relayed_piped: int = 0  # of which sent on from pipes, never copied here (net/pipes.py)
     bytes_served: int = 0
+    internal_errors: int = 0  # requests answered E_INTERNAL (out of descriptors, a bug)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -278,7 +287,10 @@ class HeldFiles:
             return None
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+        except OSError as exc:
+            if exc.errno in _NO_FDS:  # served as not held: its reader takes the next holder
+                _say_once(exc, f"a copy held here ({path}) cannot be opened: it is served "
+                          "as not held")
             return None
         if os.fstat(fd).st_size != self.sizes[shard]:
             os.close(fd)
@@ -294,6 +306,20 @@ class HeldFiles:
         close once nothing it queued still reads from it."""
         with self._lock:
             return self._fds.pop(shard, None)
+
+    def shed(self, busy: set[int]) -> int:
+        """Close every file but the ``busy`` ones (a reply queued reads from them): out of
+        descriptors, the server makes room for connections; a file is opened again when
+        next read. How many were closed."""
+        with self._lock:
+            keep = {s: fd for s, fd in self._fds.items() if fd in busy}
+            fds = [fd for fd in self._fds.values() if fd not in busy]
+            fds += [fd for fd in self._gone if fd not in busy]
+            self._fds = keep
+            self._gone = [fd for fd in self._gone if fd in busy]
+        for fd in fds:
+            os.close(fd)
+        return len(fds)
 
     def close(self) -> None:
         with self._lock:
@@ -345,6 +371,9 @@ class ShardServer:
         self._paused_until = 0.0
         self._torn_down = False
         self._fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        # a descriptor kept in reserve: out of them, it is let go of to take one connection
+        # (a STATUS, a reader), and taken again once one is free (``_accept``)
+        self._spare: int | None = _spare()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         tcp = socket.socket(family, socket.SOCK_STREAM)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -431,27 +460,43 @@ class ShardServer:
                 heapq.heappop(timers)
             if timers:
                 timeout = min(timeout, max(0.0, timers[0][0] - now))
-            for key, ev in sel.select(timeout):
-                obj = key.data
-                if obj is None:
-                    self._run_done()
-                elif isinstance(obj, _Watch):
-                    _guarded(obj.fn, ev)
-                elif isinstance(obj, _Listener):
-                    self._accept(obj)
-                elif not obj.closed:
-                    if ev & selectors.EVENT_READ:
-                        self._on_read(obj)
-                    if ev & selectors.EVENT_WRITE and not obj.closed:
-                        self._flush(obj)
-            now = time.monotonic()
-            self._expire(now)
-            self._run_timers(now)
-            if self._accept_paused and now >= self._paused_until and not self._stop.is_set():
-                for lst in self._accept_paused:
-                    self._sel.register(lst.sock, selectors.EVENT_READ, lst)
-                self._accept_paused.clear()
+            try:
+                ready = sel.select(timeout)
+                for key, ev in ready:
+                    self._event(key.data, ev)
+                now = time.monotonic()
+                self._expire(now)
+                self._run_timers(now)
+                if self._spare is None:
+                    self._spare = _spare()  # (None while every descriptor is taken)
+                if self._accept_paused and now >= self._paused_until and \
+                        not self._stop.is_set():
+                    for lst in self._accept_paused:
+                        self._sel.register(lst.sock, selectors.EVENT_READ, lst)
+                    self._accept_paused.clear()
+            except Exception as exc:  # the loop serves every connection: it never ends so
+                _say_once(exc, "the server's loop met an error; it goes on")
+                time.sleep(0.01)  # (not a busy loop, if it recurs)
         self._teardown()
+
+    def _event(self, obj: Any, ev: int) -> None:
+        """One ready object of the loop; a failure closes that connection only."""
+        try:
+            if obj is None:
+                self._run_done()
+            elif isinstance(obj, _Watch):
+                _guarded(obj.fn, ev)
+            elif isinstance(obj, _Listener):
+                self._accept(obj)
+            elif not obj.closed:
+                if ev & selectors.EVENT_READ:
+                    self._on_read(obj)
+                if ev & selectors.EVENT_WRITE and not obj.closed:
+                    self._flush(obj)
+        except Exception as exc:
+            _say_once(exc, f"serving {getattr(obj, 'where', 'a connection')} failed; closed")
+            if isinstance(obj, _Conn):
+                self._close(obj)
 
     def soon(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` from the loop (from any thread)."""
@@ -482,15 +527,53 @@ class ShardServer:
             except BlockingIOError:
                 return
             except OSError as exc:
+                if exc.errno in _NO_FDS and (self._shed_files() or self._use_spare()):
+                    continue  # room made: take it
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     # out of descriptors: stop accepting for a tick, not a busy loop
-                    log.warning("cannot accept a connection: %s; paused", exc.strerror)
+                    log.log(logging.DEBUG if "paused" in _said else logging.WARNING,
+                            "cannot accept a connection: %s; paused (said once)",
+                            exc.strerror)
+                    _said.add("paused")
                     self._sel.unregister(lst.sock)
                     self._accept_paused.append(lst)
                     self._paused_until = time.monotonic() + 0.1
                 return
             where = "reader (unix socket)" if lst.unix else f"peer {peer[0]}:{peer[1]}"
-            self._admit(sock, where, lst.unix)
+            try:
+                self._admit(sock, where, lst.unix)
+            except Exception as exc:
+                _say_once(exc, f"cannot take a connection of a {where}; closed")
+                sock.close()
+
+    def make_room(self) -> None:
+        """The process is out of descriptors: close the shard files no reply queued reads
+        from (each is opened again when next read). From any thread."""
+        self.soon(self._make_room)
+
+    def _make_room(self) -> None:
+        self._shed_files()
+
+    def _shed_files(self) -> int:
+        """Out of descriptors: close the shard files that no queued reply reads from (each
+        is opened again when next read), to take connections. How many were closed."""
+        busy = {p.fd for conn in (*self._authed, *self._pending) for r in conn.replies
+                for p in r.parts if isinstance(p, _File)}
+        freed = self._held.shed(busy)
+        if freed and "shed" not in _said:
+            _said.add("shed")
+            log.warning("out of descriptors (the open-file limit, %d): %d shard files "
+                        "closed to make room (each opened again when read; said once)",
+                        self._fd_limit, freed)
+        return freed
+
+    def _use_spare(self) -> bool:
+        """Let go of the descriptor kept in reserve, if it is held, for one connection."""
+        if self._spare is None:
+            return False
+        os.close(self._spare)
+        self._spare = None
+        return True
 
     def _admit(self, sock: socket.socket, where: str, unix: bool) -> None:
         """Take a new connection into the unauthenticated set, dropping the oldest one there
@@ -499,7 +582,9 @@ class ShardServer:
             self.stats.refused_busy += 1
             self._refuse(sock)
             return
-        while len(self._pending) >= self.limits.max_unauthenticated:
+        pending_cap = min(self.limits.max_unauthenticated,
+                          max(32, connection_room(self._fd_limit, self.limits.fd_reserve) // 4))
+        while len(self._pending) >= pending_cap:
             oldest = next(iter(self._pending))
             self.stats.dropped_unauthenticated += 1
             self._close(oldest)
@@ -580,6 +665,23 @@ class ShardServer:
         self._arm(conn)
 
     def _handle(self, conn: _Conn, msg: P.Message) -> None:
+        """Handle one request; one that fails (other than by a malformed frame) is
+        answered E_INTERNAL, and the connection goes on."""
+        try:
+            self._dispatch(conn, msg)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            self.stats.internal_errors += 1
+            _say_once(exc, f"a {type(msg).__name__} from {conn.where} failed; answered with "
+                      "an error (its client takes the next holder)")
+            if conn.state == _HANDSHAKE:
+                self._fail(conn, P.E_INTERNAL, f"internal error: {_why(exc)}")
+            elif not conn.closed:
+                self._queue(conn, P.encode_parts(P.Error(P.E_INTERNAL,
+                                                         f"internal error: {_why(exc)}")))
+
+    def _dispatch(self, conn: _Conn, msg: P.Message) -> None:
         if conn.state == _HANDSHAKE:
             self._auth(conn, msg)
         elif isinstance(msg, P.Read):
@@ -948,6 +1050,9 @@ class ShardServer:
             s.close()
         self._sel.close()
         self._held.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
 
     def __enter__(self) -> ShardServer:
         return self.start()
@@ -959,6 +1064,40 @@ class ShardServer:
 _TABLE = struct.Struct("!BI")
 _Chunk = memoryview | _File | bytes | Piped
 _Part = memoryview | _File | Piped  # what a reply is sent as
+
+
+_NO_FDS = (errno.EMFILE, errno.ENFILE)
+# the kinds of failure logged (_say_once); "shed", "paused": that it closed files, paused
+_said: set[object] = set()
+
+
+def _spare() -> int | None:
+    """A descriptor to keep in reserve (None if none is free)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
+def _why(exc: BaseException) -> str:
+    """A failure in words; out of descriptors, with the limit and what to do."""
+    if isinstance(exc, OSError) and exc.errno in _NO_FDS:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return (f"out of descriptors ({exc.strerror}): this process's open-file limit "
+                f"({soft}) is reached; raise it (ulimit -n) where the daemons start")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _say_once(exc: BaseException, what: str) -> None:
+    """Log a failure of the server's: the first of its kind (type and errno) with its
+    traceback, at error level; the next ones at debug level."""
+    kind = (type(exc), getattr(exc, "errno", None))
+    if kind in _said:
+        log.debug("%s: %s", what, _why(exc))
+        return
+    _said.add(kind)
+    log.error("%s: %s (said once: the next failures of this kind are not logged)", what,
+              _why(exc), exc_info=exc)
 
 
 def _guarded(fn: Callable[..., None], *args: Any) -> None:
