@@ -121,7 +121,7 @@ class ReadStats:
 
 _WAYS_IN = ("_find", "stat", "lstat", "listdir", "exists", "isdir", "isfile", "islink",
             "getsize", "readlink", "scandir", "walk", "info", "read_entries", "read_entry",
-            "open", "prefetch", "held_shards")
+            "open", "prefetch")  # (held_shards and status still answer: a closing report)
 
 
 def _out_of_descriptors(exc: BaseException) -> bool:
