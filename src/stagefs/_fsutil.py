@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import secrets
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
@@ -104,3 +105,19 @@ def hold_lock(path: str | os.PathLike[str]) -> filelock.BaseFileLock | None:
     except filelock.Timeout:
         return None
     return lock
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise this process's soft limit of open descriptors to its hard limit (at most 2**20
+    where the hard one is unlimited): a held or opened shard and a connection are one each.
+    Returns (old soft limit, new soft limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft, soft
+    new = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            return soft, soft
+    return soft, max(new, soft)

@@ -39,6 +39,7 @@ from cluster_helpers import (
 from xxhash import xxh3_64_hexdigest
 
 import stagefs
+from stagefs._fsutil import raise_fd_limit
 from stagefs.cluster.fabric import FABRIC_PATIENCE
 from stagefs.format import Manifest
 from stagefs.net import auth
@@ -47,7 +48,7 @@ from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.net.pipes import PipePool
 from stagefs.net.relay import Relay
-from stagefs.net.server import UNIX_SNDBUF, ShardServer, raise_fd_limit
+from stagefs.net.server import UNIX_SNDBUF, ShardServer
 
 pytestmark = pytest.mark.integration
 READER = str(Path(__file__).resolve().parent / "fabric_reader.py")

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
 
+from stagefs._fsutil import raise_fd_limit
 from stagefs.cluster.cmap import ClusterMap, load_runtime
 from stagefs.cluster.fabric import FabricHolder
 from stagefs.cluster.placement import SPARE, place
@@ -52,7 +53,6 @@ from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.store import ReadStats, Store
 from stagefs.tiers.base import ShardSource, SourceUnavailable
-from stagefs.tiers.chain import _raise_fd_limit
 from stagefs.tiers.origin import PackOrigin
 from stagefs.tiers.tier import DirTier
 
@@ -333,7 +333,7 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
     except BaseException:
         manifest.close()
         raise
-    _raise_fd_limit()  # a descriptor per shard of this node read (as the tier chain does)
+    raise_fd_limit()  # a descriptor per shard of this node read (as the tier chain does)
     _check_fd_limit(len(holders.held_shards()), any(t.kind == "memory" for t in holders.tiers))
     stats = os.path.join(path, "stats")  # the daemon's runtime: reads counted by holder
     store = Store(cmap.pack, verify=verify, manifest=manifest, origin=origin, policy=holders,

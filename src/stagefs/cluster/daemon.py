@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from stagefs._fsutil import atomic_write, hold_lock
+from stagefs._fsutil import atomic_write, hold_lock, raise_fd_limit
 from stagefs._malloc import tune_malloc
 from stagefs.cluster.bootstrap import (
     Bootstrap,
@@ -70,7 +70,7 @@ from stagefs.net.client import PeerClient
 from stagefs.net.hedge import HedgePolicy
 from stagefs.net.pipes import PipePool, pipe_descriptors, pool_pipes
 from stagefs.net.relay import Relay, RelayPeer
-from stagefs.net.server import ServerLimits, ShardServer, connection_room, raise_fd_limit
+from stagefs.net.server import ServerLimits, ShardServer, connection_room
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.audit import check_shard
 from stagefs.tiers.base import SourceUnavailable

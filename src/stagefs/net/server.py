@@ -20,7 +20,7 @@ A connection is *unauthenticated* until its peer has proven the job token: such 
 live in their own small set (the oldest is dropped when it is full) and have a total
 deadline for the whole handshake, so slow, silent or hostile connections never take the
 slots that authenticated peers need. Authenticated connections are limited only by the
-descriptors the process may open (``raise_fd_limit``), less a reserve. Once a request frame
+descriptors the process may open (``_fsutil.raise_fd_limit``), less a reserve. Once a request frame
 begins, all of it must arrive within a total deadline too; a malformed frame closes that
 connection, and only that one.
 
@@ -58,8 +58,7 @@ from stagefs.net import protocol as P
 from stagefs.net.pipes import Piped
 from stagefs.net.relay import Relay
 
-__all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "connection_room",
-           "raise_fd_limit"]
+__all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "connection_room"]
 
 log = logging.getLogger("stagefs.server")
 
@@ -134,19 +133,6 @@ def connection_room(fd_limit: int, fd_reserve: int = 0) -> int:
     """Descriptors a server leaves to its connections under ``fd_limit``: less its own
     reserve (shard files, the stager, logs) and ``fd_reserve`` (ServerLimits.fd_reserve)."""
     return fd_limit - _FD_RESERVE - fd_reserve
-
-
-def raise_fd_limit() -> tuple[int, int]:
-    """Raise this process's soft limit of open descriptors to its hard limit: every
-    connection is one. Returns (old soft limit, new soft limit)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    new = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-    if new > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
-        except (ValueError, OSError):
-            return soft, soft
-    return soft, max(new, soft)
 
 
 class _File:

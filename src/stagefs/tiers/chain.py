@@ -31,7 +31,6 @@ import json
 import logging
 import multiprocessing.util as mp_util
 import os
-import resource
 import threading
 import time
 import weakref
@@ -40,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from stagefs._fsutil import atomic_write, file_lock
+from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit
 from stagefs.config import TierSpec, format_size
 from stagefs.errors import CorruptShardError
 from stagefs.format import Manifest
@@ -159,7 +158,7 @@ class TierChain:
         self.full = not self.tiers
         self._closing = False
         self._init_threading()
-        _raise_fd_limit()
+        raise_fd_limit()  # one fd per held shard (tiers) and per opened shard (origin)
         _CHAINS.add(self)
         _flush_at_exit()
 
@@ -987,11 +986,3 @@ os.register_at_fork(before=lambda: _FORK_GUARD.acquire(),
                     after_in_child=_after_fork_in_child)
 atexit.register(_close_all)
 
-
-def _raise_fd_limit() -> None:
-    """One fd per held shard (tiers) and per opened shard (origin): lift the soft limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < want:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, 1 << 20), hard))
