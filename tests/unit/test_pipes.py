@@ -214,6 +214,31 @@ def test_a_reused_pipe_holds_nothing_of_its_last_range(
     _accounted(pool)
 
 
+def test_data_that_comes_just_after_a_refused_splice_stays_in_the_pipe(
+        tcp: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A splice refused for want of data, the data coming before the look at the socket
+    (the sender's race): the range stays in its pipe, not taken for a full pipe and sent
+    to memory (a pool of one pipe has no second to give)."""
+    a, b = tcp
+    data = os.urandom(100)
+    a.sendall(data)
+    assert select.select([b], [], [], 30)[0]
+    real, refused = os.splice, []
+
+    def late(*args: object, **kw: object) -> int:
+        if not refused:  # the first: as if the data were not there yet
+            refused.append(1)
+            raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "splice", late)
+    pool = PipePool(most=1)
+    got = _receive(pool, b, len(data))
+    assert refused and isinstance(got, Piped) and pool.fallbacks == 0
+    assert got.to_bytes() == data
+    _accounted(pool)
+
+
 def test_a_socket_that_cannot_be_spliced_is_read_into_memory(
         tcp: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch) -> None:
     """A kernel or socket that refuses splice outright (EINVAL) costs nothing but the

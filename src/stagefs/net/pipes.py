@@ -178,24 +178,30 @@ class Fill:
             self.piped = Piped(pool, [first])
         assert pool is not None
         pipe = self.piped.pipes[-1]
-        try:
-            k = os.splice(fd, pipe.w, left, flags=_MOVE | _NONBLOCK)
-        except BlockingIOError:
-            # nothing moved: no data yet, or this pipe is full
-            if not _readable(fd):
-                raise
-            nxt = pool.take(over=True)
-            if nxt is None:  # no pipe to be had: the rest of this range in memory
+        for tries in (1, 2):
+            try:
+                k = os.splice(fd, pipe.w, left, flags=_MOVE | _NONBLOCK)
+                break
+            except BlockingIOError:
+                # nothing moved: no data yet, or this pipe is full. Data that came just
+                # after the refusal is moved by a second try; refused again with data
+                # waiting, the pipe is full
+                if not _readable(fd):
+                    raise
+                if tries == 1:
+                    continue
+                nxt = pool.take(over=True)
+                if nxt is None:  # no pipe to be had: the rest of this range in memory
+                    self._to_memory()
+                else:
+                    self.piped.pipes.append(nxt)
+                return -1
+            except OSError as exc:
+                if self.got or exc.errno not in _UNSUPPORTED:
+                    raise
+                pool._unsupported(exc)  # this socket cannot be spliced: memory
                 self._to_memory()
-            else:
-                self.piped.pipes.append(nxt)
-            return -1
-        except OSError as exc:
-            if self.got or exc.errno not in _UNSUPPORTED:
-                raise
-            pool._unsupported(exc)  # this socket cannot be spliced: memory
-            self._to_memory()
-            return -1
+                return -1
         if k > 0:
             pipe.count += k
         return k
