@@ -127,33 +127,75 @@ def test_every_rank_reads_every_file(tmp_path: Path, n: int) -> None:
     assert not os.path.exists(os.path.join(work, "rt0", "cluster.json"))
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_daemon_killed_during_reads(tmp_path: Path) -> None:
+    """A rank killed while every rank reads: no reader error, no wrong byte; the other
+    daemons live on (one launcher proxy per node, as on a cluster: here the fork
+    launcher and a host name for each rank; ``-disable-auto-cleanup`` keeps mpiexec from
+    ending them), copy the dead node's shards again from each other, say so in status,
+    and stop cleanly."""
     n = 3
     work = str(tmp_path)
     pack, content = make_pack(work, files=120)
     write_expected(work, content)
     log = os.path.join(work, "daemons.log")
     assert MPIEXEC is not None
-    daemons = start([MPIEXEC, "-disable-auto-cleanup", "-n", str(n),
-                     *serve_args(work, pack, "--bind", "127.0.0.1", "--replicas", "2")], log)
+    daemons = start([MPIEXEC, "-disable-auto-cleanup", "-launcher", "fork",
+                     "-hosts", ",".join(f"node{r}" for r in range(n)), "-ppn", "1",
+                     "-n", str(n), *serve_args(work, pack, "--bind", "127.0.0.1",
+                                               "--replicas", "2", "--dead-after", "4")], log)
     readers = None
     try:
         wait_staged(work, n, daemons, log=log)
         import json
 
-        with open(os.path.join(work, "rt1", "cluster.json")) as f:
-            victim = json.load(f)["pid"]
+        pids = []
+        for r in range(n):
+            with open(os.path.join(work, f"rt{r}", "cluster.json")) as f:
+                pids.append(json.load(f)["pid"])
         readers = _readers(work, n, 6)
         deadline = time.monotonic() + 60
         while not all(os.path.exists(os.path.join(work, f"reading{r}")) for r in range(n)):
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(pids[1], signal.SIGKILL)
         assert readers.wait(300) == 0, tail(os.path.join(work, "readers.log"))
         for res in results(work, n):
             assert res["bad"] == 0, res  # exactly the origin's bytes, whatever died
             assert res["checksum_failures"] == 0
+        # the survivors copy the dead node's shards from each other (K=2: every shard it
+        # held has a copy on one of them), never from the origin
+        deadline = time.monotonic() + 120
+        last: object = None
+        while time.monotonic() < deadline:
+            nodes = status_json(work, 0)["nodes"]
+            assert isinstance(nodes, list)
+            last = [nodes[r] and nodes[r]["rereplication"] for r in (0, 2)]
+            if all(x and x["dead"] == [1] and x["done"] for x in last):
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"no re-replication within 120 s: {last}\n{tail(log)}")
+        assert sum(x["from_peers_shards"] for x in last) > 0, last  # type: ignore[union-attr]
+        assert all(x["from_origin_bytes"] == 0 for x in last), last  # type: ignore[union-attr]
+        assert _alive(pids[0]) and _alive(pids[2]), tail(log)
+        # SIGTERM to each (as Slurm ends a job's tasks: mpiexec, its proxy on the dead
+        # node gone, cannot pass a signal on): the survivors stop as on any day, without
+        # waiting in MPI_Finalize for the dead rank, and mpiexec ends with them
+        for r in (0, 2):
+            os.kill(pids[r], signal.SIGTERM)
+        daemons.wait(60)
     finally:
         if readers is not None:
             stop(readers)
         stop(daemons)
+    assert not _alive(pids[0]) and not _alive(pids[2])
+    for r in (0, 2):
+        assert not os.path.exists(os.path.join(work, f"rt{r}", "cluster.json")), tail(log)

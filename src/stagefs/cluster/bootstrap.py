@@ -2,15 +2,17 @@
 
 Each bootstrap gives the daemon its rank and size, exchanges the server addresses (an
 allgather), hands out the job token (rank 0 makes it), and waits until every node has staged
-(a barrier). MPI (mpi4py) is imported only by ``MpiBootstrap``: this module is used by the
-daemon alone, never by training processes or their DataLoader workers.
+(a barrier, over the protocol for every bootstrap: a node that dies is not waited for). MPI
+(mpi4py) is imported only by ``MpiBootstrap``, and used only for the rank, the token and
+the addresses, so that the daemons outlive a rank that dies (under a launcher that lets
+them: ``mpiexec -disable-auto-cleanup``). This module is used by the daemon alone, never by
+training processes or their DataLoader workers.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -41,8 +43,9 @@ class Bootstrap(Protocol):
         shards are copied again by the others); False if stopped first."""
         ...
 
-    def finished(self) -> bool:
-        """True if the process may exit normally (no collective left pending)."""
+    def finished(self, lost: bool = False) -> bool:
+        """True if the process may end normally; ``lost``: a peer is dead or not answering
+        (under MPI, finalizing would wait for it forever)."""
         ...
 
 
@@ -68,12 +71,13 @@ class SingleBootstrap:
                 gone: Callable[[], frozenset[int]] = frozenset) -> bool:
         return not stop.is_set()
 
-    def finished(self) -> bool:
+    def finished(self, lost: bool = False) -> bool:
         return True
 
 
 class MpiBootstrap:
-    """Ranks, allgather of addresses, broadcast of the token, a non-spinning barrier."""
+    """Ranks, allgather of addresses and broadcast of the token through MPI; the barrier
+    over the protocol."""
 
     source = "mpi"
 
@@ -93,10 +97,8 @@ class MpiBootstrap:
                 "--token-file FILE (static; under Slurm, the hosts from 'scontrol show "
                 "hostnames' and the rank from $SLURM_NODEID, see docs/cluster.md)"
             ) from None
-        self._mpi: Any = MPI
         self.comm: Any = MPI.COMM_WORLD
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
-        self._pending = False
 
     def token(self) -> bytes:
         tok = auth.new_token() if self.rank == 0 else None
@@ -110,19 +112,15 @@ class MpiBootstrap:
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
                 gone: Callable[[], frozenset[int]] = frozenset) -> bool:
-        # Ibarrier + test with sleeps: a blocking MPI barrier would spin a core for as
-        # long as the slowest node stages (a rank that dies ends the MPI job: no ``gone``)
-        req = self.comm.Ibarrier()
-        self._pending = True
-        while not stop.is_set():
-            if req.Test():
-                self._pending = False
-                return True
-            time.sleep(0.05)
-        return False
+        # over the protocol, not MPI: an MPI barrier would wait forever for a rank that
+        # died (and, in MPICH without fault tolerance, end the ranks that wait), while a
+        # node that dies must cost the others nothing; after the token and the addresses
+        # this process calls MPI no more (unless --transport mpi)
+        return ask_until_staged(stop, status, gone)
 
-    def finished(self) -> bool:
-        return not self._pending
+    def finished(self, lost: bool = False) -> bool:
+        # MPI_Finalize waits for every rank: with one lost it would wait forever
+        return not lost
 
 
 class StaticBootstrap:
@@ -155,25 +153,32 @@ class StaticBootstrap:
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
                 gone: Callable[[], frozenset[int]] = frozenset) -> bool:
-        waiting = set(status)
-        pause = 0.2  # growing to 2 s: N nodes asking N peers must not fill their links
-        while waiting and not stop.is_set():
-            # a node that died before it staged is not waited for (it would be forever):
-            # the live ones copy its shards again (rereplicate.py) and say so when done
-            waiting -= gone()
-            for n in list(waiting):
-                try:
-                    if status[n].status().get("staging_done"):
-                        waiting.discard(n)
-                except SourceUnavailable:
-                    pass
-            if waiting:
-                stop.wait(pause)
-                pause = min(pause * 1.5, 2.0)
-        return not stop.is_set()
+        return ask_until_staged(stop, status, gone)
 
-    def finished(self) -> bool:
+    def finished(self, lost: bool = False) -> bool:
         return True
+
+
+def ask_until_staged(stop: threading.Event, status: dict[int, PeerClient],
+                     gone: Callable[[], frozenset[int]] = frozenset) -> bool:
+    """The barrier of every bootstrap with peers: ask each peer over the protocol until it
+    says it has staged, those ``gone()`` names excepted; False if ``stop`` is set first."""
+    waiting = set(status)
+    pause = 0.2  # growing to 2 s: N nodes asking N peers must not fill their links
+    while waiting and not stop.is_set():
+        # a node that died before it staged is not waited for (it would be forever):
+        # the live ones copy its shards again (rereplicate.py) and say so when done
+        waiting -= gone()
+        for n in list(waiting):
+            try:
+                if status[n].status().get("staging_done"):
+                    waiting.discard(n)
+            except SourceUnavailable:
+                pass
+        if waiting:
+            stop.wait(pause)
+            pause = min(pause * 1.5, 2.0)
+    return not stop.is_set()
 
 
 def secret_path(env: Mapping[str, str] | None = None) -> str:

@@ -624,6 +624,10 @@ class Daemon:
         self.close()
         return 0
 
+    def lost_peers(self) -> bool:
+        """A peer is dead or its last probes failed."""
+        return bool(self.rereplicator.dead or self.rereplicator.health.failing())
+
     def _publish(self, staged: bool) -> None:
         """Write the runtime map for this node's readers. Out of descriptors, the server
         closes the shard files it can (opened again when read) and it is tried again
@@ -813,9 +817,9 @@ def serve(o: ServeOptions) -> int:
         d.stop.set()
         for s, h in old.items():
             signal.signal(s, h)
-    if not d.boot.finished():
-        # a collective is still pending (stopped before every node staged): finalizing MPI
-        # would wait for it forever, so leave without it
+    if not d.boot.finished(lost=d.lost_peers()):
+        # under MPI with a peer dead or not answering: finalizing would wait for it
+        # forever, so leave without it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
