@@ -12,6 +12,7 @@ training processes or their DataLoader workers.
 from __future__ import annotations
 
 import os
+import random
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -24,8 +25,8 @@ from stagefs.net import auth
 from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
 
-__all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "SlurmBootstrap", "StaticBootstrap",
-           "secret_path"]
+__all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "SlurmBootstrap", "StagedNodes",
+           "StaticBootstrap", "barrier_round", "secret_path"]
 
 
 class Bootstrap(Protocol):
@@ -38,14 +39,21 @@ class Bootstrap(Protocol):
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]: ...
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
-                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
+                gone: Callable[[], frozenset[int]] = frozenset,
+                known: StagedNodes | None = None) -> bool:
         """Wait until every node has staged, but those ``gone()`` names (found dead: their
-        shards are copied again by the others); False if stopped first."""
+        shards are copied again by the others); False if stopped first. ``known``: where
+        what this node learns is kept (its STATUS answers it to the others)."""
         ...
 
     def finished(self, lost: bool = False) -> bool:
-        """True if the process may end normally; ``lost``: a peer is dead or not answering
-        (under MPI, finalizing would wait for it forever)."""
+        """True if the process may end normally; ``lost``: a peer is dead (under MPI,
+        finalizing would wait for it forever)."""
+        ...
+
+    def finalize(self) -> None:
+        """Let go of what the bootstrap holds (MPI: ``MPI_Finalize``, which waits for every
+        rank)."""
         ...
 
 
@@ -68,11 +76,15 @@ class SingleBootstrap:
         return [address]
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
-                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
+                gone: Callable[[], frozenset[int]] = frozenset,
+                known: StagedNodes | None = None) -> bool:
         return not stop.is_set()
 
     def finished(self, lost: bool = False) -> bool:
         return True
+
+    def finalize(self) -> None:
+        pass
 
 
 class MpiBootstrap:
@@ -97,6 +109,7 @@ class MpiBootstrap:
                 "--token-file FILE (static; under Slurm, the hosts from 'scontrol show "
                 "hostnames' and the rank from $SLURM_NODEID, see docs/cluster.md)"
             ) from None
+        self._mpi: Any = MPI
         self.comm: Any = MPI.COMM_WORLD
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
 
@@ -111,16 +124,21 @@ class MpiBootstrap:
         return [(str(h), int(p)) for h, p in self.comm.allgather(address)]
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
-                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
+                gone: Callable[[], frozenset[int]] = frozenset,
+                known: StagedNodes | None = None) -> bool:
         # over the protocol, not MPI: an MPI barrier would wait forever for a rank that
         # died (and, in MPICH without fault tolerance, end the ranks that wait), while a
         # node that dies must cost the others nothing; after the token and the addresses
         # this process calls MPI no more (unless --transport mpi)
-        return ask_until_staged(stop, status, gone)
+        return ask_until_staged(stop, status, gone, known, self.rank)
 
     def finished(self, lost: bool = False) -> bool:
         # MPI_Finalize waits for every rank: with one lost it would wait forever
         return not lost
+
+    def finalize(self) -> None:
+        if not self._mpi.Is_finalized():
+            self._mpi.Finalize()
 
 
 class StaticBootstrap:
@@ -152,33 +170,92 @@ class StaticBootstrap:
         return list(self.hosts)
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
-                gone: Callable[[], frozenset[int]] = frozenset) -> bool:
-        return ask_until_staged(stop, status, gone)
+                gone: Callable[[], frozenset[int]] = frozenset,
+                known: StagedNodes | None = None) -> bool:
+        return ask_until_staged(stop, status, gone, known, self.rank)
 
     def finished(self, lost: bool = False) -> bool:
         return True
 
+    def finalize(self) -> None:
+        pass
 
-def ask_until_staged(stop: threading.Event, status: dict[int, PeerClient],
-                     gone: Callable[[], frozenset[int]] = frozenset) -> bool:
-    """The barrier of every bootstrap with peers: ask each peer over the protocol until it
-    says it has staged, those ``gone()`` names excepted; False if ``stop`` is set first."""
-    waiting = set(status)
-    pause = 0.2  # growing to 2 s: N nodes asking N peers must not fill their links
-    while waiting and not stop.is_set():
-        # a node that died before it staged is not waited for (it would be forever):
-        # the live ones copy its shards again (rereplicate.py) and say so when done
-        waiting -= gone()
-        for n in list(waiting):
-            try:
-                if status[n].status().get("staging_done"):
-                    waiting.discard(n)
-            except SourceUnavailable:
-                pass
-        if waiting:
-            stop.wait(pause)
-            pause = min(pause * 1.5, 2.0)
-    return not stop.is_set()
+
+FAN = 4  # peers a node asks each round of the staged barrier
+
+
+class StagedNodes:
+    """The nodes this node knows have staged: what its barrier learned, answered in its
+    STATUS (``staged_nodes``, a hexadecimal bit mask) so that the others learn it too."""
+
+    def __init__(self) -> None:
+        self._mask = 0
+        self._lock = threading.Lock()
+
+    def add(self, node: int) -> None:
+        with self._lock:
+            self._mask |= 1 << node
+
+    def merge(self, text: object, size: int) -> None:
+        """What a peer says it knows (ignored unless a mask of nodes below ``size``)."""
+        if not isinstance(text, str) or len(text) > size // 4 + 1:
+            return
+        try:
+            mask = int(text, 16)
+        except ValueError:
+            return
+        with self._lock:
+            self._mask |= mask & ((1 << size) - 1)
+
+    def nodes(self) -> frozenset[int]:
+        mask = self._mask
+        return frozenset(n for n in range(mask.bit_length()) if mask >> n & 1)
+
+    def text(self) -> str:
+        return format(self._mask, "x")
+
+
+def barrier_round(status: Mapping[int, PeerClient], known: StagedNodes, size: int,
+                  gone: frozenset[int], rng: random.Random, fan: int = FAN) -> bool:
+    """One round of the staged barrier: True if every peer but those ``gone`` is known to
+    have staged, else ask ``fan`` live peers at random (all of them, if no more) whether
+    they have, and what they know. A node learns of a laggard's end from it directly
+    (each asks it with odds fan/N: about ``fan`` askers a round, not N) or from a peer that
+    did, so the news spreads in O(log N) rounds and no node is asked by every other."""
+    live = [n for n in status if n not in gone]
+    done = known.nodes()
+    if all(n in done for n in live):
+        return True
+    for n in live if len(live) <= fan else rng.sample(live, fan):
+        try:
+            info = status[n].status()
+        except SourceUnavailable:
+            continue
+        if info.get("staging_done"):
+            known.add(n)
+        known.merge(info.get("staged_nodes"), size)
+    done = known.nodes()
+    return all(n in done for n in live)
+
+
+def ask_until_staged(stop: threading.Event, status: Mapping[int, PeerClient],
+                     gone: Callable[[], frozenset[int]] = frozenset,
+                     known: StagedNodes | None = None, rank: int = 0) -> bool:
+    """The barrier of every bootstrap with peers, over the protocol: rounds of
+    ``barrier_round`` until every node has staged, those ``gone()`` names excepted (a node
+    that died before it staged would be waited for forever: the live ones copy its shards
+    again, rereplicate.py, and say so when done); False if ``stop`` is set first."""
+    known = StagedNodes() if known is None else known
+    known.add(rank)  # called once this node has staged
+    size = max([rank, *status]) + 1
+    rng = random.Random(rank)
+    pause = 0.2  # growing to 2 s
+    while not stop.is_set():
+        if barrier_round(status, known, size, gone(), rng):
+            return True
+        stop.wait(pause)
+        pause = min(pause * 1.5, 2.0)
+    return False
 
 
 def secret_path(env: Mapping[str, str] | None = None) -> str:

@@ -52,6 +52,7 @@ from stagefs.cluster.bootstrap import (
     MpiBootstrap,
     SingleBootstrap,
     SlurmBootstrap,
+    StagedNodes,
     StaticBootstrap,
 )
 from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
@@ -348,6 +349,7 @@ class Daemon:
             self._relay_mpi = {id(ps[n]): self.transport.peer(n, f"node {n}")
                                for n in self.peers}
         probes = {n: (lambda p=ps[n]: relay.probe(p, wait)) for n in self.peers}
+        self.staged_nodes = StagedNodes()  # the staged barrier's knowledge
         self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,
                                          self.peers, probes, self.stop,
                                          dead_after=o.dead_after,
@@ -496,6 +498,7 @@ class Daemon:
             # with re-replication idle: a node copying from this one waits for it until then
             "staging_done": self.stager.done.is_set() and self.rereplicator.idle(),
             "primary_done": self.stager.primary_done,
+            "staged_nodes": self.staged_nodes.text(),  # what its barrier knows (gossip)
             "rereplication": self.rereplicator.status(),
             "staging_error": None if self.stager.error is None else str(self.stager.error),
             "tiers": self._tier_usage(), "pack": self.pack,
@@ -609,7 +612,8 @@ class Daemon:
         self.monitor = threading.Thread(target=self.rereplicator.run, name="stagefs-monitor",
                                         daemon=True)
         self.monitor.start()
-        staged = self.boot.barrier(self.stop, self.peers, lambda: self.rereplicator.dead)
+        staged = self.boot.barrier(self.stop, self.peers, lambda: self.rereplicator.dead,
+                                   self.staged_nodes)
         if staged:
             self.staged_at = time.time()
             self.state = "staged"
@@ -625,8 +629,8 @@ class Daemon:
         return 0
 
     def lost_peers(self) -> bool:
-        """A peer is dead or its last probes failed."""
-        return bool(self.rereplicator.dead or self.rereplicator.health.failing())
+        """A peer is dead (its probes failed for --dead-after)."""
+        return bool(self.rereplicator.dead)
 
     def _publish(self, staged: bool) -> None:
         """Write the runtime map for this node's readers. Out of descriptors, the server
@@ -818,10 +822,24 @@ def serve(o: ServeOptions) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     if not d.boot.finished(lost=d.lost_peers()):
-        # under MPI with a peer dead or not answering: finalizing would wait for it
-        # forever, so leave without it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        # under MPI with a peer dead: finalizing would wait for it forever
+        _leave(code)
+    # MPI_Finalize waits for every rank: one that died since its last probe would hold it
+    # forever, so after FINALIZE_WAIT this process leaves without it
+    watchdog = threading.Timer(FINALIZE_WAIT, _leave, (code,))
+    watchdog.daemon = True
+    watchdog.start()
+    d.boot.finalize()
+    watchdog.cancel()
     return code
+
+
+FINALIZE_WAIT = 30.0  # seconds
+
+
+def _leave(code: int) -> None:
+    """End this process at once (from any thread), its output flushed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
