@@ -348,12 +348,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     print(summary_table(results))
     print(f"written to {os.path.abspath(args.out)}")
-    bad = [n for n, s in results["systems"].items()
-           if not (s.get("all_samples_once") and s.get("same_bytes"))]
-    if bad:
+    systems = results["systems"]
+    # a system that failed (no epoch ran) is not one that read wrong bytes: say which
+    failed = {n: s["errors"][-1].strip().splitlines()[-1][:300]
+              for n, s in systems.items() if s.get("errors") and not s.get("epochs")}
+    wrong = [n for n, s in systems.items() if n not in failed
+             and not (s.get("all_samples_once") and s.get("same_bytes"))]
+    for n, why in failed.items():
+        print(f"stagefs bench: {n} failed: {why}", file=sys.stderr)
+    if wrong:
         print(f"stagefs bench: these systems did not read every sample once with the same "
-              f"bytes: {', '.join(bad)}", file=sys.stderr)
-    return 1 if bad else 0
+              f"bytes: {', '.join(wrong)}", file=sys.stderr)
+    return 1 if failed or wrong else 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

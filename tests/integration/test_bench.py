@@ -103,3 +103,22 @@ def test_outputs_exist(bench: tuple[dict, Path]) -> None:  # type: ignore[type-a
     if importlib.util.find_spec("matplotlib") is not None:
         for png in ("throughput.png", "epochs.png", "origin_ops.png"):
             assert (out / png).stat().st_size > 1000, png
+
+
+def test_both_modes_are_reported_under_stagefs_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``STAGEFS_CLOSED=1`` set in the shell (as for a CLOSED submission): the open mode's
+    row still runs open, beside the closed one, and both read every sample right."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    monkeypatch.setenv("STAGEFS_CLOSED", "1")
+    out = tmp_path / "out"
+    rc = main(["bench", "--files", "16", "--epochs", "1", "--runs", "1",
+               "--systems", "stagefs-torch", "stagefs-torch-closed",
+               "--origin", str(tmp_path / "origin"), "--work", str(tmp_path / "conv"),
+               "--local", str(tmp_path / "local"), "--out", str(out), "--no-drop-caches"])
+    with open(out / "results.json") as f:
+        systems = json.load(f)["systems"]
+    assert rc == 0, {n: s["errors"] for n, s in systems.items()}
+    assert set(systems) == {"stagefs-torch", "stagefs-torch-closed"}
+    for name, s in systems.items():
+        assert not s["errors"] and s["all_samples_once"] and s["same_bytes"], (name, s)

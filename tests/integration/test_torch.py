@@ -88,6 +88,14 @@ def test_dataset_is_imagefolder_compatible(tree: tuple[Path, Path]) -> None:
         assert target == samples[i][1]
     with pytest.raises(IndexError, match="out of range"):
         ds[FILES]
+    # numpy's and torch's whole numbers are indices; a float or a string is not (a list,
+    # and ImageFolder, refuse them: truncated, 1.5 read sample 1)
+    assert ds[np.int64(17)] == ds[torch.tensor(17)] == ds[17]
+    for bad in (1.5, np.float32(1.99), "3", torch.tensor(1.0)):
+        with pytest.raises(TypeError, match="whole numbers"):
+            ds[bad]
+        with pytest.raises(TypeError, match="whole numbers"):
+            ds.__getitems__([0, bad])
 
 
 def test_dataset_targets_and_transforms(tree: tuple[Path, Path]) -> None:

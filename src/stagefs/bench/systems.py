@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -161,6 +161,12 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _taken(fn: Callable[..., Any], **kw: Any) -> dict[str, Any]:
+    """The keywords of ``kw`` that ``fn`` takes."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kw.items() if k in params}
+
+
 class StagefsTorch(_StagefsBase):
     name, title = "stagefs-torch", "stagefs.torch + tier, DataLoader"
     settings = (f"as docs/torch.md shows: stagefs.open(pack, tiers=[node-local dir]), "
@@ -181,10 +187,10 @@ class StagefsTorch(_StagefsBase):
 
         super().open(ctx, run)
         self.ds = FileDataset(self.store, root="", target="path")
-        try:
-            self.sampler = Sampler(self.ds, seed=run, prefetch="512MiB", locality=True)
-        except TypeError:  # an older Sampler
-            self.sampler = Sampler(self.ds, seed=run)
+        # open mode whatever $STAGEFS_CLOSED says (stagefs-torch-closed is the closed
+        # one); the keywords an older Sampler takes (bench_regress runs older checkouts)
+        self.sampler = Sampler(self.ds, seed=run, **_taken(
+            Sampler, prefetch="512MiB", locality=True, closed=False))
         self.loader = torch.utils.data.DataLoader(
             self.ds, batch_size=BATCH, sampler=self.sampler, num_workers=0,
             collate_fn=_identity)

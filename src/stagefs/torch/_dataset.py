@@ -4,6 +4,7 @@ torchvision's ImageFolder expects (one folder per class)."""
 from __future__ import annotations
 
 import math
+import operator
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -299,7 +300,13 @@ class FileDataset(torch.utils.data.Dataset[Any]):
 
 
 def _index(i: Any, n: int) -> int:
-    k = int(i)
+    """Sample ``i`` of ``n``: a whole number (numpy's and torch's included, negative from
+    the end), as a list's index; a float or a string is a TypeError, not truncated."""
+    try:
+        k = operator.index(i)
+    except TypeError:
+        raise TypeError(f"sample indices are whole numbers, not {type(i).__name__} "
+                        f"({i!r})") from None
     if k < 0:
         k += n
     if not 0 <= k < n:
