@@ -555,7 +555,9 @@ class Store:
             if fill is not None:
                 fill(self._shard[e], self._offset[e], raw, self.verify)
         if count and len(again) < len(run):
-            self._count(src, len(run) - len(again), nbytes, stored)
+            counted = (lambda: [(int(self._offset[el[k]]), int(self._stored[el[k]]))
+                                for k in run if k not in again]) if len(run) > 1 else None
+            self._count(src, len(run) - len(again), nbytes, stored, counted)
         for k in again:
             out[k] = self.read_entry(el[k], names[k], count=count)
 
@@ -737,9 +739,13 @@ class Store:
                 self._where(e), self._show(e, path), who, exc)
         self._corrupt(src, self._shard[e])
 
-    def _count(self, src: ShardSource | None, reads: int, nbytes: int, stored: int) -> None:
+    def _count(self, src: ShardSource | None, reads: int, nbytes: int, stored: int,
+               files: Callable[[], Sequence[tuple[int, int]]] | None = None) -> None:
         """``reads`` samples (``nbytes`` bytes; ``stored`` as stored) came from ``src``:
-        this process's counts, and the job's by holder (memory or disk tier, peer, origin)."""
+        this process's counts, and the job's by holder (memory or disk tier, peer, origin).
+        ``files``: where in the shard each sample's stored bytes are, when ``reads`` files
+        of one run were read at once (asked only if they came from several holders: each
+        sample to the holder of most of its bytes)."""
         stats = self.stats
         stats.reads += reads
         stats.bytes += nbytes
@@ -748,15 +754,17 @@ class Store:
         served_by = getattr(src, "served_by", None)  # the stream: the holders of its read
         split = (served_by() if served_by is not None else None) or [
             ("origin" if src is self.origin else getattr(src, "holder", "peer"), stored)]
-        # from several holders (a large file's pieces in two tiers and the origin): the
-        # bytes to each, the sample to the one that gave the most (the first)
+        # from several holders (a large file's pieces in two tiers and the origin, or a
+        # run's files in a tier and not): the bytes to each; the samples to the one that
+        # gave most of each (one file: the first, which gave the most)
+        samples = _samples_by_holder(src, files()) if len(split) > 1 and files else None
         left_n, left_s = nbytes, stored
         for k, (holder, part) in enumerate(split):
             last = k == len(split) - 1
             n = left_n if last else nbytes * part // max(stored, 1)
             m = left_s if last else part
-            self._counts.add(holder if holder in HOLDERS else "peer", reads if k == 0 else 0,
-                             n, m)
+            got = (reads if k == 0 else 0) if samples is None else samples.get(holder, 0)
+            self._counts.add(holder if holder in HOLDERS else "peer", got, n, m)
             left_n, left_s = left_n - n, left_s - m
 
     def count_kept(self, nbytes: int, reads: int = 1, stored: int | None = None) -> None:
@@ -997,3 +1005,23 @@ def open(
                 f"'stagefs pack SRC {p} --force'"
             )
     return build_store(p, tiers=tiers, runtime=runtime, verify=verify)
+
+
+def _samples_by_holder(src: ShardSource | None, files: Sequence[tuple[int, int]]
+                       ) -> dict[str, int] | None:
+    """How many of ``files`` (shard offset, stored length) each holder of ``src``'s last
+    read gave most of; None if the read does not say (``served_spans``)."""
+    spans_of = getattr(src, "served_spans", None)
+    spans = spans_of() if spans_of is not None else None
+    if not spans:
+        return None
+    out: dict[str, int] = {}
+    for off, n in files:
+        most: dict[str, int] = {}
+        for a, b, holder in spans:
+            part = min(off + n, b) - max(off, a)
+            if part > 0:
+                most[holder] = most.get(holder, 0) + part
+        best = max(most, key=most.__getitem__) if most else spans[0][2]
+        out[best] = out.get(best, 0) + 1
+    return out

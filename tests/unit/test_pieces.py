@@ -606,3 +606,41 @@ def test_a_mapped_memory_copy_cut_short_is_no_crash(
         import shutil
 
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_run_read_at_once_from_a_copy_and_the_origin_counts_each_sample_where_it_came(
+        runtime: Path, memory_dir: Path, tmp_path: Path) -> None:
+    """``read_many`` of adjacent files, some in a memory tier's partial copy and the rest
+    from the origin, in one read: each file's sample counted to the holder that gave it,
+    as reading them one by one counts (all of them went to the first holder)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    files = {f"f{i:03d}": random_bytes(20_000, 300 + i) for i in range(200)}
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", compress="none", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    names = sorted(files)
+    with stagefs.open(tmp_path / "pack", tiers=[f"{memory_dir}:1500000"]) as fs:
+        assert fs.chain is not None
+        fs.read_many(names[:10])  # the tier takes the first piece, then is full
+        fs.chain.wait_idle(30)
+
+        def holders() -> dict[str, tuple[int, int]]:
+            h = fs.status()["holders"]
+            return {k: (v["reads"], v["bytes"]) for k, v in h.items()}
+
+        alone: dict[str, tuple[int, int]] = {}
+        for name in names:  # the truth, file by file
+            a = holders()
+            assert fs.read(name) == files[name]
+            c = holders()
+            (h,) = [k for k in c if c[k] != a[k]]
+            n, b = alone.get(h, (0, 0))
+            alone[h] = (n + 1, b + c[h][1] - a[h][1])
+        assert set(alone) == {"memory", "origin"}, alone  # a run across both holders
+        a = holders()
+        assert fs.read_many(names) == [files[n] for n in names]
+        c = holders()
+        once = {k: (c[k][0] - a[k][0], c[k][1] - a[k][1]) for k in c if c[k] != a[k]}
+        assert once == alone

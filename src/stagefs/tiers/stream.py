@@ -315,7 +315,7 @@ class StreamSource:
         self.stream = stream
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        self.stream._served.split = None
+        self.stream._served.split = self.stream._served.spans = None
         return self.stream.read(shard, offset, length)
 
     def served_by(self) -> list[tuple[str, int]] | None:
@@ -324,6 +324,14 @@ class StreamSource:
         the origin); None if not known (counted as the origin's)."""
         split: list[tuple[str, int]] | None = getattr(self.stream._served, "split", None)
         return split
+
+    def served_spans(self) -> list[tuple[int, int, str]] | None:
+        """The holder of each part of this thread's last read, ``(start, end, holder)`` in
+        the shard, when it came from several (None: from one, ``served_by``'s): the
+        holder of each file of a run read at once (read_entries counts each file's sample
+        to the holder that gave most of its bytes)."""
+        spans: list[tuple[int, int, str]] | None = getattr(self.stream._served, "spans", None)
+        return spans
 
     def last_from(self) -> str:
         """What this thread's last read came from, for a message: the stream and the copies
@@ -626,16 +634,20 @@ class Stream:
                 out = bytearray(length)
                 parts: list[tuple[DirTier, int, int]] = []
                 split: dict[str, int] = {}
+                spans: list[tuple[int, int, str]] = []
                 for i, j, c in runs:
                     a, b = max(offset, int(ext.offs[i])), min(end, int(ext.ends[j - 1]))
                     if c is None:
                         out[a - offset : b - offset] = self._from_origin(shard, a, b - a)
-                        split["origin"] = split.get("origin", 0) + b - a
-                        continue
-                    out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a)
-                    parts.append((c[1], a, b))
-                    split[self._served.holder] = split.get(self._served.holder, 0) + b - a
+                        holder = "origin"
+                    else:
+                        out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a)
+                        parts.append((c[1], a, b))
+                        holder = self._served.holder
+                    split[holder] = split.get(holder, 0) + b - a
+                    spans.append((a, b, holder))
                 self._served.last = (shard, parts)
+                self._served.spans = spans
                 # the padding between the runs (none between a file's pieces) to the largest
                 top = max(split, key=split.__getitem__, default="origin")
                 split[top] = split.get(top, 0) + length - sum(split.values())
