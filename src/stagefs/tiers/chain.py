@@ -449,9 +449,13 @@ class TierChain:
             try:
                 why = t.no_room(size + header)
                 if why is not None:
+                    # a piece ends with the file its window ends in (up to a piece and a
+                    # file; a large file's piece by piece): one larger than a piece is
+                    # passed over while a piece still fits, and the tier takes the smaller
+                    # ones after it, to within a piece of its capacity
                     small = PIECE_SIZE or self.manifest.piece_size
-                    if size > 2 * small and t.no_room(small + header) is None:
-                        continue  # a piece of one large file: smaller pieces still fit
+                    if size > small and t.no_room(small + header) is None:
+                        continue
                     t.stopped = why
                     log.info("%s: %s; it takes no more pieces", t.name, why)
                     continue
