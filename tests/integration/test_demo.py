@@ -81,6 +81,19 @@ def test_origin_errors_name_the_path(tmp_path: Path) -> None:
     assert "stagefs unpack" in proc.stderr
 
 
+def test_bad_out_and_size_are_refused_before_the_run(tmp_path: Path) -> None:
+    """An --out that cannot be written is said at once (it was found after the whole
+    run), and --size 0 is refused (it generated one file)."""
+    afile = tmp_path / "f"
+    afile.write_bytes(b"x")
+    origin = tmp_path / "origin"
+    proc = run("--origin", origin, "--out", afile / "x", ok=False)
+    assert proc.returncode == 1 and f"--out {afile / 'x'}" in proc.stderr
+    assert "--out DIR" in proc.stderr and not origin.exists()  # nothing generated
+    proc = run("--origin", origin, "--size", "0", ok=False)
+    assert proc.returncode == 1 and "--size 0" in proc.stderr and not origin.exists()
+
+
 def test_bar_chart_scales_to_the_fastest() -> None:
     plain = [EpochResult("plain files", e, 1.0, 100, 0, 0, 0) for e in (1, 2)]
     fast = [EpochResult("stagefs", 1, 1.0, 100, 0, 0, 0), EpochResult("stagefs", 2, 0.1, 100,

@@ -224,9 +224,25 @@ def write_png(plain: Sequence[EpochResult], fast: Sequence[EpochResult], path: s
     return True
 
 
+def _check_out(out: str) -> None:
+    """The directory the chart goes to can be made and written, else a ConfigError."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: the demo's chart cannot be written there "
+                          f"({exc.strerror}); name a directory you can write with --out DIR"
+                          ) from None
+
+
 def run_demo(origin: str | None = None, size: int | None = None, out: str = "stagefs-demo",
              epochs: int = 3) -> int:
     t_start = time.perf_counter()
+    if size is not None and size <= 0:
+        raise ConfigError(f"--size {size}: the dataset to generate needs more than 0 bytes "
+                          "(e.g. --size 300MiB)")
+    _check_out(out)  # before the run, not after it
     root, why, temp = choose_origin(origin)
     print(f"origin: {root} ({why})")
     generated, partial = False, not (os.path.isdir(root) and os.listdir(root))
