@@ -24,7 +24,9 @@ the real file system would set it.
     │   ├── UnsafeSymlinkError                       a symlink points out of the tree
     │   ├── UnreadableSourceError (PermissionError)  a file or directory cannot be read
     │   ├── SourceChangedError                       a file changed while it was packed
-    │   └── DestinationExistsError (FileExistsError) a complete pack is already there
+    │   ├── DestinationExistsError (FileExistsError) a complete pack is already there
+    │   └── DestinationFullError (OSError)           DEST's file system is full, or the
+    │                                                quota there used up (ENOSPC, EDQUOT)
     ├── ConfigError (ValueError)               a size, a tier spec or a variable is malformed
     ├── ProtocolError (ValueError)             a peer sent bytes that are not the stagefs protocol
     ├── AuthenticationError (PermissionError)  a peer did not prove the job token
@@ -50,6 +52,7 @@ __all__ = [
     "CorruptShardError",
     "DescriptorLimitError",
     "DestinationExistsError",
+    "DestinationFullError",
     "FormatError",
     "IsADirectoryError_",
     "NotADirectoryError_",
@@ -198,6 +201,17 @@ class SourceChangedError(PackError):
 
 class DestinationExistsError(PackError, FileExistsError):
     pass
+
+
+class DestinationFullError(PackError, OSError):
+    """The file system that holds the DEST of a pack or an unpack has no room left (ENOSPC),
+    or the user's quota there is used up (EDQUOT); ``errno`` is the one the write got."""
+
+    def __init__(self, message: str, code: int = errno.ENOSPC, dest: str | None = None) -> None:
+        OSError.__init__(self, code, message, dest)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 class ConfigError(StagefsError, ValueError):

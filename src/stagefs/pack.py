@@ -11,6 +11,8 @@ complete, and running the same pack again reuses every shard whose files have no
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -18,7 +20,7 @@ import shutil
 import stat as st
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +31,10 @@ from stagefs.config import format_size, parse_size
 from stagefs.errors import (
     CorruptManifestError,
     DestinationExistsError,
+    DestinationFullError,
     PackError,
     SourceChangedError,
+    StagefsError,
     UnreadableSourceError,
     UnsafeSymlinkError,
 )
@@ -310,6 +314,37 @@ def _write_json(path: str, obj: Any) -> None:
     atomic_write(path, json.dumps(obj))
 
 
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _room_in(dest: str, then: Callable[[], str]) -> Iterator[None]:
+    """Writes to ``dest`` (a pack's or an unpack's DEST) inside: a file system that is full,
+    or a quota used up (ENOSPC, EDQUOT), is raised as a DestinationFullError that names
+    ``dest`` and says what to do; ``then()`` says what running the command again does."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM or isinstance(exc, StagefsError):
+            raise
+        why = ("the file system that holds it is full. Free space there" if exc.errno ==
+               errno.ENOSPC else "the disk quota on the file system that holds it is used "
+               "up. Free space within the quota (or have it raised)")
+        raise DestinationFullError(f"{dest}: {exc.strerror}: {why}, or choose another DEST. "
+                                   f"{then()}", exc.errno, dest) from exc
+
+
+def _after_full(dest: str) -> str:
+    """What running a pack that ran out of room again does (``_room_in``'s ``then``)."""
+    if os.path.exists(os.path.join(dest, STATE_DIR, "state.json")):
+        return ("Once there is room, running the same command again resumes the pack: the "
+                "shards already written are reused.")
+    # its state was not written: a run without --force finds a DEST that is not empty and
+    # not an interrupted pack
+    return ("Nothing of the pack was kept: once there is room, run the same command again "
+            "with --force.")
+
+
 def _reusable(dest: str, index: int, files: list[_Source]) -> _ShardResult | None:
     try:
         with open(os.path.join(dest, STATE_DIR, f"{index}.json")) as f:
@@ -424,38 +459,39 @@ def pack(
 
     options = {"shard_size": size, "compress": compress, "source": src_s,
                "align": [file_align.to, file_align.min_size]}
-    pack_id, resuming = _prepare_dest(dest_s, options, overwrite)
-    plan = _plan(scan.files, size)
-    results: dict[int, _ShardResult] = {}
-    if resuming:
-        for i, files in enumerate(plan):
-            if (r := _reusable(dest_s, i, files)) is not None:
-                results[i] = r
-        say(f"resuming an interrupted pack in {dest_s}: "
-            f"{len(results)} of {len(plan)} shards already written")
-    todo = [i for i in range(len(plan)) if i not in results]
-    _clear_stale(dest_s, len(plan), keep=set(results))
-    _run_writers(dest_s, pack_id, plan, todo, compress, file_align, jobs, progress, results)
+    with _room_in(dest_s, lambda: _after_full(dest_s)):  # every write to DEST
+        pack_id, resuming = _prepare_dest(dest_s, options, overwrite)
+        plan = _plan(scan.files, size)
+        results: dict[int, _ShardResult] = {}
+        if resuming:
+            for i, files in enumerate(plan):
+                if (r := _reusable(dest_s, i, files)) is not None:
+                    results[i] = r
+            say(f"resuming an interrupted pack in {dest_s}: "
+                f"{len(results)} of {len(plan)} shards already written")
+        todo = [i for i in range(len(plan)) if i not in results]
+        _clear_stale(dest_s, len(plan), keep=set(results))
+        _run_writers(dest_s, pack_id, plan, todo, compress, file_align, jobs, progress, results)
 
-    failures = [r for r in results.values() if r.changed or r.unreadable]
-    unreadable = [p for r in failures for p in r.unreadable]
-    changed = [p for r in failures for p in r.changed]
-    if unreadable:
-        raise UnreadableSourceError(
-            f"cannot read {len(unreadable)} file(s): {', '.join(unreadable[:10])}. No pack "
-            "was completed; fix the permissions and run the same command again (finished "
-            "shards are reused)."
-        )
-    if changed:
-        raise SourceChangedError(
-            f"{len(changed)} file(s) changed while they were packed: {', '.join(changed[:10])}."
-            " No pack was completed; run the same command again once the source is still."
-        )
-    report = _write_manifest(dest_s, pack_id, scan, plan, results, options, file_align)
-    report.reused_shards = len(plan) - len(todo)
-    report.skipped = scan.skipped
-    shutil.rmtree(os.path.join(dest_s, STATE_DIR), ignore_errors=True)
-    return report
+        failures = [r for r in results.values() if r.changed or r.unreadable]
+        unreadable = [p for r in failures for p in r.unreadable]
+        changed = [p for r in failures for p in r.changed]
+        if unreadable:
+            raise UnreadableSourceError(
+                f"cannot read {len(unreadable)} file(s): {', '.join(unreadable[:10])}. No pack "
+                "was completed; fix the permissions and run the same command again (finished "
+                "shards are reused)."
+            )
+        if changed:
+            raise SourceChangedError(
+                f"{len(changed)} file(s) changed while they were packed: {', '.join(changed[:10])}."
+                " No pack was completed; run the same command again once the source is still."
+            )
+        report = _write_manifest(dest_s, pack_id, scan, plan, results, options, file_align)
+        report.reused_shards = len(plan) - len(todo)
+        report.skipped = scan.skipped
+        shutil.rmtree(os.path.join(dest_s, STATE_DIR), ignore_errors=True)
+        return report
 
 
 def _file_align(align: int, align_min: int) -> FileAlign:
@@ -589,7 +625,10 @@ def unpack(
         raise DestinationExistsError(f"{dest_s} is not a directory; unpack into a new directory")
     if os.path.isdir(dest_s) and os.listdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not empty; unpack into a new directory")
-    with open_store(pack_dir) as store:  # a pack that cannot be opened leaves no DEST behind
+    then = (f"Unpack writes into an empty directory only: remove {dest_s} (it holds part "
+            "of the tree) before running the command again.")
+    with open_store(pack_dir) as store, _room_in(dest_s, lambda: then):
+        # (a pack that cannot be opened leaves no DEST behind)
         os.makedirs(dest_s, exist_ok=True)
         m = store.manifest
         total = int(m.arrays["size"][m.arrays["kind"] == KIND_FILE].sum())

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import stagefs
 import stagefs.tiers.audit as verify_mod
 from conftest import random_bytes, text_bytes
+from stagefs.cli import main
+from stagefs.errors import DescriptorLimitError
 from stagefs.format import shard_name
 from stagefs.verify import verify_pack
 
@@ -105,3 +109,78 @@ def test_verify_truncated_and_missing_shards(verify_pack_dir: Path, tmp_path: Pa
     reasons = {c.shard: c.reason for c in report.corrupt}
     assert "truncated" in reasons[shard_name(0)] and shard_name(0) in reasons[shard_name(0)]
     assert shard_name(1) in reasons[shard_name(1)]
+
+
+def _files_of(pack: Path, shard: int) -> list[str]:
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        return sorted(os.fsdecode(m.path_of(e)) for e in range(len(m))
+                      if m.kind[e] == 0 and m.shard[e] == shard and m.size[e])
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_verify_lists_the_files_of_a_shard_that_cannot_be_opened(
+        verify_pack_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        jobs: int) -> None:
+    """A shard that cannot be opened (a symlink to itself: ELOOP, for root too) is no
+    traceback: its files are corrupt, with the reason; the CLI exits 1."""
+    pack = _copy(verify_pack_dir, tmp_path)
+    (pack / shard_name(1)).unlink()
+    (pack / shard_name(1)).symlink_to(shard_name(1))
+    report = verify_pack(str(pack), jobs=jobs, progress=False)
+    assert sorted(c.path for c in report.corrupt) == _files_of(pack, 1)
+    assert report.files == 41
+    for c in report.corrupt:
+        assert c.shard == shard_name(1)
+        assert str(pack / shard_name(1)) in c.reason and "symbolic links" in c.reason
+    assert main(["verify", "--jobs", str(jobs), str(pack)]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err and err == ""
+    lines = out.splitlines()
+    assert [ln.split()[1] for ln in lines[:-1]] == [c.path for c in report.corrupt]
+    assert all(ln.startswith("CORRUPT ") for ln in lines[:-1])
+    assert lines[-1].endswith(f": {len(report.corrupt)} CORRUPT")
+
+
+def test_verify_names_a_shard_it_may_not_read(verify_pack_dir: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Permission denied: the files of the shard are corrupt, with the reason. (Root reads
+    a file of mode 000: then the open is refused as it would be for another user.)"""
+    pack = _copy(verify_pack_dir, tmp_path)
+    victim = str(pack / shard_name(2))
+    os.chmod(victim, 0)
+    if os.geteuid() == 0:
+        _refuse_open(monkeypatch, victim, errno.EACCES)
+    report = verify_pack(str(pack), jobs=1, progress=False)
+    assert sorted(c.path for c in report.corrupt) == _files_of(pack, 2)
+    assert all(c.reason == f"the shard cannot be read: {victim}: Permission denied"
+               for c in report.corrupt), report.corrupt
+
+
+def _refuse_open(monkeypatch: pytest.MonkeyPatch, path: str, code: int) -> None:
+    real = os.open
+
+    def fake_open(p: Any, flags: int, *a: Any, **k: Any) -> int:
+        if os.fspath(p) == path:
+            raise OSError(code, os.strerror(code), path)
+        return real(p, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", fake_open)
+
+
+@pytest.mark.parametrize("code", [errno.EMFILE, errno.ENFILE])
+def test_verify_out_of_descriptors_calls_no_shard_corrupt(
+        verify_pack_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], code: int) -> None:
+    """No descriptor left to open a shard with is this process's condition: an error naming
+    the open-file limit, not the shard's files listed as corrupt."""
+    pack = _copy(verify_pack_dir, tmp_path)
+    victim = str(pack / shard_name(1))
+    _refuse_open(monkeypatch, victim, code)
+    with pytest.raises(DescriptorLimitError, match="open-file limit") as err:
+        verify_pack(str(pack), jobs=1, progress=False)
+    assert victim in str(err.value) and "ulimit -n" in str(err.value)
+    assert main(["verify", "--jobs", "1", str(pack)]) == 1
+    out, err_text = capsys.readouterr()
+    assert "CORRUPT" not in out and "Traceback" not in err_text
+    assert err_text.startswith(f"stagefs: error: {victim}: ") and "ulimit -n" in err_text

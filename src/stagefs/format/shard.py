@@ -102,6 +102,9 @@ class ShardWriter:
         os.replace(self._partial, self.path)
 
     def abort(self) -> None:
-        self._f.close()
+        # the bytes still buffered are dropped: on a full disk (the usual cause of an
+        # abort) their flush fails again, and the partial file must go all the same
+        with contextlib.suppress(OSError):
+            self._f.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._partial)

@@ -4,12 +4,14 @@ daemon over a copy a reader found bad bytes in (cluster/daemon.py)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 
-from stagefs.errors import CorruptShardError, FormatError, StagefsError
+from stagefs.errors import CorruptShardError, DescriptorLimitError, FormatError, StagefsError
 from stagefs.format import KIND_FILE, Manifest
 from stagefs.format.checksum import StreamSum, bad_piece, check
+from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.origin import PackOrigin
 
 __all__ = ["Corrupt", "check_shard"]
@@ -25,6 +27,23 @@ class Corrupt:
 _WINDOW = 64 * 2**20
 """Bytes read with one call: bounded memory, and well below Linux's 2 GiB cap on one read
 (a shard larger than that, from ``--shard-size 4GiB`` or one huge file, is read in parts)."""
+
+
+_CANNOT_READ = (StagefsError, OSError, SourceUnavailable)
+"""What reading a shard raises when it cannot be read: missing, truncated, another pack's,
+or not to be opened at all (permission denied: SourceUnavailable)."""
+
+
+def _reason(exc: BaseException, path: str) -> str:
+    """Why the shard at ``path`` could not be read (``exc``), said for each of its files.
+    Out of descriptors (EMFILE, ENFILE, here or in the cause) is this process's condition,
+    not the shard's: raised as a DescriptorLimitError, never a shard called corrupt."""
+    for seen in (exc, exc.__cause__):  # the error, or the OSError it wraps (SourceUnavailable)
+        if isinstance(seen, OSError) and seen.errno in (errno.EMFILE, errno.ENFILE):
+            raise DescriptorLimitError(f"{path}: cannot open the shard to check it") from exc
+    if isinstance(exc, SourceUnavailable):
+        return f"the shard cannot be read: {exc}"
+    return str(exc)
 
 
 def _check(raw: bytes, e: int, m: Manifest, name: str) -> Corrupt | None:
@@ -72,8 +91,8 @@ def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list
     try:
         try:
             origin.fileno(shard)  # opens the shard and checks its header
-        except (StagefsError, OSError) as exc:
-            reason = str(exc)
+        except _CANNOT_READ as exc:
+            reason = _reason(exc, origin.path(shard))
             return len(files), 0, [Corrupt(os.fsdecode(m.path_of(e)), name, reason)
                                    for e in ents]
         i = 0
@@ -91,8 +110,9 @@ def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list
                     blob = origin.pread(shard, start, end - start)
                     found = [_check(blob[m.offset[x] - start : m.offset[x] - start + m.stored[x]],
                                     x, m, name) for x in ents[i:j]]
-            except (StagefsError, OSError) as exc:
-                found = [Corrupt(os.fsdecode(m.path_of(x)), name, str(exc)) for x in ents[i:j]]
+            except _CANNOT_READ as exc:
+                reason = _reason(exc, origin.path(shard))
+                found = [Corrupt(os.fsdecode(m.path_of(x)), name, reason) for x in ents[i:j]]
             bad += [c for c in found if c is not None]
             nbytes += sum(int(m.size[x]) for x in ents[i:j])
             i = j
