@@ -16,9 +16,13 @@ What is not covered, and why (docs/frontends.md has the user's version):
   Python): ``stagefs run`` loads the preload library for those; in a process that only
   calls ``intercept()``, use ``stagefs mount``.
 - File descriptors: under ``stagefs run`` the preload library (preload.c) is loaded, and
-  ``fileno()`` on a stagefs file object and ``os.open`` under ``at`` give its real
-  descriptor (``mmap`` of it maps the tier's pages when the file is page aligned in its
-  shard; ``os.fstat`` reports the manifest; directories open too). Without the library (the
+  ``os.open`` under ``at`` and ``fileno()`` on a stagefs file object give the library's
+  read-only descriptor (``os.fstat`` reports the manifest; directories open too), and the
+  file is read and counted once: a large file's is a real descriptor on the file that holds
+  it (``mmap`` of it maps the tier's pages when the file is page aligned in its shard), and
+  the object's reads go through it from then on; a small (or compressed) file, which the
+  object read whole at open, hands those bytes to the library in a memfd that it seals
+  read-only, rather than have the library read the file again. Without the library (the
   ``intercept()`` API in a process of its own) a file under ``at`` has no fd of its own:
   ``fileno()`` and ``os.open`` return an anonymous in-memory copy of the file (``memfd``),
   made on first use, so ``mmap``, ``numpy.load(..., mmap_mode="r")``, ``os.read`` and
@@ -46,6 +50,7 @@ from stagefs.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 from stagefs.format import KIND_FILE
 from stagefs.namespace import DirEntry
 from stagefs.posix.preload import active as preload_active
+from stagefs.posix.preload import adopt as _adopt
 from stagefs.posix.preload import memfd as _memfd
 
 __all__ = ["BOOTSTRAP_DIR", "ENV_AT", "ENV_DATASET", "ENV_STORE", "Interceptor", "intercept",
@@ -62,9 +67,10 @@ _stack_lock = threading.Lock()
 
 
 class _FdMixin:
-    """``fileno()`` gives a descriptor of the file (made once, closed with the file): the
-    preload library's, when it serves this process (``stagefs run``: a real descriptor on
-    the tier's copy, so ``mmap`` of it maps the tier's pages), else an in-memory copy."""
+    """``fileno()`` gives a descriptor of the file (made once, closed with the file). Where
+    the preload library serves this process (``stagefs run``), the library's: read-only,
+    ``os.fstat`` of it reports the manifest, and the file is read and counted once however
+    the program reads it (``_library_fd``). Else an in-memory copy."""
 
     _fd: int | None = None
     _content: Callable[[], bytes]
@@ -74,11 +80,13 @@ class _FdMixin:
     def fileno(self) -> int:
         if self._fd is None:
             if self._served is not None and preload_active():
-                real_open, path = self._served
-                self._fd = real_open(path, os.O_RDONLY | os.O_CLOEXEC)
+                self._fd = self._library_fd(*self._served)
             else:
                 self._fd = _memfd(self._content(), str(self.name))
         return self._fd
+
+    def _library_fd(self, real_open: Callable[..., int], path: str) -> int:
+        raise NotImplementedError
 
     def _close_fd(self) -> None:
         fd, self._fd = self._fd, None
@@ -90,17 +98,61 @@ class _SmallFile(_FdMixin, SmallFile):
     def _content(self) -> bytes:
         return self.getvalue()
 
+    def _library_fd(self, real_open: Callable[..., int], path: str) -> int:
+        # the bytes read (verified, counted) at open, handed to the library: an open through
+        # it would read and count the file again (the helper's Store, or a tier's copy)
+        return _adopt(self.getvalue(), path)
+
     def close(self) -> None:
         self._close_fd()
         SmallFile.close(self)
 
 
+class _ServedRaw(_RangeRaw):
+    """A large file's range reads: through the Store, and once the file object has the
+    library's descriptor, through it (the library reads, verifies and counts them), so that
+    reads and a mapping of the descriptor do not read the file twice."""
+
+    fd: int | None = None
+
+    def serve_by(self, fd: int) -> None:
+        self.fd = fd
+        if self._sample:  # the library counted the open as the sample
+            self._sample = 0
+
+    def readinto(self, buf: Any) -> int:
+        if self.fd is None:
+            return super().readinto(buf)
+        n = os.preadv(self.fd, [buf], self._pos) if self._pos < self._size else 0
+        self._pos += n
+        return n
+
+    def readall(self) -> bytes:
+        if self.fd is None:
+            return super().readall()
+        parts = []
+        while self._pos < self._size:
+            got = os.pread(self.fd, self._size - self._pos, self._pos)
+            if not got:
+                break
+            parts.append(got)
+            self._pos += len(got)
+        return b"".join(parts)
+
+
 class _LargeFile(_FdMixin, LargeFile):
     _store: Any
     _entry: int
+    raw: _ServedRaw
 
     def _content(self) -> bytes:
         return bytes(self._store.read_entry(self._entry, str(self.name)))
+
+    def _library_fd(self, real_open: Callable[..., int], path: str) -> int:
+        # a real descriptor on the file that holds it (mmap maps a tier's pages): no copy
+        fd = real_open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.raw.serve_by(fd)
+        return fd
 
     def close(self) -> None:
         self._close_fd()
@@ -212,7 +264,7 @@ class Interceptor:
             if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
                 f: Any = _SmallFile(store.read_entry(e, r), name)
             else:
-                f = _LargeFile(_RangeRaw(store, e, name), buffering)
+                f = _LargeFile(_ServedRaw(store, e, name), buffering)
                 f._store, f._entry = store, e
             f._served = (o["os_open"], posixpath.join(self.root, r) if r else self.root)
             if "b" in mode:

@@ -24,7 +24,10 @@
  *   it reads the file through the Store (the one verified read path: every holder in turn)
  *   and passes back a memfd holding the file (SCM_RIGHTS), sealed and reopened read-only
  *   here (a write through it fails as through any read-only descriptor). For a copy that
- *   failed, that memfd then replaces the descriptor (dup3), keeping its number.
+ *   failed, that memfd then replaces the descriptor (dup3), keeping its number. A Python
+ *   program's file object that holds a small file's bytes already (the Python-level
+ *   interception read them through its Store) hands them over the same way, in a memfd it
+ *   made, when the program asks for its descriptor (stagefs_preload_adopt).
  * - A staged directory is a real descriptor on an empty directory of the run (so a call
  *   that escapes the wrappers sees nothing, never other bytes); its listing comes from the
  *   manifest.
@@ -2074,6 +2077,30 @@ API FILE *popen(const char *cmd, const char *mode) {
 
 /* For a process that wants to know (the Python front end): 1 when the staged path is served. */
 API int stagefs_preload_active(void) { INIT(); return D.active; }
+
+/* For the Python front end (intercept.py): the descriptor of the staged file at path when
+ * the caller has read its bytes already (through its Store, which verified and counted
+ * them) and put them in m, a memfd it made (preload.py's memfd): m made read-only as the
+ * helper's copies are (read_only), with the entry's row (fstat reports the manifest), so
+ * that handing the program a descriptor reads and counts the file no second time, as an
+ * open here would (the helper's Store, or a sample at the open of a tier's copy). m, or -1
+ * with errno (m closed): EINVAL for a path not staged, EIO for bytes not the file's size. */
+API int stagefs_preload_adopt(int m, const char *path) {
+    INIT();
+    Res r;
+    struct stat st;
+    int err = 0;
+    if (!D.active || !path) err = EINVAL;
+    else {
+        resolve(&r, AT_FDCWD, path, 1);
+        if (r.kind != R_STAGED) err = r.kind == R_ERR ? r.err : EINVAL;
+        else if (D.kind[r.e] != K_FILE) err = EISDIR;
+        else if (sys_fstat(m, &st) != 0) err = errno;
+        else if ((uint64_t)st.st_size != D.size[r.e]) err = EIO;
+    }
+    if (err) { real_close(m); errno = err; return -1; }
+    return make_row(read_only(m, 1), F_MEM, r.e, 0, 0);
+}
 
 /* The path a staged path names, for a Python caller: the entry index, or -1. */
 API long stagefs_preload_entry(const char *path) {

@@ -33,7 +33,7 @@ from typing import Any
 from stagefs._native import preload_library
 from stagefs.errors import StagefsError
 
-__all__ = ["ENV_INDEX", "active", "launch", "notes", "static_binary", "write_sidecar"]
+__all__ = ["ENV_INDEX", "active", "adopt", "launch", "notes", "static_binary", "write_sidecar"]
 
 log = logging.getLogger("stagefs")
 
@@ -145,9 +145,10 @@ def write_sidecar(store: Any, root: str, run_dir: str, socket_path: str,
 
 def memfd(data: bytes, name: str) -> int:
     """An anonymous file holding ``data`` (its offset at 0): the descriptor a caller gets
-    for a file that has none of its own (the library's helper, and the Python-level
-    interception's ``fileno()`` outside ``stagefs run``). It may be sealed: the library
-    seals the helper's before a program gets it (preload.c's read_only)."""
+    for a file that has none of its own (the library's helper, ``adopt``, and the
+    Python-level interception's ``fileno()`` outside ``stagefs run``). It may be sealed:
+    the library seals the helper's and ``adopt``'s before a program gets them (preload.c's
+    read_only)."""
     fd = os.memfd_create("stagefs:" + os.path.basename(name)[:200],
                          os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
@@ -159,6 +160,27 @@ def memfd(data: bytes, name: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+_adopt: Any = None  # preload.c's stagefs_preload_adopt, looked up on first use
+
+
+def adopt(data: bytes, path: str) -> int:
+    """The descriptor of the staged file at ``path`` (absolute) for a caller that read its
+    bytes, ``data``, through its Store already (verified and counted there): a ``memfd`` of
+    them that the library seals and reopens read-only, as the helper's, and knows as the
+    file (``os.fstat`` reports the manifest), so that the file is not read and counted a
+    second time, as an open through the library would. Only where ``active()``."""
+    global _adopt
+    if _adopt is None:
+        fn = ctypes.CDLL(None, use_errno=True).stagefs_preload_adopt
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_char_p], ctypes.c_int
+        _adopt = fn
+    fd = _adopt(memfd(data, path), os.fsencode(path))  # closes the memfd when it fails
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return int(fd)
 
 
 class Helper:
