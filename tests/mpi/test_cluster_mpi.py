@@ -147,6 +147,7 @@ def test_daemon_killed_during_reads(tmp_path: Path) -> None:
     write_expected(work, content)
     log = os.path.join(work, "daemons.log")
     assert MPIEXEC is not None
+    segments_before = set(glob.glob(_SEGMENTS))
     daemons = start([MPIEXEC, "-disable-auto-cleanup", "-launcher", "fork",
                      "-hosts", ",".join(f"node{r}" for r in range(n)), "-ppn", "1",
                      "-n", str(n), *serve_args(work, pack, "--bind", "127.0.0.1",
@@ -198,4 +199,50 @@ def test_daemon_killed_during_reads(tmp_path: Path) -> None:
         stop(daemons)
     assert not _alive(pids[0]) and not _alive(pids[2])
     for r in (0, 2):
+        assert not os.path.exists(os.path.join(work, f"rt{r}", "cluster.json")), tail(log)
+    # MPI was let go of once the daemons had started: no rank, not even the killed one,
+    # left its shared-memory segments behind (the survivors, which could not finalize
+    # with a rank lost, left theirs in /dev/shm)
+    assert set(glob.glob(_SEGMENTS)) <= segments_before
+
+
+def test_a_rank_stopped_long_before_the_others_does_not_hold_them(tmp_path: Path) -> None:
+    """SIGTERM to one daemon, and to the others only once they have found it dead: every
+    rank ends (the first stopped waited in MPI_Finalize for the others, which had left
+    without it, and mpiexec never ended)."""
+    n = 3
+    work = str(tmp_path)
+    pack, _ = make_pack(work, files=60)
+    log = os.path.join(work, "daemons.log")
+    assert MPIEXEC is not None
+    daemons = start([MPIEXEC, "-disable-auto-cleanup", "-launcher", "fork",
+                     "-hosts", ",".join(f"node{r}" for r in range(n)), "-ppn", "1",
+                     "-n", str(n), *serve_args(work, pack, "--bind", "127.0.0.1",
+                                               "--dead-after", "2")], log)
+    try:
+        wait_staged(work, n, daemons, log=log)
+        import json
+
+        pids = []
+        for r in range(n):
+            with open(os.path.join(work, f"rt{r}", "cluster.json")) as f:
+                pids.append(json.load(f)["pid"])
+        os.kill(pids[0], signal.SIGTERM)
+        deadline = time.monotonic() + 120
+        while True:  # the others find it dead
+            nodes = status_json(work, 1)["nodes"]
+            assert isinstance(nodes, list)
+            if all(nodes[r] and nodes[r]["rereplication"]["dead"] == [0] for r in (1, 2)):
+                break
+            assert time.monotonic() < deadline, tail(log)
+            time.sleep(0.3)
+        for r in (1, 2):
+            os.kill(pids[r], signal.SIGTERM)
+        # ended, not waiting for a rank that will never finalize (the bound is far above
+        # the second or two a stop takes, and far below the forever it was)
+        daemons.wait(90)
+    finally:
+        stop(daemons)
+    assert not any(_alive(p) for p in pids), tail(log)
+    for r in range(n):
         assert not os.path.exists(os.path.join(work, f"rt{r}", "cluster.json")), tail(log)

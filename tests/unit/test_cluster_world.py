@@ -70,3 +70,23 @@ def test_cluster_map_roundtrip(tmp_path: Path) -> None:
     (tmp_path / "rt" / "cluster.json").write_text("{")
     with pytest.raises(ClusterError, match="malformed"):
         load_runtime(rt)
+
+
+def test_a_hosts_file_naming_one_address_twice_is_refused(tmp_path: Path) -> None:
+    """The same ADDR:PORT for two ranks (a line copied, a port left to the default): one
+    daemon would be two nodes, and say it staged a cluster of two on its own."""
+    from stagefs.cluster.bootstrap import StaticBootstrap
+    from stagefs.errors import ClusterError
+    from stagefs.net import auth
+
+    token = tmp_path / "token"
+    auth.write_token(str(token), auth.new_token())
+    p = tmp_path / "hosts"
+    p.write_text("127.0.0.1:7000\nnode1\n127.0.0.1:7000\n")
+    with pytest.raises(ClusterError, match=r"127\.0\.0\.1:7000 twice \(for ranks 0 and 2\)"):
+        StaticBootstrap(read_hosts(str(p)), 0, str(token), 7070)
+    p.write_text("node1:7070\nnode1\n")  # the second takes the default port: the same
+    with pytest.raises(ClusterError, match="different ports"):
+        StaticBootstrap(read_hosts(str(p)), 1, str(token), 7070)
+    p.write_text("node1:7000\nnode1:7001\n")  # two daemons on one host, ports of their own
+    assert StaticBootstrap(read_hosts(str(p)), 1, str(token), 7070).size == 2

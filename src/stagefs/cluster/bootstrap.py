@@ -11,8 +11,10 @@ training processes or their DataLoader workers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import signal
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
@@ -134,11 +136,16 @@ class MpiBootstrap:
 
     def finished(self, lost: bool = False) -> bool:
         # MPI_Finalize waits for every rank: with one lost it would wait forever
-        return not lost
+        return bool(self._mpi.Is_finalized()) or not lost
 
     def finalize(self) -> None:
-        if not self._mpi.Is_finalized():
-            self._mpi.Finalize()
+        if self._mpi.Is_finalized():
+            return
+        self._mpi.Finalize()
+        # MPICH's launcher tells the ranks of a rank's death with SIGUSR1 (its handler goes
+        # with MPI_Finalize): a signal that would end this process, which outlives the rank
+        with contextlib.suppress(ValueError):  # (not the main thread: left as it is)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
 class StaticBootstrap:
@@ -156,6 +163,14 @@ class StaticBootstrap:
                                f"({len(hosts)} hosts: ranks 0..{len(hosts) - 1})")
         self.rank, self.size = rank, len(hosts)
         self.hosts = [(h, p if p is not None else default_port) for h, p in hosts]
+        first: dict[tuple[str, int], int] = {}
+        for i, addr in enumerate(self.hosts):
+            if addr in first:  # one daemon would be two nodes (and count itself staged)
+                raise ClusterError(
+                    f"the hosts file names {addr[0]}:{addr[1]} twice (for ranks "
+                    f"{first[addr]} and {i}): each node's daemon needs an address of its "
+                    "own; give two daemons on one host different ports (ADDR:PORT)")
+            first[addr] = i
         if not token_file:
             raise ClusterError(
                 "the static bootstrap needs the job token in a file every node can read: "

@@ -328,6 +328,12 @@ class Daemon:
         # the peers' bytes come over TCP or MPI (--transport); status and the barrier over TCP
         self.transport = open_transport(o.transport, getattr(self.boot, "comm", None),
                                         self.manifest, self.chain)
+        if self.transport is None:
+            # MPI served the start (rank, token, addresses) and nothing after it uses MPI:
+            # let go of it now, while every rank is alive. MPI_Finalize waits for every
+            # rank, so at the end a rank lost (or stopped sooner) would hold it forever,
+            # and a rank that left without it kept its segments in /dev/shm
+            self.boot.finalize()
         # the readers' holders, on this daemon's clients: who to relay each shard to; a
         # sole replica is given half the batch's deadline before its ranges are left to
         # the reader's origin (a reader on its own gives it 0.5 s)
@@ -822,19 +828,23 @@ def serve(o: ServeOptions) -> int:
         for s, h in old.items():
             signal.signal(s, h)
     if not d.boot.finished(lost=d.lost_peers()):
-        # under MPI with a peer dead: finalizing would wait for it forever
+        # --transport mpi with a peer dead: finalizing would wait for it forever
         _leave(code)
-    # MPI_Finalize waits for every rank: one that died since its last probe would hold it
-    # forever, so after FINALIZE_WAIT this process leaves without it
-    watchdog = threading.Timer(FINALIZE_WAIT, _leave, (code,))
-    watchdog.daemon = True
-    watchdog.start()
-    d.boot.finalize()
-    watchdog.cancel()
+    # MPI_Finalize (--transport mpi, which used MPI to the end) waits for every rank, and
+    # holds the interpreter while it does: one that died since its last probe would hold
+    # it forever, so the kernel ends this process after FINALIZE_WAIT (SIGALRM's default
+    # action; a thread of ours could not run)
+    old_alarm = signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(FINALIZE_WAIT)
+    try:
+        d.boot.finalize()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old_alarm)
     return code
 
 
-FINALIZE_WAIT = 30.0  # seconds
+FINALIZE_WAIT = 30  # seconds
 
 
 def _leave(code: int) -> None:
