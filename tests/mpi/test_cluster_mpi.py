@@ -17,6 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from cluster_helpers import (
+    cluster_maps,
     make_pack,
     mpiexec,
     results,
@@ -127,6 +128,11 @@ def test_every_rank_reads_every_file(tmp_path: Path, n: int) -> None:
     assert not os.path.exists(os.path.join(work, "rt0", "cluster.json"))
 
 
+def _pids(work: str, n: int) -> list[int]:
+    """The daemons' process ids, from their runtime maps."""
+    return [int(m["pid"]) for m in cluster_maps(work, n) if m is not None]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -155,12 +161,7 @@ def test_daemon_killed_during_reads(tmp_path: Path) -> None:
     readers = None
     try:
         wait_staged(work, n, daemons, log=log)
-        import json
-
-        pids = []
-        for r in range(n):
-            with open(os.path.join(work, f"rt{r}", "cluster.json")) as f:
-                pids.append(json.load(f)["pid"])
+        pids = _pids(work, n)
         readers = _readers(work, n, 6)
         deadline = time.monotonic() + 60
         while not all(os.path.exists(os.path.join(work, f"reading{r}")) for r in range(n)):
@@ -221,12 +222,7 @@ def test_a_rank_stopped_long_before_the_others_does_not_hold_them(tmp_path: Path
                                                "--dead-after", "2")], log)
     try:
         wait_staged(work, n, daemons, log=log)
-        import json
-
-        pids = []
-        for r in range(n):
-            with open(os.path.join(work, f"rt{r}", "cluster.json")) as f:
-                pids.append(json.load(f)["pid"])
+        pids = _pids(work, n)
         os.kill(pids[0], signal.SIGTERM)
         deadline = time.monotonic() + 120
         while True:  # the others find it dead

@@ -610,18 +610,24 @@ def test_a_mapped_memory_copy_cut_short_is_no_crash(
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def _flat_pack(tmp_path: Path, files: dict[str, bytes]) -> dict[str, bytes]:
+    """``files`` written to tmp_path/raw and packed, uncompressed, to tmp_path/pack."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", compress="none", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    return files
+
+
 def test_a_run_read_at_once_from_a_copy_and_the_origin_counts_each_sample_where_it_came(
         runtime: Path, memory_dir: Path, tmp_path: Path) -> None:
     """``read_many`` of adjacent files, some in a memory tier's partial copy and the rest
     from the origin, in one read: each file's sample counted to the holder that gave it,
     as reading them one by one counts (all of them went to the first holder)."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    files = {f"f{i:03d}": random_bytes(20_000, 300 + i) for i in range(200)}
-    for name, data in files.items():
-        (raw / name).write_bytes(data)
-    stagefs.pack(raw, tmp_path / "pack", compress="none", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    files = _flat_pack(tmp_path, {f"f{i:03d}": random_bytes(20_000, 300 + i)
+                                  for i in range(200)})
     names = sorted(files)
     with stagefs.open(tmp_path / "pack", tiers=[f"{memory_dir}:1500000"]) as fs:
         assert fs.chain is not None
@@ -653,13 +659,8 @@ def test_a_tier_passes_over_a_piece_larger_than_its_room_for_smaller_ones(
     """A tier of 1.3 MB and files of 700 kB: the first piece (two files, 1.4 MB) does not
     fit, the next ones (one file each) do. The tier was stopped by the first and held
     nothing; it holds one now, and a second epoch reads it from there."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    files = {f"f{i:02d}": random_bytes(700_000, 500 + i) for i in range(12)}
-    for name, data in files.items():
-        (raw / name).write_bytes(data)
-    stagefs.pack(raw, tmp_path / "pack", compress="none", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    files = _flat_pack(tmp_path, {f"f{i:02d}": random_bytes(700_000, 500 + i)
+                                  for i in range(12)})
     with stagefs.open(tmp_path / "pack", tiers=[f"{memory_dir}:1300000"]) as fs:
         assert fs.chain is not None
         for _ in range(2):
