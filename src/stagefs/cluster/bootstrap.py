@@ -142,8 +142,8 @@ class MpiBootstrap:
         if self._mpi.Is_finalized():
             return
         self._mpi.Finalize()
-        # MPICH's launcher tells the ranks of a rank's death with SIGUSR1 (its handler goes
-        # with MPI_Finalize): a signal that would end this process, which outlives the rank
+        # MPICH's launcher tells the ranks of a rank's death with SIGUSR1, news for an MPI
+        # this process no longer uses: ignored, whatever handler the library left
         with contextlib.suppress(ValueError):  # (not the main thread: left as it is)
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
