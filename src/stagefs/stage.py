@@ -55,7 +55,9 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
             return 1
         print(f"no stagefs runtime for job {rt.job} at {rt.path}: a job's read counters are "
               "kept where its processes use node-local tiers (--tier, tiers=[...], "
-              "$STAGEFS_TIERS) or a cluster; is $STAGEFS_JOB (or --job) the job's?")
+              "$STAGEFS_TIERS) or a cluster; is $STAGEFS_JOB (or --job) the job's, or did "
+              "its daemon get another --runtime (then give it: --runtime DIR, or "
+              "$STAGEFS_RUNTIME)?")
         return 1
     st = job_status(rt)
     if as_json:

@@ -522,3 +522,38 @@ def test_wait_staged_with_no_cluster_fails(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
                         str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "(--runtime)" in r.stdout and "STAGEFS_JOB" not in r.stdout
+
+
+def test_wait_staged_ends_at_once_when_the_daemon_failed_or_ended(tmp_path: Path) -> None:
+    """A daemon that fails at start (here a token file others can read) leaves its reason
+    in its runtime directory: `stagefs status --wait-staged 600` ends at once with it,
+    instead of waiting out its 600 s; and so for a daemon whose process is gone."""
+    from stagefs.net import auth
+
+    pack = tmp_path / "pack"
+    src = tmp_path / "src"
+    build_sample_tree(src)
+    stagefs.pack(src, pack)
+    token = tmp_path / "token"
+    auth.write_token(str(token), auth.new_token())
+    token.chmod(0o644)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:0\n")
+    rt = tmp_path / "rt"
+    serve = subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", str(pack), "--tier",
+                            f"{tmp_path / 'tier'}:64MiB", "--runtime", str(rt), "--hosts",
+                            str(hosts), "--rank", "0", "--token-file", str(token)],
+                           capture_output=True, text=True, timeout=120)
+    assert serve.returncode != 0 and "chmod 600" in serve.stderr, serve.stderr
+    status = [sys.executable, "-m", "stagefs.cli", "status", "--runtime", str(rt),
+              "--wait-staged", "600"]
+    r = subprocess.run(status, capture_output=True, text=True, timeout=120)  # not 600 s
+    assert r.returncode == 1 and "could not start" in r.stderr and "chmod 600" in r.stderr
+    assert "Traceback" not in r.stderr
+    # a daemon that took the directory and is gone (killed): said so too
+    (rt / "daemon.failed").unlink()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (rt / "daemon.pid").write_text(gone + "\n")
+    r = subprocess.run(status, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and f"pid {gone}" in r.stderr and "ended" in r.stderr

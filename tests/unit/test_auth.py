@@ -40,3 +40,18 @@ def test_token_file(tmp_path: object) -> None:
         auth.read_token(path)
     with pytest.raises(ClusterError, match="no job token"):
         auth.read_token(path + ".missing")
+
+
+def test_a_secret_that_is_not_a_file_is_named_as_the_secret(tmp_path: object) -> None:
+    """$STAGEFS_SECRET naming a directory: an error that says it is the user's secret and
+    what it must be (it was a bare "[Errno 21] Is a directory"); a secret others can read
+    is called the secret, not a job token."""
+    d = os.path.join(str(tmp_path), "secret")
+    os.mkdir(d)
+    with pytest.raises(ClusterError, match=r"user's stagefs secret .*Is a directory.*a file"):
+        auth.job_token("42", d)
+    path = os.path.join(str(tmp_path), "s2")
+    auth.job_token("42", path)  # made on first use
+    os.chmod(path, 0o644)
+    with pytest.raises(ClusterError, match="user's stagefs secret .* readable by others"):
+        auth.job_token("42", path)

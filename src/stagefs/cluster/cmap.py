@@ -23,6 +23,8 @@ __all__ = ["MAP_NAME", "TOKEN_NAME", "ClusterMap", "load_runtime", "prepare_runt
 
 MAP_NAME = "cluster.json"
 TOKEN_NAME = "token"
+DAEMON_PID = "daemon.pid"  # the runtime directory's daemon, once it holds the directory
+FAILED_NAME = "daemon.failed"  # why the daemon of this runtime could not start
 MAP_VERSION = 1
 
 
@@ -100,3 +102,39 @@ def remove_runtime(path: str) -> None:
     for name in (MAP_NAME, TOKEN_NAME):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(path, name))
+
+
+def record_failure(path: str, message: str) -> None:
+    """Say in the runtime directory why its daemon could not start (``stagefs status
+    --wait-staged`` ends with it rather than wait out its timeout); best effort."""
+    with contextlib.suppress(OSError, ClusterError):
+        prepare_runtime(path)
+        atomic_write(os.path.join(path, FAILED_NAME), message.encode())
+
+
+def clear_failure(path: str) -> None:
+    """A daemon starts on ``path``: what an earlier one said of its failure no longer holds."""
+    with contextlib.suppress(OSError):
+        os.unlink(os.path.join(path, FAILED_NAME))
+
+
+def daemon_ended(path: str) -> str | None:
+    """Why the daemon of runtime ``path`` will not write its map: it failed at start (its
+    message), or its process is gone; None while it has written it or still may."""
+    if os.path.exists(os.path.join(path, MAP_NAME)):
+        return None
+    try:
+        with open(os.path.join(path, FAILED_NAME), errors="replace") as f:
+            return f"the daemon of {path} could not start: {f.read().strip()}"
+    except OSError:
+        pass
+    try:
+        with open(os.path.join(path, DAEMON_PID)) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return (f"the daemon of {path} (pid {pid}) has ended without writing its map: its "
+                "output (the job's log) says why")
+    except (OSError, ValueError):
+        pass
+    return None

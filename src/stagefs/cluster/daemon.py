@@ -55,7 +55,15 @@ from stagefs.cluster.bootstrap import (
     StagedNodes,
     StaticBootstrap,
 )
-from stagefs.cluster.cmap import ClusterMap, prepare_runtime, remove_runtime, write_map
+from stagefs.cluster.cmap import (
+    DAEMON_PID,
+    ClusterMap,
+    clear_failure,
+    prepare_runtime,
+    record_failure,
+    remove_runtime,
+    write_map,
+)
 from stagefs.cluster.connect import ClusterHolders
 from stagefs.cluster.fabric import FABRIC_NAME
 from stagefs.cluster.mpi_transport import MpiPeer, mpi_library
@@ -65,7 +73,7 @@ from stagefs.cluster.staging import Stager
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import env_flag, format_size, parse_tier
-from stagefs.errors import ConfigError, RuntimeInUseError
+from stagefs.errors import ConfigError, RuntimeInUseError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient
 from stagefs.net.hedge import HedgePolicy
@@ -749,7 +757,6 @@ class Daemon:
 
 
 DAEMON_LOCK = "daemon.lock"  # held by the runtime directory's daemon while it lives
-DAEMON_PID = "daemon.pid"
 
 
 def _only_daemon(runtime: str) -> Any:
@@ -815,7 +822,16 @@ def serve(o: ServeOptions) -> int:
     if o.replicas < 1:
         raise ConfigError(f"--replicas must be at least 1 (got {o.replicas})")
     tune_malloc()  # the server and the stager move sample- and shard-sized buffers
-    d = Daemon(o)
+    given = o.runtime or runtime_default()
+    where = None if "{rank}" in given else os.path.abspath(given)  # (its rank not known yet)
+    if where is not None:
+        clear_failure(where)
+    try:
+        d = Daemon(o)
+    except (StagefsError, OSError) as exc:
+        if where is not None:  # for 'stagefs status --wait-staged', which would wait on
+            record_failure(where, str(exc))
+        raise
 
     def _stop(signum: int, frame: object) -> None:
         d.stop.set()

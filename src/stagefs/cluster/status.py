@@ -15,9 +15,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from stagefs.cluster.cmap import MAP_NAME, ClusterMap, load_runtime
+from stagefs.cluster.cmap import MAP_NAME, ClusterMap, daemon_ended, load_runtime
 from stagefs.cluster.world import runtime_default
 from stagefs.config import format_size
+from stagefs.errors import ClusterError
 from stagefs.net.client import PeerClient
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.status import holder_summary, read_counts, read_lines
@@ -180,8 +181,13 @@ def wait_for_cluster(runtime: str | None, seconds: float,
                      clock: Callable[[], float] = time.monotonic,
                      sleep: Callable[[float], None] = time.sleep) -> float:
     """Wait up to ``seconds`` for this node's daemon to write its runtime (a job script
-    that starts the daemons in the background asks at once); return the time left."""
+    that starts the daemons in the background asks at once); return the time left. A
+    ClusterError, at once, if the daemon failed at start or has ended (it never will)."""
+    path = os.path.abspath(runtime) if runtime else runtime_default()
     deadline = clock() + seconds
     while not has_cluster(runtime) and clock() < deadline:
+        why = daemon_ended(path)
+        if why is not None:
+            raise ClusterError(why)
         sleep(min(0.5, max(deadline - clock(), 0.0)))
     return max(deadline - clock(), 0.0)

@@ -77,14 +77,16 @@ def job_token(job: str, secret_path: str) -> bytes:
         raise ClusterError(f"{secret_path}: cannot make the user's stagefs secret "
                            f"({exc.strerror}); set $STAGEFS_SECRET to a file in a directory "
                            "every node can write, or give --token-file") from None
-    secret = read_token(secret_path)
+    secret = read_token(secret_path, what="user's stagefs secret ($STAGEFS_SECRET, else "
+                        "~/.config/stagefs/secret)")
     return hmac.new(secret, b"stagefs-v1 job " + job.encode(), hashlib.sha256).digest()
 
 
 def read_token(path: str, missing: str = "no job token here; is the stagefs daemon "
-               "running?") -> bytes:
+               "running?", what: str = "job token") -> bytes:
     """Read a token file; refuse one that others can read. ``missing``: what to say if
-    there is none (a reader's runtime: the daemon may not run; a daemon's --token-file)."""
+    there is none (a reader's runtime: the daemon may not run; a daemon's --token-file);
+    ``what``: what the file is, for the messages."""
     try:
         st = os.stat(path)
         with open(path, "rb") as f:
@@ -92,14 +94,17 @@ def read_token(path: str, missing: str = "no job token here; is the stagefs daem
     except FileNotFoundError:
         raise ClusterError(f"{path}: {missing}") from None
     except PermissionError:
-        raise ClusterError(f"{path}: the job token belongs to another user") from None
+        raise ClusterError(f"{path}: the {what} belongs to another user") from None
+    except OSError as exc:  # a directory, an I/O error: not a file to read a token from
+        raise ClusterError(f"{path}: cannot read the {what} from it ({exc.strerror}): it "
+                           "must be a file of its own") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ClusterError(f"{path}: job token readable by others (mode "
+        raise ClusterError(f"{path}: {what} readable by others (mode "
                            f"{stat.S_IMODE(st.st_mode):04o}); chmod 600 it")
     try:
         token = bytes.fromhex(text.decode("ascii"))
     except (UnicodeDecodeError, ValueError):
-        raise ClusterError(f"{path}: not a stagefs job token (expected hex)") from None
+        raise ClusterError(f"{path}: not a stagefs {what} (expected hex)") from None
     if len(token) < 16:
-        raise ClusterError(f"{path}: job token too short ({len(token)} bytes, need 16+)")
+        raise ClusterError(f"{path}: {what} too short ({len(token)} bytes, need 16+)")
     return token
