@@ -53,5 +53,5 @@ def test_a_secret_that_is_not_a_file_is_named_as_the_secret(tmp_path: object) ->
     path = os.path.join(str(tmp_path), "s2")
     auth.job_token("42", path)  # made on first use
     os.chmod(path, 0o644)
-    with pytest.raises(ClusterError, match="user's stagefs secret .* readable by others"):
+    with pytest.raises(ClusterError, match=r"user's stagefs secret .* readable by others"):
         auth.job_token("42", path)
