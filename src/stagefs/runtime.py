@@ -290,6 +290,22 @@ class Runtime:
                 found.append(job)
         return found if self in found else [*found, self]
 
+    def neighbours(self) -> list[Runtime]:
+        """The job runtimes of this user that may share tier directories with this one:
+        the directories beside it (as ``--runtime /dev/shm/stagefs-$USER/$SLURM_JOB_ID``
+        gives each job one) and those under the default base; itself left out. A runtime
+        in an unrelated directory is not found."""
+        found: dict[str, Runtime] = {}
+        for parent in dict.fromkeys((os.path.dirname(self.path), _default_base())):
+            try:
+                with os.scandir(parent) as entries:
+                    for e in entries:
+                        if e.path != self.path and e.path not in found and _is_runtime(e):
+                            found[e.path] = Runtime(e.path)
+            except OSError:
+                continue  # no such directory, or not ours to read
+        return list(found.values())
+
     # -- records --------------------------------------------------------------------------
 
     def record_tiers(self, pack_id: str, tier_dirs: list[str]) -> None:
@@ -299,6 +315,10 @@ class Runtime:
 
     def tier_records(self) -> list[dict[str, Any]]:
         return _read_jsons(self.tiers)
+
+    def tier_dirs(self) -> list[str]:
+        """The tier directories (``<tier>/<pack id>``) this job's data was placed into."""
+        return _tier_dirs(self.tier_records())
 
     def stat_records(self) -> list[dict[str, Any]]:
         return _read_jsons(self.stats)
@@ -322,8 +342,10 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
     """Remove the runtime directories of ``jobs`` and the tier data they recorded.
 
     Refused (RuntimeInUseError, naming each process) while a live process holds a lease on
-    one of them, unless ``force``. Tier directories that a live process of one of ``others``
-    (the user's other jobs) also recorded are kept, even with ``force``.
+    one of them, unless ``force``. Tier directories that a live process of another job also
+    recorded are kept, even with ``force``: of one of ``others`` (the user's other jobs), or
+    of a runtime beside one of ``jobs`` (``Runtime.neighbours``: found whatever paths the
+    jobs were given, when they share a parent directory).
     """
     users = [(rt, lease) for rt in jobs if rt.exists() for lease in rt.leases()]
     if users and not force:
@@ -334,13 +356,23 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
             "run 'stagefs clean' again, or pass --force to remove their data anyway."
         )
     targets = {rt.path for rt in jobs}
-    keep = frozenset(d for rt in others if rt.path not in targets and rt.leases()
-                     for d in _tier_dirs(rt.tier_records()))
+    near = {rt.path: rt for rt in [*others, *(n for job in jobs for n in job.neighbours())]}
+    keep = frozenset(d for rt in near.values() if rt.path not in targets and rt.leases()
+                     for d in rt.tier_dirs())
     removed: list[str] = []
     for rt in jobs:
         if rt.exists():
             removed += rt.remove(keep=keep)
     return removed
+
+
+def _is_runtime(entry: os.DirEntry[str]) -> bool:
+    """Is ``entry`` a job runtime directory of this user (one with leases)?"""
+    try:
+        return (entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == os.getuid()
+                and os.path.isdir(os.path.join(entry.path, "procs")))
+    except OSError:
+        return False
 
 
 def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:

@@ -24,6 +24,10 @@ This node's tier copies are its daemon's (their room, their placement): one a re
 bad is not deleted here but reported to the daemon (CHECK), which checks it, deletes it and
 places it again; this process does not read that copy meanwhile (``_dropped_here``).
 
+A process that connects holds a lease on the runtime directory until its store closes, as
+``stagefs.open``'s readers do (runtime.py): ``stagefs clean`` names it, and a daemon stopping
+with ``--clean-on-exit`` keeps the tier data this process reads.
+
 A process keeps a descriptor open for each shard of this node it reads (two for a memory
 tier's, mapped by ``read_many``): ``connect`` raises its soft open-file limit to the hard
 one, as the single-node tier chain does, and says so when even that cannot hold them.
@@ -51,6 +55,7 @@ from stagefs.errors import ClusterError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
+from stagefs.runtime import Runtime
 from stagefs.store import ReadStats, Store
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.origin import PackOrigin
@@ -320,6 +325,17 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+    # a lease on the daemon's runtime, as stagefs.open's readers take: `stagefs clean` and
+    # the daemon's --clean-on-exit keep the tier data while this process reads it
+    rt = Runtime(path).open()
+    try:
+        return _connect(rt, cmap, token, verify)
+    except BaseException:
+        rt.unregister()
+        raise
+
+
+def _connect(rt: Runtime, cmap: ClusterMap, token: bytes, verify: bool) -> Store:
     peer_timeout = float(env("PEER_TIMEOUT", "10") or 10)
     manifest = Manifest(os.path.join(cmap.pack, MANIFEST_NAME))
     if manifest.pack_id.hex() != cmap.pack_id:
@@ -328,16 +344,16 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
                            "(pack id differs); restart them")
     try:
         origin = PackOrigin(cmap.pack, manifest, check_headers=not verify)
-        holders = ClusterHolders(path, cmap, token, manifest, origin, verify=verify,
+        holders = ClusterHolders(rt.path, cmap, token, manifest, origin, verify=verify,
                                  timeout=peer_timeout)
     except BaseException:
         manifest.close()
         raise
     raise_fd_limit()  # a descriptor per shard of this node read (as the tier chain does)
     _check_fd_limit(len(holders.held_shards()), any(t.kind == "memory" for t in holders.tiers))
-    stats = os.path.join(path, "stats")  # the daemon's runtime: reads counted by holder
+    # reads counted by holder in the runtime's stats; the store's close ends the lease
     store = Store(cmap.pack, verify=verify, manifest=manifest, origin=origin, policy=holders,
-                  counters=stats if os.path.isdir(stats) else None)
+                  runtime=rt)
     holders.read_stats = store.stats
     return store
 

@@ -688,19 +688,32 @@ class Daemon:
         if self.o.clean_on_exit:
             self._clean()
 
+    def _interrupt_peers(self) -> None:
+        """End every call blocked on a peer (a hung one held the stager, and the close
+        that waits for it, for a reply deadline: 30 s, Slurm's whole KillWait), and fail
+        the next ones at once: nothing waits on a peer once the daemon stops."""
+        for c in self.peers.values():
+            c.interrupt()
+
     def _clean(self, tries: int = 20) -> None:
         """What this job staged on this node goes with it: once the job's other processes
-        on the node (being stopped with us by scancel or the job's end) are gone."""
+        on the node (its readers, being stopped with us by scancel or the job's end) are
+        gone; while one still reads, kept, and said so. Data another live job uses stays."""
         for k in range(tries):
             try:
                 for path in clean([self.lease], others=self.lease.jobs()):
                     log.info("removed %s", path)
                 return
-            except RuntimeInUseError as exc:
-                if k == tries - 1:
-                    log.warning("kept this node's tier data: %s", exc)
-                    return
-                time.sleep(0.25)
+            except RuntimeInUseError:
+                if k < tries - 1:
+                    time.sleep(0.25)
+                    continue
+                # readers (stagefs.connect) still read them: one line, what and who
+                log.warning("kept %s and %s: still used by %s; 'stagefs clean --runtime %s' "
+                            "removes them once they end",
+                            ", ".join(self.lease.tier_dirs()) or "no tier data", self.runtime,
+                            "; ".join(map(str, self.lease.leases())) or "?", self.runtime)
+                return
 
     def _gather(self) -> list[dict[str, Any] | None]:
         out: list[dict[str, Any] | None] = []
