@@ -669,6 +669,7 @@ class Daemon:
 
     def close(self) -> None:
         self.stop.set()
+        self._interrupt_peers()  # (the monitor did it already if it ran: Rereplicator.run)
         self.server.close()  # and its relay
         self._checker.shutdown(wait=True, cancel_futures=True)  # a check under way ends
         if self.pipes is not None:

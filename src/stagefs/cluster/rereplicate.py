@@ -18,6 +18,18 @@ likely: it re-replicates nothing (``isolated`` in its status), so a partitioned 
 not read the whole dataset from the origin. When the partition heals, its probes answer,
 its dead set empties, and it serves what it held: whole copies of this pack (the handshake
 and each shard header carry the pack id; every byte is verified by the reader).
+
+A peer that refuses this node's job token (or serves another pack) fails its probes as a
+silent one does, and is dead after ``dead_after`` the same way: it cannot serve this node a
+byte, so its shards need their K copies elsewhere, and the staged barrier must not wait for it
+forever. But it is a misconfiguration, not a crash, and said as one: ``refused_token`` (and
+``other_pack``) in the status, and the line that names the dead nodes says which of them
+refused. (A node whose token is the odd one out is refused by every other: isolated, it
+copies nothing.)
+
+When the daemon stops (``stop``), the monitor interrupts every call blocked on the daemon's
+peer clients (``PeerClient.interrupt``): the staged barrier's, a copy's. A hung peer held a
+stopping daemon for a reply deadline (30 s) per call, past a batch system's grace period.
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from typing import Any
 from stagefs.cluster.placement import Placement
 from stagefs.cluster.staging import Stager
 from stagefs.format import Manifest
-from stagefs.net.client import PeerClient
+from stagefs.net.client import PACK, TOKEN, PeerClient
 from stagefs.tiers.chain import TierChain
 
 __all__ = ["Health", "Rereplicator", "plan"]
@@ -184,12 +196,20 @@ class Rereplicator:
             self._changed_at = self._held = None
             self.update(dead)
 
+    def refusing(self, kind: str = TOKEN) -> list[int]:
+        """The peers that refuse this node's handshake now: another job token (``TOKEN``),
+        or another pack (``PACK``)."""
+        return sorted(n for n, c in self.peers.items() if getattr(c, "refused", None) == kind)
+
     def update(self, dead: frozenset[int]) -> None:
         if dead == self.dead:
             return
         self.generation += 1
-        log.warning("node %d: dead nodes now %s (generation %d)", self.rank,
-                    sorted(dead) or "none", self.generation)
+        refused = [n for n in (*self.refusing(TOKEN), *self.refusing(PACK)) if n in dead]
+        log.warning("node %d: dead nodes now %s (generation %d)%s", self.rank,
+                    sorted(dead) or "none", self.generation,
+                    f"; of which {sorted(refused)} refuse this node's handshake: alive, but "
+                    "another job token or pack (said above), not crashed" if refused else "")
         self.dead = dead
         reachable = self.placement.nodes - len(dead)
         self.isolated = 2 * reachable < self.placement.nodes
@@ -202,6 +222,8 @@ class Rereplicator:
         self._start_round(plan(self.placement, self.rank, dead))
 
     def run(self) -> None:
+        threading.Thread(target=self._interrupt_on_stop, name="stagefs-stop-peers",
+                         daemon=True).start()
         while not self.stop.wait(self.every):
             try:
                 self.step()
@@ -209,6 +231,15 @@ class Rereplicator:
                 log.exception("node %d: re-replication round failed", self.rank)
         self._end_round()
         self._pool.shutdown(wait=False)
+
+    def _interrupt_on_stop(self) -> None:
+        """Once the daemon stops: end every call blocked on its peers (a thread of its own:
+        the round being probed, or copied, may itself be blocked on one)."""
+        self.stop.wait()
+        for c in list(self.peers.values()):
+            interrupt = getattr(c, "interrupt", None)  # (fakes in tests may have none)
+            if interrupt is not None:
+                interrupt()
 
     # -- copying -------------------------------------------------------------------------
 
@@ -276,4 +307,7 @@ class Rereplicator:
             "from_origin_shards": self._past["origin_shards"] + (
                 st.placed_from_origin if st else 0),
             "no_room": st.no_room if st else 0,
+            # alive, but misconfigured: dead to this node all the same (a crash looks alike
+            # in "dead"; these say why)
+            "refused_token": self.refusing(TOKEN), "other_pack": self.refusing(PACK),
         }

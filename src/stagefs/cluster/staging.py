@@ -11,6 +11,12 @@ tiers and room rule, a claim per shard (so a live process's partial copy is neve
 copied, from the origin or from a peer. A file that fails is counted, logged (shard and
 file) and fetched from the next holder; the files already checked stay in the partial copy.
 A restarted daemon adopts the whole copies its tiers hold (``TierChain.scan``).
+
+A holder that refuses this node's handshake (another job token, another pack: a
+misconfiguration its client logs, naming the fix) is no source: it is counted apart
+(``peers_refused``, not ``peers_unreachable``), and its shards are not waited for as those of
+a holder still starting would be. A stager that is stopped reads nothing more from the
+origin: the daemon's stop interrupts its peer calls (``PeerClient.interrupt``), and it ends.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Any
 from stagefs.errors import AuthenticationError
 from stagefs.format import Manifest
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.client import PeerAuthenticationError, PeerClient, PeerSource
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.chain import TierChain
 
@@ -54,6 +60,7 @@ class StagingStats:
     placed_from_origin_bytes: int = 0
     no_room: int = 0  # shards that did not fit in the tiers
     peers_unreachable: int = 0
+    peers_refused: int = 0  # asked a holder that refused this node's job token (or pack)
     checksum_failures: int = 0  # files that failed their checksum while copied
     started: float = 0.0
     finished: float = 0.0
@@ -167,7 +174,11 @@ class Stager:
             return True
         if self.holders[shard][0] == self.rank:
             return self._place(shard, None) != "elsewhere"
-        live = [n for n in self._sources(shard) if not self.peers[n].is_down()]
+        # a holder that refuses this node's handshake will not give it the shard however
+        # long it is waited for (a misconfiguration, said by its client): left out, and not
+        # waited for as a holder still starting is
+        usable = [n for n in self._sources(shard) if not self._refused(n)]
+        live = [n for n in usable if not self.peers[n].is_down()]
         bad = False
         for n in live:
             if not self._peer_holds(n, shard):
@@ -178,11 +189,14 @@ class Stager:
                 continue
             return outcome != "elsewhere"
         waited = time.monotonic() - since
-        if not live and not bad and waited < min(self.unreachable_after, self.forward_timeout):
+        if not live and usable and not bad and \
+                waited < min(self.unreachable_after, self.forward_timeout):
             return False  # no holder answers yet: daemons start at different times
         late = waited > self.forward_timeout
         if not (bad or late) and not self._gone(shard, live, asked):
             return False  # its holders are still staging: wait for them
+        if self.stop.is_set():
+            return False  # stopping: not a whole shard from the origin now
         self.stats.forward_fallbacks += 1
         return self._place(shard, None) != "elsewhere"
 
@@ -198,8 +212,8 @@ class Stager:
                 try:
                     st = self.peers[n].status()
                     asked[n] = (bool(st.get("staging_done")), bool(st.get("primary_done")))
-                except (SourceUnavailable, AuthenticationError):
-                    self.stats.peers_unreachable += 1
+                except (SourceUnavailable, AuthenticationError) as exc:
+                    self._unavailable(exc)
                     asked[n] = (False, False)
             done, primary_done = asked[n]
             if n == primary and primary_done:
@@ -240,7 +254,18 @@ class Stager:
         """Does node ``n`` hold ``shard`` now? (Asks for its header: one small read.)"""
         try:
             got = self.peers[n].read([(shard, 0, SHARD_HEADER.size)])[0]
-        except (SourceUnavailable, AuthenticationError):
-            self.stats.peers_unreachable += 1
+        except (SourceUnavailable, AuthenticationError) as exc:
+            self._unavailable(exc)
             return False
         return got is not None
+
+    def _refused(self, n: int) -> bool:
+        """Does node ``n`` refuse this node's handshake now (PeerClient.refused)?"""
+        return getattr(self.peers[n], "refused", None) is not None
+
+    def _unavailable(self, exc: BaseException) -> None:
+        """Count a peer call that failed: refused (a misconfiguration), or unreachable."""
+        if isinstance(exc, PeerAuthenticationError):
+            self.stats.peers_refused += 1
+        else:
+            self.stats.peers_unreachable += 1

@@ -13,6 +13,11 @@ a peer that hangs, trickles bytes or speaks nonsense costs one deadline at most.
 probe in the background, after a growing back-off, finds it answering again. Every failure
 reaches the Store as ``PeerUnavailable``, a ``SourceUnavailable``: never an exception to the
 training job.
+
+A peer that refuses the handshake (another job token, another pack) is a misconfiguration,
+not a crash: ``refused`` says so while it lasts, and the log says it once, naming the peer and
+the fix. ``interrupt`` ends every call blocked on the peer at once (a daemon that stops must
+not wait out a hung peer's deadlines).
 """
 
 from __future__ import annotations
@@ -175,6 +180,24 @@ class PeerAuthenticationError(PeerUnavailable, AuthenticationError):
     more unavailable holder; to ``except AuthenticationError``, what went wrong."""
 
 
+class _Refusal(AuthenticationError):
+    """The handshake failed on a misconfiguration: ``kind`` is ``TOKEN`` (the two sides
+    hold different job tokens) or ``PACK`` (the peer serves another pack)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+TOKEN, PACK = "token", "pack"  # PeerClient.refused
+_FIX = {
+    TOKEN: "refused this node's job token: every node of the job must use the same token "
+           "(the same --token-file for every daemon; without one under Slurm, the same "
+           "$STAGEFS_SECRET, by default ~/.config/stagefs/secret)",
+    PACK: "serves another pack: every node of the job must serve the same ORIGIN",
+}
+
+
 @dataclass
 class ClientStats:
     requests: int = 0  # replies received
@@ -217,6 +240,9 @@ class PeerClient:
         # otherwise (the node daemon: a probe on another connection); None: ``timeout``
         self.patience: Patience | None = None
         self._reported: dict[int, float] = {}  # shard -> when its copy was reported bad
+        # the peer's refusal of our handshake while it lasts (TOKEN, PACK), else None
+        self.refused: str | None = None
+        self._interrupted = False  # ``interrupt``: every call fails at once from now on
         self.stats = ClientStats()
         self._ids = itertools.count(1)
         tune_malloc()  # replies become sample-sized bytes: keep their memory for reuse
@@ -233,6 +259,8 @@ class PeerClient:
         self._gen = 0
         self._born: weakref.WeakKeyDictionary[socket.socket, int] = \
             weakref.WeakKeyDictionary()
+        # every socket made, from before it connects: ``interrupt`` shuts down those in use
+        self._made: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         answered_at = getattr(self, "health", None)
         self.health = PeerHealth(self.name, self.probe, self._clock, backoff=self.backoff_range,
                                  lock=self._lock, on_suspect=self._free.notify_all)
@@ -286,6 +314,8 @@ class PeerClient:
         STATUS (a probe every second opens no connection); else a new one is made, which
         proves the token, and joins the pool."""
         self._check_fork()
+        if self._interrupted:
+            return False
         self.stats.probes += 1
         with self._lock:
             sock = self._idle.pop() if self._idle else None
@@ -311,9 +341,11 @@ class PeerClient:
         self.health.wait_probe(timeout)
 
     def _failed(self, sock: socket.socket | None, exc: BaseException) -> None:
-        self.stats.failures += 1
         if sock is not None:
             sock.close()
+        if self._interrupted:  # our own doing (``interrupt``), not the peer's
+            return
+        self.stats.failures += 1
         self.health.failed(exc)
         with self._lock:
             idle, self._idle = self._idle, []
@@ -339,21 +371,13 @@ class PeerClient:
 
     def _connect(self) -> socket.socket:
         """A new authenticated connection, or PeerUnavailable (the failure counted)."""
+        self._check_open()
         self.stats.attempts += 1
         sock: socket.socket | None = None
         try:
             try:
-                if self.unix is not None:
-                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    sock.settimeout(self.connect_timeout)
-                    sock.connect(self.unix)
-                else:
-                    sock = socket.create_connection((self.host, self.port),
-                                                    self.connect_timeout)
+                sock = self._dial()
             except OSError as exc:
-                if sock is not None:
-                    sock.close()
-                    sock = None
                 raise PeerUnavailable(f"{self.name}: cannot connect ({exc})") from exc
             if self.unix is None:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -364,6 +388,8 @@ class PeerClient:
             raise
         except AuthenticationError as exc:
             self._failed(sock, exc)
+            if not self._interrupted:
+                self._refused(exc)
             raise PeerAuthenticationError(str(exc)) from None
         except (OSError, ProtocolError) as exc:
             self._failed(sock, exc)
@@ -376,7 +402,78 @@ class PeerClient:
         self.stats.connects += 1
         with self._lock:
             self._born[sock] = self._gen
+            interrupted = self._interrupted
+        if interrupted:  # (after interrupt looked at the sockets made)
+            sock.close()
+            self._check_open()
+        if self.refused is not None:
+            self.refused = None
+            log.info("%s accepts this node's handshake again", self._who())
         return sock
+
+    def _dial(self) -> socket.socket:
+        """A connected socket (within ``connect_timeout`` for each address tried), known to
+        ``interrupt`` from before it connects."""
+        if self.unix is not None:
+            targets: list[tuple[int, Any]] = [(socket.AF_UNIX, self.unix)]
+        else:
+            targets = [(family, addr) for family, _, _, _, addr in
+                       socket.getaddrinfo(self.host, self.port, 0, socket.SOCK_STREAM)]
+        err: OSError = OSError(errno.EADDRNOTAVAIL, f"no address for {self.host}")
+        for family, addr in targets:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            with self._lock:
+                self._made.add(sock)
+                interrupted = self._interrupted
+            try:
+                if interrupted:
+                    raise OSError(errno.ECANCELED, "interrupted")
+                sock.settimeout(self.connect_timeout)
+                sock.connect(addr)
+            except OSError as exc:
+                sock.close()
+                err = exc
+                continue
+            return sock
+        raise err
+
+    def _who(self) -> str:
+        """The peer's name and address, for the log."""
+        where = f"unix:{self.unix}" if self.unix is not None else f"{self.host}:{self.port}"
+        return self.name if where == self.name else f"{self.name} ({where})"
+
+    def _refused(self, exc: AuthenticationError) -> None:
+        """The peer refused our handshake (or failed its own): ``refused`` says so, and the
+        log once until it accepts again (a peer probed every second was one line each)."""
+        kind = exc.kind if isinstance(exc, _Refusal) else TOKEN
+        if self.refused == kind:
+            return
+        self.refused = kind
+        log.warning("%s %s; skipped until it accepts (its shards read from other holders)",
+                    self._who(), _FIX[kind])
+
+    def _check_open(self) -> None:
+        """PeerUnavailable once ``interrupt`` has been called."""
+        if self._interrupted:
+            raise PeerUnavailable(f"{self.name}: client interrupted (its owner stops)")
+
+    def interrupt(self) -> None:
+        """End every call on this peer now, from any thread, and fail the next ones at
+        once (PeerUnavailable, not counted against the peer): its owner stops (a daemon on
+        SIGTERM) and must not wait out the deadlines of a peer that hangs. The sockets in use
+        are shut down, which wakes a thread blocked on one (closing it would not), and those
+        in the pool closed."""
+        self._check_fork()
+        with self._free:
+            self._interrupted = True
+            idle, self._idle = self._idle, []
+            made = list(self._made)
+            self._free.notify_all()  # a call waiting for a pooled connection
+        for s in made:
+            with contextlib.suppress(OSError):  # (closed already: nothing to wake)
+                s.shutdown(socket.SHUT_RDWR)
+        for s in idle:
+            s.close()
 
     def _handshake(self, sock: socket.socket, dl: Deadline) -> None:
         msg = recv_message(sock, 4096, deadline=dl)
@@ -385,29 +482,32 @@ class PeerClient:
         if not isinstance(msg, P.Challenge):
             raise ProtocolError(f"{self.name}: expected CHALLENGE, got {type(msg).__name__}")
         if self.pack_id is not None and msg.pack_id != self.pack_id:
-            raise AuthenticationError(f"{self.name}: serves another dataset (pack id differs)")
+            raise _Refusal(PACK, f"{self.name}: serves another dataset (pack id differs)")
         nc = auth.new_nonce()
         send_message(sock, P.Auth(nc, auth.client_proof(self._token, msg.nonce, nc)), dl)
         reply = recv_message(sock, 4096, deadline=dl)
         if isinstance(reply, P.Error):
             if reply.code != P.E_AUTH:
                 raise PeerUnavailable(f"{self.name}: refused: {reply.message}")
-            raise AuthenticationError(f"{self.name}: {reply.message} (wrong job token?)")
+            raise _Refusal(TOKEN, f"{self.name}: {reply.message} (wrong job token?)")
         if not isinstance(reply, P.AuthOk):
             raise ProtocolError(f"{self.name}: expected AUTH_OK, got {type(reply).__name__}")
         if not auth.verify(auth.server_proof(self._token, msg.nonce, nc), reply.mac):
-            raise AuthenticationError(f"{self.name}: the server could not prove the job token")
+            raise _Refusal(TOKEN, f"{self.name}: the server could not prove the job token")
 
     def _take(self) -> tuple[socket.socket, bool]:
         """A connection (from the pool: True), or PeerUnavailable if the peer is suspect.
         At most ``pool_size`` are out at once: a caller that finds them all busy waits for
         one (its request then goes on it, pipelined behind no other); ``_release`` after."""
+        self._check_open()
         if self.suspect():
             self.stats.skipped += 1
             raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")
         with self._free:
             ok = self._free.wait_for(lambda: self._idle or self._out < self.pool_size
-                                     or self.health.retry_at is not None, self.timeout)
+                                     or self.health.retry_at is not None
+                                     or self._interrupted, self.timeout)
+            self._check_open()
             if self.health.retry_at is not None:  # found slow or failing while it waited
                 self.stats.skipped += 1
                 raise PeerUnavailable(f"{self.name}: suspect after a recent failure; skipped")

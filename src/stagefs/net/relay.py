@@ -251,6 +251,7 @@ class Relay:
         self._scratch = bytearray(_SCRATCH)
         self._connector: ThreadPoolExecutor | None = None
         self._closed = False
+        self._probes: set[_Query] = set()  # waited for by callers of ``probe`` now
 
     def attach(self, loop: Loop) -> None:
         self._loop = loop
@@ -405,13 +406,21 @@ class Relay:
         """Ask ``peer`` for its STATUS on the relay's connection (made again if it failed,
         whatever the peer's back-off) and wait for the answer (from any thread but the
         loop's): True if it came within ``timeout`` seconds. An answer clears the peer's
-        suspicion; none within ``timeout`` fails the connection (the peer is suspect)."""
+        suspicion; none within ``timeout`` fails the connection (the peer is suspect).
+        Closing the relay ends the wait at once (False): a probe handed to a loop that has
+        ended was waited for to its timeout, holding up the daemon's stop."""
         loop = self._loop
-        if loop is None or self._closed:
+        if loop is None:
             return False
         q = _Query()
-        loop.soon(lambda: self._request(peer, q, P.StatusRequest(), timeout))
-        q.event.wait(timeout + 1.0)  # set by the answer, or by the connection's failure
+        self._probes.add(q)
+        try:
+            if self._closed:  # (after the add: close sets every event it finds)
+                return False
+            loop.soon(lambda: self._request(peer, q, P.StatusRequest(), timeout))
+            q.event.wait(timeout + 1.0)  # set by the answer, the connection's failure, close
+        finally:
+            self._probes.discard(q)
         return q.answered
 
     def _hedge(self, part: _Part) -> None:
@@ -764,6 +773,8 @@ class Relay:
 
     def close(self) -> None:
         self._closed = True
+        for q in list(self._probes):  # not answered now: the callers go on
+            q.event.set()
         for up in list(self._ups.values()):
             self._close(up)
         if self._connector is not None:

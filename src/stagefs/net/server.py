@@ -22,7 +22,9 @@ deadline for the whole handshake, so slow, silent or hostile connections never t
 slots that authenticated peers need. Authenticated connections are limited only by the
 descriptors the process may open (``_fsutil.raise_fd_limit``), less a reserve. Once a request frame
 begins, all of it must arrive within a total deadline too; a malformed frame closes that
-connection, and only that one.
+connection, and only that one. A handshake that fails to prove the job token is counted
+(``auth_failures``) and logged for the first few of each source address only, then summed up
+in one line a minute at most (``AuthFailures``): whoever reaches the port cannot flood the log.
 
 Requests from a Unix-socket reader for shards this node does not hold go to ``relay``
 (net/relay.py: the node's peers, from this same loop, which it drives through ``watch``,
@@ -58,7 +60,8 @@ from stagefs.net import protocol as P
 from stagefs.net.pipes import Piped
 from stagefs.net.relay import Relay
 
-__all__ = ["HeldFiles", "ServerLimits", "ServerStats", "ShardServer", "connection_room"]
+__all__ = ["AuthFailures", "HeldFiles", "ServerLimits", "ServerStats", "ShardServer",
+           "connection_room"]
 
 log = logging.getLogger("stagefs.server")
 
@@ -163,13 +166,15 @@ _HANDSHAKE, _READY, _CLOSED = 0, 1, 2
 
 class _Conn:
     __slots__ = ("authed_at", "closed", "deadline", "decoder", "events", "fd", "frame_at",
-                 "held", "io_at", "last", "nonce", "replies", "sock", "state", "taking",
-                 "unix", "where")
+                 "held", "io_at", "last", "nonce", "replies", "sock", "source", "state",
+                 "taking", "unix", "where")
 
-    def __init__(self, sock: socket.socket, where: str, unix: bool, now: float) -> None:
+    def __init__(self, sock: socket.socket, where: str, unix: bool, now: float,
+                 source: str = "") -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.where = where
+        self.source = source or where  # the peer's address, without its port
         self.unix = unix
         self.state = _HANDSHAKE
         self.closed = False
@@ -315,6 +320,74 @@ class HeldFiles:
             os.close(fd)
 
 
+class AuthFailures:
+    """What the log says of failed handshakes (a peer that did not prove the job token),
+    with no I/O: ``failed`` gives the line to log now, if any. The first ``per_source``
+    failures of each source address get a line each (a node of the job given another token
+    is named there, by its address); the others are summed up in one line at most every
+    ``every`` seconds (``summary``: how many, from how many addresses, since when, and the
+    addresses most of them came from). One WARNING line per failed handshake let anyone who
+    reaches the port write the log without limit (17,000 lines in 5 s). At most ``sources``
+    addresses are remembered. ``clock``: seconds, monotonic; ``wall``: seconds since the
+    epoch, to say since when."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, *, per_source: int = 3,
+                 every: float = 60.0, sources: int = 1024) -> None:
+        self.clock, self.wall = clock, wall
+        self.per_source, self.every, self.sources = per_source, every, sources
+        self._said: dict[str, int] = {}  # source -> its failures that had a line
+        self._quiet: dict[str, int] = {}  # source -> its failures not said since the summary
+        self._quiet_more = 0  # and those of sources past ``sources``
+        self._since = 0.0  # (wall) the first failure not said
+        self._summed_at: float | None = None  # (clock) the last summary, or the first failure
+
+    def failed(self, source: str, where: str) -> str | None:
+        """A failed handshake from ``source`` (an address) on ``where`` (the connection, as
+        the log names it): the line to log now, or None."""
+        if self._summed_at is None:
+            self._summed_at = self.clock()  # the first summary comes ``every`` after this
+        said = self._said.get(source, 0)
+        if said < self.per_source and (said or len(self._said) < self.sources):
+            self._said[source] = said + 1
+            more = (f"; the next failures from {source} are summed up, in a line a minute "
+                    "at most" if said + 1 == self.per_source else "")
+            return (f"{where} did not prove the job token; refused (a node or a reader with "
+                    f"another token, or a stranger){more}")
+        if not self._quiet and not self._quiet_more:
+            self._since = self.wall()
+        if source in self._quiet or len(self._quiet) < self.sources:
+            self._quiet[source] = self._quiet.get(source, 0) + 1
+        else:
+            self._quiet_more += 1
+        return self.summary()
+
+    def due(self) -> float | None:
+        """When (``clock``) the failures not said yet may be summed up; None: there are none."""
+        if not self._quiet and not self._quiet_more:
+            return None
+        return (0.0 if self._summed_at is None else self._summed_at) + self.every
+
+    def summary(self, now: bool = False) -> str | None:
+        """The line that sums up the failures not said yet, if it is due (``now``: whether
+        or not, as the server closes); None if there is none to say."""
+        due = self.due()
+        if due is None or (not now and self.clock() < due):
+            return None
+        n = sum(self._quiet.values()) + self._quiet_more
+        top = sorted(self._quiet.items(), key=lambda kv: -kv[1])[:3]
+        addresses = len(self._quiet) + (1 if self._quiet_more else 0)
+        line = (f"{n} failed authentication{'s' * (n != 1)} from "
+                f"{addresses}{'+' * bool(self._quiet_more)} address"
+                f"{'es' * (addresses != 1)} since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self._since))} (the "
+                f"first {self.per_source} of each address logged; most from "
+                f"{', '.join(f'{a} ({k})' for a, k in top)}): refused")
+        self._quiet, self._quiet_more = {}, 0
+        self._summed_at = self.clock()
+        return line
+
+
 class ShardServer:
     """Serve ranges of the shards ``locate(shard)`` finds on this node (None: not held), to
     peers over TCP at ``host:port`` and, with ``unix_path``, to this node's readers over a
@@ -340,6 +413,8 @@ class ShardServer:
         # the loop; what it says back (the daemon's _check_shard)
         self.check = check
         self.stats = ServerStats()
+        self.auth_failures = AuthFailures()  # what the log says of them (a test's clock)
+        self._auth_timer: _Timer | None = None  # their summary to come
         self._sizes = [s.size for s in manifest.shards]
         self._held = HeldFiles(manifest, locate)
         self._lock = threading.Lock()
@@ -527,7 +602,7 @@ class ShardServer:
                 return
             where = "reader (unix socket)" if lst.unix else f"peer {peer[0]}:{peer[1]}"
             try:
-                self._admit(sock, where, lst.unix)
+                self._admit(sock, where, lst.unix, "unix socket" if lst.unix else peer[0])
             except Exception as exc:
                 _say_once(exc, f"cannot take a connection of a {where}; closed")
                 sock.close()
@@ -561,7 +636,7 @@ class ShardServer:
         self._spare = None
         return True
 
-    def _admit(self, sock: socket.socket, where: str, unix: bool) -> None:
+    def _admit(self, sock: socket.socket, where: str, unix: bool, source: str = "") -> None:
         """Take a new connection into the unauthenticated set, dropping the oldest one there
         if the set is full; refuse it if every authenticated slot is taken."""
         if len(self._authed) >= self._cap():
@@ -581,7 +656,7 @@ class ShardServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
         now = time.monotonic()
-        conn = _Conn(sock, where, unix, now)
+        conn = _Conn(sock, where, unix, now, source)
         self._pending[conn] = None
         self.stats.connections += 1
         self.stats.active += 1
@@ -685,7 +760,7 @@ class ShardServer:
             raise ProtocolError(f"expected AUTH, got {type(msg).__name__}")
         if not auth.verify(auth.client_proof(self.token, conn.nonce, msg.nonce), msg.mac):
             self.stats.auth_failures += 1
-            log.warning("%s did not prove the job token; refused", conn.where)
+            self._auth_failed(conn)
             self._fail(conn, P.E_AUTH, "job token not proven: refused")
             return
         del self._pending[conn]
@@ -706,6 +781,30 @@ class ShardServer:
             st.tcp_peak = max(st.tcp_peak, st.tcp_peers)
         self._queue(conn, P.encode_parts(P.AuthOk(auth.server_proof(self.token, conn.nonce,
                                                                      msg.nonce))))
+
+    def _auth_failed(self, conn: _Conn) -> None:
+        """Log a failed handshake as ``AuthFailures`` says: its line, or a summary of the
+        others later (a timer of the loop, so the last of a burst is said too)."""
+        line = self.auth_failures.failed(conn.source, conn.where)
+        if line is not None:
+            log.warning("%s", line)
+        self._arm_auth_summary()
+
+    def _arm_auth_summary(self) -> None:
+        due = self.auth_failures.due()
+        if due is not None and self._auth_timer is None:
+            self._auth_timer = self.later(max(0.0, due - self.auth_failures.clock()),
+                                          self._auth_summary)
+
+    def _auth_summary(self, final: bool = False) -> None:
+        """Say the summary of the failed handshakes if it is due (``final``: now, as the
+        server closes), and arm the timer for the next one."""
+        self._auth_timer = None
+        line = self.auth_failures.summary(now=final)
+        if line is not None:
+            log.warning("%s", line)
+        if not final:
+            self._arm_auth_summary()
 
     def _read(self, conn: _Conn, req: P.Read) -> None:
         st = self.stats
@@ -1024,6 +1123,7 @@ class ShardServer:
             self._torn_down = True
         if self.relay is not None:
             self.relay.close()
+        self._auth_summary(final=True)  # the failed handshakes not said yet
         for conn in [*self._authed, *self._pending]:
             self._close(conn)
         for lst in self._listeners:
