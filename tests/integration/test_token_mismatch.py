@@ -89,6 +89,14 @@ def test_nodes_with_different_tokens_say_so(tmp_path: Path) -> None:
             refused = [line for line in text.splitlines() if "did not prove the job token" in
                        line or "failed authentication" in line]
             assert len(refused) <= 4, refused
+        # `stagefs status`, as a user reads it: the other node refuses, not "unreachable"
+        st = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                             os.path.join(work, "rt0")], capture_output=True, text=True,
+                            timeout=60)
+        row = [line for line in st.stdout.splitlines() if line.startswith("1 ")]
+        assert row and "refuses the job token" in row[0], st.stdout
+        assert "node(s) 1 refuse the others' handshake" in st.stderr, st.stderr
+        assert "same job token" in st.stderr
     finally:
         codes = [stop(d) for d in daemons]
     assert codes == [0, 0], [tail(p) for p in logs]

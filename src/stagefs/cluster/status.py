@@ -55,10 +55,23 @@ def cluster_status(runtime: str | None, timeout: float = 3.0
     return cmap, nodes
 
 
-def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None) -> list[str]:
+def _refusing(nodes: list[dict[str, Any] | None]) -> dict[int, str]:
+    """The nodes the others say refuse their handshake: another job token, or another
+    pack (a misconfiguration, not a crash: said apart from unreachable)."""
+    out: dict[int, str] = {}
+    for s in nodes:
+        r = (s or {}).get("rereplication") or {}
+        out.update({int(n): "refuses the job token" for n in r.get("refused_token", ())})
+        out.update({int(n): "serves another pack" for n in r.get("other_pack", ())})
+    return out
+
+
+def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None,
+         refusing: dict[int, str] | None = None) -> list[str]:
     addr = f"{cmap.nodes[n][0]}:{cmap.nodes[n][1]}"
     if s is None:
-        return [str(n), addr, "unreachable", "-", "-", "-", "-", "-", "-", "-"]
+        state = (refusing or {}).get(n, "unreachable")
+        return [str(n), addr, state, "-", "-", "-", "-", "-", "-", "-"]
     st = s["staging"]
     share = (f"{st['shards_held']}/{st['shards_assigned']} shards, "
              f"{format_size(st['bytes_held'])} "
@@ -139,7 +152,8 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         head = ["node", "address", "state", "staged share", "tier use", "served",
                 "tcp/unix/refused", "relayed for readers", "peers unreachable now",
                 "checksum failures"]
-        rows = [head] + [_row(n, cmap, s) for n, s in enumerate(nodes)]
+        refusing = _refusing(nodes)
+        rows = [head] + [_row(n, cmap, s, refusing) for n, s in enumerate(nodes)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         print(f"cluster of {cmap.size} nodes serving {cmap.pack} "
               f"(replicas {cmap.replicas}{', replicate-all ' + ' '.join(cmap.replicate_all) if cmap.replicate_all else ''})")
@@ -153,6 +167,11 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
     if down:
         print(f"{down} node(s) unreachable: reads of their shards go to replicas or the "
               "origin", file=sys.stderr)
+    refused = sorted(n for n in _refusing(nodes) if nodes[n] is None)
+    if refused:
+        print(f"node(s) {', '.join(map(str, refused))} refuse the others' handshake: "
+              "every node of the job must use the same job token (the same --token-file, "
+              "or under Slurm the same $STAGEFS_SECRET) and the same pack", file=sys.stderr)
     if wait_staged is not None:
         if not staged:
             print("not every node has staged yet", file=sys.stderr)
