@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import make_pack, start, tail
 
+from fake_peer import FakePeer
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.integration
 STOP_BOUND = 15.0  # seconds: see the module's docstring
 
 
-class FakeNode:
+class FakeNode(FakePeer):
     """Node 1: proves the token, answers every READ "not held" and STATUS "not staged"
     (so node 0 copies its shards from the origin and then waits in the staged barrier);
     after ``hang``, answers nothing. ``held`` is set once a request is left unanswered on a
@@ -44,61 +45,35 @@ class FakeNode:
     the barrier uses after it), or on any connection with ``on_any``."""
 
     def __init__(self, token: bytes, pack_id: bytes) -> None:
-        self.token, self.pack_id = token, pack_id
-        self.lst = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lst.getsockname()[1]
+        super().__init__(token, pack_id)
         self.hung = threading.Event()
         self.held = threading.Event()
         self.on_any = False
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
 
     def hang(self, on_any: bool = False) -> None:
         self.on_any = on_any
         self.hung.set()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.lst.accept()
-            except OSError:
-                return
-            self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            ns = auth.new_nonce()
-            conn.sendall(P.encode(P.Challenge(ns, self.pack_id)))
-            msg = recv_message(conn, 4096)
-            if not isinstance(msg, P.Auth) or not auth.verify(
-                    auth.client_proof(self.token, ns, msg.nonce), msg.mac):
-                return
-            conn.sendall(P.encode(P.AuthOk(auth.server_proof(self.token, ns, msg.nonce))))
-            carried_read = False
-            while True:
-                msg = recv_message(conn)
-                if self.hung.is_set():
-                    if carried_read or self.on_any:
-                        self.held.set()
-                    continue  # never answered
-                if isinstance(msg, P.Read):
-                    carried_read = True
-                    n = len(msg.ranges)
-                    conn.sendall(P.encode(P.Data(msg.request_id, (None,) * n,
-                                                 (P.NOT_HELD,) * n)))
-                elif isinstance(msg, P.StatusRequest):
-                    conn.sendall(P.encode(P.Status({"staging_done": False,
-                                                    "primary_done": True})))
-                else:
-                    conn.sendall(P.encode(P.Status({"check": "not checked here"})))
-        except (OSError, ValueError):
+    def serve(self, conn: socket.socket) -> None:
+        if not self.handshake(conn):
             return
-
-    def close(self) -> None:
-        self.lst.close()
-        for c in self._conns:
-            c.close()
+        carried_read = False
+        while True:
+            msg = recv_message(conn)
+            if self.hung.is_set():
+                if carried_read or self.on_any:
+                    self.held.set()
+                continue  # never answered
+            if isinstance(msg, P.Read):
+                carried_read = True
+                n = len(msg.ranges)
+                conn.sendall(P.encode(P.Data(msg.request_id, (None,) * n,
+                                             (P.NOT_HELD,) * n)))
+            elif isinstance(msg, P.StatusRequest):
+                conn.sendall(P.encode(P.Status({"staging_done": False,
+                                                "primary_done": True})))
+            else:
+                conn.sendall(P.encode(P.Status({"check": "not checked here"})))
 
 
 @pytest.fixture()

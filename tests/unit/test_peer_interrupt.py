@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from fake_peer import FakePeer
 from stagefs.cluster.placement import place
 from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.net import auth
-from stagefs.net import protocol as P
 from stagefs.net.client import PeerClient, PeerUnavailable
 from stagefs.net.relay import Relay
 from stagefs.net.sockio import recv_message
@@ -28,50 +28,24 @@ from stagefs.net.sockio import recv_message
 BOUND = 60.0  # seconds; the deadlines are 300
 
 
-class HungPeer:
+class HungPeer(FakePeer):
     """A peer that proves the job token (unless ``handshake`` is False: it then says
     nothing at all), then never answers a request: a daemon stopped after its handshake."""
 
     def __init__(self, token: bytes, handshake: bool = True) -> None:
-        self.token = token
-        self.handshake = handshake
-        self.lst = socket.create_server(("127.0.0.1", 0))
-        self.address = self.lst.getsockname()[:2]
+        super().__init__(token)
+        self.answers = handshake
         self.requests = threading.Semaphore(0)  # one release per request held
-        self.accepted = threading.Semaphore(0)
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.lst.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            self.accepted.release()
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        try:
-            if not self.handshake:
-                conn.recv(1)  # until the client goes
-                return
-            ns = auth.new_nonce()
-            conn.sendall(P.encode(P.Challenge(ns, b"\0" * 16)))
-            msg = recv_message(conn, 4096)
-            assert isinstance(msg, P.Auth)
-            conn.sendall(P.encode(P.AuthOk(auth.server_proof(self.token, ns, msg.nonce))))
-            while True:
-                recv_message(conn)
-                self.requests.release()  # and never answered
-        except (OSError, AssertionError):
+    def serve(self, conn: socket.socket) -> None:
+        if not self.answers:
+            conn.recv(1)  # until the client goes
             return
-
-    def close(self) -> None:
-        self.lst.close()
-        for c in self.conns:
-            c.close()
+        if not self.handshake(conn):
+            return
+        while True:
+            recv_message(conn)
+            self.requests.release()  # and never answered
 
 
 @pytest.fixture()
