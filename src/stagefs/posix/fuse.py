@@ -78,7 +78,10 @@ _CAP_CACHE_SYMLINKS = 1 << 23
 MAX_READ = 1 << 20  # bytes per read request (the kernel's default is 128 KiB)
 MAX_BACKGROUND = 64  # read requests (read-ahead) the kernel keeps in flight (default 12)
 _RECENT_FILES = 64  # small files kept whole (at most 4 MiB each) while the kernel reads them
-_OPEN_READERS = 32  # large-file readers kept open
+_OPEN_READERS = 16  # large files whose last pieces read are kept (Pieces)
+# bytes of pieces kept per large file (at least two pieces): the kernel's READs of it come
+# unaligned and out of order, up to a few MiB apart (4 MiB kept still read pieces again)
+_PIECES_KEPT = 8 << 20
 FUSE_IDLE_THREADS = 10  # libfuse's worker threads kept waiting for requests
 
 
@@ -110,22 +113,57 @@ def is_mounted(mountpoint: str) -> bool:
     """Whether a file system is mounted exactly at ``mountpoint`` (per /proc/self/mountinfo)."""
     target = os.path.realpath(mountpoint)
     try:
-        return _mount_device(target) is not None
+        return _mount_at(target) is not None
     except OSError:
         return os.path.ismount(target)
 
 
-def _mount_device(mountpoint: str) -> str | None:
-    """The ``major:minor`` of the file system mounted at ``mountpoint`` (the topmost, and
-    its BDI's name in /sys/class/bdi), or None; read from /proc/self/mountinfo, which asks
-    no file system."""
-    dev = None
+_FSTYPE = "fuse.stagefs"  # what /proc/self/mountinfo calls a stagefs mount (its subtype)
+
+
+def _unescape(field: bytes) -> bytes:
+    """A path as /proc/self/mountinfo writes it, with its octal escapes (``\\040`` for a
+    space, ``\\012`` for a newline, ``\\134`` for a backslash) undone; bytes, since a
+    name need not be ASCII (decoding it as one made a mount point named ``données`` never
+    mounted: ``stagefs mount`` waited 60 s and killed a server that was serving)."""
+    if b"\\" not in field:
+        return field
+    out = bytearray()
+    i = 0
+    while i < len(field):
+        c = field[i : i + 4]
+        if len(c) == 4 and c[:1] == b"\\" and all(48 <= d <= 55 for d in c[1:]):
+            out.append(int(c[1:], 8))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return bytes(out)
+
+
+def _mount_at(mountpoint: str) -> tuple[str, str, str] | None:
+    """The file system mounted at ``mountpoint`` (the topmost), per /proc/self/mountinfo,
+    which asks no file system: its ``major:minor`` (its BDI's name in /sys/class/bdi), its
+    type (``fuse.stagefs`` for a stagefs mount) and its source; or None."""
+    want = os.fsencode(mountpoint)
+    found = None
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
-            fields = line.split(b" ")
-            if fields[4].decode("unicode_escape") == mountpoint:
-                dev = fields[2].decode()
-    return dev
+            fields = line.rstrip(b"\n").split(b" ")
+            if _unescape(fields[4]) != want:
+                continue
+            rest = fields[fields.index(b"-", 6) + 1 :] if b"-" in fields[6:] else []
+            fstype = rest[0].decode(errors="replace") if rest else ""
+            source = os.fsdecode(_unescape(rest[1])) if len(rest) > 1 else ""
+            found = (fields[2].decode(), fstype, source)
+    return found
+
+
+def _mount_device(mountpoint: str) -> str | None:
+    """The ``major:minor`` of the file system mounted at ``mountpoint`` (the topmost, and
+    its BDI's name in /sys/class/bdi), or None."""
+    at = _mount_at(mountpoint)
+    return at[0] if at else None
 
 
 def raise_readahead(mountpoint: str, kib: int = MAX_READ >> 10) -> int | None:
@@ -448,6 +486,66 @@ class Whole:
         return data
 
 
+class Pieces:
+    """A large raw file's verified pieces, the last ``keep`` bytes of them read, for the kernel's READs of
+    it: each piece is read (and verified, and counted) once for all the READs that want it
+    while it is kept, however they come: unaligned to pieces, out of order, at once (the
+    kernel keeps up to ``MAX_BACKGROUND`` READs of read-ahead in flight, answered by
+    several threads). A READ that wants a piece being read waits for that read.
+
+    Before, one file object served a file's READs one at a time, keeping only the span of
+    its last read: a READ behind it read and counted its pieces again (``sha256sum`` of a
+    70 MiB file counted 73 MiB read: ``stagefs status`` said more than was read)."""
+
+    def __init__(self, store: Any, e: int, path: str, keep: int = _PIECES_KEPT) -> None:
+        self.store, self.e, self.path = store, e, path
+        self.size = int(store.manifest.size[e])
+        self.piece = int(store.manifest.piece_size)
+        self.keep = max(2, keep // self.piece)
+        self._pieces: dict[int, Future[bytes]] = {}  # most recent last
+        self._lock = threading.Lock()
+
+    def read(self, offset: int, size: int) -> bytes:
+        end = min(self.size, offset + size)
+        parts = []
+        pos = offset
+        while pos < end:
+            k = pos // self.piece
+            data = self._get(k)
+            rel = pos - k * self.piece
+            part = data[rel : rel + end - pos]
+            if not part:
+                break
+            parts.append(part)
+            pos += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _get(self, k: int) -> bytes:
+        with self._lock:
+            f = self._pieces.pop(k, None)
+            mine = f is None
+            if f is None:
+                f = Future()
+            self._pieces[k] = f
+            while len(self._pieces) > self.keep:  # the oldest read (not one being read)
+                old = next((x for x, v in self._pieces.items() if v.done()), None)
+                if old is None:
+                    break
+                del self._pieces[old]
+        if not mine:
+            return f.result()  # another READ's read of it, or its error
+        try:  # a sample for the read of the first piece: a read from the start of the file
+            data: bytes = self.store.read_entry(self.e, self.path, k * self.piece, self.piece)
+        except BaseException as exc:
+            with self._lock:
+                if self._pieces.get(k) is f:  # the next READ tries again
+                    del self._pieces[k]
+            f.set_exception(exc)
+            raise
+        f.set_result(data)
+        return data
+
+
 class _Kept:
     __slots__ = ("data", "started")
 
@@ -548,7 +646,7 @@ def _guarded_items(failures: Failures, op: str, path: str | None,
 
 def _operations(store: Any, mountpoint: str) -> Any:
     fusepy = _binding()
-    from stagefs.fileobj import WHOLE_READ_LIMIT, open_entry
+    from stagefs.fileobj import WHOLE_READ_LIMIT
 
     ns = store.namespace
     m = store.manifest
@@ -557,7 +655,7 @@ def _operations(store: Any, mountpoint: str) -> Any:
         use_ns = True
 
         def __init__(self) -> None:
-            self._readers: dict[int, list[Any]] = {}  # entry → [file object, its lock]
+            self._readers: dict[int, Pieces] = {}  # large files, most recent last
             self._lock = threading.Lock()
             self._no_open = False
             self.pusher: Pusher | None = None
@@ -656,25 +754,19 @@ def _operations(store: Any, mountpoint: str) -> Any:
             try:  # the data: EIO whatever fails (Failures)
                 if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
                     return self._whole.read(e, path, offset == 0)[offset : offset + size]
-                h = self._large(e, path)
-                with h[1]:
-                    h[0].seek(offset)
-                    return bytes(h[0].read(size))
+                return self._large(e, path).read(offset, size)
             except Exception as exc:
                 raise self.failures.unreadable(e, path, exc) from None
 
-        def _large(self, e: int, path: str) -> list[Any]:
-            """A reader of a large file (each range verified by piece), kept while in use."""
+        def _large(self, e: int, path: str) -> Pieces:
+            """The pieces of a large file read lately, kept while it is in use."""
             with self._lock:
                 h = self._readers.pop(e, None)
                 if h is None:
-                    h = [open_entry(store, e, path, "rb", -1, per_open=False),
-                         threading.Lock()]
+                    h = Pieces(store, e, path)
                 self._readers[e] = h  # most recent last
                 while len(self._readers) > _OPEN_READERS:
-                    old = self._readers.pop(next(iter(self._readers)))
-                    with old[1]:
-                        old[0].close()
+                    del self._readers[next(iter(self._readers))]
             return h
 
         @_guarded
@@ -790,6 +882,16 @@ def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
     mp = os.path.abspath(mountpoint)
     if not is_mounted(mp):
         raise ConfigError(f"{mp} is not mounted")
+    try:
+        at = _mount_at(os.path.realpath(mp))
+    except OSError:
+        at = None
+    if at is not None and at[1] != _FSTYPE:
+        # fusermount3 and umount unmount whatever is there: a tmpfs, a bind mount, /proc
+        raise ConfigError(
+            f"{mp} is not a stagefs mount (it is a {at[1] or 'file system'} mount of "
+            f"{at[2] or 'an unknown source'}): stagefs umount only ends what stagefs mount "
+            "started; use umount for anything else")
     server_log = _server_log(mp)  # while the server runs
     errors = []
     for cmd in (["fusermount3", "-u", mp], ["fusermount", "-u", mp], ["umount", mp]):

@@ -498,6 +498,41 @@ static int needs_walk(const char *p) {
     return strstr(p, "/.") || strstr(p, "//") || (p[0] == '.' && (p[1] == 0 || p[1] == '/' || p[1] == '.'));
 }
 
+/* May a relative path taken from a real directory enter the tree? Only through "..", or
+ * through a name of the root's own path (its first component, after any "./", is one of
+ * the root's: `tar -C /data imagenet` with --at /data/imagenet asks fstatat(fd of /data,
+ * "imagenet")). No system call: most *at calls with a real directory pass straight on. */
+static int may_enter(const char *p) {
+    while (p[0] == '.' && (p[1] == '/' || p[1] == 0)) { p++; while (*p == '/') p++; }
+    size_t cl = strcspn(p, "/");
+    if (cl == 0) return 0;
+    if (cl == 2 && p[0] == '.' && p[1] == '.') return 1;
+    for (const char *s = D.root; (s = strchr(s, '/')) != NULL;) {
+        s++;
+        if (strncmp(s, p, cl) == 0 && (s[cl] == '/' || s[cl] == 0)) return 1;
+    }
+    return 0;
+}
+
+/* (dirfd, path) with dirfd a real directory (no row): in the tree if the directory's path
+ * and path lead into it (a directory above the root, as tar -C, find and fts open them),
+ * else the real call's own. The directory's path is the kernel's (/proc/self/fd). */
+static void resolve_below_real(Res *r, int dirfd, const char *path, size_t n, int follow) {
+    if (!may_enter(path)) return;
+    char link[32], abs[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", dirfd);
+    ssize_t dl = real_readlinkat(AT_FDCWD, link, abs, sizeof abs);
+    if (dl <= 0 || dl >= (ssize_t)sizeof abs || abs[0] != '/') return;  /* no path: a socket, gone */
+    size_t al = (size_t)dl;
+    if (al == 1) al = 0;  /* "/" */
+    if (al + 1 + n + 1 > PATH_MAX) return;
+    abs[al] = '/';
+    memcpy(abs + al + 1, path, n + 1);
+    if (!starts_root(abs, al + 1 + n) && !needs_walk(abs)) return;
+    walk(r, abs, -1, follow);
+    if (r->kind == R_REAL && !r->entered) r->path = path;  /* never in the tree: as given */
+}
+
 /* Where (dirfd, path) lies: in the staged tree (an entry or an error), or outside it. */
 static void resolve(Res *r, int dirfd, const char *path, int follow) {
     r->kind = R_REAL;
@@ -513,7 +548,7 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
     }
     if (dirfd != AT_FDCWD) {
         Row row;
-        if (!get_row(dirfd, &row)) return;
+        if (!get_row(dirfd, &row)) { resolve_below_real(r, dirfd, path, n, follow); return; }
         if (row.kind != F_DIRFD) { r->kind = R_ERR; r->err = ENOTDIR; return; }
         if (n == 0) { r->kind = R_STAGED; r->e = row.e; return; }
         walk(r, path, row.e, follow);
@@ -1789,26 +1824,27 @@ API FILE *freopen64(const char *p, const char *m, FILE *f) { return do_freopen(p
 
 /* ---- extended attributes: a file system without them ------------------------------------ */
 
-static ssize_t no_xattr(const char *path, int follow, int list) {
-    Res r;
-    resolve(&r, AT_FDCWD, path, follow);
-    if (r.kind == R_REAL) return -2;
-    if (r.kind == R_ERR) { errno = r.err; return -1; }
+/* -2: a real path, in r->path (made plain: "/root/.." is the root's parent, which the
+ * kernel, to whom the root does not exist, would not find) */
+static ssize_t no_xattr(Res *r, const char *path, int follow, int list) {
+    resolve(r, AT_FDCWD, path, follow);
+    if (r->kind == R_REAL) return -2;
+    if (r->kind == R_ERR) { errno = r->err; return -1; }
     if (list) return 0;
     errno = ENOTSUP;
     return -1;
 }
 API ssize_t getxattr(const char *p, const char *n, void *v, size_t s) {
-    INIT(); ssize_t rc = no_xattr(p, 1, 0); return rc == -2 ? real_getxattr(p, n, v, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 1, 0); return rc == -2 ? real_getxattr(r.path, n, v, s) : rc;
 }
 API ssize_t lgetxattr(const char *p, const char *n, void *v, size_t s) {
-    INIT(); ssize_t rc = no_xattr(p, 0, 0); return rc == -2 ? real_lgetxattr(p, n, v, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 0, 0); return rc == -2 ? real_lgetxattr(r.path, n, v, s) : rc;
 }
 API ssize_t listxattr(const char *p, char *l, size_t s) {
-    INIT(); ssize_t rc = no_xattr(p, 1, 1); return rc == -2 ? real_listxattr(p, l, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 1, 1); return rc == -2 ? real_listxattr(r.path, l, s) : rc;
 }
 API ssize_t llistxattr(const char *p, char *l, size_t s) {
-    INIT(); ssize_t rc = no_xattr(p, 0, 1); return rc == -2 ? real_llistxattr(p, l, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 0, 1); return rc == -2 ? real_llistxattr(r.path, l, s) : rc;
 }
 API ssize_t fgetxattr(int fd, const char *n, void *v, size_t s) {
     INIT(); Row r; if (get_row(fd, &r)) { errno = ENOTSUP; return -1; } return real_fgetxattr(fd, n, v, s);

@@ -1,0 +1,75 @@
+"""The FUSE server's READs of a large file (posix/fuse.py, ``Pieces``), called as libfuse
+calls them, without a mount: the kernel asks for a large file in requests of up to 1 MiB
+that need not start on a piece, several at once and out of order (its read-ahead); each
+piece is read, verified and counted once, so ``stagefs status`` says what was read."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stagefs
+from stagefs.errors import ConfigError
+
+MiB = 2**20
+SIZE = 9 * MiB + 12345
+
+
+def _ops(store: Any) -> Any:
+    from stagefs.posix import fuse
+
+    try:
+        fuse._binding()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    return fuse._operations(store, "/mnt/ds")
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    base = tmp_path_factory.mktemp("large")
+    data = random.Random(3).randbytes(SIZE)
+    (base / "raw").mkdir()
+    (base / "raw" / "big.bin").write_bytes(data)
+    stagefs.pack(base / "raw", base / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    return base / "pack", data
+
+
+def _kernel_order(size: int, start: int = 7 * 128 * 1024) -> list[tuple[int, int]]:
+    """READs as the kernel's read-ahead sent them for ``sha256sum`` of a large file: the
+    first ones small, then 1 MiB requests at ``start`` + k MiB (across two pieces each),
+    every pair answered in the other order."""
+    reads = [(0, 128 * 1024), (128 * 1024, 128 * 1024), (256 * 1024, start - 256 * 1024)]
+    at = start
+    big = []
+    while at < size:
+        big.append((at, MiB))
+        at += MiB
+    for k in range(0, len(big) - 1, 2):
+        big[k], big[k + 1] = big[k + 1], big[k]
+    return reads + big
+
+
+def test_each_piece_is_read_and_counted_once_whatever_the_order(
+        pack: tuple[Path, bytes]) -> None:
+    path, data = pack
+    with stagefs.open(path) as store:
+        ops = _ops(store)
+        got = {off: ops.read("/big.bin", n, off, 0) for off, n in _kernel_order(len(data))}
+        assert b"".join(got[k] for k in sorted(got)) == data
+        assert (store.stats.reads, store.stats.bytes) == (1, len(data))
+
+
+def test_reads_past_the_end_and_at_odd_offsets(pack: tuple[Path, bytes]) -> None:
+    path, data = pack
+    rng = random.Random(4)
+    with stagefs.open(path) as store:
+        ops = _ops(store)
+        for _ in range(200):
+            off = rng.randrange(0, len(data) + 3 * MiB)
+            n = rng.choice([1, 4095, 4097, MiB - 1, MiB, MiB + 1, 3 * MiB])
+            assert ops.read("/big.bin", n, off, 0) == data[off : off + n]
+        assert ops.read("/big.bin", MiB, len(data), 0) == b""
