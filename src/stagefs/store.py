@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import operator
 import os
 import threading
 import time
@@ -281,6 +282,9 @@ class Store:
         workers read and count); the origin's reads are counted all the same.
         """
         n = len(entries)
+        if paths is not None and len(paths) != n:
+            raise ValueError(f"read_entries: {len(paths)} paths for {n} entries (paths name "
+                             "the entries in errors: one each, or none)")
         names: Sequence[PathArg | None] = paths if paths is not None else [None] * n
         ents = self._entry_array(entries)
         if n < 2:
@@ -566,6 +570,9 @@ class Store:
         """``entries`` as an array of entries of this manifest; else IndexError (an entry
         outside it) or TypeError (not whole numbers)."""
         raw = np.asarray(entries)
+        if raw.ndim > 1:
+            raise TypeError(f"entries are a flat list of manifest indices, not an array of "
+                            f"shape {raw.shape}: flatten it first")
         if raw.size == 0:
             return np.zeros(0, np.int64)
         if raw.dtype.kind not in "iu" and (
@@ -597,9 +604,9 @@ class Store:
         pieces' for a range of a large raw file (only the pieces covering the range are
         read). A holder with bad bytes is counted, logged, and told to drop its copy.
         """
-        if not 0 <= e < self._entries or e.__class__ is float:
-            if e.__class__ is float:
-                raise TypeError(f"an entry is a whole number (a manifest index), not {e!r}")
+        if e.__class__ is not int:
+            e = _entry_number(e)
+        if not 0 <= e < self._entries:
             self._no_entry(e)
         if self._kind[e] != KIND_FILE:
             raise IsADirectoryError_(self._show(e, path))
@@ -937,6 +944,19 @@ class Store:
 
     def __repr__(self) -> str:
         return f"<stagefs.Store {self.pack_dir!r} ({len(self.manifest)} entries)>"
+
+
+def _entry_number(e: object) -> int:
+    """An entry given as another kind of whole number (numpy's, torch's) as an int; a
+    float, a string or None is a TypeError naming it, not an error from deep inside."""
+    if isinstance(e, (bool, np.bool_)):
+        raise TypeError(f"an entry is a whole number (a manifest index), not {e!r}")
+    try:
+        return operator.index(e)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"an entry is a whole number (a manifest index), not "
+                        f"{type(e).__name__} ({e!r}): look entries up with the Store"
+                        ) from None
 
 
 def waited(elapsed: float, nbytes: int) -> bool:

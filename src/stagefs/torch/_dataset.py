@@ -3,6 +3,7 @@ torchvision's ImageFolder expects (one folder per class)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 import os
@@ -24,6 +25,7 @@ from stagefs.torch._prefetch import Prefetcher
 __all__ = ["FileDataset"]
 
 Target = Literal["folder", "path"] | None
+log = logging.getLogger("stagefs")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         target: Target = "folder",
         *,
         target_transform: Callable[[Any], Any] | None = None,
-        extensions: Sequence[str] | None = None,
+        extensions: str | Sequence[str] | None = None,
     ) -> None:
         if target not in ("folder", "path", None):
             raise ConfigError(f"target={target!r}: use 'folder', 'path' or None")
@@ -101,6 +103,8 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         self.root = root.strip("/")
         self.transform, self.target_transform = transform, target_transform
         self.target: Target = target
+        if isinstance(extensions, (str, bytes)):  # one extension, as ImageFolder takes it
+            extensions = (os.fsdecode(extensions),)
         self.extensions = tuple(e.lower() for e in extensions) if extensions else None
         self._prefetcher: Prefetcher | None = None
         self._upcoming: Upcoming | None = None
@@ -117,13 +121,23 @@ class FileDataset(torch.utils.data.Dataset[Any]):
             raise NotFoundError(self.root, f"No such directory in {self.store.pack_dir} "
                                 "(FileDataset's root)") from None
         kinds = m.arrays["kind"]
+        # ImageFolder's classes: the sub-folders of root, symlinks to folders included
         class_dirs = [c for c in m.children(top) if ns.kind_of(c) == KIND_DIR]
         self.classes: list[str] = [os.fsdecode(m.name_of(c)) for c in class_dirs]
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         parts: list[npt.NDArray[np.int64]] = []
         labels: list[npt.NDArray[np.int64]] = []
+        # the dataset path of a sample reached through a symlink (the link's path, as
+        # ImageFolder gives it), by sample index; none in a tree without symlinks
+        self._link_paths: dict[int, str] = {}
+        top_path = m.path_of(top)
+        base = top_path + b"/" if top_path else b""
+        at = 0
         for label, c in enumerate(class_dirs):
-            files = self._files_under(ns.follow(c, self.classes[label]), kinds)
+            files, links = self._files_under(ns.follow(c, self.classes[label]),
+                                             base + m.name_of(c), kinds)
+            self._link_paths.update((at + k, p) for k, p in links.items())
+            at += len(files)
             parts.append(files)
             labels.append(np.full(len(files), label, dtype=np.int64))
         self.entries: npt.NDArray[np.int64] = (np.concatenate(parts) if parts
@@ -137,34 +151,87 @@ class FileDataset(torch.utils.data.Dataset[Any]):
             raise NotFoundError(self.root, "No files in its class folders"
                                 + (f" ending with {self.extensions}" if self.extensions else ""))
 
-    def _files_under(self, d: int, kinds: npt.NDArray[Any]) -> npt.NDArray[np.int64]:
-        """Files below directory entry ``d``, in ImageFolder's order (sorted walk)."""
+    def _files_under(self, d: int, path: bytes, kinds: npt.NDArray[Any]
+                     ) -> tuple[npt.NDArray[np.int64], dict[int, str]]:
+        """Files below directory entry ``d`` (dataset path ``path``), in ImageFolder's order:
+        ``sorted(os.walk(d, followlinks=True))``, each folder's files sorted by name, a
+        symlink listed by its own name and path. A symlink to a folder that holds it (a
+        loop, which os.walk would follow until the path is too long) is not followed.
+        (The files' entries, {position: dataset path} for files reached through a link.)"""
         ns, m = self.store.namespace, self.store.manifest
-        found: list[tuple[bytes, npt.NDArray[np.int64]]] = []
-        stack = [d]
+        found: list[tuple[bytes, npt.NDArray[np.int64], dict[int, bytes]]] = []
+        stack: list[tuple[int, bytes, frozenset[int]]] = [(d, path, frozenset((d,)))]
         while stack:
-            cur = stack.pop()
+            cur, cur_path, above = stack.pop()
             r = m.children(cur)
             k = kinds[r.start : r.stop]
             files = r.start + np.flatnonzero(k == KIND_FILE).astype(np.int64)
-            for e in r.start + np.flatnonzero(k == KIND_SYMLINK):  # follow, as ImageFolder
-                kind = ns.kind_of(int(e))
-                if kind == KIND_FILE:
-                    files = np.append(files, ns.follow(int(e), m.path_of(int(e))))
-                elif kind == KIND_DIR:
-                    stack.append(ns.follow(int(e), m.path_of(int(e))))
-            stack.extend(int(e) for e in r.start + np.flatnonzero(k == KIND_DIR))
-            if self.extensions:
-                keep = [os.fsdecode(m.name_of(int(e))).lower().endswith(self.extensions)
-                        for e in files]
-                files = files[np.asarray(keep, dtype=bool)] if len(files) else files
-            found.append((m.path_of(cur), files))
+            names: list[bytes] | None = None
+            linked: dict[int, bytes] = {}  # position in files -> the link's path
+            sym = r.start + np.flatnonzero(k == KIND_SYMLINK)
+            if len(sym):  # files and links to files, sorted by name (as os.walk lists them)
+                rows = [(m.name_of(int(e)), int(e), False) for e in files]
+                for e in sym.tolist():
+                    kind = ns.kind_of(e)
+                    if kind == KIND_FILE:
+                        rows.append((m.name_of(e), ns.follow(e, m.path_of(e)), True))
+                    elif kind == KIND_DIR:
+                        self._push_link(e, cur_path, above, stack)
+                rows.sort(key=lambda t: t[0])
+                names = [t[0] for t in rows]
+                files = np.asarray([t[1] for t in rows], dtype=np.int64)
+                linked = {i: cur_path + b"/" + t[0] for i, t in enumerate(rows) if t[2]}
+            stack.extend((int(e), cur_path + b"/" + m.name_of(int(e)), above | {int(e)})
+                         for e in r.start + np.flatnonzero(k == KIND_DIR))
+            if self.extensions and len(files):  # on the name listed (a link's own name)
+                if names is None:
+                    names = [m.name_of(int(e)) for e in files]
+                keep = [os.fsdecode(n).lower().endswith(self.extensions) for n in names]
+                kept = np.flatnonzero(np.asarray(keep, dtype=bool))
+                files = files[kept]
+                linked = {j: linked[i] for j, i in enumerate(kept.tolist()) if i in linked}
+            if len(files) and cur_path != m.path_of(cur):  # a folder reached through a link
+                linked = {i: cur_path + b"/" + m.name_of(int(e)) for i, e in enumerate(files)}
+            found.append((cur_path, files, linked))
         found.sort(key=lambda t: t[0])
-        return np.concatenate([f for _, f in found]).astype(np.int64)
+        out: list[npt.NDArray[np.int64]] = []
+        links: dict[int, str] = {}
+        at = 0
+        for _, files, linked in found:
+            links.update((at + i, os.fsdecode(p)) for i, p in linked.items())
+            at += len(files)
+            out.append(files)
+        return np.concatenate(out).astype(np.int64), links
+
+    def _push_link(self, e: int, cur_path: bytes, above: frozenset[int],
+                   stack: list[tuple[int, bytes, frozenset[int]]]) -> None:
+        """Walk the folder symlink ``e`` leads to, under the link's own path; not one that
+        holds the link (a loop): said once, then left out."""
+        ns, m = self.store.namespace, self.store.manifest
+        target = ns.follow(e, m.path_of(e))
+        link_path = cur_path + b"/" + m.name_of(e)
+        if target in above:
+            log.warning("FileDataset: %s is a symlink to a folder that holds it (a loop): "
+                        "not followed", os.fsdecode(link_path))
+            return
+        stack.append((target, link_path, above | {target}))
 
     def path_of(self, i: int) -> str:
-        """Sample ``i``'s path in the dataset."""
-        return os.fsdecode(self.store.manifest.path_of(int(self.entries[i])))
+        """Sample ``i``'s path in the dataset (a symlink's own path, for a file reached
+        through one, as ImageFolder gives it)."""
+        linked = self._link_paths.get(int(i)) if self._link_paths else None
+        if linked is not None:
+            return linked
+        return os.fsdecode(self._manifest().path_of(int(self.entries[i])))
+
+    def _manifest(self) -> Any:
+        """The store's manifest; a clear error once the store is closed (its arrays are let
+        go of)."""
+        if getattr(self.store, "_closed", False):
+            raise ValueError(f"I/O operation on a closed Store ({self.store.pack_dir}): this "
+                             "FileDataset's store was closed; open the dataset again with "
+                             "stagefs.open and make a new FileDataset")
+        return self.store.manifest
 
     @property
     def samples(self) -> list[tuple[str, int]]:
@@ -173,11 +240,11 @@ class FileDataset(torch.utils.data.Dataset[Any]):
 
     def shard_of(self) -> npt.NDArray[np.int64]:
         """The shard holding each sample."""
-        return np.asarray(self.store.manifest.arrays["shard"][self.entries], dtype=np.int64)
+        return np.asarray(self._manifest().arrays["shard"][self.entries], dtype=np.int64)
 
     def sizes(self) -> npt.NDArray[np.int64]:
         """Each sample's size in bytes."""
-        return np.asarray(self.store.manifest.arrays["size"][self.entries], dtype=np.int64)
+        return np.asarray(self._manifest().arrays["size"][self.entries], dtype=np.int64)
 
     # -- items -----------------------------------------------------------------------------
 

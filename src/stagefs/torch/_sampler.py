@@ -7,9 +7,10 @@ and keeps the resumable state.
 
 from __future__ import annotations
 
+import operator
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,8 @@ from stagefs.torch._prefetch import Prefetcher, TierAhead
 __all__ = ["Sampler"]
 
 _STATE_VERSION = 1
+_STATE_KEYS = ("version", "n", "seed", "epoch", "shuffle", "drop_last", "locality", "window",
+               "segments")
 DEFAULT_BUDGET = 256 * 2**20
 Holders = tuple[tuple[int, ...], ...]
 
@@ -66,6 +69,26 @@ def _tier_reader(dataset: Any, shard_of: npt.NDArray[np.int64]) -> Callable[[Seq
             dataset.read_samples(todo, count=False)
 
     return read
+
+
+def _is_whole(x: object) -> bool:
+    """An int (numpy's too), not a bool or a float."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _whole(x: object, what: str) -> int:
+    """``x`` as an int: a whole number (numpy's and torch's too), not a float or a string."""
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{what} is a whole number, not {x!r}")
+    try:
+        return operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} is a whole number, not {type(x).__name__} ({x!r})") from None
+
+
+def _short(x: object) -> str:
+    text = repr(x)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 class Sampler(torch.utils.data.Sampler[int]):
@@ -141,6 +164,10 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._segments: list[Segment] | None = None  # None: from the epoch's start
         self._plan: Plan | None = None
         self._yielded = 0  # indices yielded since this epoch's start or the resume point
+        # the epoch whose iteration ended (plan, indices yielded), until the next one starts:
+        # a DataLoader's workers run ahead, so its loop checkpoints after the sampler ended
+        self._ended: tuple[Plan, int] | None = None
+        self._resumed = False  # load_state_dict's resume point, not iterated from yet
         self.prefetcher: Prefetcher | None = None
         self.tier_ahead: TierAhead | None = None
         self._staged_plan: Plan | None = None  # the plan whose shards were staged
@@ -158,15 +185,26 @@ class Sampler(torch.utils.data.Sampler[int]):
     # -- epochs ----------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` from its beginning (call it on every rank, every epoch)."""
+        """Start epoch ``epoch`` from its beginning (call it on every rank, every epoch).
+
+        Right after ``load_state_dict`` of a state saved in epoch ``epoch`` (before the
+        next iteration), the epoch goes on from the resume point instead: the usual loop
+        ``for epoch in range(start, end): sampler.set_epoch(epoch)`` resumes."""
+        epoch = _whole(epoch, "set_epoch's epoch")
+        if epoch < 0:
+            raise ConfigError(f"epoch {epoch}: epochs are numbered from 0")
         plan = self._plan
-        if (int(epoch) == self.epoch and plan is not None and not self.locality
+        if epoch == self.epoch and self._resumed:
+            return  # the resume point just loaded (and its read-ahead under way)
+        if (epoch == self.epoch and plan is not None and not self.locality
                 and self._yielded == 0 and [s.consumed for s in plan.segments] == [0]):
             return  # this epoch's start is planned already (and its read-ahead under way)
-        self.epoch = int(epoch)
+        self.epoch = epoch
         self._segments = None
         self._plan = None
         self._yielded = 0
+        self._ended = None
+        self._resumed = False
         self._tell_workers()
         self._read_ahead_early()
 
@@ -228,13 +266,18 @@ class Sampler(torch.utils.data.Sampler[int]):
         return len(self.order())
 
     def __iter__(self) -> Iterator[int]:
+        self._ended, self._resumed = None, False
         order = self.order()
+        plan = self.plan()
         self._yielded = 0
         self._start_prefetch(order)
         for i in order.tolist():
             self._yielded += 1
             yield i
-        # the epoch is done: iterating again without set_epoch repeats it from its start
+        # the epoch is done: iterating again without set_epoch repeats it from its start;
+        # until then state_dict still tells where this epoch stands (a DataLoader with
+        # workers ends the sampler's iteration a few batches before its loop ends)
+        self._ended = (plan, self._yielded)
         self._segments, self._plan, self._yielded = None, None, 0
 
     # -- prefetching -----------------------------------------------------------------------
@@ -330,11 +373,13 @@ class Sampler(torch.utils.data.Sampler[int]):
         this sampler has yielded times world_size is used: exact with num_workers=0, ahead
         of the training loop with workers (they fetch a few batches in advance).
         """
-        if consumed is not None and int(consumed) < 0:
-            raise ValueError(f"consumed={consumed}: the samples consumed since this iteration "
-                             "started cannot be negative")
-        plan = self.plan()
-        k = self._yielded if consumed is None else int(consumed) // self.world_size
+        if consumed is not None:
+            consumed = _whole(consumed, "consumed")
+            if consumed < 0:
+                raise ValueError(f"consumed={consumed}: the samples consumed since this "
+                                 "iteration started cannot be negative")
+        plan, yielded = self._ended or (self.plan(), self._yielded)
+        k = yielded if consumed is None else consumed // self.world_size
         segs = list(plan.segments)
         last = segs[-1]
         segs[-1] = Segment(last.world, last.consumed + k, last.holders)
@@ -352,26 +397,66 @@ class Sampler(torch.utils.data.Sampler[int]):
         The world size (and, with locality, the holdings) may differ from the run that
         saved the state; the remaining samples are then dealt out afresh among the ranks.
         """
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"a sampler state is the dict state_dict() returned, not "
+                              f"{type(state).__name__} ({_short(state)})")
         if state.get("version") != _STATE_VERSION:
             raise ConfigError(f"sampler state version {state.get('version')!r}; this stagefs "
                               f"reads version {_STATE_VERSION}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ConfigError(f"sampler state has no {', '.join(missing)}: it is truncated or "
+                              "not a stagefs Sampler's state; save it again with state_dict()")
         for key in ("n", "seed", "shuffle", "drop_last", "locality", "window"):
-            if state[key] != getattr(self, key):
+            if state[key] != getattr(self, key) or type(state[key]) is not type(
+                    getattr(self, key)):
                 raise ConfigError(f"sampler state has {key}={state[key]!r} but this sampler "
                                   f"has {getattr(self, key)!r}: it is another run's state")
-        segments = [
-            Segment(int(w), int(c), None if h is None else tuple(tuple(x) for x in h))
-            for w, c, h in state["segments"]]
-        if not segments or any(s.world < 1 or s.consumed < 0 for s in segments) \
-                or int(state["epoch"]) < 0:
-            raise ConfigError(f"sampler state is damaged (epoch {state['epoch']!r}, segments "
-                              f"{state['segments']!r}): save it again with state_dict()")
-        self.epoch = int(state["epoch"])
+        epoch, segments = self._check_state(state)
+        self.epoch = epoch
         self._segments = segments
         self._plan = None
         self._yielded = 0
+        self._ended = None
+        self._resumed = True
         self._tell_workers()
         self._read_ahead_early()
+
+    def _check_state(self, state: Mapping[str, Any]) -> tuple[int, list[Segment]]:
+        """The epoch and segments of ``state``, checked: whole numbers, one entry per rank
+        in a segment's holders, holders exactly with locality; else ConfigError."""
+
+        def damaged(why: str) -> ConfigError:
+            return ConfigError(f"sampler state is damaged ({why}; epoch {state['epoch']!r}, "
+                               f"segments {_short(state['segments'])}): save it again with "
+                               "state_dict()")
+
+        epoch = state["epoch"]
+        if not _is_whole(epoch) or epoch < 0:
+            raise damaged("the epoch is not a whole number from 0")
+        raw = state["segments"]
+        if not isinstance(raw, (list, tuple)) or not raw:
+            raise damaged("no list of segments")
+        segments: list[Segment] = []
+        for seg in raw:
+            if not isinstance(seg, (list, tuple)) or len(seg) != 3:
+                raise damaged("a segment is not [world size, consumed, holders]")
+            w, c, h = seg
+            if not (_is_whole(w) and _is_whole(c)) or w < 1 or c < 0:
+                raise damaged("a segment's world size or consumed count is not a whole "
+                              "number (at least 1 and 0)")
+            if (h is None) != (not self.locality):
+                raise damaged("holders " + ("missing for a locality sampler" if self.locality
+                                            else "given without locality"))
+            holders = None
+            if h is not None:
+                if not isinstance(h, (list, tuple)) or len(h) != w or not all(
+                        isinstance(x, (list, tuple)) and all(_is_whole(v) for v in x)
+                        for x in h):
+                    raise damaged(f"holders are not {w} lists of shard numbers")
+                holders = tuple(tuple(int(v) for v in x) for x in h)
+            segments.append(Segment(int(w), int(c), holders))
+        return int(epoch), segments
 
     def __repr__(self) -> str:
         return (f"<stagefs.torch.Sampler rank {self.rank}/{self.world_size} epoch {self.epoch}"
