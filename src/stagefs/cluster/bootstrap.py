@@ -12,11 +12,14 @@ training processes or their DataLoader workers.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import signal
+import socket
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from xxhash import xxh3_64_intdigest
@@ -58,6 +61,8 @@ class Bootstrap(Protocol):
         rank)."""
         ...
 
+
+log = logging.getLogger("stagefs.bootstrap")
 
 _NO_TOKEN_FILE = ("no such token file (--token-file): make one with 'stagefs serve "
                   "--new-token FILE' where every node can read it")
@@ -157,12 +162,19 @@ class StaticBootstrap:
     source = "static"
 
     def __init__(self, hosts: list[tuple[str, int | None]], rank: int, token_file: str | None,
-                 default_port: int) -> None:
+                 default_port: int,
+                 resolve: Callable[[str, int], frozenset[tuple[str, int]]] | None = None
+                 ) -> None:
+        """``resolve``: a host's addresses (the default asks the resolver; tests give
+        theirs)."""
         if not 0 <= rank < len(hosts):
             raise ClusterError(f"--rank {rank} is not a line of the hosts file "
                                f"({len(hosts)} hosts: ranks 0..{len(hosts) - 1})")
         self.rank, self.size = rank, len(hosts)
         self.hosts = [(h, p if p is not None else default_port) for h, p in hosts]
+        if any(p == 0 for _, p in self.hosts):
+            raise ClusterError("--port 0 with a hosts file: the daemons would listen where "
+                               "no peer looks; give each line its ADDR:PORT, or --port N")
         first: dict[tuple[str, int], int] = {}
         for i, addr in enumerate(self.hosts):
             if addr in first:  # one daemon would be two nodes (and count itself staged)
@@ -171,6 +183,9 @@ class StaticBootstrap:
                     f"{first[addr]} and {i}): each node's daemon needs an address of its "
                     "own; give two daemons on one host different ports (ADDR:PORT)")
             first[addr] = i
+        # the same daemon under two names (a host name and its IP, localhost and 127.0.0.1):
+        # as above, one daemon would be two nodes
+        _same_daemon_twice(self.hosts, resolve)
         if not token_file:
             raise ClusterError(
                 "the static bootstrap needs the job token in a file every node can read: "
@@ -196,6 +211,51 @@ class StaticBootstrap:
         pass
 
 
+_LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",
+                          "ip6-loopback"})
+
+
+def resolve_host(host: str, port: int) -> frozenset[tuple[str, int]]:
+    """The addresses (IP, port) ``host`` stands for, found with no name service: an IP
+    address, or a loopback name. Other names are not looked up here (none: every node of a
+    job of thousands asking the name service for every other's name at once would flood
+    it); a node listed twice under such names is found when its daemon answers as another
+    rank (``StagedNodes.misplaced``)."""
+    flags = 0 if host.lower() in _LOCAL_NAMES else socket.AI_NUMERICHOST
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags)
+    except (OSError, UnicodeError):
+        return frozenset()
+    return frozenset((str(ai[4][0]).split("%", 1)[0], int(ai[4][1])) for ai in infos)
+
+
+def _same_daemon_twice(hosts: Sequence[tuple[str, int]],
+                       resolve: Callable[[str, int], frozenset[tuple[str, int]]] | None
+                       ) -> None:
+    """Refuse a hosts file whose two lines reach one address: the same node by two names
+    (a host name and its IP; localhost and 127.0.0.1). Its daemon would be two nodes: it
+    asked itself whether the other had staged, said yes, and no daemon staged that node's
+    shards (a second daemon started for the other line cannot listen there)."""
+    look = resolve or resolve_host
+    names = sorted(set(hosts))
+    if len(names) > 1:
+        with ThreadPoolExecutor(min(16, len(names)), thread_name_prefix="stagefs-resolve"
+                                ) as ex:
+            addrs = dict(zip(names, ex.map(lambda a: look(*a), names), strict=True))
+    else:
+        addrs = {a: frozenset() for a in names}
+    seen: dict[tuple[str, int], int] = {}
+    for i, addr in enumerate(hosts):
+        for ip in addrs[addr]:
+            j = seen.setdefault(ip, i)
+            if j != i and hosts[j] != addr:
+                raise ClusterError(
+                    f"the hosts file names one daemon's address twice: {hosts[j][0]}:"
+                    f"{hosts[j][1]} (rank {j}) and {addr[0]}:{addr[1]} (rank {i}) both "
+                    f"reach {ip[0]}:{ip[1]}: list each node once, by one name; give two "
+                    "daemons on one host different ports (ADDR:PORT)")
+
+
 FAN = 4  # peers a node asks each round of the staged barrier
 
 
@@ -203,9 +263,29 @@ class StagedNodes:
     """The nodes this node knows have staged: what its barrier learned, answered in its
     STATUS (``staged_nodes``, a hexadecimal bit mask) so that the others learn it too."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank  # this node's (a peer's address answered by this daemon: said so)
         self._mask = 0
         self._lock = threading.Lock()
+        self.elsewhere: dict[int, int] = {}  # node -> the rank the daemon there says it is
+
+    def misplaced(self, node: int, says: object) -> None:
+        """The daemon at ``node``'s address answers as another rank: the nodes' hosts files
+        (or launchers) disagree on who is who. It is not counted staged, and said once:
+        placement is computed from the ranks, so each node would look for shards where
+        another placed them."""
+        if self.elsewhere.get(node) == says:
+            return
+        self.elsewhere[node] = says if isinstance(says, int) else -1
+        if says == self.rank:
+            log.warning("node %d's address reaches this daemon (rank %s): the hosts file "
+                        "names one daemon twice (a host name and its IP?): list each node "
+                        "once, by one name; node %d is not counted staged", node, says, node)
+            return
+        log.warning("the daemon at node %d's address says it is rank %s: the nodes do not "
+                    "agree on who is who (a hosts file that differs between nodes, or lines "
+                    "in another order): give every daemon the same hosts file, rank i on "
+                    "line i; node %d is not counted staged until it agrees", node, says, node)
 
     def add(self, node: int) -> None:
         with self._lock:
@@ -239,18 +319,24 @@ def barrier_round(status: Mapping[int, PeerClient], known: StagedNodes, size: in
     did, so the news spreads in O(log N) rounds and no node is asked by every other."""
     live = [n for n in status if n not in gone]
     done = known.nodes()
-    if all(n in done for n in live):
+    if all(n in done for n in live) and not known.elsewhere.keys() - gone:
         return True
     for n in live if len(live) <= fan else rng.sample(live, fan):
         try:
             info = status[n].status()
         except SourceUnavailable:
             continue
+        says = info.get("rank", n)
+        if says != n:  # another node's daemon is at its address: not this one's peer n
+            known.misplaced(n, says)
+            continue
+        known.elsewhere.pop(n, None)
         if info.get("staging_done"):
             known.add(n)
         known.merge(info.get("staged_nodes"), size)
     done = known.nodes()
-    return all(n in done for n in live)
+    # (a peer answering as another rank: what the others say of it is not this node's)
+    return all(n in done for n in live) and not known.elsewhere.keys() - gone
 
 
 def ask_until_staged(stop: threading.Event, status: Mapping[int, PeerClient],
@@ -260,7 +346,7 @@ def ask_until_staged(stop: threading.Event, status: Mapping[int, PeerClient],
     ``barrier_round`` until every node has staged, those ``gone()`` names excepted (a node
     that died before it staged would be waited for forever: the live ones copy its shards
     again, rereplicate.py, and say so when done); False if ``stop`` is set first."""
-    known = StagedNodes() if known is None else known
+    known = StagedNodes(rank) if known is None else known
     known.add(rank)  # called once this node has staged
     size = max([rank, *status]) + 1
     rng = random.Random(rank)

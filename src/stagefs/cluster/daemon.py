@@ -89,7 +89,8 @@ from stagefs.tiers.status import ReadCounters, read_counts
 from stagefs.tiers.tier import DirTier
 
 __all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
-           "interface_address", "peers_within", "serve", "shard_descriptors"]
+           "interface_address", "peers_within", "serve", "shard_descriptors",
+           "staging_shortfall"]
 
 log = logging.getLogger("stagefs.daemon")
 DEFAULT_PORT = 7070
@@ -363,7 +364,7 @@ class Daemon:
             self._relay_mpi = {id(ps[n]): self.transport.peer(n, f"node {n}")
                                for n in self.peers}
         probes = {n: (lambda p=ps[n]: relay.probe(p, wait)) for n in self.peers}
-        self.staged_nodes = StagedNodes()  # the staged barrier's knowledge
+        self.staged_nodes = StagedNodes(self.rank)  # the staged barrier's knowledge
         self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,
                                          self.peers, probes, self.stop,
                                          dead_after=o.dead_after,
@@ -620,6 +621,11 @@ class Daemon:
             st = self.stager.stats
             _say(self.rank, f"staged {st.shards_held} of its {st.shards_assigned} shards"
                  f"{limit}; reads of the others go to other nodes or the origin")
+        elif not self.stop.is_set():
+            told = staging_shortfall(self.stager.stats.shards_held,
+                                     self.stager.stats.shards_assigned, self.chain.tiers)
+            if told is not None:
+                _say(self.rank, told)
         # deaths are watched for once this node has staged: while a large job starts, its
         # links and cores are busy with staging, and the stager itself waits for holders
         # that do not answer yet (staging.py), so a probe then proves little
@@ -768,6 +774,21 @@ class Daemon:
         _say(0, f"staged: {format_size(held)} on {len(ok)} nodes in {took:.1f} s; origin "
              f"read {format_size(origin)} ({origin / max(dataset, 1):.2f}x the dataset), "
              f"{format_size(fwd)} forwarded between nodes")
+
+
+def staging_shortfall(held: int, assigned: int, tiers: Sequence[DirTier]) -> str | None:
+    """What to tell the user when this node's tiers took only part of its share (full, or
+    their file system out of space, at start or on the way): it said nothing, and only
+    ``stagefs status --json`` named the tiers' ``stopped``. None when it staged all."""
+    if held >= assigned:
+        return None
+    why = "; ".join(f"tier {t.root}: {t.stopped}" for t in tiers if t.stopped)
+    head = (f"staged {held} of its {assigned} shards{': ' + why if why else ''}; reads of "
+            "the others go to their other holders or the origin")
+    if not why:
+        return f"{head} ('stagefs status --json' counts them: staging)"
+    return (f"{head}. Give the tiers more room (a larger --tier DIR:SIZE, free space on "
+            "their file systems: df), another --tier, or more nodes")
 
 
 DAEMON_LOCK = "daemon.lock"  # held by the runtime directory's daemon while it lives

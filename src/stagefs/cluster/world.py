@@ -172,14 +172,20 @@ def read_hosts(path: str) -> list[tuple[str, int | None]]:
             continue
         host, port = line, None
         if line.startswith("["):
-            host, _, rest = line[1:].partition("]")
-            if rest.startswith(":"):
+            host, close, rest = line[1:].partition("]")
+            if not close or (rest and not rest.startswith(":")):
+                raise ConfigError(f"{path}:{no}: {line!r}: an IPv6 address goes in brackets, "
+                                  "the port after them: [ADDR] or [ADDR]:PORT")
+            if rest:
                 port = _port(rest[1:], path, no)
         elif line.count(":") == 1:
             host, p = line.split(":")
             port = _port(p, path, no)
         if not host:
             raise ConfigError(f"{path}:{no}: no address on this line")
+        if any(c.isspace() for c in line):
+            raise ConfigError(f"{path}:{no}: {line!r}: one ADDR[:PORT] a line (a space "
+                              "in it; a comment starts with #)")
         out.append((host, port))
     if not out:
         raise ConfigError(f"hosts file {path} names no host (one ADDR[:PORT] per line)")
@@ -191,8 +197,8 @@ def _port(text: str, path: str, no: int) -> int:
         port = int(text)
     except ValueError:
         port = -1
-    if not 0 <= port < 65536:
-        raise ConfigError(f"{path}:{no}: bad port {text!r}")
+    if not 0 < port < 65536:  # (port 0: the daemon would listen where no peer looks)
+        raise ConfigError(f"{path}:{no}: bad port {text!r} (a port is 1 to 65535)")
     return port
 
 
