@@ -76,3 +76,12 @@ def test_the_default_resolver_asks_no_name_service() -> None:
     # other node's name at a job's start would flood it at thousands of nodes
     assert resolve_host("10.1.2.3", 7000) == frozenset({("10.1.2.3", 7000)})
     assert resolve_host("name.that.would.need.dns.example", 7000) == frozenset()
+
+
+def test_an_ipv6_peer_is_named_in_brackets() -> None:
+    from stagefs.net.client import PeerClient
+    from stagefs.net.sockio import host_port
+
+    assert host_port("::1", 7070) == "[::1]:7070"
+    assert host_port("node1", 7070) == "node1:7070"
+    assert PeerClient("fe80::1", 7070, b"t" * 32).name == "[fe80::1]:7070"

@@ -28,6 +28,7 @@ from stagefs.cluster.world import SlurmStep
 from stagefs.errors import ClusterError
 from stagefs.net import auth
 from stagefs.net.client import PeerClient
+from stagefs.net.sockio import host_port
 from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "SlurmBootstrap", "StagedNodes",
@@ -179,7 +180,7 @@ class StaticBootstrap:
         for i, addr in enumerate(self.hosts):
             if addr in first:  # one daemon would be two nodes (and count itself staged)
                 raise ClusterError(
-                    f"the hosts file names {addr[0]}:{addr[1]} twice (for ranks "
+                    f"the hosts file names {host_port(*addr)} twice (for ranks "
                     f"{first[addr]} and {i}): each node's daemon needs an address of its "
                     "own; give two daemons on one host different ports (ADDR:PORT)")
             first[addr] = i
@@ -250,9 +251,9 @@ def _same_daemon_twice(hosts: Sequence[tuple[str, int]],
             j = seen.setdefault(ip, i)
             if j != i and hosts[j] != addr:
                 raise ClusterError(
-                    f"the hosts file names one daemon's address twice: {hosts[j][0]}:"
-                    f"{hosts[j][1]} (rank {j}) and {addr[0]}:{addr[1]} (rank {i}) both "
-                    f"reach {ip[0]}:{ip[1]}: list each node once, by one name; give two "
+                    f"the hosts file names one daemon's address twice: "
+                    f"{host_port(*hosts[j])} (rank {j}) and {host_port(*addr)} (rank {i}) "
+                    f"both reach {host_port(*ip)}: list each node once, by one name; give two "
                     "daemons on one host different ports (ADDR:PORT)")
 
 

@@ -20,6 +20,7 @@ from stagefs.cluster.world import runtime_default
 from stagefs.config import format_size
 from stagefs.errors import ClusterError
 from stagefs.net.client import PeerClient
+from stagefs.net.sockio import host_port
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.status import holder_summary, read_counts, read_lines
 
@@ -68,7 +69,7 @@ def _refusing(nodes: list[dict[str, Any] | None]) -> dict[int, str]:
 
 def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None,
          refusing: dict[int, str] | None = None) -> list[str]:
-    addr = f"{cmap.nodes[n][0]}:{cmap.nodes[n][1]}"
+    addr = host_port(*cmap.nodes[n])
     if s is None:
         state = (refusing or {}).get(n, "unreachable")
         return [str(n), addr, state, "-", "-", "-", "-", "-", "-", "-"]

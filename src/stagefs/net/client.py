@@ -42,6 +42,7 @@ from stagefs.net import protocol as P
 from stagefs.net.health import BACKOFF, PeerHealth
 from stagefs.net.sockio import (
     Deadline,
+    host_port,
     recv_message,
     send_message,
     send_parts,
@@ -227,7 +228,7 @@ class PeerClient:
                  backoff: tuple[float, float] = BACKOFF, unix: str | None = None) -> None:
         self.host, self.port = host, port
         self.unix = unix
-        self.name = name or (f"unix:{unix}" if unix else f"{host}:{port}")
+        self.name = name or (f"unix:{unix}" if unix else host_port(host, port))
         self._token = token
         self.pack_id = pack_id
         self.timeout = timeout
@@ -439,7 +440,7 @@ class PeerClient:
 
     def _who(self) -> str:
         """The peer's name and address, for the log."""
-        where = f"unix:{self.unix}" if self.unix is not None else f"{self.host}:{self.port}"
+        where = f"unix:{self.unix}" if self.unix is not None else host_port(self.host, self.port)
         return self.name if where == self.name else f"{self.name} ({where})"
 
     def _refused(self, exc: AuthenticationError) -> None:

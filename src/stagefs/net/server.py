@@ -59,6 +59,7 @@ from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.pipes import Piped
 from stagefs.net.relay import Relay
+from stagefs.net.sockio import host_port
 
 __all__ = ["AuthFailures", "HeldFiles", "ServerLimits", "ServerStats", "ShardServer",
            "connection_room"]
@@ -442,7 +443,7 @@ class ShardServer:
             tcp.bind((host, port))
         except OSError as exc:
             tcp.close()
-            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+            raise ConfigError(f"cannot listen on {host_port(host, port)}: {exc.strerror}") from exc
         self.address: tuple[str, int] = tcp.getsockname()[:2]
         self.unix_path = unix_path
         self._listeners = [_Listener(tcp, False)]

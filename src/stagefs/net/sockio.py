@@ -18,8 +18,13 @@ import time
 
 from stagefs.net import protocol as P
 
-__all__ = ["Deadline", "recv_exact", "recv_message", "send_message", "send_parts",
+__all__ = ["Deadline", "host_port", "recv_exact", "recv_message", "send_message", "send_parts",
            "sendfile_all", "set_recv_timeout", "set_timeouts"]
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as users write it: an IPv6 address in brackets (``[::1]:7070``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
 
 _MIN_TIMEOUT = 1e-3  # a kernel timeout of 0 means "wait forever": never arm one
 
