@@ -48,6 +48,7 @@ from stagefs.tiers import placer
 from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import (
+    FILL_SUFFIX,
     PARTIAL_SUFFIX,
     Activity,
     Extents,
@@ -126,6 +127,7 @@ class TierChain:
         piece = PIECE_SIZE or manifest.piece_size
         for t in self.tiers:
             t.on_drop = functools.partial(self._dropped, t)
+            t.charges = functools.partial(self._charges, t)
             if t.capacity is not None and t.capacity < piece:
                 log.warning("%s: its capacity (%s) is less than one piece of placement "
                             "(%s): it will hold little or nothing; give it at least %s, or "
@@ -377,12 +379,15 @@ class TierChain:
         caller holds the tiers' lock."""
         path = t.path(shard)
         try:
-            if os.stat(path).st_size == self._sizes[shard]:
+            size = os.stat(path).st_size
+            if size == self._sizes[shard]:
                 return True
             os.unlink(path)
         except FileNotFoundError:
             return False
-        log.warning("%s: shorter than shard %d; deleted, to be placed anew", path, shard)
+        log.warning("%s: %d bytes, shard %d has %d (%s); deleted, to be placed anew", path,
+                    size, shard, self._sizes[shard],
+                    "cut short" if size < self._sizes[shard] else "not this shard's copy")
         self._room(t, -whole_charge(self._extents_of(shard), t.block))
         t.forget(shard)
         t.stats.dropped += 1
@@ -487,10 +492,42 @@ class TierChain:
         is placed anew there."""
         if t.room is not None:
             t.room.add(n)
+        if n < 0:
+            t.recounted = False  # full again later: counted anew once more (no_room)
         if n < 0 and t.stopped == "full":
             t.stopped = None
             if self.full and self.tiers:
                 self.full = False
+
+    def _charges(self, t: DirTier) -> int:
+        """This dataset's copies in ``t`` as reservations charge them (whole_charge, and
+        _charged for a partial copy in use), less the bytes they are allocated: what
+        ``Room.recount`` adds to the allocated bytes of the tier directory so that a room
+        counted anew frees what a drop of them frees (the caller holds the tiers' lock)."""
+        adjust = 0
+        try:
+            with os.scandir(t.dir) as it:
+                names = {e.name: e for e in it}
+        except OSError:
+            return 0
+        for name, e in names.items():
+            shard = t.index_of(name)
+            with contextlib.suppress(OSError):
+                if shard is not None:  # a whole copy (one of the wrong size: as allocated)
+                    if e.stat().st_size == self._sizes[shard]:
+                        adjust += whole_charge(self._extents_of(shard), t.block) - _allocated(e)
+                    continue
+                shard = t.index_of(name.removesuffix(PARTIAL_SUFFIX))
+                fmap = names.get(name.removesuffix(PARTIAL_SUFFIX) + FILL_SUFFIX)
+                if not name.endswith(PARTIAL_SUFFIX) or shard is None or fmap is None:
+                    continue
+                f = open_fill(t.path(shard), self._sizes[shard], self._extents_of(shard))
+                if f is not None:  # one that cannot be used: as allocated
+                    try:
+                        adjust += self._charged(f, t) - _allocated(e) - _allocated(fmap)
+                    finally:
+                        f.close()
+        return adjust
 
     def _charged(self, f: ShardFill, t: DirTier) -> int:
         """What partial copy ``f`` in ``t`` is counted in its room: its pieces and itself."""
@@ -947,6 +984,12 @@ _OPENED = itertools.count()
 
 
 _FORK_GUARD = threading.Lock()  # held while the tiers' lock file is locked (_tier_lock)
+
+
+def _allocated(e: os.DirEntry[str]) -> int:
+    """A file's bytes as ``tier.dir_usage`` counts them (its size, less what is unwritten)."""
+    st = e.stat(follow_symlinks=False)
+    return min(st.st_size, st.st_blocks * 512)
 
 
 def _after_fork_in_child() -> None:

@@ -95,6 +95,9 @@ def tier_dir_problem(path: str) -> str | None:
     """
     path = os.path.abspath(path)
     if os.path.isdir(path):
+        if _read_only(path):
+            return (f"tier {path} is on a read-only file system; name a directory on a "
+                    "writable one")
         if not os.access(path, os.W_OK | os.X_OK):
             return f"tier {path} is not writable by this user; name a writable directory"
         return None
@@ -109,10 +112,22 @@ def tier_dir_problem(path: str) -> str | None:
         top = os.path.join(base, missing)
         return (f"tier {path}: {top} does not exist (a typo?); correct the path, or create "
                 f"it first: mkdir -p {parent}")
+    if _read_only(base):
+        return (f"tier {path} does not exist and cannot be created: {base} is on a "
+                "read-only file system; name a directory on a writable one")
     if not os.access(base, os.W_OK | os.X_OK):
         return (f"tier {path} does not exist and cannot be created: {base} is not "
                 "writable by this user; create it, or name a writable directory")
     return None
+
+
+def _read_only(path: str) -> bool:
+    """Is ``path`` on a file system mounted read-only? (Not a permission: no chmod or
+    other user makes it writable.)"""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def prepare_tier_dir(path: str) -> None:
@@ -162,6 +177,16 @@ class Room:
     def add(self, n: int) -> None:
         self._write(max(0, self.used() + n))
 
+    def recount(self, adjust: int = 0) -> int:
+        """Count the room anew from what the tier directory holds (as when it was made),
+        plus ``adjust`` (the caller's own copies as it charges them, less their allocated
+        bytes): a copy deleted from outside (``rm``, a cleanup of the tier) is no longer
+        counted. The caller holds the tiers' lock."""
+        total, unwritten = dir_usage(self.root)
+        value = max(0, total - unwritten + adjust)
+        self._write(value)
+        return value
+
     def _write(self, value: int) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -205,8 +230,13 @@ class DirTier:
         self._retired: list[int] = []  # descriptors let go of while in use (_retire)
         self.stats = TierStats()
         self.stopped: str | None = None  # why placement into this tier stopped, if it did
+        # its room was counted anew from its directory since it was last found full (no_room)
+        self.recounted = False
         # the chain deletes a corrupt copy (shard, its inode if known) and forgets it
         self.on_drop: Callable[[int, tuple[int, int] | None], None] | None = None
+        # the chain's copies of this dataset as it charges them less their allocated bytes
+        # (Room.recount): a room counted anew matches what their drops will free
+        self.charges: Callable[[], int] | None = None
 
     def __repr__(self) -> str:
         cap = "free space" if self.capacity is None else format_size(self.capacity)
@@ -214,6 +244,10 @@ class DirTier:
 
     def path(self, shard: int) -> str:
         return os.path.join(self.dir, self._names[shard])
+
+    def index_of(self, name: str) -> int | None:
+        """The shard whose copy's file name is ``name``, if any."""
+        return self._index.get(name)
 
     # -- holding ---------------------------------------------------------------------------
 
@@ -271,6 +305,18 @@ class DirTier:
         (the tier's capacity), ``"no space left on device"`` (its file system), or None."""
         if self.capacity is not None:
             used = self.room.used() if self.room is not None else dir_bytes(self.root)
+            if used + size > self.capacity and self.room is not None and not self.recounted:
+                # full by the counter: once (until room is freed again), counted anew from
+                # the directory, in case copies were deleted from outside since it was made
+                # (they would stay counted for the rest of the job, and the tier never take
+                # their shards again)
+                self.recounted = True
+                counted = used
+                used = self.room.recount(self.charges() if self.charges else 0)
+                if used < counted:
+                    log.info("%s: %s counted that it no longer holds (deleted from outside?); "
+                             "its room is free again", self.name,
+                             format_size(counted - used))
             if used + size > self.capacity:
                 return "full"
         try:

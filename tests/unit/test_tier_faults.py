@@ -1,0 +1,151 @@
+"""Tier faults a job meets between epochs: copies deleted or damaged from outside, the tier
+dir changed under the job. Each test names the fault; the repro scripts that found them
+ran several processes at once (the tests here are their one-process core)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from tiers_helpers import packed_tree
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
+    return packed_tree(tmp_path_factory.mktemp("faults"), n=160, shard_size="48KiB")
+
+
+def epoch(fs: stagefs.Store, files: dict[str, bytes], seed: int) -> None:
+    paths = sorted(files)
+    random.Random(seed).shuffle(paths)
+    for p in paths:
+        assert fs.read(p) == files[p], p
+
+
+def fill(fs: stagefs.Store, files: dict[str, bytes], seed: int) -> None:
+    """An epoch, then every shard placed where the tiers have room."""
+    epoch(fs, files, seed)
+    fs.prefetch(range(len(fs.manifest.shards)))
+    assert fs.chain is not None and fs.chain.wait_idle(30)
+
+
+def allocated(d: Path) -> int:
+    return sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in d.rglob("*")
+               if p.is_file())
+
+
+def test_a_copy_deleted_from_outside_frees_its_room(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path) -> None:
+    """A whole copy deleted from a full tier between runs of the job (``rm``, a cleanup)
+    was counted in the tier's room for the rest of the job: the tier said it held bytes it
+    did not, and never took the shard again (it went to the next tier, or to the origin).
+    A tier found full counts its room anew from its directory once: the shard is placed
+    there again, and the counter is what the tier holds."""
+    pack, files = dataset
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    tiers = [f"{fast}:160KiB", f"{slow}:64MiB"]
+    with stagefs.open(pack, tiers=tiers) as fs:
+        fill(fs, files, 1)
+        before = fs.status()["tiers"][0]["bytes_used"]
+    copies = sorted(p for p in fast.rglob("*.sfs"))
+    assert copies and not list(fast.rglob("*.partial"))
+    victim = copies[0]
+    victim.unlink()
+    with stagefs.open(pack, tiers=tiers) as fs:
+        fill(fs, files, 2)
+        epoch(fs, files, 3)
+        st = fs.status()
+    assert victim.exists(), "the shard was not placed again in the tier it was deleted from"
+    assert sorted(fast.rglob("*.sfs")) == copies
+    assert not (slow / victim.parent.name / victim.name).exists()
+    # counted as it was before the delete: what the tier holds, by the rule of its charges
+    assert st["tiers"][0]["bytes_used"] == before
+    assert st["reads"]["checksum_failures"] == 0
+
+
+def test_a_recount_with_nothing_deleted_changes_nothing(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted anew from the directory, a tier's room is what its reservations counted
+    (whole copies and partial ones alike): a full tier takes no more pieces after it, so
+    the held set stays put epoch after epoch (no creep past the capacity)."""
+    from stagefs.tiers import chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 16 * 1024)  # partial copies of 48 KiB shards
+    pack, files = dataset
+    tier = tmp_path / "t"
+    with stagefs.open(pack, tiers=[f"{tier}:220KiB"]) as fs:
+        fill(fs, files, 1)
+        chain = fs.chain
+        assert chain is not None
+        t = chain.tiers[0]
+        assert t.room is not None and t.charges is not None
+        assert list(tier.rglob("*.partial")), "the test wants a partial copy"
+        with chain._tier_lock():
+            used = t.room.used()
+            assert t.room.recount(t.charges()) == used
+        held = chain.held_pieces()
+    with stagefs.open(pack, tiers=[f"{tier}:220KiB"]) as fs:
+        fill(fs, files, 2)
+        assert fs.chain is not None and fs.chain.held_pieces() == held
+        assert fs.status()["tiers"][0]["bytes_used"] == used
+    assert allocated(tier) <= used
+
+
+def test_a_tier_on_a_read_only_mount_is_named_as_such(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier on a file system mounted read-only was refused as "not writable by this
+    user": a permission the user would chase with chmod. The error names the read-only
+    file system (the tier itself, or the directory it would be created in)."""
+    from stagefs.tiers import tier as tier_mod
+
+    real = os.statvfs
+    ro = tmp_path / "ro"
+    ro.mkdir()
+
+    def statvfs(path: str | os.PathLike[str]) -> os.statvfs_result:
+        st = real(path)
+        if not os.fspath(path).startswith(str(ro)):
+            return st
+        fields = list(st)
+        fields[8] |= os.ST_RDONLY
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
+    monkeypatch.setattr(os, "access", lambda *_a, **_k: False)  # as a read-only mount answers
+    for path, named in ((ro, ro), (ro / "sub" / "t0", ro)):
+        problem = tier_mod.tier_dir_problem(str(path))
+        assert problem is not None
+        assert f"{named} is on a read-only file system" in problem, problem
+        assert "by this user" not in problem
+    # a directory merely not writable by this user is still said to be that
+    monkeypatch.setattr(os, "statvfs", real)
+    problem = tier_mod.tier_dir_problem(str(ro))
+    assert problem is not None and "not writable by this user" in problem
+
+
+def test_a_copy_grown_from_outside_is_not_called_cut_short(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A whole copy longer than its shard (bytes appended, another file copied over it) is
+    deleted and placed anew; the log said it was "shorter than" the shard. It says the
+    sizes, and that it is not this shard's copy."""
+    pack, files = dataset
+    tier = tmp_path / "t"
+    with stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        fill(fs, files, 1)
+    victim = sorted(tier.rglob("*.sfs"))[0]
+    size = victim.stat().st_size
+    with victim.open("ab") as f:
+        f.write(b"x" * 100)
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        fill(fs, files, 2)
+    assert victim.stat().st_size == size
+    said = [r.getMessage() for r in caplog.records if str(victim) in r.getMessage()]
+    assert said and all("shorter" not in m for m in said), said
+    assert any(f"{size + 100} bytes" in m and "not this shard's copy" in m for m in said), said
