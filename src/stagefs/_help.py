@@ -52,7 +52,8 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
                "stagefs mount --connect /mnt/imagenet   # the cluster's dataset",
                "stagefs mount -f /data/imagenet.pack ~/mnt   # until Ctrl-C"),
               (*_STORE, *_CONNECT, "STAGEFS_FUSE_PUSH"), True),
-    "umount": (("stagefs umount /mnt/imagenet", "stagefs umount ~/mnt"), (), False),
+    "umount": (("stagefs umount /mnt/imagenet", "stagefs umount --lazy ~/mnt   # while in use"), (),
+               False),
     "stage": (("stagefs stage /data/imagenet.pack --tier /dev/shm/$USER/data:16GiB "
                "--tier /nvme/$USER/data:80%",
                "STAGEFS_TIERS=/dev/shm/$USER/data:50% stagefs stage /data/imagenet "

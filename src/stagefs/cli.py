@@ -29,12 +29,27 @@ def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return stagefs.open(args.pack)
 
 
+def _size(flag: str, text: str) -> int:
+    """``parse_size``, its error naming the option (a command may take several sizes)."""
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{flag} {text}: {exc}") from None
+
+
+def _is_raw(path: str) -> bool:
+    """A directory of files used in place, not a pack."""
+    from stagefs.format import MANIFEST_NAME
+
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, MANIFEST_NAME))
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     from stagefs.pack import describe, pack
 
     t0 = time.perf_counter()
-    report = pack(args.src, args.dest, shard_size=args.shard_size, compress=args.compress,
-                  align=parse_size(args.align), jobs=args.jobs,
+    report = pack(args.src, args.dest, shard_size=_size("--shard-size", args.shard_size),
+                  compress=args.compress, align=_size("--align", args.align), jobs=args.jobs,
                   follow_symlinks=args.follow_symlinks, overwrite=args.force)
     dt = time.perf_counter() - t0
     rate = report.raw_bytes / dt / 2**20 if dt else 0.0
@@ -89,7 +104,10 @@ def cmd_stat(args: argparse.Namespace) -> int:
               f"{s.st_ino}  Links: {s.st_nlink}")
         print(f"Modify: {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(s.st_mtime))}."
               f"{s.st_mtime_ns % 1_000_000_000:09d}")
-        if st.S_ISREG(s.st_mode):
+        if st.S_ISREG(s.st_mode) and _is_raw(args.pack):  # no shards: the file itself
+            print(f" Bytes: {os.path.join(os.path.abspath(args.pack), args.path)} (a raw "
+                  "directory: read in place, no checksum until a read computes it)")
+        elif st.S_ISREG(s.st_mode):
             m = fs.manifest
             e = fs.namespace.entry(args.path, follow=False)
             codec = ("raw", "zstd")[m.codec[e]] if m.codec[e] < 2 else str(m.codec[e])
@@ -110,11 +128,9 @@ def cmd_cat(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from stagefs.format import MANIFEST_NAME
     from stagefs.namespace import accelerator
 
-    raw = os.path.isdir(args.pack) and not os.path.exists(os.path.join(args.pack,
-                                                                        MANIFEST_NAME))
+    raw = _is_raw(args.pack)
     with _open(args) as fs:
         info = fs.info()
     ratio = info["raw_bytes"] / info["stored_bytes"] if info["stored_bytes"] else 1.0
@@ -158,9 +174,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from stagefs.bench.demo import run_demo
-    from stagefs.config import parse_size
 
-    size = parse_size(args.size) if args.size is not None else None
+    size = _size("--size", args.size) if args.size is not None else None
     return run_demo(origin=args.origin, size=size, out=args.out)
 
 
@@ -242,7 +257,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def cmd_umount(args: argparse.Namespace) -> int:
     from stagefs.posix.fuse import unmount
 
-    unmount(args.mountpoint)
+    unmount(args.mountpoint, lazy=args.lazy)
     return 0
 
 
@@ -469,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("umount", cmd_umount, "unmount a 'stagefs mount'")
     sp.add_argument("mountpoint", help="where it is mounted")
+    sp.add_argument("-l", "--lazy", action="store_true",
+                    help="detach a busy mount now (programs using it keep what they have "
+                         "open; its server ends when the last lets go)")
+
     sp = add("stage", cmd_stage, "copy a dataset into the node-local tiers now (resumable)")
     sp.add_argument("origin", help="a pack, or a raw directory to use in place")
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",

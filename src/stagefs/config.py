@@ -94,13 +94,21 @@ def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
             f"tier {spec!r} has two capacities; give DIR:SIZE with one (a directory whose "
             "name ends in ':SIZE' cannot be a tier)"
         )
+    if not path.strip():  # ":16GiB": abspath("") would make the current directory a tier
+        raise ConfigError(
+            f"tier {spec!r} names no directory (a variable left empty?); give DIR:SIZE "
+            "(e.g. /dev/shm/me:16GiB or /nvme/me:80%), or DIR alone for all its free space"
+        )
     if rank is not None:
         path = path.replace("{rank}", str(rank))
     elif "{rank}" in path:
         raise ConfigError(f"tier {spec!r} names {{rank}} but no rank is known here")
     path = os.path.abspath(os.path.expanduser(path))
     probe = _existing_parent(path)
-    capacity = parse_size(size, of=probe) if size else None
+    try:
+        capacity = parse_size(size, of=probe) if size else None
+    except ConfigError as exc:  # which tier, of several (--tier, $STAGEFS_TIERS)
+        raise ConfigError(f"tier {spec!r}: {exc}") from None
     if capacity is not None and not size.strip().endswith("%"):
         usage = shutil.disk_usage(probe)
         if capacity > usage.total:

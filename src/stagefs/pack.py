@@ -43,6 +43,7 @@ from stagefs.format import (
     KIND_FILE,
     KIND_SYMLINK,
     MANIFEST_NAME,
+    PACK_STATE_DIR,
     VERSION,
     ManifestBuilder,
     ShardWriter,
@@ -60,7 +61,7 @@ __all__ = ["PackReport", "pack", "unpack"]
 log = logging.getLogger("stagefs.pack")
 
 DEFAULT_SHARD_SIZE = "64MiB"
-STATE_DIR = ".stagefs-pack"
+STATE_DIR = PACK_STATE_DIR
 _STREAM_ABOVE = 64 * 2**20  # files larger than this are copied in chunks and stored raw
 _CHUNK = 8 * 2**20
 COMPRESS_MODES = ("auto", "zstd", "none")
@@ -428,6 +429,10 @@ def pack(
             raise PackError(f"{src_s} is a file, not a directory: pack takes the directory "
                             "that holds the dataset's files (stagefs pack SRC_DIR DEST)")
         raise PackError(f"{src_s}: no such directory to pack")
+    if os.path.isfile(os.path.join(src_s, MANIFEST_NAME)):  # packing it would store 2 files
+        raise PackError(f"{src_s} is a pack already (it holds {MANIFEST_NAME}): read it as it "
+                        f"is (stagefs info {src_s}); to pack its files again, give the "
+                        "directory they came from, or 'stagefs unpack' it first")
     real_dest, real_src = os.path.realpath(dest_s).encode(), os.path.realpath(src_s).encode()
     if _within(real_src, real_dest):  # --force would delete the source with the old DEST
         raise PackError(f"{dest_s}: the pack cannot be written to the source directory or to "

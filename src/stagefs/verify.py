@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from stagefs.errors import ConfigError
-from stagefs.format import MANIFEST_NAME, Manifest
+from stagefs.format import MANIFEST_NAME, PACK_STATE_DIR, Manifest
 from stagefs.tiers.audit import Corrupt, check_shard
 
 __all__ = ["Corrupt", "VerifyReport", "verify_pack"]
@@ -38,6 +38,14 @@ def verify_pack(pack_dir: str, *, jobs: int | None = None,
                 progress: bool | None = None) -> VerifyReport:
     """Verify every file; the manifest's own checksum is checked first, on open."""
     pack_dir = os.path.abspath(pack_dir)
+    if os.path.isdir(pack_dir) and not os.path.exists(os.path.join(pack_dir, MANIFEST_NAME)) \
+            and not os.path.isdir(os.path.join(pack_dir, PACK_STATE_DIR)):
+        if not os.listdir(pack_dir):
+            raise ConfigError(f"{pack_dir} is an empty directory, not a pack: name the "
+                              f"directory that holds {MANIFEST_NAME} (stagefs pack writes it)")
+        raise ConfigError(f"{pack_dir} is a directory of files, not a pack (no {MANIFEST_NAME}):"
+                          " it holds no checksums to verify against; pack it (stagefs pack "
+                          f"{pack_dir} DEST) and verify the pack")
     m = Manifest(os.path.join(pack_dir, MANIFEST_NAME))
     shards = list(range(len(m.shards)))
     total = sum(s.size for s in m.shards)

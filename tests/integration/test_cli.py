@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -538,7 +539,9 @@ def test_wait_staged_ends_at_once_when_the_daemon_failed_or_ended(tmp_path: Path
     auth.write_token(str(token), auth.new_token())
     token.chmod(0o644)
     hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1:0\n")
+    with socket.socket() as s:  # a port of its own (it fails before it listens)
+        s.bind(("127.0.0.1", 0))
+        hosts.write_text(f"127.0.0.1:{s.getsockname()[1]}\n")
     rt = tmp_path / "rt"
     serve = subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", str(pack), "--tier",
                             f"{tmp_path / 'tier'}:64MiB", "--runtime", str(rt), "--hosts",

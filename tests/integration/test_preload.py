@@ -396,6 +396,31 @@ def test_dotdot_climbs_out_as_the_kernel_resolves(packed: tuple[Path, Path],
         str(at / "data/arr.npy")]
 
 
+def test_writes_through_dotdot_act_on_the_real_path(packed: tuple[Path, Path],
+                                                    tmp_path: Path) -> None:
+    """A write call whose path leaves --at through ".." acts on the real path it names (the
+    kernel, to whom --at does not exist, would say ENOENT), as reads and xattr calls do."""
+    _, pack = packed
+    at = tmp_path / "data"  # does not exist on disk
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "f").write_bytes(b"x")
+    up = f"{at}/data/../../out"  # in the tree, then out of it
+    script = (f"mkdir '{up}/d' && chmod 600 '{at}/../out/f' && ln -s f '{up}/l' && "
+              f"ln '{up}/f' '{up}/h' && mv '{up}/h' '{at}/../out/h2' && truncate -s 5 '{up}/h2' "
+              f"&& touch -d @1000000000 '{up}/f' && cd '{at}/data' && mkdir ../../out/rel && "
+              f"rmdir ../../out/rel && rm ../../out/l && "
+              f"{sys.executable} -c 'import os; os.remove(\"../../out/h2\")' && echo done")
+    got = run(pack, at, "sh", "-c", script, ok=False)
+    assert got.stdout == b"done\n", got.stderr.decode()
+    assert sorted(os.listdir(out)) == ["d", "f"]
+    assert (out / "f").stat().st_mode & 0o777 == 0o600
+    assert (out / "f").stat().st_mtime == 1000000000
+    # and a path that stays in the tree is still refused
+    proc = run(pack, at, "sh", "-c", f"mkdir '{at}/data/../new'", ok=False)
+    assert proc.returncode != 0 and b"Read-only file system" in proc.stderr
+
+
 def test_a_relative_path_from_above_enters_the_tree(packed: tuple[Path, Path],
                                                     tmp_path: Path) -> None:
     """`cd /data; cat train/x` with --at /data/train: the relative path is served, also when

@@ -15,6 +15,7 @@ PIECE = 1 << 20
 metadata as ``piece_size``: a reader uses the pack's value, not this one."""
 
 MANIFEST_NAME = "manifest.sfm"
+PACK_STATE_DIR = ".stagefs-pack"  # an unfinished pack's state, in DEST (pack.py)
 MANIFEST_MAGIC = b"STGFSMAN"
 SHARD_MAGIC = b"STGFSSHD"
 

@@ -875,10 +875,15 @@ def mount(store: Any, mountpoint: str, *, allow_other: bool = False,
         raise ConfigError(f"could not mount at {mp}: {why}") from None
 
 
-def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
+def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> None:
     """Unmount a stagefs mount; the serving process then exits by itself. A detached
     server whose log holds anything (a read that failed, and why) keeps it: a warning
-    names it and shows its first lines."""
+    names it and shows its first lines.
+
+    A mount in use (a process's current directory or open file in it) is busy: the error
+    names those processes. ``lazy`` detaches it at once anyway (``fusermount3 -u -z``,
+    ``umount -l``): it is gone from the directory tree, and its server ends when the last
+    of them lets go."""
     mp = os.path.abspath(mountpoint)
     if not is_mounted(mp):
         raise ConfigError(f"{mp} is not mounted")
@@ -893,25 +898,73 @@ def unmount(mountpoint: str, *, timeout: float = 10.0) -> None:
             f"{at[2] or 'an unknown source'}): stagefs umount only ends what stagefs mount "
             "started; use umount for anything else")
     server_log = _server_log(mp)  # while the server runs
-    errors = []
-    for cmd in (["fusermount3", "-u", mp], ["fusermount", "-u", mp], ["umount", mp]):
+    error = _run_unmount(mp, timeout, lazy)
+    if error is None:  # done: the kernel may take a moment to drop it from the mount table
+        deadline = time.monotonic() + timeout
+        while is_mounted(mp) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if is_mounted(mp):
+        if error is None or "busy" in error.lower():
+            users = _users_of(mp)
+            who = (f"in use by {', '.join(users[:5])}{', ...' if len(users) > 5 else ''}"
+                   if users else "in use")
+            raise ConfigError(
+                f"could not unmount {mp}: it is busy ({who}): end those programs or move them "
+                f"out of it (cd elsewhere, close its files) and run 'stagefs umount {mp}' "
+                f"again, or 'stagefs umount --lazy {mp}' to detach it now (its server ends "
+                "when the last of them lets go)")
+        raise ConfigError(f"could not unmount {mp}: {error}")
+    if server_log is not None:
+        _tell_log(mp, server_log)
+
+
+def _run_unmount(mp: str, timeout: float, lazy: bool) -> str | None:
+    """Unmount ``mp`` with the first of fusermount3, fusermount and umount found: None if it
+    did, else that tool's one error (tools not installed are skipped)."""
+    error = None
+    for cmd in (["fusermount3", "-u", *(["-z"] if lazy else []), mp],
+                ["fusermount", "-u", *(["-z"] if lazy else []), mp],
+                ["umount", *(["-l"] if lazy else []), mp]):
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                                check=False)
-        except (FileNotFoundError, subprocess.TimeoutExpired) as exc:
-            errors.append(f"{cmd[0]}: {exc}")
+        except FileNotFoundError:
             continue
+        except subprocess.TimeoutExpired:
+            return f"{cmd[0]} did not answer in {timeout:g} s"
         if r.returncode == 0:
-            break
-        errors.append(f"{cmd[0]}: {r.stderr.strip()}")
-    deadline = time.monotonic() + timeout
-    while is_mounted(mp) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if is_mounted(mp):
-        raise ConfigError(f"could not unmount {mp}: {'; '.join(errors)} (is it busy? "
-                          "close the programs using it, or: umount -l)")
-    if server_log is not None:
-        _tell_log(mp, server_log)
+            return None
+        said = r.stderr.strip().splitlines()
+        error = error or (said[-1] if said else f"{cmd[0]} exited {r.returncode}")
+        if "busy" in error.lower():
+            return error  # the others would say the same
+    return error or ("no unmount tool found (fusermount3, fusermount, umount): install "
+                     "fuse3 (apt-get install fuse3)")
+
+
+def _users_of(mp: str) -> list[str]:
+    """The processes whose current directory, root or an open file is in ``mp``, as
+    "pid N (name)" (those of other users this process may not look at are left out)."""
+    inside = mp.rstrip("/") + "/"
+    users = []
+    for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+        links = [f"/proc/{pid}/cwd", f"/proc/{pid}/root"]
+        with contextlib.suppress(OSError):
+            links += [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+        for link in links:
+            try:
+                target = os.readlink(link)
+            except OSError:
+                continue
+            if target == mp or target.startswith(inside):
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        name = f.read().strip()
+                except OSError:
+                    name = "?"
+                users.append(f"pid {pid} ({name})")
+                break
+    return users
 
 
 _LOG_VAR = "STAGEFS_MOUNT_LOG"  # the detached server's log, named for it to remove

@@ -1855,63 +1855,66 @@ API ssize_t flistxattr(int fd, char *l, size_t s) {
 
 /* ---- writes under the root: EROFS, nothing done ----------------------------------------- */
 
-static int staged(int dirfd, const char *path, int follow) {
-    Res r;
-    resolve(&r, dirfd, path, follow);
-    return r.kind != R_REAL;
+/* Where a write call's path lies. 0: outside the tree, and r->path is the path to hand the
+ * real call: as given, or made plain when it entered the tree and left it through ".."
+ * ("AT/../x" is AT's parent's x: the kernel, to whom AT may not exist, would not find it).
+ * 1: in the tree (an entry, or an error there): the call is refused with EROFS. */
+static int staged(Res *r, int dirfd, const char *path, int follow) {
+    resolve(r, dirfd, path, follow);
+    return r->kind != R_REAL;
 }
-/* the real path to hand on when the path lies outside the tree ("/root/../x" made plain) */
-#define REFUSE1(dirfd, path, follow) do { INIT(); if (staged(dirfd, path, follow)) { errno = EROFS; return -1; } } while (0)
+#define REFUSE1(dirfd, path, follow) \
+    Res r_; do { INIT(); if (staged(&r_, dirfd, path, follow)) { errno = EROFS; return -1; } } while (0)
+#define REFUSE2(od, op, nd, np) \
+    Res ro_, rn_; do { INIT(); if (staged(&ro_, od, op, 0) || staged(&rn_, nd, np, 0)) { errno = EROFS; return -1; } } while (0)
 
-API int unlinkat(int d, const char *p, int fl) { REFUSE1(d, p, 0); return real_unlinkat(d, p, fl); }
+API int unlinkat(int d, const char *p, int fl) { REFUSE1(d, p, 0); return real_unlinkat(d, r_.path, fl); }
 API int unlink(const char *p) { return unlinkat(AT_FDCWD, p, 0); }
 API int rmdir(const char *p) { return unlinkat(AT_FDCWD, p, AT_REMOVEDIR); }
 API int remove(const char *p) {
-    INIT();
-    if (staged(AT_FDCWD, p, 0)) { errno = EROFS; return -1; }
+    REFUSE1(AT_FDCWD, p, 0);
     struct stat st;
-    if (real_fstatat(AT_FDCWD, p, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
-        return real_unlinkat(AT_FDCWD, p, AT_REMOVEDIR);
-    return real_unlinkat(AT_FDCWD, p, 0);
+    if (real_fstatat(AT_FDCWD, r_.path, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode))
+        return real_unlinkat(AT_FDCWD, r_.path, AT_REMOVEDIR);
+    return real_unlinkat(AT_FDCWD, r_.path, 0);
 }
 API int renameat2(int od, const char *op, int nd, const char *np, unsigned fl) {
-    INIT();
-    if (staged(od, op, 0) || staged(nd, np, 0)) { errno = EROFS; return -1; }
-    return real_renameat2(od, op, nd, np, fl);
+    REFUSE2(od, op, nd, np);
+    return real_renameat2(od, ro_.path, nd, rn_.path, fl);
 }
 API int renameat(int od, const char *op, int nd, const char *np) { return renameat2(od, op, nd, np, 0); }
 API int rename(const char *op, const char *np) { return renameat2(AT_FDCWD, op, AT_FDCWD, np, 0); }
-API int mkdirat(int d, const char *p, mode_t m) { REFUSE1(d, p, 0); return real_mkdirat(d, p, m); }
+API int mkdirat(int d, const char *p, mode_t m) { REFUSE1(d, p, 0); return real_mkdirat(d, r_.path, m); }
 API int mkdir(const char *p, mode_t m) { return mkdirat(AT_FDCWD, p, m); }
-API int fchmodat(int d, const char *p, mode_t m, int fl) { REFUSE1(d, p, !(fl & AT_SYMLINK_NOFOLLOW)); return real_fchmodat(d, p, m, fl); }
+API int fchmodat(int d, const char *p, mode_t m, int fl) { REFUSE1(d, p, !(fl & AT_SYMLINK_NOFOLLOW)); return real_fchmodat(d, r_.path, m, fl); }
 API int chmod(const char *p, mode_t m) { return fchmodat(AT_FDCWD, p, m, 0); }
 API int lchmod(const char *p, mode_t m) { return fchmodat(AT_FDCWD, p, m, AT_SYMLINK_NOFOLLOW); }
-API int fchownat(int d, const char *p, uid_t u, gid_t g, int fl) { REFUSE1(d, p, !(fl & AT_SYMLINK_NOFOLLOW)); return real_fchownat(d, p, u, g, fl); }
+API int fchownat(int d, const char *p, uid_t u, gid_t g, int fl) { REFUSE1(d, p, !(fl & AT_SYMLINK_NOFOLLOW)); return real_fchownat(d, r_.path, u, g, fl); }
 API int chown(const char *p, uid_t u, gid_t g) { return fchownat(AT_FDCWD, p, u, g, 0); }
 API int lchown(const char *p, uid_t u, gid_t g) { return fchownat(AT_FDCWD, p, u, g, AT_SYMLINK_NOFOLLOW); }
-API int truncate(const char *p, off_t len) { REFUSE1(AT_FDCWD, p, 1); return real_truncate(p, len); }
+API int truncate(const char *p, off_t len) { REFUSE1(AT_FDCWD, p, 1); return real_truncate(r_.path, len); }
 API int truncate64(const char *p, off_t len) { return truncate(p, len); }
 API int linkat(int od, const char *op, int nd, const char *np, int fl) {
-    INIT();
-    if (staged(od, op, 0) || staged(nd, np, 0)) { errno = EROFS; return -1; }
-    return real_linkat(od, op, nd, np, fl);
+    REFUSE2(od, op, nd, np);
+    return real_linkat(od, ro_.path, nd, rn_.path, fl);
 }
 API int link(const char *op, const char *np) { return linkat(AT_FDCWD, op, AT_FDCWD, np, 0); }
-API int symlinkat(const char *target, int d, const char *p) { REFUSE1(d, p, 0); return real_symlinkat(target, d, p); }
+API int symlinkat(const char *target, int d, const char *p) { REFUSE1(d, p, 0); return real_symlinkat(target, d, r_.path); }
 API int symlink(const char *target, const char *p) { return symlinkat(target, AT_FDCWD, p); }
 API int utimensat(int d, const char *p, const struct timespec t[2], int fl) {
     INIT();
-    if (p == NULL) { Row r; if (get_row(d, &r)) { errno = EROFS; return -1; } }
-    else if (staged(d, p, !(fl & AT_SYMLINK_NOFOLLOW))) { errno = EROFS; return -1; }
-    return real_utimensat(d, p, t, fl);
+    Res r;
+    if (p == NULL) { Row w; if (get_row(d, &w)) { errno = EROFS; return -1; } return real_utimensat(d, p, t, fl); }
+    if (staged(&r, d, p, !(fl & AT_SYMLINK_NOFOLLOW))) { errno = EROFS; return -1; }
+    return real_utimensat(d, r.path, t, fl);
 }
-API int mknodat(int d, const char *p, mode_t m, dev_t dev) { REFUSE1(d, p, 0); return real_mknodat(d, p, m, dev); }
+API int mknodat(int d, const char *p, mode_t m, dev_t dev) { REFUSE1(d, p, 0); return real_mknodat(d, r_.path, m, dev); }
 API int mknod(const char *p, mode_t m, dev_t dev) { return mknodat(AT_FDCWD, p, m, dev); }
 API int mkfifo(const char *p, mode_t m) { return mknodat(AT_FDCWD, p, m | S_IFIFO, 0); }
-API int setxattr(const char *p, const char *n, const void *v, size_t s, int fl) { REFUSE1(AT_FDCWD, p, 1); return real_setxattr(p, n, v, s, fl); }
-API int lsetxattr(const char *p, const char *n, const void *v, size_t s, int fl) { REFUSE1(AT_FDCWD, p, 0); return real_lsetxattr(p, n, v, s, fl); }
-API int removexattr(const char *p, const char *n) { REFUSE1(AT_FDCWD, p, 1); return real_removexattr(p, n); }
-API int lremovexattr(const char *p, const char *n) { REFUSE1(AT_FDCWD, p, 0); return real_lremovexattr(p, n); }
+API int setxattr(const char *p, const char *n, const void *v, size_t s, int fl) { REFUSE1(AT_FDCWD, p, 1); return real_setxattr(r_.path, n, v, s, fl); }
+API int lsetxattr(const char *p, const char *n, const void *v, size_t s, int fl) { REFUSE1(AT_FDCWD, p, 0); return real_lsetxattr(r_.path, n, v, s, fl); }
+API int removexattr(const char *p, const char *n) { REFUSE1(AT_FDCWD, p, 1); return real_removexattr(r_.path, n); }
+API int lremovexattr(const char *p, const char *n) { REFUSE1(AT_FDCWD, p, 0); return real_lremovexattr(r_.path, n); }
 
 /* ---- exec: the child inherits the staged descriptors and directory ---------------------- */
 

@@ -1,0 +1,43 @@
+"""A new user's first hour: values they mistype get an error that names them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from stagefs.config import parse_tier
+from stagefs.errors import ConfigError
+
+
+@pytest.mark.parametrize("spec", [":1G", " :50%", ":"])
+def test_a_tier_with_no_directory_is_an_error_not_the_current_directory(
+        spec: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"names no directory|no capacity after"):
+        parse_tier(spec)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_tier_size_names_the_tier() -> None:
+    with pytest.raises(ConfigError, match=r"tier '/dev/shm/b:10X': not a size"):
+        parse_tier("/dev/shm/b:10X")
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["pack", "SRC", "DEST", "--shard-size", "-1"], "--shard-size -1: "),
+    (["pack", "SRC", "DEST", "--align", "10X"], "--align 10X: "),
+    (["demo", "--size", "1e3G"], "--size 1e3G: "),
+])
+def test_a_bad_size_option_is_named(argv: list[str], named: str, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from stagefs import cli
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "f").write_bytes(b"x")
+    argv = [str(tmp_path / a.lower()) if a in ("SRC", "DEST") else a for a in argv]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"stagefs: error: {named}not a size"), err
+    assert not (tmp_path / "dest").exists()
