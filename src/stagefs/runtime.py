@@ -200,6 +200,10 @@ class Runtime:
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         given = os.fspath(path) if path is not None else env("RUNTIME")
+        if given is not None and given and not given.strip():  # a directory named " "
+            raise ConfigError(f"the runtime directory {given!r} (--runtime, or "
+                              "$STAGEFS_RUNTIME) is blank: name a node-local directory, or "
+                              "unset STAGEFS_RUNTIME for the default")
         self.job = job_id()
         self.explicit = given is not None
         self.base = _default_base() if given is None else None

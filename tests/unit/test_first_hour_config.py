@@ -41,3 +41,17 @@ def test_a_bad_size_option_is_named(argv: list[str], named: str, tmp_path: Path,
     err = capsys.readouterr().err
     assert err.startswith(f"stagefs: error: {named}not a size"), err
     assert not (tmp_path / "dest").exists()
+
+
+def test_a_blank_runtime_is_an_error_not_a_directory_named_blank(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagefs.cluster.world import runtime_default
+    from stagefs.runtime import Runtime
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STAGEFS_RUNTIME", "  ")
+    with pytest.raises(ConfigError, match="blank"):
+        Runtime().open()
+    with pytest.raises(ConfigError, match="blank"):
+        runtime_default()
+    assert os.listdir(tmp_path) == []

@@ -207,5 +207,8 @@ def runtime_default(env: Mapping[str, str] | None = None) -> str:
     and job; the same rule as the single-node runtime)."""
     env = os.environ if env is None else env
     if env.get("STAGEFS_RUNTIME"):
+        if not env["STAGEFS_RUNTIME"].strip():
+            raise ConfigError("$STAGEFS_RUNTIME is blank: name a node-local directory, or "
+                              "unset it for the default")
         return os.path.abspath(env["STAGEFS_RUNTIME"])
     return os.path.join(_runtime._default_base(), job_id(env))

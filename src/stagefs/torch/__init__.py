@@ -1,6 +1,6 @@
 """PyTorch front end: a map-style dataset over a stagefs Store, a distributed sampler that
 knows every future read (clairvoyant prefetching, locality, resumable state), and a data-stall
-meter. Needs PyTorch (``pip install stagefs[torch]``); ``import stagefs`` never imports it.
+meter. Needs PyTorch (``pip install 'stagefs[torch]'``); ``import stagefs`` never imports it.
 
 ::
 
@@ -25,7 +25,7 @@ try:
     import torch as _torch  # noqa: F401
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
     raise ImportError(
-        "stagefs.torch needs PyTorch, which is not installed: pip install stagefs[torch] "
+        "stagefs.torch needs PyTorch, which is not installed: pip install 'stagefs[torch]' "
         "(or pip install torch)"
     ) from exc
 
