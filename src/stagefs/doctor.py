@@ -131,11 +131,12 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
     problem = tier_dir_problem(path)
     if problem:
         return [Finding(label, "error", problem)]
-    if tier.capacity is not None and tier.capacity < PIECE:
+    least = PIECE + 2 * 4096  # a piece, and a copy's header and fill map (a page each)
+    if tier.capacity is not None and tier.capacity < least:
         return [Finding(label, "warn", f"capacity {format_size(tier.capacity)} is less than "
                         f"one piece of placement ({format_size(PIECE)} as packed by "
-                        f"default): it holds little or nothing; give it at least "
-                        f"{format_size(PIECE)}, or leave it out")]
+                        f"default) and its copy's header: it holds little or nothing; give "
+                        f"it at least {format_size(least)}, or leave it out")]
     if not os.path.isdir(path):
         parent = os.path.dirname(path)
         total, free = _space(parent)

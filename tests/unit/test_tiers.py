@@ -430,6 +430,14 @@ def test_a_tier_smaller_than_a_piece_is_warned_of(pack: Path, runtime: Path, tmp
     (finding,) = check_tier(f"{tmp_path / 'small'}:512KiB")
     assert finding.status == "warn" and "less than one piece" in finding.meaning
     assert check_tier(f"{tmp_path / 'big'}:64MiB")[0].status == "ok"
+    # one piece exactly holds nothing either: a copy's header takes blocks of its own
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tmp_path / 'onepiece'}:1MiB"]):
+        pass
+    assert any("onepiece" in r.getMessage() and "less than one piece" in r.getMessage()
+               for r in caplog.records), caplog.records
+    assert check_tier(f"{tmp_path / 'onepiece'}:1MiB")[0].status == "warn"
 
 
 @pytest.mark.parametrize("chunk", [777, 4096])

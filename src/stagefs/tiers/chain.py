@@ -128,11 +128,13 @@ class TierChain:
         for t in self.tiers:
             t.on_drop = functools.partial(self._dropped, t)
             t.charges = functools.partial(self._charges, t)
-            if t.capacity is not None and t.capacity < piece:
+            least = piece + 2 * t.block  # a piece, and a copy's header and fill map blocks
+            if t.capacity is not None and t.capacity < least:
                 log.warning("%s: its capacity (%s) is less than one piece of placement "
-                            "(%s): it will hold little or nothing; give it at least %s, or "
-                            "leave it out", t.name, format_size(t.capacity),
-                            format_size(piece), format_size(piece))
+                            "(%s) and its copy's header (%s): it will hold little or "
+                            "nothing; give it at least %s, or leave it out", t.name,
+                            format_size(t.capacity), format_size(piece),
+                            format_size(2 * t.block), format_size(least))
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another
