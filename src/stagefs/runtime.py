@@ -313,9 +313,21 @@ class Runtime:
     # -- records --------------------------------------------------------------------------
 
     def record_tiers(self, pack_id: str, tier_dirs: list[str]) -> None:
-        """Remember where a dataset's shards go, for ``stagefs status`` and ``clean``."""
+        """Remember where a dataset's shards go: ``tiers``, the last process's tiers (what
+        ``stagefs status`` shows), and ``placed``, every tier this job's processes have
+        named for it (what ``clean`` removes: a job staged with one set of tiers, then read
+        with another, left the first set's data behind)."""
         path = os.path.join(self.tiers, pack_id + ".json")
-        _write_json(path, {"pack_id": pack_id, "tiers": tier_dirs})
+        placed = list(tier_dirs)
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            for t in [*old.get("placed", []), *old.get("tiers", [])]:
+                if isinstance(t, str) and t not in placed:
+                    placed.append(t)
+        except (OSError, ValueError, AttributeError):
+            pass
+        _write_json(path, {"pack_id": pack_id, "tiers": tier_dirs, "placed": placed})
 
     def tier_records(self) -> list[dict[str, Any]]:
         return _read_jsons(self.tiers)
@@ -380,7 +392,8 @@ def _is_runtime(entry: os.DirEntry[str]) -> bool:
 
 
 def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:
-    return [os.path.join(t, rec["pack_id"]) for rec in records for t in rec.get("tiers", [])]
+    return [os.path.join(t, rec["pack_id"]) for rec in records
+            for t in rec.get("placed", rec.get("tiers", []))]
 
 
 def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = frozenset()

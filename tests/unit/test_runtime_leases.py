@@ -135,6 +135,19 @@ def test_clean_after_the_job_ended_removes_its_data(base: Path, pack: Path, tmp_
     assert not _staged(tier, pack) and not job.runtime.exists()
 
 
+def test_clean_removes_every_tier_set_the_job_placed_into(base: Path, pack: Path,
+                                                          tmp_path: Path) -> None:
+    # staged with one set of tiers, read with another: clean removed the last set's only
+    one, two = tmp_path / "one", tmp_path / "two"
+    first = Job(base, "sets", pack, one)
+    assert first.finish() == 0
+    second = Job(base, "sets", pack, two)
+    assert second.finish() == 0
+    assert _staged(one, pack) and _staged(two, pack)
+    assert main(["clean", "--runtime", str(second.runtime)]) == 0
+    assert not _staged(one, pack) and not _staged(two, pack)
+
+
 def test_clean_never_removes_what_a_live_job_uses(base: Path, pack: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
