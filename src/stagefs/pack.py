@@ -444,7 +444,8 @@ def pack(
     if size <= 0:
         raise PackError(f"--shard-size must be positive, not {shard_size!r}")
     if jobs is not None and jobs < 0:
-        raise PackError(f"--jobs must be a number of processes (1 or more), not {jobs}")
+        raise PackError(f"--jobs must be a number of processes (1 or more; 0: the default, one "
+                        f"per core, at most 8), not {jobs}")
     jobs = jobs or min(os.cpu_count() or 1, 8)
     file_align = _file_align(align, align_min)
 
