@@ -11,21 +11,29 @@ Readers see the old file or the new one, never a mix (the rename is atomic).
 Shard copies into tiers are not written here: they are filled piece by piece by several
 processes under a fill map and renamed by their own protocol (tiers/fill.py).
 
+``worker_pool`` is a process pool whose workers end with the process that made it, so
+that a command killed with SIGKILL (``kill -9``, the OOM killer, ``scancel``) leaves none of
+them behind.
+
 This module imports nothing of stagefs, so that every layer may use it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
+import ctypes
 import os
 import resource
 import secrets
+import signal
+import sys
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock"]
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -121,3 +129,34 @@ def raise_fd_limit() -> tuple[int, int]:
         except (ValueError, OSError):
             return soft, soft
     return soft, max(new, soft)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process end (SIGKILL) when its parent does, and end it now if ``parent``
+    (the pid of the process that asked for it) is already gone.
+
+    A pool worker's queue from its parent is held open by the worker itself (a forked
+    worker inherits both ends of the pipe), so a worker whose parent was killed never sees
+    the end of it: it waits for work forever, keeps the command's output open (a pipeline
+    after it never ends), and may go on writing into what the next run writes. Linux only
+    (``prctl``); elsewhere this only checks ``parent``."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL),
+                                                    0, 0, 0)
+    try:
+        os.kill(parent, 0)
+    except ProcessLookupError:  # died before the line above took effect
+        os._exit(1)
+    except PermissionError:  # the pid is another user's process now: ours is gone
+        os._exit(1)
+
+
+def worker_pool(jobs: int) -> cf.ProcessPoolExecutor:
+    """A pool of ``jobs`` processes that end when this process ends, however it ends
+    (``die_with_parent``)."""
+    return cf.ProcessPoolExecutor(max_workers=jobs, initializer=die_with_parent,
+                                  initargs=(os.getpid(),))

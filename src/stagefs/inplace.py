@@ -41,6 +41,8 @@ __all__ = ["DEFAULT_SHARD_SIZE", "InPlaceCache", "open_manifest", "scan_tree"]
 log = logging.getLogger("stagefs.inplace")
 
 DEFAULT_SHARD_SIZE = 64 * 2**20
+_UNREADABLE_HINT = ("Give this user read and search permission on them (chmod u+rx, or a+rx "
+                    "for a shared dataset), or open the dataset as a user who has it")
 MANIFEST = "manifest.sfm"
 SUMS = "sums"
 
@@ -73,6 +75,9 @@ def _walk(root: bytes, rel_top: bytes) -> _Found:
                 info = d.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue  # removed while we looked: the scan is of what is there
+            except PermissionError:  # listable but not searchable (r without x)
+                out.unreadable.append(os.fsdecode(path))
+                break
             if st.S_ISDIR(info.st_mode):
                 out.entries.append(Entry(rel, KIND_DIR, info.st_mode, info.st_mtime_ns))
                 stack.append(rel)
@@ -127,6 +132,7 @@ def scan_tree(root: str, *, jobs: int = 16, progress: bool | None = None,
     if unreadable:
         raise UnreadableSourceError(
             f"cannot read {len(unreadable)} director(ies) of {root}: {', '.join(unreadable[:5])}"
+            f"{', ...' if len(unreadable) > 5 else ''}. {_UNREADABLE_HINT}"
         )
     if stats is not None:  # one scandir per directory, one lstat per entry
         stats.opens += n_dirs
@@ -140,9 +146,17 @@ def _walk_one_level(root: bytes) -> _Found:
         with os.scandir(root) as it:
             items = list(it)
     except OSError as exc:
-        raise UnreadableSourceError(f"{os.fsdecode(root)}: {exc.strerror}") from exc
+        raise UnreadableSourceError(f"{os.fsdecode(root)}: {exc.strerror}. "
+                                    f"{_UNREADABLE_HINT}") from exc
     for d in items:
-        info = d.stat(follow_symlinks=False)
+        try:
+            info = d.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue  # removed while we looked: the scan is of what is there
+        except PermissionError as exc:  # listable but not searchable (r without x)
+            raise UnreadableSourceError(
+                f"{os.fsdecode(root)}: cannot reach its entries ({exc.strerror}: it can be "
+                f"listed but not searched). {_UNREADABLE_HINT}") from exc
         if st.S_ISDIR(info.st_mode):
             out.entries.append(Entry(d.name, KIND_DIR, info.st_mode, info.st_mtime_ns))
         elif st.S_ISREG(info.st_mode):

@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stagefs._fsutil import atomic_write
+from stagefs._fsutil import atomic_write, worker_pool
 from stagefs.config import format_size, parse_size
 from stagefs.errors import (
     CorruptManifestError,
@@ -102,6 +102,7 @@ class _Scan:
     skipped: list[str] = field(default_factory=list)
     unsafe: list[str] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    relinked: list[str] = field(default_factory=list)  # symlinks stored with a new target
 
 
 def _within(path: bytes, root: bytes) -> bool:
@@ -136,7 +137,11 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None) -> _Scan:
             except FileNotFoundError:  # removed since it was listed: not in the tree
                 continue
             if st.S_ISLNK(info.st_mode):
-                _scan_link(out, rel, apath, real_root, follow_symlinks, stack, seen_dirs)
+                # where the link is in the pack is where it is in the source, unless it lies
+                # in an outside directory that --follow-symlinks brought in
+                in_tree = apath == os.path.join(src, rel)
+                _scan_link(out, rel, apath, real_root, follow_symlinks, stack, seen_dirs,
+                           in_tree)
             elif st.S_ISDIR(info.st_mode):
                 out.entries.append(Entry(rel, KIND_DIR, info.st_mode, info.st_mtime_ns))
                 stack.append((apath, rel))
@@ -155,6 +160,7 @@ def _scan_link(
     follow: bool,
     stack: list[tuple[bytes, bytes]],
     seen_dirs: set[tuple[int, int]],
+    in_tree: bool,
 ) -> None:
     target = os.readlink(apath)
     resolved = os.path.realpath(apath)
@@ -162,6 +168,15 @@ def _scan_link(
     if _within(resolved, real_root):
         inside = os.path.relpath(resolved, real_root)
         link_resolved = b"" if inside == b"." else inside
+        rel_dir = rel.rpartition(b"/")[0]
+        if os.path.exists(resolved) and (  # a dangling link or a loop keeps its text
+                not in_tree or _beneath(real_root, rel_dir, target) != link_resolved):
+            # its text, read from its place in the pack (readlink, unpack, a mount), would
+            # not lead where the file system led: the path inside the pack that does
+            new = os.path.relpath(b"/" + link_resolved, b"/" + rel_dir)
+            out.relinked.append(f"{os.fsdecode(rel)} -> {os.fsdecode(target)} "
+                                f"(stored as -> {os.fsdecode(new)})")
+            target = new
         out.entries.append(
             Entry(rel, KIND_SYMLINK, info.st_mode, info.st_mtime_ns, link_target=target,
                   link_resolved=link_resolved)
@@ -169,7 +184,8 @@ def _scan_link(
         return
     if not follow or not os.path.exists(resolved):
         if follow:
-            log.warning("symlink %s points to missing %s: kept as a symlink", rel, target)
+            log.warning("symlink %s points to missing %s: kept as a symlink",
+                        os.fsdecode(rel), os.fsdecode(target))
             out.entries.append(
                 Entry(rel, KIND_SYMLINK, info.st_mode, info.st_mtime_ns, link_target=target)
             )
@@ -188,6 +204,43 @@ def _scan_link(
         out.files.append(_Source(rel, resolved, tinfo.st_size, tinfo.st_mtime_ns, tinfo.st_mode))
     else:
         out.skipped.append(os.fsdecode(rel))
+
+
+def _beneath(real_root: bytes, rel_dir: bytes, target: bytes) -> bytes | None:
+    """Where the symlink text ``target``, followed from the directory ``rel_dir`` of the tree
+    at ``real_root`` as the kernel follows it (component by component, through the links of
+    the tree), leads: a path inside the tree, or None if it leaves the tree on the way (an
+    absolute target, a ``..`` above the root) or loops. A missing name is taken as it is
+    (as ``realpath`` does). A link kept with its own text must lead, from its place in the
+    pack, where the file system led from its place in the source."""
+    if target.startswith(b"/"):
+        return None
+    parts = [p for p in rel_dir.split(b"/") if p]
+    todo = target.split(b"/")[::-1]  # a stack: the next component last
+    links = 0
+    while todo:
+        name = todo.pop()
+        if name in (b"", b"."):
+            continue
+        if name == b"..":
+            if not parts:
+                return None
+            parts.pop()
+            continue
+        parts.append(name)
+        path = os.path.join(real_root, *parts)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if st.S_ISLNK(info.st_mode):
+            links += 1
+            text = os.readlink(path)
+            if links > 40 or text.startswith(b"/"):
+                return None
+            parts.pop()
+            todo += text.split(b"/")[::-1]
+    return b"/".join(parts)
 
 
 # ---------------------------------------------------------------------------------- plan
@@ -247,12 +300,22 @@ def _read_whole(fd: int, size: int) -> bytes:
 def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
     """Append one file; return its record, or ``"changed"`` if it changed under us. A raw
     file larger than one piece gets the checksum of each piece too, and a raw file that the
-    writer's alignment names starts at a multiple of it (docs/FORMAT.md)."""
-    fd = os.open(f.abspath, os.O_RDONLY)
+    writer's alignment names starts at a multiple of it (docs/FORMAT.md).
+
+    The scan found a regular file: if something else is there now (a FIFO, which a plain
+    open would wait on for a writer forever; a device; a symlink), it changed."""
+    try:
+        fd = os.open(f.abspath, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink now; a FIFO or socket now
+            return "changed"
+        raise
     try:
         before = os.fstat(fd)
-        if before.st_size != f.size or before.st_mtime_ns != f.mtime_ns:
+        if (not st.S_ISREG(before.st_mode) or before.st_size != f.size
+                or before.st_mtime_ns != f.mtime_ns):
             return "changed"
+        os.set_blocking(fd, True)  # a regular file: read it as any other
         if f.size > _STREAM_ABOVE:
             writer.align_for(Codec.NONE, f.size)
             offset, total, h = writer.position, 0, StreamSum(PIECE)
@@ -458,7 +521,17 @@ def pack(
             + ". Pass --follow-symlinks to pack what they point to, or remove them."
         )
     if scan.unreadable:
-        raise UnreadableSourceError(f"cannot read directories: {', '.join(scan.unreadable[:10])}")
+        raise UnreadableSourceError(
+            f"cannot read {len(scan.unreadable)} director(ies): "
+            f"{', '.join(scan.unreadable[:10])}{', ...' if len(scan.unreadable) > 10 else ''}."
+            " Give this user read and search permission on them (chmod u+rx), or pack as a "
+            "user who has it; nothing was written.")
+    if scan.relinked:
+        log.warning("%d symlink(s) lead into %s by a way that leaves it (an absolute target, "
+                    "a '..' above it, or a link in an outside directory --follow-symlinks "
+                    "brought in): each is stored with the target that leads to the same entry "
+                    "inside the pack: %s%s", len(scan.relinked), src_s,
+                    "; ".join(scan.relinked[:10]), "; ..." if len(scan.relinked) > 10 else "")
     if scan.skipped:
         log.warning("skipped %d special files (sockets, FIFOs, devices): %s",
                     len(scan.skipped), ", ".join(scan.skipped[:10]))
@@ -547,7 +620,7 @@ def _run_writers(
                 bar.update(sum(f.size for f in plan[i]))
                 bar.set_postfix_str(f"{done_files}/{total_files} files")
             return
-        with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+        with worker_pool(jobs) as pool:  # no worker outlives a killed pack
             futures = {pool.submit(_write_shard, dest, i, pack_id, plan[i], compress, align): i
                        for i in todo}
             try:

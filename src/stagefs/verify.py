@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from stagefs._fsutil import worker_pool
 from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, PACK_STATE_DIR, Manifest
 from stagefs.tiers.audit import Corrupt, check_shard
@@ -65,7 +66,7 @@ def verify_pack(pack_dir: str, *, jobs: int | None = None,
                 report.corrupt += bad
                 bar.update(sizes[i])
         else:
-            with cf.ProcessPoolExecutor(max_workers=jobs) as pool:
+            with worker_pool(jobs) as pool:  # no worker outlives a killed verify
                 futs = {pool.submit(_verify_shard, pack_dir, i): i for i in shards}
                 for fut in cf.as_completed(futs):
                     n, b, bad = fut.result()
