@@ -175,3 +175,54 @@ def test_scancel_stops_and_cleans_every_node(slurm: dict[str, str], tmp_path: Pa
     _wait("the daemons to stop",
           lambda: not any(_daemon_pids(k) for k in range(1, NODES + 1)), 60, log)
     assert _node_leftovers(slurm, pack, job) == "", log.read_text()
+
+
+def _run_job(env: dict[str, str], work: Path, pack: str, serve_srun: str) -> tuple[str, str]:
+    """A job whose daemons are started by ``serve_srun`` (the srun options before
+    'stagefs serve') with --transport mpi, waited for until staged, then ended by the
+    script's end; its job id and output."""
+    script = work / "mpi-job.sh"
+    script.write_text(
+        "#!/bin/bash\nset -euo pipefail\n"
+        "export STAGEFS_RUNTIME=/dev/shm/stagefs-$(id -u)/$SLURM_JOB_ID\n"
+        f"{serve_srun} --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 --kill-on-bad-exit=0 "
+        "--overlap stagefs serve \"$PACK\" --tier /dev/shm/stagefs-mpi:64MiB "
+        "--runtime \"$STAGEFS_RUNTIME\" --clean-on-exit --transport mpi --replicas 2 "
+        "--progress 0 &\n"
+        "srun --nodes=1 --ntasks=1 --overlap stagefs status --wait-staged 120\n"
+        "srun --nodes=1 --ntasks=1 --overlap stagefs status --json > \"$WORK/status.json\"\n")
+    log = work / "mpi-job.out"
+    job = _run(["sbatch", "--parsable", f"--nodes={NODES}", "--time=5", f"--output={log}",
+                str(script)], dict(env, PACK=pack, WORK=str(work))).strip().split(";")[0]
+    _wait("the job to end", lambda: _ended(env, job), 240, log)
+    return job, log.read_text()
+
+
+def test_transport_mpi_under_srun_without_pmi_is_refused(slurm: dict[str, str],
+                                                         tmp_path: Path) -> None:
+    """srun without --mpi (this Slurm's default plugin is none: no PMI): each daemon
+    initialised MPI alone and every node was a cluster of one, staging the whole dataset
+    from the origin. Refused, naming srun --mpi=pmi2."""
+    pack, _ = make_pack(str(tmp_path), files=30, shard_size="64KiB")
+    job, out = _run_job(slurm, tmp_path, pack, "srun")
+    assert _job_state(slurm, job)["JobState"] == "FAILED", out
+    assert "srun --mpi=pmi2" in out, out
+    assert not (tmp_path / "status.json").exists()
+
+
+def test_transport_mpi_under_srun_pmi2_leaves_nothing_on_the_nodes(slurm: dict[str, str],
+                                                                   tmp_path: Path) -> None:
+    """srun --mpi=pmi2 ... --transport mpi: every node staged through MPI; at the job's end
+    the daemons' MPI_Finalize waits on the srun the end stops too, until Slurm kills them:
+    MPICH's shared-memory segment stayed in /dev/shm on every node."""
+    pack, _ = make_pack(str(tmp_path), files=30, shard_size="64KiB")
+    job, out = _run_job(slurm, tmp_path, pack, "srun --mpi=pmi2")
+    assert _job_state(slurm, job)["JobState"] == "COMPLETED", out
+    nodes = json.loads((tmp_path / "status.json").read_text())["nodes"]
+    assert len(nodes) == NODES and all(n["transport"] == "mpi" for n in nodes), nodes
+    _wait("the daemons to stop",
+          lambda: not any(_daemon_pids(k) for k in range(1, NODES + 1)), 60)
+    left = _run(["srun", f"--nodes={NODES}", "--ntasks-per-node=1", "--time=2", "bash", "-c",
+                 f"find /dev/shm \\( -name 'mpich_shm_*' -o -path '*/{job}/*' \\) "
+                 "-printf \"$(hostname): %p\\n\""], slurm)
+    assert left == "", left

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 from xxhash import xxh3_64_intdigest
 
-from stagefs.cluster.world import SlurmStep
-from stagefs.errors import ClusterError
+from stagefs.cluster.world import SlurmStep, World, detect
+from stagefs.errors import ClusterError, StagefsError
 from stagefs.net import auth
 from stagefs.net.client import PeerClient
 from stagefs.net.sockio import host_port
@@ -43,6 +43,14 @@ class Bootstrap(Protocol):
     def token(self) -> bytes: ...
 
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]: ...
+
+    def agree(self, failure: BaseException | None, runtime: str | None = None) -> None:
+        """A step of the start done (``failure``: what went wrong here, if anything):
+        raise if it failed here, or (MPI) on any rank, so that every daemon stops at the
+        same point with an error naming the nodes that failed, instead of waiting forever
+        in the next collective for one that left. ``runtime``: this daemon's runtime
+        directory (two daemons of one MPI job sharing it on one node are refused)."""
+        ...
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
                 gone: Callable[[], frozenset[int]] = frozenset,
@@ -65,6 +73,12 @@ class Bootstrap(Protocol):
 
 log = logging.getLogger("stagefs.bootstrap")
 
+
+def _raise(failure: BaseException | None) -> None:
+    """``agree`` of the bootstraps without collectives: this node's failure is its own."""
+    if failure is not None:
+        raise failure
+
 _NO_TOKEN_FILE = ("no such token file (--token-file): make one with 'stagefs serve "
                   "--new-token FILE' where every node can read it")
 
@@ -82,6 +96,9 @@ class SingleBootstrap:
 
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return [address]
+
+    def agree(self, failure: BaseException | None, runtime: str | None = None) -> None:
+        _raise(failure)
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
                 gone: Callable[[], frozenset[int]] = frozenset,
@@ -120,6 +137,11 @@ class MpiBootstrap:
         self._mpi: Any = MPI
         self.comm: Any = MPI.COMM_WORLD
         self.rank, self.size = int(self.comm.Get_rank()), int(self.comm.Get_size())
+        launched = detect()  # what the launcher says of this process: its variables
+        if self.size == 1 and launched.size > 1:
+            # each process initialised MPI alone (a singleton): every node would be a
+            # cluster of one, staging the whole dataset from the origin, sharing nothing
+            raise ClusterError(_alone(launched, MPI))
 
     def token(self) -> bytes:
         tok = auth.new_token() if self.rank == 0 else None
@@ -130,6 +152,36 @@ class MpiBootstrap:
 
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return [(str(h), int(p)) for h, p in self.comm.allgather(address)]
+
+    def agree(self, failure: BaseException | None, runtime: str | None = None) -> None:
+        # Every collective of the start (the token's broadcast, the addresses' allgather,
+        # the transport's communicator) waits for every rank: a rank that failed before it
+        # and left (in MPI_Finalize at exit, itself waiting for the others) held the whole
+        # job forever, each rank spinning a core, its error naming no node. So each step of
+        # the start ends with this allgather of what failed where, and every rank stops.
+        host = socket.gethostname()
+        said: list[tuple[str, str | None, str | None]] = self.comm.allgather(
+            (host, runtime, None if failure is None else _why(failure)))
+        failed = [(r, h, why) for r, (h, _, why) in enumerate(said) if why is not None]
+        twice = _sharing(said)  # (the second one's failure says only that the first holds it)
+        if twice is not None:
+            (a, b), (h, rt) = twice
+            raise ClusterError(
+                f"nodes {a} and {b} are two daemons on one host ({h}) with one runtime "
+                f"directory ({rt}): launch one daemon per node (mpiexec -ppn 1, srun "
+                "--ntasks-per-node=1); for a test cluster on one machine give each its own: "
+                "--runtime 'DIR{rank}' and --tier 'DIR{rank}'")
+        if failure is not None and not isinstance(failure, (StagefsError, OSError)):
+            raise failure  # a bug: its traceback (the others stop, naming this node)
+        if failure is not None:
+            raise ClusterError(f"node {self.rank} ({host}): {_why(failure)}") from None
+        if failed:
+            shown = "; ".join(f"node {r} ({h}): {why}" for r, h, why in failed[:_SHOWN])
+            more = f"; and {len(failed) - _SHOWN} more" if len(failed) > _SHOWN else ""
+            raise ClusterError(
+                f"{len(failed)} of the {self.size} daemons could not start, and this one "
+                f"(node {self.rank}, {host}) stops with them (the daemons of an MPI job start "
+                f"together): {shown}{more}")
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
                 gone: Callable[[], frozenset[int]] = frozenset,
@@ -152,6 +204,50 @@ class MpiBootstrap:
         # this process no longer uses: ignored, whatever handler the library left
         with contextlib.suppress(ValueError):  # (not the main thread: left as it is)
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+_SHOWN = 5  # failed nodes named in the others' error
+
+
+def _alone(launched: World, mpi: Any) -> str:
+    """Why MPI sees a job of one rank where the launcher started ``launched.size``
+    processes, and what to do."""
+    try:
+        library = " ".join(str(mpi.Get_library_version()).strip().splitlines()[0].split())
+    except Exception:  # (only to name it)
+        library = "the MPI library mpi4py loads"
+    who = "srun" if launched.source == "slurm" else "the launcher"
+    head = (f"{who} started {launched.size} processes (this is number {launched.rank}) but "
+            "MPI sees each as a job of its own, of one rank: every node would stage the "
+            "whole dataset alone, a cluster of one")
+    if launched.source == "slurm":
+        return (f"{head}. srun started the tasks without MPI (no PMI): give srun --mpi=pmi2 "
+                "(or pmix; 'srun --mpi=list' shows what this Slurm has) for --mpi or "
+                "--transport mpi; or use the Slurm bootstrap over TCP: no --mpi, "
+                "--transport tcp (docs/cluster.md, Slurm batch script)")
+    return (f"{head}. The launcher is another MPI's than the library mpi4py loads "
+            f"({library}): start the daemons with that library's mpiexec (pip install "
+            "'stagefs[mpi]' gives MPICH's), or install mpi4py built for your MPI "
+            "(pip install --no-binary mpi4py mpi4py with its mpicc on PATH)")
+
+
+def _why(failure: BaseException) -> str:
+    """What went wrong, for the other ranks: the message, else the exception's type."""
+    return str(failure) or type(failure).__name__
+
+
+def _sharing(said: Sequence[tuple[str, str | None, str | None]]
+             ) -> tuple[tuple[int, int], tuple[str, str]] | None:
+    """The first two ranks of ``said`` (host, runtime, failure) on one host with one
+    runtime directory, with that host and directory; None if there are none."""
+    first: dict[tuple[str, str], int] = {}
+    for r, (host, rt, _) in enumerate(said):
+        if rt is None:
+            continue
+        if (host, rt) in first:
+            return (first[host, rt], r), (host, rt)
+        first[host, rt] = r
+    return None
 
 
 class StaticBootstrap:
@@ -199,6 +295,11 @@ class StaticBootstrap:
 
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return list(self.hosts)
+
+    def agree(self, failure: BaseException | None, runtime: str | None = None) -> None:
+        # no collective to stop the others in: a node that does not start is waited for
+        # 4 x --dead-after, then found dead (its shards copied by the others)
+        _raise(failure)
 
     def barrier(self, stop: threading.Event, status: dict[int, PeerClient],
                 gone: Callable[[], frozenset[int]] = frozenset,

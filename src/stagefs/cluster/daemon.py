@@ -261,18 +261,52 @@ class Daemon:
         self.state = "starting"
         self.boot = _bootstrap(o)
         self.rank, self.size = self.boot.rank, self.boot.size
-        self.pack = os.path.abspath(o.origin)
-        if not os.path.exists(os.path.join(self.pack, MANIFEST_NAME)):
-            raise ConfigError(f"{self.pack}: not a pack (no {MANIFEST_NAME}); cluster mode "
-                              f"serves packs: run 'stagefs pack SRC {self.pack}' first")
-        if not o.tiers:
-            raise ConfigError("give at least one --tier DIR[:SIZE] (node-local memory or disk)")
-        self.tier_specs = [parse_tier(t, rank=self.rank) for t in o.tiers]
-        raw_rt = o.runtime or runtime_default()
-        self.runtime = os.path.abspath(raw_rt.replace("{rank}", str(self.rank)))
-        self._one = _only_daemon(self.runtime)
-        self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
+        try:
+            self._start(o)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _start(self, o: ServeOptions) -> None:
+        """Everything of the start after the bootstrap. Under MPI the daemons start
+        together: each step that may fail on one node ends with ``boot.agree``, before the
+        next collective (the token's broadcast, the addresses' allgather, the transport),
+        so that every rank stops there with the nodes that failed named, rather than the
+        others waiting for a rank that left."""
+        failure: Exception | None = None
+        runtime: str | None = None
+        try:
+            self.pack = os.path.abspath(o.origin)
+            raw_rt = o.runtime or runtime_default()
+            self.runtime = runtime = os.path.abspath(raw_rt.replace("{rank}", str(self.rank)))
+            if not os.path.exists(os.path.join(self.pack, MANIFEST_NAME)):
+                raise ConfigError(f"{self.pack}: not a pack (no {MANIFEST_NAME}); cluster "
+                                  f"mode serves packs: run 'stagefs pack SRC {self.pack}' "
+                                  "first")
+            if not o.tiers:
+                raise ConfigError("give at least one --tier DIR[:SIZE] (node-local memory or "
+                                  "disk)")
+            self.tier_specs = [parse_tier(t, rank=self.rank) for t in o.tiers]
+            self._one = _only_daemon(self.runtime)
+            self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
+        except Exception as exc:
+            failure = exc
+        self.boot.agree(failure, runtime)
         self.token = self.boot.token()
+        try:
+            self._start_server(o)
+        except Exception as exc:
+            failure = exc
+        self.boot.agree(failure)
+        try:
+            self._start_peers(o)
+        except Exception as exc:
+            failure = exc
+        self.boot.agree(failure)
+        self._start_transport(o)
+
+    def _start_server(self, o: ServeOptions) -> None:
+        """This node's tiers and its server (listening: the port is exchanged next)."""
         # a lease (clean refuses while we run) and where our data goes (clean removes it);
         # the same runtime holds the tier layer's claims, tier locks and counters
         self.lease = _tier_runtime(self.runtime)
@@ -301,7 +335,7 @@ class Daemon:
         self._used: dict[str, int] = {}  # each tier's bytes used, as last read
         self._reads_at, self._reads_bad = float("-inf"), 0
         # the relay's pipes are descriptors too: kept out of the connections' share
-        limits = dataclasses.replace(
+        self._limits = limits = dataclasses.replace(
             o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
         self._checking: set[int] = set()  # shards whose copies are checked now: not served
         self.server = ShardServer(self.manifest, self.token, self._locate, host, port,
@@ -313,6 +347,9 @@ class Daemon:
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="stagefs-check")
         self._checked: dict[int, float] = {}
         self.checks = {"asked": 0, "checked": 0, "dropped": 0, "placed": 0, "forwarded": 0}
+
+    def _start_peers(self, o: ServeOptions) -> None:
+        """The nodes' addresses (a collective), placement and the clients of the peers."""
         self.nodes = self.boot.exchange(self.server.address)
         self.everywhere = sorted(shards_matching(
             ((self.manifest.path_of(e).decode("utf-8", "surrogateescape"),
@@ -324,7 +361,7 @@ class Daemon:
         self.placement = place(len(self.manifest.shards), self.size, o.replicas,
                                everywhere=self.everywhere, seed=o.seed)
         short = descriptor_shortfall(
-            self.fd_limit, limits.fd_reserve, len(self.nodes) - 1,
+            self.fd_limit, self._limits.fd_reserve, len(self.nodes) - 1,
             shard_descriptors(len(self.placement.shards_of(self.rank)),
                               len(self.placement.primary_shards(self.rank))))
         if short is not None:
@@ -334,9 +371,19 @@ class Daemon:
                                     name=f"node {n}", timeout=30.0,
                                     pool_size=PEER_CONNECTIONS)
                       for n, (h, p) in enumerate(self.nodes) if n != self.rank}
+
+    def _start_transport(self, o: ServeOptions) -> None:
+        """The peers' transport (MPI: a collective), staging and re-replication."""
         # the peers' bytes come over TCP or MPI (--transport); status and the barrier over TCP
         self.transport = open_transport(o.transport, getattr(self.boot, "comm", None),
                                         self.manifest, self.chain)
+        if self.transport is not None:
+            # every rank is past MPI_Init (the transport's communicator is a collective):
+            # the node's ranks have attached MPI's shared-memory segment, and its name in
+            # /dev/shm is needed no more. Removed now: a daemon that does not finalize (a
+            # peer lost; under srun --mpi=pmi2 at the job's end, MPI_Finalize waits on the
+            # srun that the end stops too, until Slurm kills it) left it on every node
+            _unlink_mpi_segments()
         if self.transport is None:
             # MPI served the start (rank, token, addresses) and nothing after it uses MPI:
             # let go of it now, while every rank is alive. MPI_Finalize waits for every
@@ -373,6 +420,21 @@ class Daemon:
         self.monitor: threading.Thread | None = None
         self.progress_unreachable = 0
         self.staged_at = 0.0
+
+    def _abandon(self) -> None:
+        """The start failed: let go of what it took (the server's port and fabric socket,
+        the lease), so that a daemon that does not start leaves nothing that looks live."""
+        server: ShardServer | None = getattr(self, "server", None)
+        if server is not None:
+            server.close()
+        chain: TierChain | None = getattr(self, "chain", None)
+        if chain is not None:
+            chain.close()
+        lease: Runtime | None = getattr(self, "lease", None)
+        if lease is not None:
+            lease.unregister()
+            if self.o.clean_on_exit:
+                self._clean(tries=1)
 
     # -- copies a reader found bad bytes in (CHECK) ------------------------------------
 
@@ -764,6 +826,11 @@ class Daemon:
 
     def _final_report(self) -> None:
         nodes = self._gather()
+        if self.stop.is_set():
+            # stopped meanwhile (the reporter's wait ends up to --progress after staging):
+            # the peers stopping too answer no more, and a report of the few that did
+            # ("staged ... on 1 nodes, 0.25x the dataset") would misstate the staging
+            return
         ok = [s for s in nodes if s]
         origin = sum(s["staging"]["origin_bytes"] for s in ok)
         fwd = sum(s["staging"]["forwarded_bytes"] for s in ok)
@@ -896,6 +963,31 @@ def serve(o: ServeOptions) -> int:
 
 
 FINALIZE_WAIT = 30  # seconds
+# the files in /dev/shm that MPI libraries map for their shared memory (MPICH; Open MPI)
+MPI_SEGMENTS = ("mpich_shm_", "vader_segment.", "sm_segment.")
+
+
+def _unlink_mpi_segments(maps: str = "/proc/self/maps") -> list[str]:
+    """Remove the names of the MPI shared-memory segments this process maps in /dev/shm
+    (call it once every rank is past MPI_Init: the node's ranks attached them there, and
+    their mappings stay valid), so that an MPI_Finalize that never returns, or a kill,
+    leaves none behind; the paths removed."""
+    try:
+        with open(maps) as f:
+            fields = [line.split(None, 5) for line in f]
+    except OSError:
+        return []
+    mapped = {f[5].strip() for f in fields if len(f) == 6}
+    removed = []
+    for path in sorted(mapped):
+        if os.path.dirname(path) == "/dev/shm" and \
+                os.path.basename(path).startswith(MPI_SEGMENTS):
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+            removed.append(path)
+    return removed
 
 
 def _leave(code: int) -> None:

@@ -118,6 +118,9 @@ def mpi_library(why: str) -> Any:
             f"{why} but MPI cannot be used: mpi4py or the MPI library it loads (MPICH) is "
             f"missing ({exc}). Install both with: pip install 'stagefs[mpi]'; or serve "
             "peers over TCP (--transport tcp, the default)") from None
+    # refused here, before the daemon takes anything (its runtime, port, fabric socket):
+    # every rank gets the same level, so every rank stops here
+    _check_threads(MPI)
     return MPI
 
 
