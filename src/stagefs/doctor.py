@@ -136,7 +136,7 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
         return [Finding(label, "warn", f"capacity {format_size(tier.capacity)} is less than "
                         f"one piece of placement ({format_size(PIECE)} as packed by "
                         f"default) and its copy's header: it holds little or nothing; give "
-                        f"it at least {format_size(least)}, or leave it out")]
+                        f"it {format_size(2 * PIECE)} or more, or leave it out")]
     if not os.path.isdir(path):
         parent = os.path.dirname(path)
         total, free = _space(parent)

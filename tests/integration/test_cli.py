@@ -482,10 +482,10 @@ def _doctor_rows(proc: subprocess.CompletedProcess[bytes]) -> dict[str, tuple[st
 def test_doctor_prints_every_check_and_measures_a_tier(tmp_path: Path) -> None:
     good = tmp_path / "good"
     good.mkdir()
-    rows = _doctor_rows(run("doctor", "--tier", f"{good}:1MiB", "--tier", tmp_path / "new"))
+    rows = _doctor_rows(run("doctor", "--tier", f"{good}:2MiB", "--tier", tmp_path / "new"))
     for check in DOCTOR_CHECKS:
         assert check in rows and rows[check][0] in ("ok", "warn", "missing"), (check, rows)
-    status, meaning = rows[f"tier {good}:1MiB"]
+    status, meaning = rows[f"tier {good}:2MiB"]
     assert status == "ok" and "free of" in meaning and meaning.count("MiB/s") == 2, meaning
     assert rows[f"tier {tmp_path / 'new'}"][0] == "ok"  # created on first use
     assert os.listdir(good) == [] and not (tmp_path / "new").exists()  # doctor changes nothing

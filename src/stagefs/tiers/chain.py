@@ -132,9 +132,9 @@ class TierChain:
             if t.capacity is not None and t.capacity < least:
                 log.warning("%s: its capacity (%s) is less than one piece of placement "
                             "(%s) and its copy's header (%s): it will hold little or "
-                            "nothing; give it at least %s, or leave it out", t.name,
+                            "nothing; give it %s or more, or leave it out", t.name,
                             format_size(t.capacity), format_size(piece),
-                            format_size(2 * t.block), format_size(least))
+                            format_size(2 * t.block), format_size(2 * piece))
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another
