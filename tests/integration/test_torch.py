@@ -68,7 +68,7 @@ def test_missing_torch_names_the_extra() -> None:
             "try:\n import stagefs.torch\nexcept ImportError as e:\n print(e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True)
-    assert "pip install stagefs[torch]" in out.stdout
+    assert "pip install 'stagefs[torch]'" in out.stdout
 
 
 # -- FileDataset ---------------------------------------------------------------------------
