@@ -11,7 +11,8 @@ import random
 import shutil
 import stat as st
 import uuid
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,3 +242,38 @@ def patch_manifest(path: Path, old: bytes, new: bytes) -> None:
     at = raw.index(old, MANIFEST_HEADER.size)
     raw[at : at + len(old)] = new
     path.write_bytes(reseal_manifest(raw))
+
+
+def as_nobody(fn: Callable[[], object]) -> tuple[int, str]:
+    """Run ``fn`` in a forked child as uid/gid 65534 (when root; else as this user), to see
+    what a user without root sees.
+
+    Returns (0, "") if it returned, (1, message) for a StagefsError, (2, repr) for anything
+    else (a traceback the user would have seen)."""
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
+        pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        code = 3
+        try:
+            os.close(r)
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+            fn()
+            code = 0
+        except stagefs.StagefsError as exc:
+            os.write(w, f"{type(exc).__name__}: {exc}".encode())
+            code = 1
+        except BaseException as exc:
+            os.write(w, repr(exc).encode())
+            code = 2
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        msg = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), msg

@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 
 import stagefs
+from conftest import as_nobody
 from stagefs.errors import UnreadableSourceError
 from stagefs.inplace import scan_tree
 
@@ -39,38 +39,6 @@ def _world_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _as_nobody(fn: Callable[[], object]) -> tuple[int, str]:
-    """Run ``fn`` in a forked child as uid/gid 65534 (when root; else as this user).
-
-    Returns (0, "") if it returned, (1, message) for a StagefsError, (2, repr) for anything
-    else (a traceback the user would have seen)."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
-        pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 3
-        try:
-            os.close(r)
-            if os.geteuid() == 0:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
-            fn()
-            code = 0
-        except stagefs.StagefsError as exc:
-            os.write(w, f"{type(exc).__name__}: {exc}".encode())
-            code = 1
-        except BaseException as exc:
-            os.write(w, repr(exc).encode())
-            code = 2
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msg = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), msg
 
 
 # ------------------------------------------------------------------ in place: permissions
@@ -89,7 +57,7 @@ def test_inplace_scan_of_a_listable_unsearchable_dir_names_it(where: str) -> Non
         os.chmod(bad, 0o444)
         if os.geteuid() != 0 and os.access(bad / "x", os.F_OK):
             pytest.skip("this user can search a directory without x")
-        code, msg = _as_nobody(lambda: scan_tree(str(src), progress=False))
+        code, msg = as_nobody(lambda: scan_tree(str(src), progress=False))
         assert code == 1, msg
         assert msg.startswith(UnreadableSourceError.__name__)
         assert str(bad) in msg and "chmod" in msg
@@ -103,7 +71,7 @@ def test_inplace_scan_of_an_unsearchable_root_names_it() -> None:
         os.chmod(src, 0o444)
         if os.geteuid() != 0 and os.access(src / "x", os.F_OK):
             pytest.skip("this user can search a directory without x")
-        code, msg = _as_nobody(lambda: scan_tree(str(src), progress=False))
+        code, msg = as_nobody(lambda: scan_tree(str(src), progress=False))
         assert code == 1, msg
         assert str(src) in msg and "search" in msg
 

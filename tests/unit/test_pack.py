@@ -11,7 +11,6 @@ import shutil
 import socket
 import stat as st
 import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 import stagefs
-from conftest import patch_manifest, random_bytes, snapshot_tree, text_bytes
+from conftest import as_nobody, patch_manifest, random_bytes, snapshot_tree, text_bytes
 from stagefs.errors import (
     DestinationExistsError,
     PackError,
@@ -136,35 +135,6 @@ def _world_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _pack_as_nobody(src: Path, dest: Path) -> tuple[int, str]:
-    """Run the pack in a forked child that drops to uid/gid 65534; return (code, message)."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads (3.12+)
-        pid = os.fork()
-    if pid == 0:  # the child: never return into pytest
-        code = 3
-        try:
-            os.close(r)
-            os.setgid(65534)
-            os.setuid(65534)
-            _pack(src, dest)
-            code = 0
-        except UnreadableSourceError as exc:
-            os.write(w, str(exc).encode())
-            code = 1
-        except BaseException as exc:
-            os.write(w, repr(exc).encode())
-            code = 2
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        msg = f.read().decode()
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), msg
-
-
 def _unreadable_case(tmp: Path, what: str) -> tuple[Path, Path, str]:
     src = tmp / "src"
     (src / "d").mkdir(parents=True)
@@ -200,8 +170,8 @@ def test_unreadable_source_fails_naming_it(tmp_path: Path, what: str) -> None:
     if os.geteuid() == 0:  # root reads anything: pack as an unprivileged user, for real
         with _world_dir() as tmp:
             src, dest, name = _unreadable_case(tmp, what)
-            code, msg = _pack_as_nobody(src, dest)
-            assert code == 1, msg
+            code, msg = as_nobody(lambda: _pack(src, dest))
+            assert code == 1 and msg.startswith(UnreadableSourceError.__name__), msg
             _check_unreadable(dest, msg, name, what)
         return
     src, dest, name = _unreadable_case(tmp_path, what)
