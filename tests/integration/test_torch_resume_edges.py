@@ -152,18 +152,16 @@ def test_consumed_must_be_a_whole_number(pack: Path) -> None:
     assert s.state_dict(consumed=np.int64(4))["segments"] == [[1, 4, None]]
 
 
-def test_consumed_beyond_the_iteration_is_refused(pack: Path) -> None:
-    # samples counted since the run started (not this iteration) were taken for the epoch
-    # done: the resumed run skipped the rest of it
+def test_consumed_past_the_iteration_is_its_end(pack: Path) -> None:
+    # batches_seen * batch_size * world_size overshoots by a last partial batch: the
+    # iteration is done, and the state says so (not a count past its samples)
     ds = FileDataset(pack, target=None)
     s = Sampler(ds, seed=0, rank=0, world_size=2)
-    most = len(s) * 2
-    assert s.state_dict(consumed=most)["segments"] == [[2, len(s), None]]
-    with pytest.raises(ValueError, match=f"this iteration has {most} samples"):
-        s.state_dict(consumed=most + 2)
+    n = len(s)
+    assert s.state_dict(consumed=n * 2 + 6)["segments"] == [[2, n, None]]
     s.load_state_dict(s.state_dict(consumed=10))  # resumed: the iteration is what is left
-    with pytest.raises(ValueError, match=f"has {most - 10} samples"):
-        s.state_dict(consumed=most - 8)
+    assert s.state_dict(consumed=n * 2 + 6)["segments"] == [[2, n, None]]
+    assert len(s) == n - 5
 
 
 # -- the listing ---------------------------------------------------------------------------

@@ -379,15 +379,10 @@ class Sampler(torch.utils.data.Sampler[int]):
                 raise ValueError(f"consumed={consumed}: the samples consumed since this "
                                  "iteration started cannot be negative")
         plan, yielded = self._ended or (self.plan(), self._yielded)
-        if consumed is not None:
-            most = len(plan.remaining(self.rank)) * self.world_size
-            if consumed > most:  # would be taken as the epoch done, hiding the mistake
-                raise ValueError(
-                    f"consumed={consumed}: this iteration has {most} samples on all "
-                    f"{self.world_size} rank(s) together; count the samples consumed since "
-                    "it started (batches_seen * batch_size * world_size), not since the "
-                    "run or the epoch started")
-        k = yielded if consumed is None else consumed // self.world_size
+        # past the iteration's end is its end: batches_seen * batch_size * world_size
+        # overshoots by the last batch when it is a partial one
+        k = yielded if consumed is None else min(consumed // self.world_size,
+                                                 len(plan.remaining(self.rank)))
         segs = list(plan.segments)
         last = segs[-1]
         segs[-1] = Segment(last.world, last.consumed + k, last.holders)
