@@ -371,10 +371,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
              and not (s.get("all_samples_once") and s.get("same_bytes"))]
     for n, why in failed.items():
         print(f"stagefs bench: {n} failed: {why}", file=sys.stderr)
+    # failed in some runs: its medians are over the others only
+    partly = {n: s["errors"] for n, s in systems.items() if s.get("errors") and s.get("epochs")}
+    for n, errors in partly.items():
+        print(f"stagefs bench: {n}: {len(errors)} of {results['runs']} runs failed: "
+              f"{errors[-1].strip().splitlines()[-1][:300]}", file=sys.stderr)
+    # a system asked for by name that could not run is a failure, not a footnote
+    absent = {n: why for n, why in results["skipped"].items() if n in results["requested"]}
+    for n, why in absent.items():
+        print(f"stagefs bench: {n} could not run: {why.splitlines()[0]}", file=sys.stderr)
+    if not systems:
+        print("stagefs bench: no system ran: nothing was measured", file=sys.stderr)
     if wrong:
         print(f"stagefs bench: these systems did not read every sample once with the same "
               f"bytes: {', '.join(wrong)}", file=sys.stderr)
-    return 1 if failed or wrong else 0
+    return 1 if failed or partly or absent or wrong or not systems else 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:

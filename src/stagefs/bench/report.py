@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -13,6 +14,7 @@ from stagefs._table import table
 
 __all__ = ["limit_table", "origin_limit", "summarize", "summary_table", "write_report"]
 
+PLOTS = ("throughput.png", "epochs.png", "origin_ops.png")  # what _plots may write
 HEADERS = ["system", "conversion s", "size on disk MB", "cold samples/s", "warm samples/s",
            "warm MB/s", "origin opens (cold)", "origin stats (cold)", "origin MB (cold)",
            "origin opens (warm)", "peak RSS MiB", "of which shared MiB", "CPU s / 1k samples",
@@ -23,10 +25,17 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def _names(results: dict[str, Any]) -> list[str]:
+    """The systems in the order they ran, then those that never ran (a failed conversion)."""
+    order = list(results.get("order") or [])
+    return order + [n for n in results["systems"] if n not in order]
+
+
 def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per system: medians over runs (cold = the first epoch of each run; warm = the others)."""
+    """Per system: medians over runs (cold = the first epoch of each run; warm = the others).
+    ``failed_runs``: the runs that failed (their error in ``results``), left out of them."""
     out: dict[str, dict[str, Any]] = {}
-    for name in results.get("order") or list(results["systems"]):
+    for name in _names(results):
         s = results["systems"][name]
         eps = s["epochs"]
         if not eps:
@@ -55,6 +64,7 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "cpu_s_per_1k": _median([e["cpu_s_per_1k"] for e in eps]),
             "per_epoch_samples_per_s": per_epoch,
             "ok": bool(s.get("all_samples_once")) and bool(s.get("same_bytes")),
+            "failed_runs": len(s["errors"]),
         }
     return out
 
@@ -77,14 +87,16 @@ def summary_table(results: dict[str, Any]) -> str:
             _fmt(m["cold_origin_stats"]), _fmt(m["cold_origin_bytes"] / 1e6, 1),
             _fmt(m["warm_origin_opens"]), _fmt(m["peak_rss"] / 2**20),
             _fmt(m["peak_shared_rss"] / 2**20),
-            _fmt(m["cpu_s_per_1k"], 3), "yes" if m["ok"] else "NO"])
+            _fmt(m["cpu_s_per_1k"], 3), ("yes" if m["ok"] else "NO") + (
+                f"; {m['failed_runs']} of {results['runs']} runs failed"
+                if m.get("failed_runs") else "")])
     return table(HEADERS, rows)
 
 
 def _settings(results: dict[str, Any]) -> str:
     systems = results["systems"]
     lines = [f"- **{n}** ({systems[n]['title']}): {systems[n]['settings']}"
-             for n in results.get("order") or list(systems)]
+             for n in _names(results)]
     lines += [f"- {n}: left out: {why.splitlines()[0]}" for n, why in results["skipped"].items()]
     return "\n".join(lines)
 
@@ -138,6 +150,9 @@ def limit_table(results: dict[str, Any]) -> str:
 def write_report(results: dict[str, Any], out: str) -> list[str]:
     """Write results.json, table.md and the plots; return the paths written."""
     os.makedirs(out, exist_ok=True)
+    for name in PLOTS:  # an earlier run's plots would pass for this run's
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(out, name))
     results["summary"] = summarize(results)
     paths = [os.path.join(out, "results.json"), os.path.join(out, "table.md")]
     with open(paths[0], "w") as f:

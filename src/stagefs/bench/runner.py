@@ -7,6 +7,7 @@ page cache was dropped (when root) and every node-local cache emptied, then warm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -62,22 +63,97 @@ def drop_caches() -> bool:
 
 
 def _dataset(cfg: BenchConfig) -> tuple[str, bool]:
-    """The raw dataset's directory, and whether this run generated it."""
+    """The raw dataset's directory, and whether this run generated it.
+
+    A generation that does not finish (an error, Ctrl-C) removes what it wrote: a later run
+    would take the part written for the dataset."""
     from stagefs.bench.datasets import imagenet_like, npz_like
 
-    if cfg.origin and os.path.isdir(cfg.origin) and os.listdir(cfg.origin):
-        return os.path.abspath(cfg.origin), False
-    root = os.path.abspath(cfg.origin) if cfg.origin else tempfile.mkdtemp(
-        prefix="stagefs-bench-data-")
-    cfg.say(f"generating {cfg.files:,} {cfg.dataset} files in {root}")
-    if cfg.dataset == "imagenet-like":
-        imagenet_like(root, files=cfg.files, classes=max(1, min(1000, cfg.files // 100)),
-                      progress=False)
-    elif cfg.dataset == "npz":
-        npz_like(root, files=cfg.files, progress=False)
-    else:
+    if cfg.dataset not in ("imagenet-like", "npz"):
         raise ConfigError(f"--dataset {cfg.dataset!r}: use imagenet-like or npz")
+    if cfg.origin:
+        root = os.path.abspath(cfg.origin)
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise ConfigError(f"--origin {cfg.origin}: a file, not a directory: name the "
+                              "dataset's directory, or an empty or new one to generate it in")
+        if os.path.isdir(root) and os.listdir(root):
+            return root, False
+        made = not os.path.exists(root)
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--origin {cfg.origin}: cannot create it ({exc.strerror}): "
+                              "name a directory you can write") from None
+    else:
+        root, made = tempfile.mkdtemp(prefix="stagefs-bench-data-"), True
+    cfg.say(f"generating {cfg.files:,} {cfg.dataset} files in {root}")
+    try:
+        if cfg.dataset == "imagenet-like":
+            imagenet_like(root, files=cfg.files, classes=max(1, min(1000, cfg.files // 100)),
+                          progress=False)
+        else:
+            npz_like(root, files=cfg.files, progress=False)
+    except BaseException:
+        _empty(root, remove=made)
+        raise
     return root, True
+
+
+def _empty(path: str, remove: bool) -> None:
+    """Remove ``path`` (``remove``) or everything in it."""
+    if remove:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+
+
+def _claim(flag: str, path: str, prefix: str) -> str:
+    """A directory of this run's own under ``path``: ``path`` itself when it does not exist
+    yet (made here), else a new directory in it. Removing the result at the end then never
+    removes what was there before (``--local /dev/shm`` must not empty /dev/shm)."""
+    path = os.path.abspath(path)
+    try:
+        if not os.path.lexists(path):
+            os.makedirs(path)
+            return path
+        if not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path}: not a directory: name a directory (it is "
+                              "made if missing)")
+        return tempfile.mkdtemp(prefix=prefix, dir=path)
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot make a directory there ({exc.strerror}): "
+                          f"name a directory you can write with {flag}") from None
+
+
+def _check_out(out: str) -> None:
+    """The report's directory can be made and written (checked before the run, not after)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: the report cannot be written there ({exc.strerror}): "
+                          "name a directory you can write with --out DIR") from None
+
+
+def _peer_python(cfg: BenchConfig, systems: Sequence[System]) -> str:
+    """The peers' Python, checked when a peer is to run: it must be there and executable."""
+    given = cfg.peer_python or os.environ.get(PEER_PYTHON_ENV)
+    if not given:
+        return sys.executable
+    if any(s.interpreter == "peers" for s in systems) and shutil.which(given) is None:
+        source = "--peer-python" if cfg.peer_python else f"${PEER_PYTHON_ENV}"
+        why = ("not an executable file" if os.path.exists(given) else "no such file")
+        raise ConfigError(f"{source} {given}: {why}: give the Python that has the peers and "
+                          "stagefs installed (docs/benchmarks.md, 'Reproduce it'), or leave the "
+                          "peers out with --systems")
+    return given
 
 
 def _index(raw: str, path: str) -> tuple[int, int]:
@@ -111,9 +187,11 @@ def _local_default() -> str:
 class _Worker:
     """Runs worker.py for one system in the interpreter it needs."""
 
-    def __init__(self, cfg: BenchConfig, ctx: Context, scratch: str) -> None:
+    def __init__(self, cfg: BenchConfig, ctx: Context, scratch: str,
+                 peer_python: str | None = None) -> None:
         self.cfg, self.ctx, self.scratch = cfg, ctx, scratch
-        self.peer_python = cfg.peer_python or os.environ.get(PEER_PYTHON_ENV) or sys.executable
+        self.peer_python = (peer_python or cfg.peer_python or os.environ.get(PEER_PYTHON_ENV)
+                            or sys.executable)
 
     def python(self, system: System) -> str:
         return self.peer_python if system.interpreter == "peers" else sys.executable
@@ -141,7 +219,7 @@ class _Worker:
                 result: dict[str, Any] = json.load(f)
             os.unlink(out_path)
         except OSError:
-            tail = (r.stderr or r.stdout).strip()[-1500:]
+            tail = (r.stderr or r.stdout).strip()[-1500:] or "no output"
             return {"error": f"worker exited {r.returncode}: {tail}"}
         return result
 
@@ -155,7 +233,7 @@ def _select(names: Sequence[str] | None) -> list[System]:
     if unknown:
         raise ConfigError(f"unknown system(s) {', '.join(unknown)}: choose from "
                           f"{', '.join(known)}")
-    return [known[n] for n in names]
+    return [known[n] for n in dict.fromkeys(names)]  # each once: a run reads each once
 
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
@@ -165,41 +243,57 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.epochs < 1 or cfg.runs < 1 or cfg.files < 1:
         raise ConfigError("--epochs, --runs and --files must be at least 1")
     systems = _select(cfg.systems)
-    raw, generated = _dataset(cfg)
-    conv = os.path.abspath(cfg.work or raw.rstrip("/") + ".bench")
-    local = os.path.abspath(cfg.local) if cfg.local else _local_default()
-    os.makedirs(conv, exist_ok=True)
-    os.makedirs(local, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix="worker-", dir=local)
-    ctx = Context(raw=raw, conv=conv, local=local, index=os.path.join(scratch, "index.tsv"),
-                  fuse_mount=os.path.join(local, "fuse-mount"))
+    made_out = not os.path.exists(cfg.out)
+    _check_out(cfg.out)
+    peer_python = _peer_python(cfg, systems)
+    raw, generated = "", False
+    claimed: list[str] = []  # this run's own directories, removed at the end
     try:
-        return _run(cfg, systems, ctx, scratch, raw, write_report)
+        raw, generated = _dataset(cfg)
+        conv = _claim("--work" if cfg.work else "--work (default: ORIGIN.bench)",
+                      cfg.work or raw.rstrip("/") + ".bench", "stagefs-bench-conv-")
+        claimed.append(conv)
+        local = (_claim("--local", cfg.local, "stagefs-bench-") if cfg.local
+                 else _local_default())
+        claimed.append(local)
+        if cfg.keep:
+            cfg.say(f"conversions in {conv}, local copies in {local} (kept: --keep)")
+        scratch = tempfile.mkdtemp(prefix="worker-", dir=local)
+        ctx = Context(raw=raw, conv=conv, local=local,
+                      index=os.path.join(scratch, "index.tsv"),
+                      fuse_mount=os.path.join(local, "fuse-mount"))
+        return _run(cfg, systems, ctx, scratch, raw, write_report, peer_python)
     finally:
         if not cfg.keep:
-            shutil.rmtree(conv, ignore_errors=True)
-            shutil.rmtree(local, ignore_errors=True)
+            for d in claimed:
+                shutil.rmtree(d, ignore_errors=True)
             if generated and not cfg.origin:
                 shutil.rmtree(raw, ignore_errors=True)
+        if made_out:  # made for a report that was not written (an error, Ctrl-C)
+            with contextlib.suppress(OSError):
+                os.rmdir(cfg.out)
 
 
 def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, raw: str,
-         write_report: Any) -> dict[str, Any]:
+         write_report: Any, peer_python: str | None = None) -> dict[str, Any]:
     files, total = _index(raw, ctx.index)
     cfg.say(f"dataset: {files:,} files, {total / 1e6:,.1f} MB in {raw}")
-    worker = _Worker(cfg, ctx, scratch)
+    worker = _Worker(cfg, ctx, scratch, peer_python)
     results: dict[str, Any] = {
         "command": cfg.command, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "dataset": {"kind": cfg.dataset, "root": raw, "files": files, "bytes": total},
         "where": {"origin": raw, "conversions": ctx.conv, "local": ctx.local},
         "epochs": cfg.epochs, "runs": cfg.runs, "machine": _machine(),
-        "systems": {}, "skipped": {},
+        "systems": {}, "skipped": {}, "requested": list(cfg.systems or []),
     }
     active: list[System] = []
     conversions: dict[str, dict[str, Any]] = {}
     for s in systems:
         probe = worker.call(s, "probe")
         reason = probe.get("missing") or probe.get("error")
+        if reason and s.interpreter == "peers":
+            reason += (f" (in {worker.python(s)}: give --peer-python, or "
+                       f"${PEER_PYTHON_ENV}, the Python that has it and stagefs installed)")
         if reason:
             cfg.say(f"  {s.name}: left out ({reason.splitlines()[0]})")
             results["skipped"][s.name] = reason
@@ -214,9 +308,12 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
                 c["bytes_on_disk"] = _du(c["dir"])
                 cfg.say(f"  {c['seconds']:.1f} s, {c['bytes_on_disk'] / 1e6:,.1f} MB")
         c = conversions[key]
-        if "error" in c:
+        if "error" in c:  # a failure, not an absence: a row of its own, and the exit status
             cfg.say(f"  {s.name}: conversion failed: {c['error']}")
-            results["skipped"][s.name] = f"conversion failed: {c['error']}"
+            results["systems"][s.name] = {
+                "title": s.title, "settings": s.settings, "on_origin": s.on_origin,
+                "interpreter": worker.python(s), "conversion": {**c, "shared_with": key},
+                "epochs": [], "errors": [f"conversion failed: {c['error']}"]}
             continue
         results["systems"][s.name] = {
             "title": s.title, "settings": s.settings, "on_origin": s.on_origin,

@@ -304,7 +304,7 @@ class StagefsFuse(_StagefsBase):
 
 def serve_fuse(ctx: Context, stats_file: str, timeout: float = 60.0) -> subprocess.Popen[bytes]:
     """Start the FUSE server of the pack at ctx.fuse_mount (fuse_serve.py); return it."""
-    from stagefs.posix.fuse import is_mounted
+    from stagefs.posix.fuse import is_mounted, unmount
 
     os.makedirs(ctx.fuse_mount, exist_ok=True)
     cmd = [sys.executable, "-m", "stagefs.bench.fuse_serve", ctx.out("stagefs"),
@@ -315,12 +315,25 @@ def serve_fuse(ctx: Context, stats_file: str, timeout: float = 60.0) -> subproce
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + timeout
-    while not is_mounted(ctx.fuse_mount):
-        if proc.poll() is not None or time.monotonic() > deadline:
+    try:
+        while not is_mounted(ctx.fuse_mount):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+                raise RuntimeError(f"the FUSE mount did not come up: {err[-1000:]}")
+            time.sleep(0.05)
+    except BaseException:  # Ctrl-C while it starts: the caller never gets it to stop
+        proc.terminate()  # the server unmounts on SIGTERM, whether it mounted yet or not
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-            raise RuntimeError(f"the FUSE mount did not come up: {err[-1000:]}")
-        time.sleep(0.05)
+            proc.wait(timeout=10)
+        if proc.stderr:
+            proc.stderr.close()
+        if is_mounted(ctx.fuse_mount):
+            unmount(ctx.fuse_mount, lazy=True)
+        raise
     return proc
 
 

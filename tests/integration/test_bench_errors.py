@@ -1,0 +1,220 @@
+"""``stagefs bench`` when things go wrong: flags naming odd places, systems that fail or
+cannot run, Ctrl-C. What is asserted is what the user is left with: the directories given
+kept, nothing of the run's left behind, a clear error before the work rather than after,
+and a failure reported as one (in the table and in the exit status), never as a success."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stagefs.bench import runner, systems
+from stagefs.bench.base import Context
+from stagefs.bench.report import write_report
+from stagefs.cli import main
+
+pytestmark = pytest.mark.integration
+
+TINY = ["bench", "--files", "4", "--epochs", "1", "--runs", "1", "--no-drop-caches"]
+
+
+def _results(out: Path) -> dict[str, Any]:
+    with open(out / "results.json") as f:
+        return dict(json.load(f))
+
+
+def test_existing_local_and_work_dirs_are_kept(tmp_path: Path) -> None:
+    """--local /dev/shm must not empty /dev/shm: the run removes only what it made."""
+    local, work = tmp_path / "local", tmp_path / "work"
+    for d in (local, work):
+        d.mkdir()
+        (d / "keep").write_text("precious")
+    rc = main([*TINY, "--origin", str(tmp_path / "o"), "--out", str(tmp_path / "r"),
+               "--systems", "plain-local", "stagefs-native",
+               "--local", str(local), "--work", str(work)])
+    assert rc == 0
+    for d in (local, work):
+        assert sorted(os.listdir(d)) == ["keep"], d
+        assert (d / "keep").read_text() == "precious"
+    where = _results(tmp_path / "r")["where"]
+    assert os.path.dirname(where["local"]) == str(local)  # a directory of its own in it
+    assert os.path.dirname(where["conversions"]) == str(work)
+
+
+def test_a_setup_error_names_the_flag_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # where the dataset is generated
+    (tmp_path / "file").write_text("x")
+    rc = main([*TINY, "--out", str(tmp_path / "r"), "--systems", "plain-local",
+               "--local", str(tmp_path / "local"), "--work", str(tmp_path / "file" / "w")])
+    assert rc == 1
+    assert "--work" in capsys.readouterr().err
+    assert os.listdir(temp) == []  # the generated dataset is removed
+    assert not (tmp_path / "local").exists()
+    assert not (tmp_path / "r").exists()  # no report, no empty report directory
+
+
+def test_an_interrupted_generation_leaves_no_partial_dataset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later run would take the files written so far for the dataset."""
+    from stagefs.bench import datasets
+
+    def interrupted(root: str, **_: Any) -> None:
+        os.makedirs(os.path.join(root, "train"))
+        Path(root, "train", "img_0.JPEG").write_bytes(b"x" * 100)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(datasets, "imagenet_like", interrupted)
+    origin = tmp_path / "o"
+    assert main([*TINY, "--origin", str(origin), "--out", str(tmp_path / "r")]) == 130
+    assert not origin.exists()
+    origin.mkdir()  # an empty directory given: kept, and left empty
+    assert main([*TINY, "--origin", str(origin), "--out", str(tmp_path / "r")]) == 130
+    assert os.listdir(origin) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "origin-file"])
+def test_out_or_origin_a_file_is_refused_before_any_work(
+        tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "f"
+    f.write_text("x")
+    args = (["--out", str(f), "--origin", str(tmp_path / "o")] if kind == "file"
+            else ["--out", str(tmp_path / "r"), "--origin", str(f)])
+    assert main([*TINY, "--systems", "plain-local", *args]) == 1
+    out = capsys.readouterr()
+    assert ("--out" if kind == "file" else "--origin") in out.err
+    assert "converting" not in out.out
+    assert f.read_text() == "x"
+
+
+def test_a_missing_peer_python_is_refused_before_any_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main([*TINY, "--origin", str(tmp_path / "o"), "--out", str(tmp_path / "r"),
+               "--systems", "plain-local", "webdataset",
+               "--peer-python", str(tmp_path / "nope" / "python")])
+    assert rc == 1
+    out = capsys.readouterr()
+    assert "--peer-python" in out.err and "generating" not in out.out
+    assert not (tmp_path / "o").exists()
+
+
+def test_systems_asked_for_that_cannot_run_fail_the_bench(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake = tmp_path / "python"  # a "Python" without the peers (nor anything else)
+    fake.write_text("#!/bin/sh\nexit 3\n")
+    fake.chmod(0o755)
+    rc = main([*TINY, "--origin", str(tmp_path / "o"), "--out", str(tmp_path / "r"),
+               "--systems", "webdataset", "litdata", "--peer-python", str(fake)])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "webdataset could not run" in err and "--peer-python" in err
+    assert "no system ran" in err
+    assert set(_results(tmp_path / "r")["skipped"]) == {"webdataset", "litdata"}
+
+
+def test_a_failed_conversion_is_a_failed_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    real = runner._Worker.call
+
+    def call(self: Any, system: Any, op: str, **kw: Any) -> dict[str, Any]:
+        if op == "convert" and system.name == "stagefs-native":
+            return {"error": "DestinationFullError: no space left"}
+        return real(self, system, op, **kw)
+
+    monkeypatch.setattr(runner._Worker, "call", call)
+    out = tmp_path / "r"
+    rc = main([*TINY, "--origin", str(tmp_path / "o"), "--out", str(out),
+               "--systems", "plain-local", "stagefs-native"])
+    assert rc == 1
+    assert "stagefs-native failed: conversion failed" in capsys.readouterr().err
+    table = (out / "table.md").read_text()
+    assert "| stagefs-native " in table and "error: conversion failed" in table
+    res = _results(out)
+    assert "stagefs-native" not in res["skipped"]
+    assert res["summary"]["stagefs-native"]["error"].startswith("conversion failed")
+
+
+def test_a_run_that_failed_is_said_beside_the_medians_of_the_others(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    real = runner._Worker.call
+
+    def call(self: Any, system: Any, op: str, **kw: Any) -> dict[str, Any]:
+        if op == "run" and kw.get("run") == 1:
+            return {"error": "RuntimeError: injected"}
+        return real(self, system, op, **kw)
+
+    monkeypatch.setattr(runner._Worker, "call", call)
+    out = tmp_path / "r"
+    rc = main(["bench", "--files", "4", "--epochs", "1", "--runs", "2", "--no-drop-caches",
+               "--origin", str(tmp_path / "o"), "--out", str(out), "--systems", "plain-local"])
+    assert rc == 1
+    assert "plain-local: 1 of 2 runs failed" in capsys.readouterr().err
+    row = next(r for r in (out / "table.md").read_text().splitlines()
+               if r.startswith("| plain-local"))
+    assert "1 of 2 runs failed" in row
+    assert _results(out)["summary"]["plain-local"]["failed_runs"] == 1
+
+
+def test_a_system_named_twice_runs_once_a_run(tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    assert main([*TINY, "--origin", str(tmp_path / "o"), "--out", str(out),
+                 "--systems", "plain-local", "plain-local"]) == 0
+    res = _results(out)
+    assert len(res["systems"]["plain-local"]["epochs"]) == 1
+    assert res["order"] == ["plain-local"]
+
+
+def test_an_earlier_runs_plots_are_not_left_as_this_runs(tmp_path: Path) -> None:
+    (tmp_path / "throughput.png").write_text("an earlier run's")
+    results = {"dataset": {"kind": "npz", "root": "/x", "files": 1, "bytes": 1},
+               "epochs": 1, "runs": 1, "cold": "-", "systems": {}, "skipped": {}}
+    write_report(results, str(tmp_path))
+    assert not (tmp_path / "throughput.png").exists()
+
+
+def test_ctrl_c_while_the_fuse_server_starts_stops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import stagefs.posix.fuse as fuse
+
+    started: list[subprocess.Popen[bytes]] = []
+    real = subprocess.Popen
+
+    def popen(cmd: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        # a stand-in server that waits to be stopped, as one that has not mounted yet does
+        started.append(real([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        **kw))
+        return started[-1]
+
+    interrupted: list[bool] = []
+
+    def is_mounted(path: str) -> bool:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return False
+
+    monkeypatch.setattr(systems.subprocess, "Popen", popen)
+    monkeypatch.setattr(fuse, "is_mounted", is_mounted)
+    ctx = Context(raw=str(tmp_path), conv=str(tmp_path), local=str(tmp_path),
+                  index=str(tmp_path / "index"), fuse_mount=str(tmp_path / "mnt"))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            systems.serve_fuse(ctx, str(tmp_path / "stats.json"))
+        assert started and started[0].poll() is not None  # stopped, not left running
+    finally:
+        for p in started:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
