@@ -147,6 +147,9 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
         # a batch touching every peer had a part in flight to each of them at once
         assert relay["peak_parts"] == c.n - 1, relay
         assert relay["missing"] == 0 and relay["late"] == 0
+        # the readers are done: every pipe of the relay's pool is back in it, empty
+        pipes = node["fabric"]["pipes"]
+        assert pipes["made"] == pipes["idle"] <= pipes["most"] and pipes["ranges"] > 0, pipes
     text = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
                            os.path.join(c.work, "rt0")], capture_output=True, text=True,
                           timeout=60).stdout

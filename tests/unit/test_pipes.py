@@ -270,3 +270,21 @@ def test_a_pool_keeps_to_half_the_user_s_pipe_budget(
         f.write_text(soft)
     assert budget(str(f)) == min(want, POOL_BYTES)
     assert PipePool().most * PIPE_BYTES <= budget()
+
+
+def test_the_pool_says_what_it_holds(tcp: tuple[socket.socket, socket.socket]) -> None:
+    """What ``stagefs status --json`` shows of it (fabric.pipes): a range in flight holds
+    its pipes; once it is sent on they are idle, and the pool has made no more."""
+    a, b = tcp
+    pool = PipePool(most=8)
+    data = os.urandom(2 * PIPE_BYTES + 5)
+    t = _send_later(a, data)
+    piped = _receive(pool, b, len(data))
+    t.join()
+    assert isinstance(piped, Piped)
+    held = pool.status()
+    assert held["made"] == len(piped.pipes) >= 1 and held["idle"] == 0, held
+    assert held["ranges"] == 1 and held["fallbacks"] == 0, held
+    assert _forward(piped) == data
+    assert pool.status() == {**held, "idle": held["made"]}
+    _accounted(pool)

@@ -591,6 +591,7 @@ class Daemon:
             "checks": dict(self.checks),
             "fabric": {"socket": self.fabric_path, "fd_limit": self.fd_limit,
                        "relay": self.relay.stats.as_dict(),
+                       **({} if self.pipes is None else {"pipes": self.pipes.status()}),
                        **self._relay_peers()},
         }
 

@@ -114,6 +114,14 @@ class PipePool:
         with self._lock:
             self._made -= 1
 
+    def status(self) -> dict[str, int]:
+        """Its counters: the pipes it may keep (``most``), those open now (``made``: idle,
+        or holding a range in flight) and idle, the ranges received into pipes and those
+        that went to memory."""
+        with self._lock:
+            return {"most": self.most, "made": self._made, "idle": len(self._idle),
+                    "ranges": self.ranges, "fallbacks": self.fallbacks}
+
     def _unsupported(self, exc: OSError) -> None:
         """Splice from a socket failed here: every range goes to memory from now on."""
         with self._lock:

@@ -81,6 +81,7 @@ _IOV = 512  # buffers per sendmsg (IOV_MAX is 1024)
 # times a 6 MB reply); the kernel caps it at net.core.wmem_max (stagefs doctor says)
 UNIX_SNDBUF = 4 * 2**20
 _TICK = 1.0  # the loop wakes at least this often (stop, paused accepts)
+_HEAP_SLACK = 1024  # deadline entries of closed connections let be before the heap is compacted
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,6 +428,7 @@ class ShardServer:
         self._seq = itertools.count()
         self._rbuf = bytearray(_RECV)
         self._trim: _Timer | None = None  # a malloc_trim to come (_close)
+        self._freed = 0  # bytes closed connections let go of since the last trim
         self._done: collections.deque[Callable[[], None]] = collections.deque()
         self._timers: list[tuple[float, int, _Timer]] = []  # the loop's own (the relay's)
         self._accept_paused: list[_Listener] = []
@@ -1028,6 +1030,8 @@ class ShardServer:
             heapq.heappush(self._heap, (at, next(self._seq), conn))
 
     def _expire(self, now: float) -> None:
+        if len(self._heap) > _HEAP_SLACK + 4 * (len(self._authed) + len(self._pending)):
+            self._compact()
         heap = self._heap
         while heap and heap[0][0] <= now:
             at, _, conn = heapq.heappop(heap)
@@ -1051,6 +1055,14 @@ class ShardServer:
                          self.limits.frame_timeout)
             self._close(conn)
 
+    def _compact(self) -> None:
+        """Keep only the deadline entries still in force: one per open connection. A closed
+        connection's entry stayed until it came due (its idle deadline: 900 s), holding the
+        connection: a daemon whose readers come and go kept every one of the last 15
+        minutes'."""
+        self._heap = [e for e in self._heap if not e[2].closed and e[0] == e[2].deadline]
+        heapq.heapify(self._heap)
+
     def _close(self, conn: _Conn) -> None:
         if conn.closed:
             return
@@ -1071,13 +1083,21 @@ class ShardServer:
             _release(r.parts)
         conn.replies.clear()
         conn.sock.close()
-        if conn.held >= _TRIM_AFTER and self._trim is None:
-            # a reader gone with replies it never took: once the relays out for it have
-            # ended (their deadline), the memory goes back to the kernel (glibc keeps it)
+        # the part of a request frame it had sent (up to max_request): let go of now. The
+        # closed connection stays in the deadline heap until its entry comes due (its idle
+        # deadline: 900 s), and its decoder with it: readers killed while sending a large
+        # request held a MB each there, 100 of them 100 MB, for 15 minutes
+        self._freed += conn.held + conn.decoder.pending
+        conn.decoder = _CLOSED_DECODER
+        if self._freed >= _TRIM_AFTER and self._trim is None:
+            # readers gone with replies they never took or frames cut short: once the
+            # relays out for them have ended (their deadline), the memory goes back to the
+            # kernel (glibc keeps it)
             self._trim = self.later(_TRIM_DELAY, self._trim_now)
 
     def _trim_now(self) -> None:
         self._trim = None
+        self._freed = 0
         trim_malloc()
 
     # -- shard files -------------------------------------------------------------------------
@@ -1154,6 +1174,7 @@ _Part = memoryview | _File | Piped  # what a reply is sent as
 
 
 _NO_FDS = (errno.EMFILE, errno.ENFILE)
+_CLOSED_DECODER = P.FrameDecoder(0)  # a closed connection's (it is never fed)
 # the kinds of failure logged (_say_once); "shed", "paused": that it closed files, paused
 _said: set[object] = set()
 
