@@ -92,6 +92,9 @@ def test_bad_out_and_size_are_refused_before_the_run(tmp_path: Path) -> None:
     assert "--out DIR" in proc.stderr and not origin.exists()  # nothing generated
     proc = run("--origin", origin, "--size", "0", ok=False)
     assert proc.returncode == 1 and "--size 0" in proc.stderr and not origin.exists()
+    out = tmp_path / "out"  # a bad --origin leaves no empty --out made for the chart
+    proc = run("--origin", afile, "--out", out, ok=False)
+    assert proc.returncode == 1 and "--origin" in proc.stderr and not out.exists()
 
 
 def test_bar_chart_scales_to_the_fastest() -> None:

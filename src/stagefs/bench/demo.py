@@ -10,6 +10,7 @@ dataset (a walk for plain files, the in-place scan for stagefs).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -242,8 +243,15 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
     if size is not None and size <= 0:
         raise ConfigError(f"--size {size}: the dataset to generate needs more than 0 bytes "
                           "(e.g. --size 300MiB)")
+    made = not os.path.exists(out)
     _check_out(out)  # before the run, not after it
-    root, why, temp = choose_origin(origin)
+    try:
+        root, why, temp = choose_origin(origin)
+    except BaseException:
+        if made:  # a bad --origin leaves no empty --out behind
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
     print(f"origin: {root} ({why})")
     generated, partial = False, not (os.path.isdir(root) and os.listdir(root))
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
