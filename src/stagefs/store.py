@@ -137,9 +137,9 @@ def _out_of_descriptors(exc: BaseException) -> bool:
     return False
 
 
-def _closed_store(pack_dir: str, *args: Any, **kwargs: Any) -> Any:
+def _closed_store(pack_dir: str, how: str, *args: Any, **kwargs: Any) -> Any:
     raise ValueError(f"I/O operation on a closed Store ({pack_dir}): open the dataset "
-                     "again with stagefs.open")
+                     f"again with {how}")
 
 
 class Store:
@@ -900,7 +900,7 @@ class Store:
             self._closed = True
             pool, self._pool = self._pool, None
             # every way in says so (the manifest's arrays are let go of below)
-            closed = functools.partial(_closed_store, self.pack_dir)
+            closed = functools.partial(_closed_store, self.pack_dir, self._opened_with())
             for name in _WAYS_IN:
                 setattr(self, name, closed)
         if pool is not None and pool[0] == os.getpid():
@@ -915,6 +915,13 @@ class Store:
         if self._counts is not None:
             self._counts.close()
         self.manifest.close()
+
+    def _opened_with(self) -> str:
+        """The call that opens this dataset again (for the errors of a closed store): a
+        cluster's store is stagefs.connect's."""
+        if getattr(self._policy, "reopen", None) is not None:
+            return "stagefs.connect()"
+        return "stagefs.open"
 
     def __enter__(self) -> Store:
         return self

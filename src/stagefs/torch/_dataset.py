@@ -228,9 +228,10 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         """The store's manifest; a clear error once the store is closed (its arrays are let
         go of)."""
         if getattr(self.store, "_closed", False):
+            how = getattr(self.store, "_opened_with", lambda: "stagefs.open")()
             raise ValueError(f"I/O operation on a closed Store ({self.store.pack_dir}): this "
                              "FileDataset's store was closed; open the dataset again with "
-                             "stagefs.open and make a new FileDataset")
+                             f"{how} and make a new FileDataset")
         return self.store.manifest
 
     @property

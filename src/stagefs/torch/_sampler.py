@@ -171,6 +171,11 @@ class Sampler(torch.utils.data.Sampler[int]):
         self.prefetcher: Prefetcher | None = None
         self.tier_ahead: TierAhead | None = None
         self._staged_plan: Plan | None = None  # the plan whose shards were staged
+        # every rank's holdings, gathered through torch.distributed where every rank calls
+        # (here and set_epoch), never by len(), local_fraction or state_dict, which a
+        # training script may call on one rank alone (a collective there waited forever)
+        self._gathered: Holders | None = None
+        self._gather_holders()
         self._tell_workers()
         self._read_ahead_early()
 
@@ -193,6 +198,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         epoch = _whole(epoch, "set_epoch's epoch")
         if epoch < 0:
             raise ConfigError(f"epoch {epoch}: epochs are numbered from 0")
+        self._gather_holders()  # every rank calls set_epoch: the holdings as they are now
         plan = self._plan
         if epoch == self.epoch and self._resumed:
             return  # the resume point just loaded (and its read-ahead under way)
@@ -213,18 +219,31 @@ class Sampler(torch.utils.data.Sampler[int]):
             return None
         if self._held_by is not None:
             return tuple(tuple(sorted(int(s) for s in h)) for h in self._held_by)
-        held = getattr(self.dataset.store, "held_shards", None)
-        mine = tuple(sorted(int(s) for s in held())) if held is not None else ()
         if self.world_size == 1:
-            return (mine,)
-        if dist.is_available() and dist.is_initialized():
-            out: list[Any] = [None] * self.world_size
-            dist.all_gather_object(out, mine)
-            return tuple(tuple(h) for h in out)
+            return (self._held_here(),)
+        if self._gathered is None:  # torch.distributed was initialised after the sampler
+            self._gather_holders()
+        if self._gathered is not None:
+            return self._gathered
         raise ConfigError(
             f"locality=True with {self.world_size} ranks needs to know what every rank's node "
             "holds: initialise torch.distributed first, or pass held_by=[shards of rank 0, ...]"
         )
+
+    def _held_here(self) -> tuple[int, ...]:
+        held = getattr(self.dataset.store, "held_shards", None)
+        return tuple(sorted(int(s) for s in held())) if held is not None else ()
+
+    def _gather_holders(self) -> None:
+        """Gather every rank's holdings (a collective call: only from the constructor and
+        ``set_epoch``, which every rank calls, in the same order). Nothing to gather without
+        locality, with ``held_by``, on one rank, or without torch.distributed."""
+        if (not self.locality or self._held_by is not None or self.world_size == 1
+                or not (dist.is_available() and dist.is_initialized())):
+            return
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, self._held_here())
+        self._gathered = tuple(tuple(int(s) for s in h) for h in out)
 
     def plan(self) -> Plan:
         """This epoch's plan for every rank (computed once per epoch)."""
