@@ -1025,6 +1025,15 @@ def open(
                 f"directory. Pack a tree with 'stagefs pack SRC {p}', or open a directory of "
                 "files."
             )
+        if "cluster.json" in names:  # (cluster/cmap.py MAP_NAME) a node daemon's runtime
+            raise ConfigError(
+                f"{p} is a cluster job's runtime directory, not a dataset: read the job's "
+                f"dataset through its node daemon with stagefs.connect(runtime={p!r}) (or "
+                "set STAGEFS_RUNTIME to it and call stagefs.connect())")
+        if {"claims", "stats", "procs"} <= set(names):  # runtime.py's layout
+            raise ConfigError(
+                f"{p} is a stagefs runtime directory (claims, counters, leases), not a "
+                "dataset: open the pack or the directory of files the job reads")
         if any(n.startswith("shard-") and n.endswith(".sfs") for n in names):
             raise CorruptManifestError(
                 f"{p}: a pack's shards without its {MANIFEST_NAME} (deleted, or not copied "

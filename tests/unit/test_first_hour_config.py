@@ -55,3 +55,18 @@ def test_a_blank_runtime_is_an_error_not_a_directory_named_blank(
     with pytest.raises(ConfigError, match="blank"):
         runtime_default()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_runtime_directory_is_not_opened_as_a_dataset(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a likely slip: FileDataset(runtime) or stagefs.open(runtime) made its token file and
+    # cluster map "dataset files"
+    import stagefs
+    from stagefs.runtime import Runtime
+
+    rt = Runtime(tmp_path / "rt").open()
+    with pytest.raises(ConfigError, match="runtime directory"):
+        stagefs.open(rt.path)
+    (tmp_path / "rt" / "cluster.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"stagefs\.connect\(runtime="):
+        stagefs.open(rt.path)
