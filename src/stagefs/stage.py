@@ -13,7 +13,7 @@ from stagefs._table import table
 from stagefs.config import format_size
 from stagefs.errors import ConfigError
 from stagefs.runtime import Runtime
-from stagefs.tiers.status import job_status, read_lines
+from stagefs.tiers.status import job_status, read_lines, stall_lines
 
 if TYPE_CHECKING:
     from stagefs.store import Store
@@ -77,12 +77,6 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     if rows:
         print("metadata operations on the origin (the reads are above):")
         print(table(["origin", "opens", "stats"], rows))
-    rows = [[r.get("rank"), r.get("pid"), r.get("epoch"), r.get("steps"),
-             f"{r.get('wait_s', 0):.1f}", f"{r.get('step_s', 0):.1f}",
-             f"{100 * r.get('stall', 0):.1f}%", f"{100 * r.get('steady_stall', 0):.1f}%"]
-            for r in st["stalls"]]
-    if rows:
-        print("data stall (time each step waited for data), per training process and epoch:")
-        print(table(["rank", "pid", "epoch", "steps", "waited s", "step s", "stall",
-                     "stall after 1st batch"], rows))
+    for line in stall_lines(st["stalls"]):
+        print(line)
     return 0

@@ -159,3 +159,22 @@ def test_a_closed_cluster_dataset_says_to_connect_again(
     for read in (lambda: ds[0], lambda: ds.__getitems__([0, 1]), ds.sizes):
         with pytest.raises(ValueError, match=r"closed Store .*stagefs\.connect\(\)"):
             read()
+
+
+def test_cluster_status_shows_the_training_processes_stalls(
+        cluster: tuple[str, dict[str, bytes]]) -> None:
+    """StallMeter writes its records "for stagefs status" (docs/torch.md): on a cluster's
+    runtime, status showed none of them."""
+    from stagefs.torch import StallMeter
+
+    work, _ = cluster
+    rt = os.path.join(work, "rt0")
+    ticks = iter(range(100))
+    meter = StallMeter([1, 2, 3], runtime=rt, rank=0, clock=lambda: float(next(ticks)))
+    assert list(meter) == [1, 2, 3]
+    (rec,) = [r for r in status_json(work, 0)["stalls"] if r.get("pid") == os.getpid()]
+    assert rec["rank"] == 0 and rec["steps"] == 3
+    text = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime", rt],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "data stall" in text
+    os.unlink(os.path.join(rt, f"stall-{os.getpid()}.json"))

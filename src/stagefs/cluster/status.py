@@ -22,7 +22,13 @@ from stagefs.errors import ClusterError
 from stagefs.net.client import PeerClient
 from stagefs.net.sockio import host_port
 from stagefs.tiers.base import SourceUnavailable
-from stagefs.tiers.status import holder_summary, read_counts, read_lines
+from stagefs.tiers.status import (
+    holder_summary,
+    read_counts,
+    read_lines,
+    stall_lines,
+    stall_records,
+)
 
 __all__ = ["checksum_failures", "cluster_status", "has_cluster", "print_cluster_status",
            "rereplication_lines", "wait_for_cluster"]
@@ -146,9 +152,10 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         time.sleep(1.0)
     path = os.path.abspath(runtime) if runtime else runtime_default()
     reads = holder_summary(read_counts(os.path.join(path, "stats")))  # this node's processes
+    stalls = stall_records(path)  # this node's training processes' (StallMeter)
     if as_json:
-        print(json.dumps({"pack": cmap.pack, "nodes": nodes, "reads": reads}, indent=1,
-                         sort_keys=True))
+        print(json.dumps({"pack": cmap.pack, "nodes": nodes, "reads": reads,
+                          "stalls": stalls}, indent=1, sort_keys=True))
     else:
         head = ["node", "address", "state", "staged share", "tier use", "served",
                 "tcp/unix/refused", "relayed for readers", "peers unreachable now",
@@ -163,6 +170,8 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         for line in rereplication_lines(nodes, cmap.replicas):
             print(line)
         for line in read_lines(reads, "this node's processes: readers, the daemon"):
+            print(line)
+        for line in stall_lines(stalls):
             print(line)
     down = sum(s is None for s in nodes)
     if down:

@@ -240,6 +240,19 @@ def job_status(rt: Runtime) -> dict[str, Any]:
             **holder_summary(read_counts(rt.stats)), "stalls": stall_records(rt.path)}
 
 
+def stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
+    """The data-stall table of ``stall_records`` for ``stagefs status`` (none: no lines)."""
+    rows = [[r.get("rank"), r.get("pid"), r.get("epoch"), r.get("steps"),
+             f"{r.get('wait_s', 0):.1f}", f"{r.get('step_s', 0):.1f}",
+             f"{100 * r.get('stall', 0):.1f}%", f"{100 * r.get('steady_stall', 0):.1f}%"]
+            for r in stalls]
+    if not rows:
+        return []
+    return ["data stall (time each step waited for data), per training process and epoch:",
+            table(["rank", "pid", "epoch", "steps", "waited s", "step s", "stall",
+                   "stall after 1st batch"], rows)]
+
+
 def stall_records(runtime: str) -> list[dict[str, Any]]:
     """The data-stall records training processes wrote (``stall-<pid>.json``, written by
     ``stagefs.torch.StallMeter``): one row per process and epoch, by rank then epoch."""
