@@ -56,3 +56,29 @@ class FakePeer:
         self.lst.close()
         for c in self.conns:
             c.close()
+
+
+def authed(addr: tuple[str, int] | str, token: bytes) -> socket.socket:
+    """A reader's connection to a real daemon that has passed the handshake (a TCP
+    address, or the fabric's Unix socket path)."""
+    if isinstance(addr, str):
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(30)
+        s.connect(addr)
+    else:
+        s = socket.create_connection(addr, timeout=30)
+    dec = P.FrameDecoder()
+    msgs: list[P.Message] = []
+    while not msgs:
+        dec.feed(s.recv(4096))
+        msgs = dec.messages()
+    ch = msgs[0]
+    assert isinstance(ch, P.Challenge)
+    nc = auth.new_nonce()
+    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
+    msgs = []
+    while not msgs:
+        dec.feed(s.recv(4096))
+        msgs = dec.messages()
+    assert isinstance(msgs[0], P.AuthOk)
+    return s

@@ -5,10 +5,22 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 
 import stagefs
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` TCP ports free on 127.0.0.1 now (for the daemons of a test cluster)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 def make_dataset(root: str, files: int = 120, seed: int = 0) -> dict[str, bytes]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import (
+    free_ports,
     make_pack,
     results,
     serve_args,
@@ -29,14 +29,6 @@ pytestmark = pytest.mark.integration
 READER = str(Path(__file__).resolve().parents[1] / "mpi" / "cluster_reader.py")
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _daemon(work: str, pack: str, r: int) -> subprocess.Popen[bytes]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from cluster_helpers import (
+    free_ports,
     make_pack,
     serve_args,
     start,
@@ -39,6 +40,7 @@ from cluster_helpers import (
 from xxhash import xxh3_64_hexdigest
 
 import stagefs
+from fake_peer import authed
 from stagefs._fsutil import raise_fd_limit
 from stagefs.cluster.fabric import FABRIC_PATIENCE
 from stagefs.format import Manifest
@@ -54,14 +56,6 @@ pytestmark = pytest.mark.integration
 READER = str(Path(__file__).resolve().parent / "fabric_reader.py")
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class Cluster:
@@ -72,7 +66,7 @@ class Cluster:
         self.pack, content = make_pack(work, files=files, shard_size="64KiB")
         write_expected(work, content)
         with open(os.path.join(work, "hosts"), "w") as f:
-            f.write("".join(f"127.0.0.1:{p}\n" for p in _free_ports(n)))
+            f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
         subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
                         os.path.join(work, "token")], check=True, timeout=60)
         self.daemons = [self.daemon(r) for r in range(n)]
@@ -159,31 +153,6 @@ def test_connections_grow_with_nodes_not_readers(cluster4: Cluster) -> None:
         assert f"{node['server']['relayed_ranges']:,} (0 to the origin)" in row, text
 
 
-def _authed(addr: tuple[str, int] | str, token: bytes) -> socket.socket:
-    """A connection that has passed the handshake (TCP address, or a Unix socket path)."""
-    if isinstance(addr, str):
-        s = socket.socket(socket.AF_UNIX)
-        s.settimeout(30)
-        s.connect(addr)
-    else:
-        s = socket.create_connection(addr, timeout=30)
-    dec = P.FrameDecoder()
-    msgs: list[P.Message] = []
-    while not msgs:
-        dec.feed(s.recv(4096))
-        msgs = dec.messages()
-    ch = msgs[0]
-    assert isinstance(ch, P.Challenge)
-    nc = auth.new_nonce()
-    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
-    msgs = []
-    while not msgs:
-        dec.feed(s.recv(4096))
-        msgs = dec.messages()
-    assert isinstance(msgs[0], P.AuthOk)
-    return s
-
-
 def test_300_idle_and_unauthenticated_connections_do_not_stop_a_reader(tmp_path: Path) -> None:
     c = Cluster(str(tmp_path), 2)
     held: list[socket.socket] = []
@@ -191,7 +160,7 @@ def test_300_idle_and_unauthenticated_connections_do_not_stop_a_reader(tmp_path:
         with open(os.path.join(c.work, "hosts")) as f:
             host, port = f.readline().strip().rsplit(":", 1)
         addr = (host, int(port))
-        held += [_authed(addr, c.token) for _ in range(250)]  # idle peers, token proven
+        held += [authed(addr, c.token) for _ in range(250)]  # idle peers, token proven
         held += [socket.create_connection(addr, timeout=30) for _ in range(50)]  # silent
         held.append(socket.create_connection(addr, timeout=30))
         held[-1].sendall(P.encode(P.Read(1, (P.Range(0, 0, 8),)))[:5])  # a frame cut short
@@ -444,7 +413,7 @@ def test_a_reader_gone_before_its_relay_answers_leaves_no_pipe_behind(tmp_path: 
     gate = threading.Event()
     fds = len(os.listdir("/proc/self/fd"))
     with _peer_and_fabric(tmp_path, gate) as c:
-        s = _authed(c.path, c.token)
+        s = authed(c.path, c.token)
         odd = [P.Range(sh, 0, c.m.shards[sh].size) for sh in range(1, len(c.m.shards), 2)]
         s.sendall(P.encode(P.Read(7, tuple(odd))))
         while c.fabric.stats.relayed_requests == 0:
@@ -480,7 +449,7 @@ def test_a_reply_of_megabytes_waits_in_the_reader_s_socket_not_in_the_daemon(
     with open("/proc/sys/net/core/wmem_max") as f:
         cap = int(f.read())
     with _peer_and_fabric(tmp_path) as c:
-        s = _authed(c.path, c.token)
+        s = authed(c.path, c.token)
         held = tuple([P.Range(0, 0, c.m.shards[0].size)] * 60)  # shard 0: the fabric's own
         total = sum(r.length for r in held)
         assert total > 2 * 2**20
@@ -509,7 +478,7 @@ def test_a_reader_that_stops_reading_its_replies_holds_little_daemon_memory(
     from stagefs.net import server as server_mod
 
     with _peer_and_fabric(tmp_path) as c:
-        s = _authed(c.path, c.token)
+        s = authed(c.path, c.token)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         size = c.m.shards[0].size - 64  # under the sendfile size: read into memory
         assert size < server_mod._SENDFILE_MIN
@@ -544,7 +513,7 @@ def test_a_reader_that_stops_reading_its_replies_holds_little_daemon_memory(
         s.close()
         # a reader gone with replies it never took: the heap is trimmed after (glibc kept
         # the memory: a daemon stayed at 4 GB once its stalled readers had gone)
-        gone = _authed(c.path, c.token)
+        gone = authed(c.path, c.token)
         gone.sendall(b"".join(P.encode(P.Read(k, ranges)) for k in range(1, 4)))
         deadline = time.monotonic() + 60
         while not any(k.held >= server_mod._TRIM_AFTER for k in c.fabric._authed if k.unix):
@@ -575,7 +544,7 @@ def test_a_daemon_under_1024_descriptors_still_takes_its_readers(tmp_path: Path)
         with open(os.path.join(work, "rt0", "token")) as f:
             token = bytes.fromhex(f.read().strip())
         path = os.path.join(work, "rt0", "fabric.sock")
-        readers = [_authed(path, token) for _ in range(200)]
+        readers = [authed(path, token) for _ in range(200)]
         srv = PeerClient("", 0, token, unix=path).status()["server"]
         assert srv["unix_readers"] >= 200 and srv["refused_busy"] == 0, srv
         for s in readers:
@@ -592,7 +561,7 @@ def test_a_job_larger_than_the_descriptors_allow_is_told_at_start(tmp_path: Path
     work = str(tmp_path)
     pack, _ = make_pack(work, files=20)
     with open(os.path.join(work, "hosts"), "w") as f:
-        f.write("".join(f"127.0.0.1:{p}\n" for p in _free_ports(1))
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(1))
                 + "".join(f"127.0.0.2:{7000 + i}\n" for i in range(199)))
     subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
                     os.path.join(work, "token")], check=True, timeout=60)
@@ -623,7 +592,7 @@ def test_a_thousand_idle_connections_take_no_thread(tmp_path: Path) -> None:
     n = min(1000, (raise_fd_limit()[1] - 300) // 2)  # both ends are in this process
     try:
         threads = threading.active_count()
-        conns = [_authed(srv.address, token) for _ in range(n)]
+        conns = [authed(srv.address, token) for _ in range(n)]
         c = PeerClient(*srv.address, token)
         assert c.read([(0, 0, 8)]) == [b"STGFSSHD"]
         assert srv.stats.tcp_peers == n + 1 and srv.stats.refused_busy == 0

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from cluster_helpers import make_pack, serve_args, start, stop, tail, wait_staged
+from cluster_helpers import free_ports, make_pack, serve_args, start, stop, tail, wait_staged
 
 from stagefs.posix.fuse import fuse_available, is_mounted
 
@@ -21,14 +20,6 @@ pytestmark = [
 ]
 
 
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,7 +31,7 @@ def test_each_node_mount_shows_the_whole_dataset(tmp_path: Path) -> None:
     work = str(tmp_path)
     pack, content = make_pack(work, files=60)
     with open(os.path.join(work, "hosts"), "w") as f:
-        f.write("".join(f"127.0.0.1:{p}\n" for p in _ports(2)))
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(2)))
     assert _cli("serve", "--new-token", os.path.join(work, "token")).returncode == 0
     daemons = [start(serve_args(work, pack, "--hosts", os.path.join(work, "hosts"), "--rank",
                                 str(r), "--token-file", os.path.join(work, "token"),

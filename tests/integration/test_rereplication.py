@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from cluster_helpers import (
     cluster_maps,
+    free_ports,
     make_pack,
     results,
     serve_args,
@@ -29,7 +30,6 @@ from cluster_helpers import (
     wait_staged,
     write_expected,
 )
-from test_cluster_static import free_ports
 
 from stagefs.cluster.placement import place
 from stagefs.format import Manifest

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -14,7 +13,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from cluster_helpers import make_pack, serve_args, start, status_json, stop, tail, wait_staged
+from cluster_helpers import (
+    free_ports,
+    make_pack,
+    serve_args,
+    start,
+    status_json,
+    stop,
+    tail,
+    wait_staged,
+)
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
@@ -66,14 +74,6 @@ if __name__ == "__main__":
 """
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
     with open(os.path.join(work, "expected.json"), "w") as f:
         json.dump({p: xxh3_64_hexdigest(d) for p, d in content.items()}, f)
     with open(os.path.join(work, "hosts"), "w") as f:
-        f.write("".join(f"127.0.0.1:{p}\n" for p in _free_ports(NODES)))
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(NODES)))
     subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
                     os.path.join(work, "token")], check=True, timeout=60, capture_output=True)
     daemons = [start(serve_args(work, pack, "--hosts", os.path.join(work, "hosts"), "--rank",
@@ -103,7 +103,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dic
 
 
 def _train(work: str, workers: int) -> list[dict[str, Any]]:
-    port = _free_ports(1)[0]
+    port = free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     procs = [subprocess.Popen([sys.executable, "-c", TRAIN, work, str(r), str(NODES), str(port),
                                str(workers)], env=env, stdout=subprocess.PIPE,

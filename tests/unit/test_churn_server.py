@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
+from fake_peer import authed
 from stagefs.format import Manifest
 from stagefs.net import auth
 from stagefs.net import protocol as P
@@ -41,27 +42,6 @@ def _server(m: Manifest, tmp_path: Path, token: bytes, **limits: float) -> Shard
     return ShardServer(m, token, lambda s: None, "127.0.0.1",
                        unix_path=str(tmp_path / "fabric.sock"),
                        limits=ServerLimits(**limits)).start()  # type: ignore[arg-type]
-
-
-def _authed(path: str, token: bytes) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX)
-    s.settimeout(30)
-    s.connect(path)
-    dec = P.FrameDecoder()
-    msgs: list[P.Message] = []
-    while not msgs:
-        dec.feed(s.recv(4096))
-        msgs = dec.messages()
-    ch = msgs[0]
-    assert isinstance(ch, P.Challenge)
-    nc = auth.new_nonce()
-    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
-    msgs = []
-    while not msgs:
-        dec.feed(s.recv(4096))
-        msgs = dec.messages()
-    assert isinstance(msgs[0], P.AuthOk)
-    return s
 
 
 def _seen(srv: ShardServer, cond: Callable[[], bool]) -> None:
@@ -89,7 +69,7 @@ def test_a_reader_gone_inside_a_large_request_leaves_no_bytes(
     try:
         before = tracemalloc.get_traced_memory()[0]
         for _ in range(16):
-            s = _authed(srv.unix_path or "", token)
+            s = authed(srv.unix_path or "", token)
             s.sendall(frame)
             s.close()  # a killed reader: its frame cut short
         _seen(srv, lambda: srv.stats.active == 0)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 import stagefs
 from stagefs._table import table
 from stagefs.bench.datasets import imagenet_like
-from stagefs.bench.runner import drop_caches
+from stagefs.bench.runner import check_out, drop_caches
 from stagefs.config import format_size
 from stagefs.errors import ConfigError, NotADirectoryError_, NotFoundError
 from stagefs.format import MANIFEST_NAME
@@ -225,18 +225,6 @@ def write_png(plain: Sequence[EpochResult], fast: Sequence[EpochResult], path: s
     return True
 
 
-def _check_out(out: str) -> None:
-    """The directory the chart goes to can be made and written, else a ConfigError."""
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: the demo's chart cannot be written there "
-                          f"({exc.strerror}); name a directory you can write with --out DIR"
-                          ) from None
-
-
 def run_demo(origin: str | None = None, size: int | None = None, out: str = "stagefs-demo",
              epochs: int = 3) -> int:
     t_start = time.perf_counter()
@@ -244,7 +232,7 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
         raise ConfigError(f"--size {size}: the dataset to generate needs more than 0 bytes "
                           "(e.g. --size 300MiB)")
     made = not os.path.exists(out)
-    _check_out(out)  # before the run, not after it
+    check_out(out, "the demo's chart")  # before the run, not after it
     try:
         root, why, temp = choose_origin(origin)
     except BaseException:

@@ -131,14 +131,15 @@ def _claim(flag: str, path: str, prefix: str) -> str:
                           f"name a directory you can write with {flag}") from None
 
 
-def _check_out(out: str) -> None:
-    """The report's directory can be made and written (checked before the run, not after)."""
+def check_out(out: str, what: str = "the report") -> None:
+    """The directory ``what`` goes to (--out) can be made and written, else a ConfigError
+    (checked before the run, not after it)."""
     try:
         os.makedirs(out, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
-        raise ConfigError(f"--out {out}: the report cannot be written there ({exc.strerror}): "
+        raise ConfigError(f"--out {out}: {what} cannot be written there ({exc.strerror}): "
                           "name a directory you can write with --out DIR") from None
 
 
@@ -244,7 +245,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         raise ConfigError("--epochs, --runs and --files must be at least 1")
     systems = _select(cfg.systems)
     made_out = not os.path.exists(cfg.out)
-    _check_out(cfg.out)
+    check_out(cfg.out)
     peer_python = _peer_python(cfg, systems)
     raw, generated = "", False
     claimed: list[str] = []  # this run's own directories, removed at the end
