@@ -6,10 +6,12 @@ fixtures of the foundation suite are prefixed ``sample_``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import stat as st
+import tempfile
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -277,3 +279,17 @@ def as_nobody(fn: Callable[[], object]) -> tuple[int, str]:
         msg = f.read().decode()
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), msg
+
+
+@contextlib.contextmanager
+def world_dir() -> Iterator[Path]:
+    """A directory others can enter (pytest's tmp dirs are private to root), for checks run
+    as an unprivileged user (``as_nobody``); removed after, whatever modes a test left."""
+    d = Path(tempfile.mkdtemp(prefix="stagefs-world-"))
+    try:
+        os.chmod(d, 0o755)
+        yield d
+    finally:
+        for dirpath, _dirs, _files in os.walk(d):
+            os.chmod(dirpath, 0o755)
+        shutil.rmtree(d, ignore_errors=True)

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import stagefs
-from conftest import as_nobody
+from conftest import as_nobody, world_dir
 from stagefs.errors import UnreadableSourceError
 from stagefs.inplace import scan_tree
 
@@ -26,21 +24,6 @@ def _pack(src: Path, dest: Path, **kw: Any) -> stagefs.PackReport:
     return stagefs.pack(src, dest, progress=False, echo=kw.pop("echo", quiet), **kw)
 
 
-@contextlib.contextmanager
-def _world_dir() -> Iterator[Path]:
-    """A directory others can enter (pytest's tmp dirs are private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="stagefs-odd-"))
-    try:
-        os.chmod(d, 0o755)
-        yield d
-    finally:
-        for dirpath, _dirs, _files in os.walk(d):
-            os.chmod(dirpath, 0o755)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-
-
 # ------------------------------------------------------------------ in place: permissions
 
 
@@ -48,7 +31,7 @@ def _world_dir() -> Iterator[Path]:
 def test_inplace_scan_of_a_listable_unsearchable_dir_names_it(where: str) -> None:
     """A directory with r but not x can be listed, its entries not stat'ed: the scan said
     nothing useful (a PermissionError traceback from a scan thread)."""
-    with _world_dir() as tmp:
+    with world_dir() as tmp:
         src = tmp / "src"
         bad = src / "rnox" if where == "top" else src / "sub" / "rnox"
         bad.mkdir(parents=True)
@@ -64,7 +47,7 @@ def test_inplace_scan_of_a_listable_unsearchable_dir_names_it(where: str) -> Non
 
 
 def test_inplace_scan_of_an_unsearchable_root_names_it() -> None:
-    with _world_dir() as tmp:
+    with world_dir() as tmp:
         src = tmp / "src"
         src.mkdir()
         (src / "x").write_bytes(b"x")

@@ -3,22 +3,20 @@ an interrupted pack resumes."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
 import shutil
 import socket
 import stat as st
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import stagefs
-from conftest import as_nobody, patch_manifest, random_bytes, snapshot_tree, text_bytes
+from conftest import as_nobody, patch_manifest, random_bytes, snapshot_tree, text_bytes, world_dir
 from stagefs.errors import (
     DestinationExistsError,
     PackError,
@@ -124,17 +122,6 @@ def test_sockets_and_fifos_are_skipped(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ unreadable sources
 
 
-@contextlib.contextmanager
-def _world_dir() -> Iterator[Path]:
-    """A directory others can enter (pytest's tmp dirs are private to root)."""
-    d = Path(tempfile.mkdtemp(prefix="stagefs-unreadable-"))
-    try:
-        os.chmod(d, 0o755)
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def _unreadable_case(tmp: Path, what: str) -> tuple[Path, Path, str]:
     src = tmp / "src"
     (src / "d").mkdir(parents=True)
@@ -168,7 +155,7 @@ def _check_unreadable(dest: Path, msg: str, name: str, what: str) -> None:
 @pytest.mark.parametrize("what", ["file", "dir", "noexec-dir"])
 def test_unreadable_source_fails_naming_it(tmp_path: Path, what: str) -> None:
     if os.geteuid() == 0:  # root reads anything: pack as an unprivileged user, for real
-        with _world_dir() as tmp:
+        with world_dir() as tmp:
             src, dest, name = _unreadable_case(tmp, what)
             code, msg = as_nobody(lambda: _pack(src, dest))
             assert code == 1 and msg.startswith(UnreadableSourceError.__name__), msg
