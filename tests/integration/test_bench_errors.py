@@ -218,3 +218,44 @@ def test_ctrl_c_while_the_fuse_server_starts_stops_it(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_ctrl_c_after_a_run_keeps_the_runs_that_ended(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Hours of runs on a real shared file system are not lost to one Ctrl-C: the epochs
+    that ended are reported, the report says it is incomplete, and the exit is still 130."""
+    real = runner._Worker.call
+
+    def call(self: Any, system: Any, op: str, **kw: Any) -> dict[str, Any]:
+        if op == "run" and kw.get("run") == 1:
+            raise KeyboardInterrupt
+        return real(self, system, op, **kw)
+
+    monkeypatch.setattr(runner._Worker, "call", call)
+    out = tmp_path / "r"
+    rc = main(["bench", "--files", "4", "--epochs", "1", "--runs", "3", "--no-drop-caches",
+               "--origin", str(tmp_path / "o"), "--out", str(out), "--systems", "plain-local"])
+    assert rc == 130
+    assert f"reported in {out}" in capsys.readouterr().out
+    res = _results(out)
+    assert res["interrupted"].startswith("stopped by Ctrl-C during run 2 of 3")
+    assert len(res["systems"]["plain-local"]["epochs"]) == 1
+    assert res["systems"]["plain-local"]["all_samples_once"]
+    assert (out / "table.md").read_text().startswith("**Incomplete: stopped by Ctrl-C")
+
+
+def test_ctrl_c_before_any_epoch_ended_writes_no_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def call(self: Any, system: Any, op: str, **kw: Any) -> dict[str, Any]:
+        if op == "run":
+            raise KeyboardInterrupt
+        return real(self, system, op, **kw)
+
+    real = runner._Worker.call
+    monkeypatch.setattr(runner._Worker, "call", call)
+    out = tmp_path / "r"
+    rc = main(["bench", "--files", "4", "--epochs", "1", "--runs", "2", "--no-drop-caches",
+               "--origin", str(tmp_path / "o"), "--out", str(out), "--systems", "plain-local"])
+    assert rc == 130
+    assert not out.exists()

@@ -107,6 +107,8 @@ def markdown(results: dict[str, Any]) -> str:
             f"{results['epochs']} epochs per run, {results['runs']} runs, medians; "
             f"first epoch of each run cold ({results['cold']}).")
     cmd = f"\n\nCommand: `{results['command']}`" if results.get("command") else ""
+    if results.get("interrupted"):
+        head = f"**Incomplete: {results['interrupted']}.** " + head
     load = results.get("load_average", {})
     if load:
         cmd += (f"\n\nLoad average (1 min) at start {load['start'][0]:.1f}, at end "

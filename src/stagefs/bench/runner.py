@@ -327,10 +327,36 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
     dropped = cfg.drop_caches and drop_caches()
     results["cold"] = ("page cache dropped" if dropped else "page cache NOT dropped ("
                        + ("not root" if cfg.drop_caches else "--no-drop-caches") + ")")
+    results["order"] = [s.name for s in active]
     pack = conversions.get("stagefs")
     if pack is not None and "error" not in pack:
         results["origin_limit"] = []
+    try:
+        _runs(cfg, worker, active, ctx, results, pack, files, roots, sizes_path)
+    except KeyboardInterrupt:  # the runs that ended are worth keeping: hours, on a real PFS
+        if not any(s["epochs"] for s in results["systems"].values()):
+            raise
+        results["interrupted"] = (f"stopped by Ctrl-C during run {results['runs_started']} "
+                                  f"of {cfg.runs}: medians of the epochs that ended")
+        _finish(results, files, cfg.out, write_report)
+        cfg.say(f"interrupted: the epochs that ended are reported in {cfg.out}")
+        raise
+    _finish(results, files, cfg.out, write_report)
+    return results
+
+
+def _finish(results: dict[str, Any], files: int, out: str, write_report: Any) -> None:
+    results["load_average"] = {"start": results["machine"]["load_average"],
+                               "end": list(os.getloadavg())}
+    _check(results, files)
+    write_report(results, out)
+
+
+def _runs(cfg: BenchConfig, worker: _Worker, active: list[System], ctx: Context,
+          results: dict[str, Any], pack: dict[str, Any] | None, files: int,
+          roots: list[str], sizes_path: str) -> None:
     for run in range(cfg.runs):
+        results["runs_started"] = run + 1
         if pack is not None and "origin_limit" in results:  # the link's sequential limit
             from stagefs.bench.limit import origin_limit
 
@@ -350,12 +376,6 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
                 continue
             entry["epochs"].extend(res["epochs"])
             cfg.say("  " + ", ".join(f"{e['samples_per_s']:,.0f}/s" for e in res["epochs"]))
-    results["load_average"] = {"start": results["machine"]["load_average"],
-                               "end": list(os.getloadavg())}
-    results["order"] = [s.name for s in active]
-    _check(results, files)
-    write_report(results, cfg.out)
-    return results
 
 
 def _one_run(cfg: BenchConfig, worker: _Worker, s: System, ctx: Context, run: int,
