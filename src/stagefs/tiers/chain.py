@@ -41,7 +41,7 @@ import numpy as np
 
 from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit
 from stagefs.config import TierSpec, format_size
-from stagefs.errors import CorruptShardError
+from stagefs.errors import ConfigError, CorruptShardError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime
 from stagefs.tiers import placer
@@ -61,7 +61,7 @@ from stagefs.tiers.fill import (
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.stream import Stream
-from stagefs.tiers.tier import NO_SPACE, DirTier
+from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes
 
 __all__ = ["RECHECK_S", "TierChain"]
 
@@ -112,6 +112,48 @@ class _FillSource:
         pass
 
 
+def _one_directory_each(tiers: Sequence[DirTier]) -> None:
+    """Refuse two tiers that are one directory by two paths (a symlink, a bind mount): each
+    would count its own room in it and claim a piece the other holds, so the directory
+    took both capacities. Told apart by device and inode, as the paths are not."""
+    seen: dict[tuple[int, int], str] = {}
+    for t in tiers:
+        try:
+            st = os.stat(t.root)
+        except OSError:
+            continue  # gone already: its first placement says so
+        first = seen.setdefault((st.st_dev, st.st_ino), t.root)
+        if first != t.root:
+            raise ConfigError(f"tiers {first} and {t.root} are the same directory (a symlink "
+                              "or a mount names it twice); name it once, with the capacity "
+                              "it should have")
+
+
+def _say_who_fills(t: DirTier) -> None:
+    """``t`` is full: if other datasets' copies take most of it, say which. A dataset packed
+    again has a new pack id, and the old one's copies stay (for the next job of it) until
+    ``stagefs clean``: the tier was found full of them, and the new pack held none of its
+    share, with no word why."""
+    others: list[tuple[int, str]] = []
+    try:
+        with os.scandir(t.root) as it:
+            for e in it:
+                if e.name != t.pack_id and e.is_dir(follow_symlinks=False):
+                    others.append((dir_bytes(e.path), e.path))
+    except OSError:
+        return
+    theirs = sum(n for n, _ in others)
+    if theirs <= dir_bytes(t.dir):
+        return
+    others.sort(reverse=True)
+    named = ", ".join(f"{path} ({format_size(n)})" for n, path in others[:3])
+    log.warning("%s is full, %s of it with other datasets' copies: %s%s. A dataset packed "
+                "again has a new id and its old copies stay until 'stagefs clean' (of the "
+                "job that staged them); delete a directory no job reads any more to give "
+                "this dataset its share", t.name, format_size(theirs), named,
+                f" and {len(others) - 3} more" if len(others) > 3 else "")
+
+
 class TierChain:
     """Tiers in order for one dataset, and the placement of its shards into them."""
 
@@ -124,6 +166,7 @@ class TierChain:
         self.origin_path = origin_path
         self.pack_id = manifest.pack_id.hex()
         self.tiers = [DirTier(s, manifest, runtime.claims) for s in specs]
+        _one_directory_each(self.tiers)
         piece = PIECE_SIZE or manifest.piece_size
         for t in self.tiers:
             t.on_drop = functools.partial(self._dropped, t)
@@ -464,7 +507,16 @@ class TierChain:
                     if size > small and t.no_room(small + header) is None:
                         continue
                     t.stopped = why
-                    log.info("%s: %s; it takes no more pieces", t.name, why)
+                    if why == "full" or t.capacity is None:  # what it was given: as asked
+                        log.info("%s: %s; it takes no more pieces", t.name, why)
+                        if why == "full":
+                            _say_who_fills(t)
+                    else:  # short of its capacity: the user asked for room it does not have
+                        log.warning("%s: its file system is full with %s of the %s asked "
+                                    "of it; it takes no more pieces, reads go on (free "
+                                    "space there, or give it a capacity it can hold)",
+                                    t.name, format_size(t.used_bytes()),
+                                    format_size(t.capacity))
                     continue
                 if f is None:
                     f = create_fill(t.path(shard), self._sizes[shard], ext, shard,
@@ -668,8 +720,20 @@ class TierChain:
             if self._find(shard):
                 return "held"
             outcome = "full"
+            # fill_gaps counts each copy's bytes from 0: progress gets them summed over the
+            # shard's copies (one per tier), or a shard split over two tiers went backwards
+            # (stagefs stage said 2 MiB copied of 6)
+            before, last = 0, [0]
+
+            def each(n: int) -> None:
+                last[0] = n
+                if progress is not None:
+                    progress(before + n)
+
             for f, t in copies:
-                outcome = self._copy_rest(shard, f, t, progress, source or self.origin)
+                last[0] = 0
+                outcome = self._copy_rest(shard, f, t, each, source or self.origin)
+                before += last[0]
                 if outcome not in ("placed", "held", "full"):
                     break
             return outcome

@@ -158,7 +158,8 @@ class Room:
     of partial copies: a disk tier allocates each piece as it reserves it)."""
 
     def __init__(self, folder: str, root: str) -> None:
-        key = hashlib.sha1(os.path.abspath(root).encode()).hexdigest()[:16]
+        # by its real path: processes that name it by a symlink share its count
+        key = hashlib.sha1(os.path.realpath(root).encode()).hexdigest()[:16]
         self.path = os.path.join(folder, f"room-{key}")
         self.root = root
 
