@@ -46,7 +46,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from stagefs._fsutil import raise_fd_limit
-from stagefs.cluster.cmap import ClusterMap, load_runtime
+from stagefs.cluster.cmap import MAP_NAME, ClusterMap, check_runtime_access, load_runtime
 from stagefs.cluster.fabric import FabricHolder
 from stagefs.cluster.placement import SPARE, place
 from stagefs.cluster.world import runtime_default
@@ -317,9 +317,13 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
     path = os.path.abspath(os.fspath(runtime)) if runtime is not None else runtime_default()
     wait = timeout if timeout is not None else float(env("CONNECT_TIMEOUT", "0") or 0)
     deadline = time.monotonic() + wait
+    check_runtime_access(path)  # another user's: no map to wait for
     while True:
         try:
             cmap, token = load_runtime(path)
+            # the map of a daemon killed before the pack was made again, its daemon
+            # restarted on the new pack and about to write its own: waited for too
+            manifest = _manifest_of(cmap, path)
             break
         except ClusterError:
             if time.monotonic() >= deadline:
@@ -327,21 +331,36 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
             time.sleep(0.2)
     # a lease on the daemon's runtime, as stagefs.open's readers take: `stagefs clean` and
     # the daemon's --clean-on-exit keep the tier data while this process reads it
-    rt = Runtime(path).open()
     try:
-        return _connect(rt, cmap, token, verify)
+        rt = Runtime(path).open()
+    except BaseException:
+        manifest.close()
+        raise
+    try:
+        return _connect(rt, cmap, token, manifest, verify)
     except BaseException:
         rt.unregister()
         raise
 
 
-def _connect(rt: Runtime, cmap: ClusterMap, token: bytes, verify: bool) -> Store:
-    peer_timeout = float(env("PEER_TIMEOUT", "10") or 10)
+def _manifest_of(cmap: ClusterMap, runtime: str) -> Manifest:
+    """The pack's manifest, if it is the pack the map's daemon serves; else ClusterError."""
     manifest = Manifest(os.path.join(cmap.pack, MANIFEST_NAME))
     if manifest.pack_id.hex() != cmap.pack_id:
+        got = manifest.pack_id.hex()
         manifest.close()
-        raise ClusterError(f"{cmap.pack}: the pack changed since the daemons started "
-                           "(pack id differs); restart them")
+        raise ClusterError(
+            f"{cmap.pack}: the pack was made again since this node's daemon (pid "
+            f"{cmap.pid}) started: its map ({os.path.join(runtime, MAP_NAME)}) names pack "
+            f"{cmap.pack_id}, the pack is {got}; restart the daemons on it (a reader waits "
+            "for their new map up to connect(timeout=...) or $STAGEFS_CONNECT_TIMEOUT "
+            "seconds)")
+    return manifest
+
+
+def _connect(rt: Runtime, cmap: ClusterMap, token: bytes, manifest: Manifest,
+             verify: bool) -> Store:
+    peer_timeout = float(env("PEER_TIMEOUT", "10") or 10)
     try:
         origin = PackOrigin(cmap.pack, manifest, check_headers=not verify)
         holders = ClusterHolders(rt.path, cmap, token, manifest, origin, verify=verify,

@@ -15,7 +15,13 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from stagefs.cluster.cmap import MAP_NAME, ClusterMap, daemon_ended, load_runtime
+from stagefs.cluster.cmap import (
+    MAP_NAME,
+    ClusterMap,
+    check_runtime_access,
+    daemon_ended,
+    load_runtime,
+)
 from stagefs.cluster.world import runtime_default
 from stagefs.config import format_size
 from stagefs.errors import ClusterError
@@ -35,7 +41,11 @@ __all__ = ["checksum_failures", "cluster_status", "has_cluster", "print_cluster_
 
 
 def has_cluster(runtime: str | None) -> bool:
+    """Does a cluster daemon's map sit in ``runtime``? Raises ClusterError, naming the
+    directory's owner, for a directory this user cannot enter (its map could not be seen:
+    status went on to the single-node one and failed on a file in it)."""
     path = os.path.abspath(runtime) if runtime else runtime_default()
+    check_runtime_access(path)
     return os.path.exists(os.path.join(path, MAP_NAME))
 
 

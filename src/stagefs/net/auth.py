@@ -82,11 +82,27 @@ def job_token(job: str, secret_path: str) -> bytes:
     return hmac.new(secret, b"stagefs-v1 job " + job.encode(), hashlib.sha256).digest()
 
 
+def _unreadable(path: str, st: os.stat_result | None, what: str) -> str:
+    """Why this user cannot read the token file ``path`` (``st``: its stat, if that much
+    worked) and what to do: its own file made unreadable (chmod) is not another user's."""
+    if st is None:
+        return (f"{path}: this user (uid {os.getuid()}) cannot reach the {what} (a directory "
+                "on its way is not searchable): give a path this user can read")
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid == os.getuid():
+        return (f"{path}: the {what} is not readable by its owner (mode {mode:04o}): "
+                f"chmod 600 {path}")
+    return (f"{path}: the {what} belongs to another user (uid {st.st_uid}, mode {mode:04o}; "
+            f"this is uid {os.getuid()}): each user's jobs have their own; use yours, or "
+            "run as its owner")
+
+
 def read_token(path: str, missing: str = "no job token here; is the stagefs daemon "
                "running?", what: str = "job token") -> bytes:
     """Read a token file; refuse one that others can read. ``missing``: what to say if
     there is none (a reader's runtime: the daemon may not run; a daemon's --token-file);
     ``what``: what the file is, for the messages."""
+    st: os.stat_result | None = None
     try:
         st = os.stat(path)
         with open(path, "rb") as f:
@@ -94,7 +110,7 @@ def read_token(path: str, missing: str = "no job token here; is the stagefs daem
     except FileNotFoundError:
         raise ClusterError(f"{path}: {missing}") from None
     except PermissionError:
-        raise ClusterError(f"{path}: the {what} belongs to another user") from None
+        raise ClusterError(_unreadable(path, st, what)) from None
     except OSError as exc:  # a directory, an I/O error: not a file to read a token from
         raise ClusterError(f"{path}: cannot read the {what} from it ({exc.strerror}): it "
                            "must be a file of its own") from None
