@@ -143,6 +143,49 @@ def test_writes_under_the_path_fail_with_erofs(store: stagefs.Store, tmp_path: P
         assert (at / "a.txt").read_bytes()  # reading still works
 
 
+def test_copytree_keeps_symlinks_and_links_may_point_in(tree: Any, store: stagefs.Store,
+                                                        tmp_path: Path) -> None:
+    """shutil asks os.supports_follow_symlinks before it passes follow_symlinks=False (a
+    replacement missing from it made copystat of a symlink fail on None), and a symlink's
+    target is text, not a path it writes to."""
+    import shutil
+
+    at = tmp_path / "data"
+    with stagefs.intercept(store, at=at):
+        shutil.copytree(at, tmp_path / "copy", symlinks=True)
+        os.symlink(at / "a.txt", tmp_path / "to-a")
+        assert os.readlink(tmp_path / "to-a") == str(at / "a.txt")
+        with pytest.raises(OSError) as info:
+            os.symlink(tmp_path / "x", at / "l")
+        assert info.value.errno == errno.EROFS
+    left = os.supports_dir_fd | os.supports_fd | os.supports_follow_symlinks
+    assert not [f for f in left if f.__module__ == "stagefs.posix.intercept"]  # all undone
+    assert os.readlink(tmp_path / "copy" / "link_dir") == "img"
+    assert (tmp_path / "copy" / "a.txt").read_bytes() == (tree[0] / "a.txt").read_bytes()
+
+
+def test_names_relative_to_a_dir_fd_are_not_judged_by_the_cwd(store: stagefs.Store,
+                                                              tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """shutil.rmtree of a tree elsewhere, from a current directory inside the intercepted
+    path, unlinks names relative to a directory descriptor: they are not under the path."""
+    import shutil
+
+    at = tmp_path / "data"
+    at.mkdir()  # on disk, so that the current directory can be in it
+    (tmp_path / "scratch" / "img").mkdir(parents=True)
+    (tmp_path / "scratch" / "img" / "cat.jpg").write_bytes(b"x")
+    (tmp_path / "scratch" / "a.txt").write_bytes(b"x")
+    monkeypatch.chdir(at)
+    with stagefs.intercept(store, at=at):
+        shutil.rmtree(tmp_path / "scratch")
+        with pytest.raises(OSError) as info:
+            os.unlink("a.txt")
+        assert info.value.errno == errno.EROFS
+    assert not (tmp_path / "scratch").exists()
+
+
 def test_paths_outside_are_untouched(store: stagefs.Store, tmp_path: Path) -> None:
     at = tmp_path / "data"
     near = tmp_path / "data2"  # shares a prefix with `at` but is another directory

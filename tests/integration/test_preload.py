@@ -439,6 +439,32 @@ def test_a_relative_path_from_above_enters_the_tree(packed: tuple[Path, Path],
     assert got.decode() == a.decode() + listing + f"{md5}  -\n" + a.decode()
 
 
+def test_a_real_symlink_into_the_tree_is_followed(packed: tuple[Path, Path],
+                                                  tmp_path: Path) -> None:
+    """~/data -> /lustre/me/imagenet with --at /lustre/me/imagenet (not on disk): paths
+    through the link, absolute, relative or a link to a file, are served as the kernel
+    would resolve them, by C programs and Python alike."""
+    src, pack = packed
+    at = tmp_path / "imagenet"  # does not exist on disk
+    (tmp_path / "home").mkdir()
+    os.symlink(at, tmp_path / "home" / "data")
+    os.symlink(at / "img" / "cat.jpg", tmp_path / "home" / "cat")
+    os.symlink("home/data/img", tmp_path / "rel")  # relative, through the other link
+    md5 = hashlib.md5((src / "data/rand.bin").read_bytes()).hexdigest()
+    script = (f"cd '{tmp_path}/home' && md5sum data/data/rand.bin && cat cat | wc -c && "
+              f"ls data/img/ && stat -L -c %s ../rel/dog.jpg && cd data/data && "
+              f"md5sum rand.bin && readlink -f '{tmp_path}/rel/up' && "
+              f"{sys.executable} -c 'import os; print(sorted(os.listdir(\"{tmp_path}/rel\")))'"
+              f" && cat '{tmp_path}/home/data/nope'")
+    got = run(pack, at, "sh", "-c", script, ok=False)
+    img = sorted(os.listdir(src / "img"))
+    assert got.stdout.decode().splitlines() == [
+        f"{md5}  data/data/rand.bin", str((src / "img/cat.jpg").stat().st_size), *img,
+        str((src / "img/dog.jpg").stat().st_size), f"{md5}  rand.bin",
+        str(at / "data/arr.npy"), str(img)], got.stderr.decode()
+    assert got.returncode != 0 and b"No such file or directory" in got.stderr
+
+
 def _tier_copy(tier: Path, pack: Path, rel: str) -> tuple[Path, int]:
     """The tier's copy of the shard holding ``rel``, and the file's offset in it."""
     with stagefs.open(pack) as fs:

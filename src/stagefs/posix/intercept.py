@@ -3,7 +3,7 @@
 ``with stagefs.intercept(store, at="/lustre/imagenet"): ...`` replaces, for its duration,
 the functions Python code reads files with (``builtins.open``/``io.open``, ``os.stat``,
 ``os.lstat``, ``os.listdir``, ``os.scandir``, ``os.readlink``, ``os.access``, ``os.open``,
-``os.path.exists``/``lexists``/``isfile``/``isdir``/``islink``/``getsize``/``getmtime``) by
+``os.listxattr``/``os.getxattr`` (none, as the preload library answers), ``os.path.exists``/``lexists``/``isfile``/``isdir``/``islink``/``getsize``/``getmtime``) by
 wrappers that serve every path under ``at`` from the store and pass every other path to the
 function they replaced, untouched. ``os.walk``, ``glob``, ``pathlib.Path`` (open, stat,
 iterdir, glob, rglob, read_bytes, read_text, exists, is_file, is_dir), ``PIL.Image.open``
@@ -204,6 +204,7 @@ class Interceptor:
         self.root = root
         self._cut = len(root) + 1
         self._saved: list[tuple[Any, str, Any]] = []
+        self._supports: list[tuple[set[Any], Any]] = []
         self._active = False
 
     # -- which paths are ours ---------------------------------------------------------------
@@ -364,6 +365,22 @@ class Interceptor:
                               "intercepted path is not supported (use os.scandir)", path)
             return _memfd(store.read_entry(e, r), r)
 
+        def listxattr(path: Any = None, *, follow_symlinks: bool = True) -> Any:
+            r = None if path is None else rel(path)
+            if r is None:
+                return o["listxattr"](path, follow_symlinks=follow_symlinks)
+            try:  # a file system without extended attributes, as the library's
+                ns.stat(r) if follow_symlinks else ns.lstat(r)
+            except OSError as exc:
+                raise _fix(exc, path) from None
+            return []
+
+        def getxattr(path: Any, attribute: Any, *, follow_symlinks: bool = True) -> Any:
+            if rel(path) is None:
+                return o["getxattr"](path, attribute, follow_symlinks=follow_symlinks)
+            listxattr(path, follow_symlinks=follow_symlinks)
+            raise OSError(errno.ENOTSUP, os.strerror(errno.ENOTSUP), path)
+
         def exists(path: Any) -> bool:
             r = rel(path)
             return bool(o["exists"](path)) if r is None else bool(ns.exists(r))
@@ -405,11 +422,21 @@ class Interceptor:
                 return float(o["getmtime"](path))
             return float(stat(path).st_mtime)
 
-        def refuse(key: str, nargs: int = 1) -> Callable[..., Any]:
+        def refuse(key: str, *paths: tuple[int, str]) -> Callable[..., Any]:
+            """``paths``: (position, its ``dir_fd`` keyword) of each path argument. A
+            relative path with a ``dir_fd`` is not relative to the current directory (the
+            library, when loaded, judges it; ``shutil.rmtree`` of a tree elsewhere, run from
+            inside ``at``, unlinks such names)."""
             orig = o[key]
 
             def wrapper(*args: Any, **kw: Any) -> Any:
-                for a in args[:nargs]:
+                for i, fd_kw in paths:
+                    if i >= len(args):
+                        continue
+                    a = args[i]
+                    if kw.get(fd_kw) is not None and isinstance(a, (str, bytes, os.PathLike)) \
+                            and os.fspath(a)[:1] not in ("/", b"/"):
+                        continue
                     if rel(a) is not None:
                         raise _rofs(a)
                 return orig(*args, **kw)
@@ -423,12 +450,15 @@ class Interceptor:
             "scandir": scandir, "readlink": readlink, "access": access, "os_open": open_fd,
             "exists": exists, "lexists": lexists, "isfile": isfile, "isdir": isdir,
             "islink": islink, "getsize": getsize, "getmtime": getmtime,
+            "listxattr": listxattr, "getxattr": getxattr,
         }
         for key in ("mkdir", "rmdir", "unlink", "remove", "chmod", "chown", "utime",
-                    "truncate", "mkfifo", "mknod"):
-            new[key] = refuse(key)
-        for key in ("rename", "replace", "link", "symlink"):
-            new[key] = refuse(key, 2)
+                    "truncate", "mkfifo", "mknod", "setxattr", "removexattr"):
+            new[key] = refuse(key, (0, "dir_fd"))
+        for key in ("rename", "replace", "link"):
+            new[key] = refuse(key, (0, "src_dir_fd"), (1, "dst_dir_fd"))
+        # a symlink's target is text stored in the link, not a path it touches
+        new["symlink"] = refuse("symlink", (1, "dir_fd"))
         for key, fn in new.items():
             with contextlib.suppress(AttributeError, TypeError):
                 fn.__name__ = getattr(o[key], "__name__", key)
@@ -443,7 +473,8 @@ class Interceptor:
         t += [(os, a, a) for a in ("stat", "lstat", "listdir", "scandir", "readlink", "access",
                                    "mkdir", "rmdir", "unlink", "remove", "chmod", "chown",
                                    "utime", "truncate", "mkfifo", "mknod", "rename", "replace",
-                                   "link", "symlink")]
+                                   "link", "symlink", "listxattr", "getxattr", "setxattr",
+                                   "removexattr")]
         t.append((os, "open", "os_open"))
         t += [(posixpath, a, a) for a in ("exists", "lexists", "isfile", "isdir", "islink",
                                           "getsize", "getmtime")]
@@ -459,6 +490,7 @@ class Interceptor:
             self._saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in targets]
             for mod, attr, key in targets:
                 setattr(mod, attr, new[key])
+            self._supports = _declare_support(originals, new)
             self._active = True
             _stack.append(self)
 
@@ -471,7 +503,9 @@ class Interceptor:
                                    "their start")
             for mod, attr, fn in reversed(self._saved):
                 setattr(mod, attr, fn)
-            self._saved = []
+            for group, fn in self._supports:
+                group.discard(fn)
+            self._saved, self._supports = [], []
             self._active = False
             _stack.pop()
 
@@ -482,6 +516,22 @@ class Interceptor:
     def __repr__(self) -> str:
         state = "active" if self._active else "inactive"
         return f"<stagefs.Interceptor {self.root!r} → {self.store!r} ({state})>"
+
+
+def _declare_support(originals: dict[str, Any], new: dict[str, Any]) -> list[tuple[set[Any],
+                                                                                 Any]]:
+    """Put each replacement in the ``os.supports_*`` sets its original is in (it takes the
+    same ``dir_fd``, ``follow_symlinks``, descriptor and ``effective_ids`` arguments): the
+    standard library asks them before it passes one (``shutil.copystat`` of a symlink got
+    ``None`` for ``os.stat`` and failed ``copytree(symlinks=True)``). Returns what to undo."""
+    added = []
+    for group in (os.supports_dir_fd, os.supports_fd, os.supports_follow_symlinks,
+                  os.supports_effective_ids):
+        for key, fn in new.items():
+            if originals[key] in group and fn not in group:
+                group.add(fn)
+                added.append((group, fn))
+    return added
 
 
 # programs that are not Python but commonly start it: their Python children are served

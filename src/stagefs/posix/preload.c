@@ -580,6 +580,76 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
     walk(r, abs, -1, follow);  /* a real result is an absolute path: the real cwd is empty */
 }
 
+/* A path the kernel did not find (ENOENT) may still lead into the tree through a real
+ * symlink outside it: ~/data -> /lustre/me/imagenet with --at /lustre/me/imagenet, which
+ * need not exist on disk, so the kernel finds nothing behind the link. Resolve the path's
+ * real symlinks as the kernel does (a readlink per component, ".." after a link from its
+ * target), and if that reaches the root, resolve the rest in the tree: r becomes staged (or
+ * the tree's error) and 1 is returned. Paid only after a real call failed with ENOENT;
+ * otherwise errno is left as it was. */
+static int via_link(Res *r, int dirfd, int follow) {
+    if (errno != ENOENT || !D.active || r->kind != R_REAL || !r->path || !r->path[0]) return 0;
+    char todo[PATH_MAX], done[PATH_MAX], next[PATH_MAX], target[PATH_MAX];
+    size_t pl = strlen(r->path), bl = 0;
+    if (r->path[0] != '/') {  /* relative to a real directory: its path first */
+        if (dirfd == AT_FDCWD) {
+            if (!real_getcwd(todo, sizeof todo)) goto no;
+        } else {
+            char link[32];
+            snprintf(link, sizeof link, "/proc/self/fd/%d", dirfd);
+            ssize_t dl = real_readlinkat(AT_FDCWD, link, todo, sizeof todo - 1);
+            if (dl <= 0 || todo[0] != '/') goto no;
+            todo[dl] = 0;
+        }
+        bl = strlen(todo);
+        if (bl + 1 + pl + 1 > sizeof todo) goto no;
+        todo[bl++] = '/';
+    }
+    if (bl + pl + 1 > sizeof todo) goto no;
+    memcpy(todo + bl, r->path, pl + 1);
+    size_t dn = 0;
+    done[0] = 0;
+    int links = 0;
+    const char *s = todo;
+    for (;;) {
+        while (*s == '/') s++;
+        if (!*s) goto no;
+        const char *c = s;
+        while (*s && *s != '/') s++;
+        size_t cl = (size_t)(s - c);
+        if (cl == 1 && c[0] == '.') continue;
+        if (cl == 2 && c[0] == '.' && c[1] == '.') { pop(done, &dn); continue; }
+        if (push(done, &dn, c, cl) < 0) goto no;
+        if (starts_root(done, dn)) {  /* in the tree: the rest is the tree's to resolve */
+            if (dn + strlen(s) + 1 > sizeof next) goto no;
+            memcpy(next, done, dn);
+            memcpy(next + dn, s, strlen(s) + 1);
+            Res in;
+            walk(&in, next, -1, follow);
+            if (in.kind == R_REAL) goto no;
+            r->kind = in.kind; r->err = in.err; r->e = in.e; r->entered = 1;
+            return 1;
+        }
+        const char *t = s;
+        while (*t == '/') t++;
+        if (!*t && !*s && !follow) goto no;  /* the last name, not followed */
+        ssize_t n = real_readlinkat(AT_FDCWD, done, target, sizeof target - 1);
+        /* not a link; or not on disk, as the root's parents need not be (lexical from here) */
+        if (n < 0) { if (errno == EINVAL || errno == ENOENT) continue; goto no; }
+        if (++links > MAX_LINKS || n == 0) goto no;
+        target[n] = 0;
+        if (target[0] == '/') { dn = 0; done[0] = 0; } else pop(done, &dn);
+        if ((size_t)n + strlen(s) + 1 > sizeof next) goto no;
+        memcpy(next, target, (size_t)n);
+        memcpy(next + n, s, strlen(s) + 1);  /* s is empty or starts with '/' */
+        memcpy(todo, next, strlen(next) + 1);
+        s = todo;
+    }
+no:
+    errno = ENOENT;
+    return 0;
+}
+
 /* The absolute path of entry e under the root. */
 static int entry_path(uint32_t e, char *out, size_t size) {
     size_t pl;
@@ -1186,7 +1256,7 @@ static int do_openat(int dirfd, const char *path, int flags, mode_t mode) {
     if (r.kind == R_REAL) {
         int fd = real_openat(dirfd, r.path, flags, mode);
         clear_row(fd);
-        return fd;
+        if (fd >= 0 || !via_link(&r, dirfd, !(flags & O_NOFOLLOW))) return fd;
     }
     if ((flags & WRITE_FLAGS) || (flags & O_TMPFILE) == O_TMPFILE) { errno = EROFS; return -1; }
     if (r.kind == R_ERR) { errno = r.err; return -1; }
@@ -1442,7 +1512,10 @@ static int do_fstatat(int dirfd, const char *path, struct stat *st, int flags) {
     }
     Res r;
     resolve(&r, dirfd, path, !(flags & AT_SYMLINK_NOFOLLOW));
-    if (r.kind == R_REAL) return real_fstatat(dirfd, r.path, st, flags);
+    if (r.kind == R_REAL) {
+        int rc = real_fstatat(dirfd, r.path, st, flags);
+        if (rc == 0 || !via_link(&r, dirfd, !(flags & AT_SYMLINK_NOFOLLOW))) return rc;
+    }
     if (r.kind == R_ERR) { errno = r.err; return -1; }
     fill_stat(r.e, st);
     return 0;
@@ -1482,7 +1555,10 @@ API int statx(int dirfd, const char *path, int flags, unsigned mask, struct stat
     }
     Res r;
     resolve(&r, dirfd, path, !(flags & AT_SYMLINK_NOFOLLOW));
-    if (r.kind == R_REAL) return real_statx(dirfd, r.path, flags, mask, sx);
+    if (r.kind == R_REAL) {
+        int rc = real_statx(dirfd, r.path, flags, mask, sx);
+        if (rc == 0 || !via_link(&r, dirfd, !(flags & AT_SYMLINK_NOFOLLOW))) return rc;
+    }
     if (r.kind == R_ERR) { errno = r.err; return -1; }
     fill_statx(r.e, sx);
     return 0;
@@ -1492,7 +1568,10 @@ static int do_access(int dirfd, const char *path, int mode, int flags) {
     INIT();
     Res r;
     resolve(&r, dirfd, path, !(flags & AT_SYMLINK_NOFOLLOW));
-    if (r.kind == R_REAL) return real_faccessat(dirfd, r.path, mode, flags);
+    if (r.kind == R_REAL) {
+        int rc = real_faccessat(dirfd, r.path, mode, flags);
+        if (rc == 0 || !via_link(&r, dirfd, !(flags & AT_SYMLINK_NOFOLLOW))) return rc;
+    }
     if (r.kind == R_ERR) { errno = r.err; return -1; }
     if (mode & W_OK) { errno = EROFS; return -1; }
     if ((mode & X_OK) && !(D.mode[r.e] & 0111)) { errno = EACCES; return -1; }
@@ -1509,7 +1588,10 @@ API ssize_t readlinkat(int dirfd, const char *path, char *buf, size_t size) {
     INIT();
     Res r;
     resolve(&r, dirfd, path, 0);
-    if (r.kind == R_REAL) return real_readlinkat(dirfd, r.path, buf, size);
+    if (r.kind == R_REAL) {
+        ssize_t n = real_readlinkat(dirfd, r.path, buf, size);
+        if (n >= 0 || !via_link(&r, dirfd, 0)) return n;
+    }
     if (r.kind == R_ERR) { errno = r.err; return -1; }
     if (D.kind[r.e] != K_LINK) { errno = EINVAL; return -1; }
     uint64_t off = D.offset[r.e], len = D.stored[r.e];
@@ -1527,7 +1609,10 @@ API char *realpath(const char *path, char *out) {
     Res r;
     if (!path) { errno = EINVAL; return NULL; }
     resolve(&r, AT_FDCWD, path, 1);
-    if (r.kind == R_REAL) return real_realpath(r.path, out);
+    if (r.kind == R_REAL) {
+        char *got = real_realpath(r.path, out);
+        if (got || !via_link(&r, AT_FDCWD, 1)) return got;
+    }
     if (r.kind == R_ERR) { errno = r.err; return NULL; }
     char tmp[PATH_MAX];
     if (entry_path(r.e, tmp, sizeof tmp) != 0) { errno = ENAMETOOLONG; return NULL; }
@@ -1589,6 +1674,10 @@ API int chdir(const char *path) {
     if (r.kind == R_ERR) { errno = r.err; return -1; }
     if (r.kind == R_STAGED) return enter(r.e);
     int rc = real_chdir(r.path);
+    if (rc != 0 && via_link(&r, AT_FDCWD, 1)) {
+        if (r.kind == R_ERR) { errno = r.err; return -1; }
+        return enter(r.e);
+    }
     if (rc == 0 && D.active) leave();
     return rc;
 }
@@ -1657,7 +1746,10 @@ API DIR *opendir(const char *path) {
     INIT();
     Res r;
     resolve(&r, AT_FDCWD, path, 1);
-    if (r.kind == R_REAL) return real_opendir(r.path);
+    if (r.kind == R_REAL) {
+        DIR *d = real_opendir(r.path);
+        if (d || !via_link(&r, AT_FDCWD, 1)) return d;
+    }
     if (r.kind == R_ERR) { errno = r.err; return NULL; }
     if (D.kind[r.e] != K_DIR) { errno = ENOTDIR; return NULL; }
     int fd = open_entry(r.e, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -1779,7 +1871,10 @@ static FILE *do_fopen(const char *path, const char *mode) {
     INIT();
     Res r;
     resolve(&r, AT_FDCWD, path, 1);
-    if (r.kind == R_REAL) return real_fopen(r.path, mode);
+    if (r.kind == R_REAL) {
+        FILE *f = real_fopen(r.path, mode);
+        if (f || !via_link(&r, AT_FDCWD, 1)) return f;
+    }
     if (wants_write(mode)) { errno = EROFS; return NULL; }
     if (r.kind == R_ERR) { errno = r.err; return NULL; }
     int fd = open_entry(r.e, strchr(mode, 'e') ? O_RDONLY | O_CLOEXEC : O_RDONLY);
@@ -1834,17 +1929,26 @@ static ssize_t no_xattr(Res *r, const char *path, int follow, int list) {
     errno = ENOTSUP;
     return -1;
 }
+/* The real call's answer, unless it did not find a path that a real symlink leads into the
+ * tree (via_link): then the tree's. */
+static ssize_t real_xattr(Res *r, ssize_t rc, int follow, int list) {
+    if (rc >= 0 || !via_link(r, AT_FDCWD, follow)) return rc;
+    if (r->kind == R_ERR) { errno = r->err; return -1; }
+    if (list) return 0;
+    errno = ENOTSUP;
+    return -1;
+}
 API ssize_t getxattr(const char *p, const char *n, void *v, size_t s) {
-    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 1, 0); return rc == -2 ? real_getxattr(r.path, n, v, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 1, 0); return rc == -2 ? real_xattr(&r, real_getxattr(r.path, n, v, s), 1, 0) : rc;
 }
 API ssize_t lgetxattr(const char *p, const char *n, void *v, size_t s) {
-    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 0, 0); return rc == -2 ? real_lgetxattr(r.path, n, v, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 0, 0); return rc == -2 ? real_xattr(&r, real_lgetxattr(r.path, n, v, s), 0, 0) : rc;
 }
 API ssize_t listxattr(const char *p, char *l, size_t s) {
-    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 1, 1); return rc == -2 ? real_listxattr(r.path, l, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 1, 1); return rc == -2 ? real_xattr(&r, real_listxattr(r.path, l, s), 1, 1) : rc;
 }
 API ssize_t llistxattr(const char *p, char *l, size_t s) {
-    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 0, 1); return rc == -2 ? real_llistxattr(r.path, l, s) : rc;
+    INIT(); Res r; ssize_t rc = no_xattr(&r, p, 0, 1); return rc == -2 ? real_xattr(&r, real_llistxattr(r.path, l, s), 0, 1) : rc;
 }
 API ssize_t fgetxattr(int fd, const char *n, void *v, size_t s) {
     INIT(); Row r; if (get_row(fd, &r)) { errno = ENOTSUP; return -1; } return real_fgetxattr(fd, n, v, s);
