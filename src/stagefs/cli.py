@@ -241,6 +241,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
     # a non-empty mount point (or a bad one) is refused before the dataset is opened
     fuse.check_mountpoint(args.mountpoint, nonempty=args.force_nonempty)
+    cannot = fuse.fuse_available()  # (no /dev/fuse for this user: say so, and what works)
+    if cannot:
+        raise ConfigError(cannot)
     if args.foreground:
         with _open_dataset(args.dataset, args.tier, args.connect, args.runtime) as store:
             fuse.mount(store, args.mountpoint, allow_other=args.allow_other,
@@ -393,6 +396,27 @@ def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser; one whose ``intermixed`` is set takes its positionals before,
+    between and after its options (``stagefs mount PACK --tier T MNT``). Plain argparse
+    gives a command with an optional positional first (``[dataset] mountpoint``) every
+    positional it has at the first one, and then called the mount point an unrecognized
+    argument."""
+
+    intermixed = False
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        if not self.intermixed:
+            return super().parse_known_args(args, namespace)
+        self.intermixed = False  # parse_known_intermixed_args calls back here, twice
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self.intermixed = True
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stagefs", formatter_class=Formatter, epilog=epilog(None),
@@ -400,7 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"stagefs {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log what stagefs does")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=_CommandParser)
 
     def add(name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=textwrap.fill(help, 88),
@@ -480,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("mount", cmd_mount, "mount a dataset read-only with FUSE (any program can read it)")
     sp.add_argument("dataset", nargs="?", help="the pack (or origin) to serve")
     sp.add_argument("mountpoint", help="an existing, empty directory")
+    sp.intermixed = True  # type: ignore[attr-defined]  # stagefs mount PACK --tier T MNT
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
                     help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",

@@ -77,7 +77,10 @@ _CAP_NO_OPEN_SUPPORT = 1 << 17
 _CAP_CACHE_SYMLINKS = 1 << 23
 MAX_READ = 1 << 20  # bytes per read request (the kernel's default is 128 KiB)
 MAX_BACKGROUND = 64  # read requests (read-ahead) the kernel keeps in flight (default 12)
-_RECENT_FILES = 64  # small files kept whole (at most 4 MiB each) while the kernel reads them
+_RECENT_FILES = 64  # files read whole kept while the kernel reads them (Whole)
+# bytes of them kept: a compressed file of any size is read whole (its stored bytes are not
+# its content), and 64 of them kept held 64 files' worth (826 MB for 24 arrays of 32 MB)
+_RECENT_BYTES = 256 << 20
 _OPEN_READERS = 16  # large files whose last pieces read are kept (Pieces)
 # bytes of pieces kept per large file (at least two pieces): the kernel's READs of it come
 # unaligned and out of order, up to a few MiB apart (4 MiB kept still read pieces again)
@@ -100,8 +103,15 @@ def _binding() -> Any:
 
 def fuse_available() -> str | None:
     """None if a mount can work here, else the reason it cannot."""
+    instead = ("use 'stagefs run --dataset D --at PATH -- CMD' (no FUSE, no root) or the "
+               "Python API instead")
     if not os.path.exists("/dev/fuse"):
-        return "/dev/fuse is missing (FUSE is not available on this machine)"
+        return f"/dev/fuse is missing (FUSE is not available on this machine): {instead}"
+    try:  # libfuse opens it itself and gives up when it cannot (no fusermount3 fallback)
+        os.close(os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC))
+    except OSError as exc:
+        return (f"/dev/fuse cannot be opened by this user ({exc.strerror}): 'stagefs mount' "
+                f"cannot work on this node; {instead}")
     try:
         _binding()
     except ConfigError as exc:
@@ -141,22 +151,38 @@ def _unescape(field: bytes) -> bytes:
     return bytes(out)
 
 
-def _mount_at(mountpoint: str) -> tuple[str, str, str] | None:
-    """The file system mounted at ``mountpoint`` (the topmost), per /proc/self/mountinfo,
-    which asks no file system: its ``major:minor`` (its BDI's name in /sys/class/bdi), its
-    type (``fuse.stagefs`` for a stagefs mount) and its source; or None."""
-    want = os.fsencode(mountpoint)
-    found = None
+def _mounts() -> Iterator[tuple[bytes, str, str, str]]:
+    """Every mount, per /proc/self/mountinfo, which asks no file system, in mount order:
+    its mount point, its ``major:minor`` (its BDI's name in /sys/class/bdi), its type
+    (``fuse.stagefs`` for a stagefs mount) and its source."""
     with open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             fields = line.rstrip(b"\n").split(b" ")
-            if _unescape(fields[4]) != want:
-                continue
             rest = fields[fields.index(b"-", 6) + 1 :] if b"-" in fields[6:] else []
             fstype = rest[0].decode(errors="replace") if rest else ""
             source = os.fsdecode(_unescape(rest[1])) if len(rest) > 1 else ""
-            found = (fields[2].decode(), fstype, source)
+            yield _unescape(fields[4]), fields[2].decode(), fstype, source
+
+
+def _mount_at(mountpoint: str) -> tuple[str, str, str] | None:
+    """The file system mounted at ``mountpoint`` (the topmost): its ``major:minor``, its
+    type and its source (``_mounts``); or None."""
+    want = os.fsencode(mountpoint)
+    found = None
+    for at, dev, fstype, source in _mounts():
+        if at == want:
+            found = (dev, fstype, source)
     return found
+
+
+def _mounts_under(mountpoint: str) -> list[str]:
+    """The mount points inside ``mountpoint`` (which keep it busy: ``umount`` of it fails
+    while one is there, whatever no program uses it)."""
+    inside = os.fsencode(mountpoint.rstrip("/") + "/")
+    try:
+        return [os.fsdecode(at) for at, *_ in _mounts() if at.startswith(inside)]
+    except OSError:
+        return []
 
 
 def _mount_device(mountpoint: str) -> str | None:
@@ -447,12 +473,31 @@ class Whole:
     from this process's memory; the READ from the start that the first read served is not
     (it may come second, after a READ further on started the read). Before, each READ
     that found the file not kept yet read and counted it: a cold read of a file of 1-4 MiB
-    was two samples and twice its bytes."""
+    was two samples and twice its bytes.
 
-    def __init__(self, store: Any, served: Served, keep: int = _RECENT_FILES) -> None:
-        self.store, self.served, self.keep = store, served, keep
+    At most ``keep`` files and ``keep_bytes`` bytes are kept, but always the file read
+    last: a compressed file is read whole whatever its size, and a byte bound keeps a
+    dataset of large compressed arrays from holding 64 of them in this process (the one
+    being read stays, or each of its READs would read it whole again)."""
+
+    def __init__(self, store: Any, served: Served, keep: int = _RECENT_FILES,
+                 keep_bytes: int = _RECENT_BYTES) -> None:
+        self.store, self.served, self.keep, self.keep_bytes = store, served, keep, keep_bytes
         self._files: dict[int, _Kept] = {}  # most recent last
+        self._bytes = 0  # of the files kept that were read
         self._lock = threading.Lock()
+
+    def _trim(self) -> None:
+        """Drop the oldest files read (not one being read, not the last one) while more
+        than ``keep`` files or ``keep_bytes`` bytes are kept; under the lock."""
+        while len(self._files) > 1 and (len(self._files) > self.keep
+                                        or self._bytes > self.keep_bytes):
+            old = next((x for x, v in itertools.islice(self._files.items(),
+                                                        len(self._files) - 1)
+                        if v.data.done()), None)
+            if old is None:
+                break
+            self._bytes -= self._files.pop(old).size
 
     def read(self, e: int, path: str, start: bool) -> bytes:
         """File ``e``'s bytes for a READ (``start``: one from the start of the file)."""
@@ -464,11 +509,7 @@ class Whole:
             again = start and k.started  # a read from the start served before
             k.started |= start
             self._files[e] = k
-            while len(self._files) > self.keep:  # the oldest read (not one being read)
-                old = next((x for x, v in self._files.items() if v.data.done()), None)
-                if old is None:
-                    break
-                del self._files[old]
+            self._trim()
         if not mine:
             kept = k.data.result()  # another READ's read of it, or its error
             if again:
@@ -482,7 +523,13 @@ class Whole:
                     del self._files[e]
             k.data.set_exception(exc)
             raise
+        with self._lock:
+            if self._files.get(e) is k:
+                k.size = len(data)
+                self._bytes += k.size
         k.data.set_result(data)
+        with self._lock:
+            self._trim()
         return data
 
 
@@ -547,10 +594,11 @@ class Pieces:
 
 
 class _Kept:
-    __slots__ = ("data", "started")
+    __slots__ = ("data", "size", "started")
 
     def __init__(self) -> None:
         self.data: Future[bytes] = Future()
+        self.size = 0  # its bytes, once read (counted in Whole's bytes kept)
         self.started = False  # a READ from the start of the file was served
 
 
@@ -904,6 +952,15 @@ def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> No
         while is_mounted(mp) and time.monotonic() < deadline:
             time.sleep(0.05)
     if is_mounted(mp):
+        under = _mounts_under(os.path.realpath(mp))
+        if under and (error is None or "busy" in error.lower()):
+            raise ConfigError(
+                f"could not unmount {mp}: it is busy: {len(under)} file system"
+                f"{'s are' if len(under) > 1 else ' is'} mounted inside it "
+                f"({', '.join(under[:3])}{', ...' if len(under) > 3 else ''}): unmount "
+                f"{'them' if len(under) > 1 else 'it'} first ('stagefs umount {under[-1]}' "
+                "for a stagefs mount, else umount), or 'stagefs umount --lazy "
+                f"{mp}' to detach them all now")
         if error is None or "busy" in error.lower():
             users = _users_of(mp)
             who = (f"in use by {', '.join(users[:5])}{', ...' if len(users) > 5 else ''}"

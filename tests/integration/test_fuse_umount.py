@@ -1,0 +1,53 @@
+"""``stagefs umount`` of a mount that another mount sits inside: busy, though no program
+uses it; the error names the mount inside (it said "in use" and told the user to end
+programs that do not exist)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import stagefs
+from stagefs.posix.fuse import fuse_available, is_mounted
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(fuse_available() is not None, reason=str(fuse_available())),
+]
+
+
+def _stagefs(*args: str, tmp: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stagefs.cli", *args], capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env={**os.environ, "TMPDIR": str(tmp)})
+
+
+def test_umount_of_a_mount_with_a_mount_inside_names_it(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "empty").mkdir(parents=True)
+    (src / "a.txt").write_bytes(b"a" * 100)
+    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    outer, inner = tmp_path / "mnt", tmp_path / "mnt" / "empty"
+    outer.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        assert _stagefs("mount", str(tmp_path / "pack"), str(outer), tmp=logs).returncode == 0
+        assert _stagefs("mount", str(tmp_path / "pack"), str(inner), tmp=logs).returncode == 0
+        r = _stagefs("umount", str(outer), tmp=logs)
+        assert r.returncode == 1
+        assert f"mounted inside it ({inner})" in r.stderr, r.stderr
+        assert f"stagefs umount {inner}" in r.stderr
+        assert is_mounted(str(outer))
+        assert _stagefs("umount", str(inner), tmp=logs).returncode == 0
+        r = _stagefs("umount", str(outer), tmp=logs)
+        assert r.returncode == 0, r.stderr
+    finally:
+        for mp in (inner, outer):
+            if is_mounted(str(mp)):
+                subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False, timeout=60)
+    assert not is_mounted(str(outer))
