@@ -11,6 +11,10 @@ Readers see the old file or the new one, never a mix (the rename is atomic).
 Shard copies into tiers are not written here: they are filled piece by piece by several
 processes under a fill map and renamed by their own protocol (tiers/fill.py).
 
+``user_name`` and ``unreachable`` say whose a path is and which directory keeps this user
+out of it: on a node shared by several users, "no such file" for a dataset another user
+keeps private (or a tier copy of theirs) sends the user looking for a typo.
+
 ``worker_pool`` is a process pool whose workers end with the process that made it, so
 that a command killed with SIGKILL (``kill -9``, the OOM killer, ``scancel``) leaves none of
 them behind.
@@ -24,16 +28,19 @@ import concurrent.futures as cf
 import contextlib
 import ctypes
 import os
+import pwd
 import resource
 import secrets
 import signal
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "worker_pool"]
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "unreachable", "user_name",
+           "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -85,6 +92,47 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
             os.unlink(partial)
         raise
     return True
+
+
+def login(uid: int) -> str:
+    """The login name of ``uid`` (its number where it has none on this node): from the
+    user database, not ``$USER``, which ``su``, ``sudo`` or a container may leave set to
+    another user's."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def user_name(uid: int) -> str:
+    """``alice (uid 1002)``, or ``uid 1002`` for a uid with no name on this node."""
+    name = login(uid)
+    return f"uid {uid}" if name == str(uid) else f"{name} (uid {uid})"
+
+
+def unreachable(path: str | os.PathLike[str]) -> str | None:
+    """Why this user cannot reach ``path`` for reading: the first directory on its way (or
+    ``path`` itself) that it may not search or read, with its owner and mode; None if
+    nothing in the way is closed to it (or what is missing is simply not there)."""
+    full = os.path.abspath(os.fspath(path))
+    parts = full.strip("/").split("/")
+    here = "/"
+    for i, name in enumerate(["", *parts]):
+        here = os.path.join(here, name) if name else here
+        last = i == len(parts)
+        try:
+            s = os.stat(here)
+        except FileNotFoundError:
+            return None
+        except PermissionError:
+            continue  # its parent is the one closed: reported there
+        need = (os.R_OK | os.X_OK) if stat.S_ISDIR(s.st_mode) else os.R_OK
+        if not os.access(here, need if last else os.X_OK):
+            what = "read" if last else "enter"
+            return (f"{here} (owned by {user_name(s.st_uid)}, mode "
+                    f"{stat.S_IMODE(s.st_mode):04o}) is closed to this user, "
+                    f"{user_name(os.getuid())}: it may not {what} it")
+    return None
 
 
 _POLL_S = 0.001

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import socket
@@ -37,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagefs._fsutil import atomic_write
+from stagefs._fsutil import atomic_write, login, user_name
 from stagefs.config import env
 from stagefs.errors import ConfigError, RuntimeInUseError
 
@@ -45,6 +46,7 @@ __all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start"]
 
 _JOB_VARS = ("STAGEFS_JOB", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 HOST = socket.gethostname()
+log = logging.getLogger("stagefs")
 _USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
 
@@ -187,9 +189,14 @@ def _private_dir(path: str) -> None:
         ) from exc
     s = os.lstat(path)
     if not st.S_ISDIR(s.st_mode) or s.st_uid != os.getuid():
+        # on a shared /dev/shm (sticky) only its owner or root can remove another user's
+        uid = os.getuid()
+        where = os.environ.get("XDG_RUNTIME_DIR") or "/dev/shm"
         raise ConfigError(
-            f"runtime directory {path} is not a directory owned by you (uid {os.getuid()}); "
-            "remove it or set STAGEFS_RUNTIME elsewhere"
+            f"runtime directory {path} is not a directory owned by you ({user_name(uid)}): "
+            f"{user_name(s.st_uid)} owns it. Set STAGEFS_RUNTIME to a node-local directory "
+            f"of yours (e.g. {where}/stagefs-{login(uid)}), and have {path} removed by its "
+            "owner or the node's administrator"
         )
     if st.S_IMODE(s.st_mode) != 0o700:
         os.chmod(path, 0o700)
@@ -357,12 +364,20 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
           ) -> list[str]:
     """Remove the runtime directories of ``jobs`` and the tier data they recorded.
 
+    Refused (ConfigError) for a directory that is not a runtime of this user (_not_runtime).
     Refused (RuntimeInUseError, naming each process) while a live process holds a lease on
     one of them, unless ``force``. Tier directories that a live process of another job also
     recorded are kept, even with ``force``: of one of ``others`` (the user's other jobs), or
     of a runtime beside one of ``jobs`` (``Runtime.neighbours``: found whatever paths the
     jobs were given, when they share a parent directory).
     """
+    for rt in jobs:
+        why = _not_runtime(rt.path) if os.path.lexists(rt.path) else None
+        if why:
+            raise ConfigError(
+                f"{rt.path} is not a stagefs runtime directory of yours ({why}): nothing "
+                "removed. Name the job's runtime directory (--runtime, $STAGEFS_RUNTIME), "
+                "or unset STAGEFS_RUNTIME to clean this job's default one")
     users = [(rt, lease) for rt in jobs if rt.exists() for lease in rt.leases()]
     if users and not force:
         who = "; ".join(f"{lease} using {rt.path}" + ("" if rt.explicit else f" (job {rt.job})")
@@ -384,11 +399,28 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
 
 def _is_runtime(entry: os.DirEntry[str]) -> bool:
     """Is ``entry`` a job runtime directory of this user (one with leases)?"""
+    return _not_runtime(entry.path) is None
+
+
+def _not_runtime(path: str) -> str | None:
+    """Why ``path`` is not a job runtime directory of this user (a real directory of its
+    own with the ``procs`` folder that ``Runtime.open`` makes, or an empty one), or None.
+
+    ``stagefs clean`` removes a runtime directory whole: a ``--runtime`` or
+    ``$STAGEFS_RUNTIME`` naming a directory of another use ($TMPDIR, a scratch or results
+    directory) would lose every file of the user in it, and say it removed a directory
+    that other users' files kept there."""
     try:
-        return (entry.is_dir(follow_symlinks=False) and entry.stat().st_uid == os.getuid()
-                and os.path.isdir(os.path.join(entry.path, "procs")))
-    except OSError:
-        return False
+        s = os.lstat(path)
+        if not st.S_ISDIR(s.st_mode):
+            return "not a directory"
+        if s.st_uid != os.getuid():
+            return f"owned by {user_name(s.st_uid)}"
+        if os.path.isdir(os.path.join(path, "procs")) or not os.listdir(path):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "it has no procs/ folder: no stagefs process ever used it as its runtime"
 
 
 def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:
@@ -398,11 +430,26 @@ def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:
 
 def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = frozenset()
                      ) -> list[str]:
+    """Remove the recorded tier directories but those in ``keep``; returns those removed.
+
+    Only a directory of this user is touched: a tier shared by users (``/dev/shm``, a
+    scratch directory) may hold another user's copy of the same dataset under the same
+    name, which a record of a refused attempt names; and a directory that could not be
+    removed whole is not said to be."""
     removed: list[str] = []
     for d in _tier_dirs(records):
-        if d not in keep and os.path.isdir(d):
-            shutil.rmtree(d, ignore_errors=True)
+        try:
+            s = os.lstat(d)
+        except OSError:
+            continue
+        if d in keep or not st.S_ISDIR(s.st_mode) or s.st_uid != os.getuid():
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not os.path.lexists(d):
             removed.append(d)
+        else:
+            log.warning("stagefs clean: %s could not be removed whole (files of another "
+                        "user in it?); remove what is left by hand", d)
     return removed
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from stagefs._fsutil import unreachable
 from stagefs._malloc import tune_malloc
 from stagefs.config import TierSpec, env
 from stagefs.errors import (
@@ -1003,6 +1004,10 @@ def open(
 
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
+        closed = unreachable(p)  # another user's private directory is not "no such file"
+        if closed:
+            raise PermissionError(errno.EACCES, f"Permission denied: {closed}; ask its owner "
+                                  "for read access, or use a copy of your own", p)
         raise NotFoundError(p, "No such file or directory (no dataset here)")
     if not os.path.isdir(p):
         raise ConfigError(f"{p}: a dataset is a directory (a pack, or raw files to use in "

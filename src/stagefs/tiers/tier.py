@@ -24,6 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
+from stagefs._fsutil import login, user_name
 from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
@@ -209,6 +210,13 @@ class DirTier:
         self.pack_id = manifest.pack_id.hex()
         self.dir = os.path.join(self.root, self.pack_id)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        owner = os.stat(self.dir).st_uid
+        if owner != os.getuid():  # a tier root shared by users, each copy private to one
+            raise ConfigError(
+                f"tier {self.root}: the copy of this dataset there, {self.dir}, belongs to "
+                f"{user_name(owner)}, and this user ({user_name(os.getuid())}) may not use "
+                f"it; name a tier directory of your own, e.g. "
+                f"{os.path.join(self.root, login(os.getuid()))}")
         self.kind = "memory" if fs_type(self.root) in ("tmpfs", "ramfs") else "disk"
         # what its file system allocates at least: room is counted in these (fill.py)
         try:
@@ -504,7 +512,10 @@ def dir_bytes(root: str) -> int:
 
 def dir_usage(root: str) -> tuple[int, int]:
     """Apparent bytes of the files one and two levels below ``root``, and how many of them
-    are not allocated yet (sparse partial copies, to be written)."""
+    are not allocated yet (sparse partial copies, to be written). A directory this user
+    cannot read (another user's, in a tier on a shared ``/dev/shm`` or scratch directory)
+    is not ours to count: its bytes are not this job's to hold, and failing on it stopped
+    placement into the whole tier."""
     total = unwritten = 0
 
     def add(st: os.stat_result) -> None:
@@ -527,7 +538,7 @@ def dir_usage(root: str) -> tuple[int, int]:
                                 add(f.stat(follow_symlinks=False))
             elif d.is_file(follow_symlinks=False):
                 add(d.stat(follow_symlinks=False))
-        except FileNotFoundError:
+        except (FileNotFoundError, PermissionError):
             continue
     return total, unwritten
 
