@@ -192,6 +192,37 @@ def test_workers_read_their_own_batches_ahead(tmp_path: Path, method: str) -> No
 
 
 
+
+def test_persistent_workers_keep_reading_ahead_after_a_resumed_epoch(tmp_path: Path) -> None:
+    """A run resumed from a checkpoint: the persistent workers start on the resumed
+    epoch's rest, then follow into the next epochs from their start (a resume with
+    another world size used to turn their read-ahead off for the rest of the run)."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=120, classes=3, mean_size=2500, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
+    ds = FileDataset(tmp_path / "pack", target=None)
+    first = Sampler(ds, seed=3, rank=0, world_size=2)
+    first.set_epoch(4)
+    state = first.state_dict(consumed=2 * 25)
+    s = Sampler(ds, seed=3, prefetch=100_000, rank=0, world_size=1)
+    s.load_state_dict(state)  # resumed with another world size, too
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, sampler=s, num_workers=2,
+                                         timeout=120, persistent_workers=True,
+                                         collate_fn=collate_with_hits)
+    for epoch in (4, 5, 6):
+        s.set_epoch(epoch)
+        want = s.order().tolist()
+        got, hits = [], []
+        for batch, h in loader:
+            got += batch
+            hits.append(h)
+        assert got == ds.read_samples(want)
+        assert max(hits) > 0, epoch  # the workers' read-ahead served samples
+
 @pytest.mark.parametrize(("budget", "threads"), [(1000, 1), (5000, 4)])
 def test_tier_read_ahead_stays_within_its_budget(budget: int, threads: int) -> None:
     """The read-ahead into the tiers (for DataLoader workers): in order, never more than the

@@ -46,3 +46,21 @@ def test_status_without_stall_records(tmp_path, monkeypatch, capsys) -> None:
     assert "data stall" not in capsys.readouterr().out
 
 
+def test_a_meter_records_the_rank_the_launcher_gave(tmp_path, monkeypatch, capsys) -> None:
+    """Under torchrun (or Slurm, MPI) a StallMeter made without ``rank=`` records the
+    process's rank, so that `stagefs status` tells the ranks apart."""
+    import pytest
+
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    from stagefs.torch import StallMeter
+
+    for var in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ticks = iter(range(100))
+    meter = StallMeter([1, 2, 3], runtime=str(tmp_path), clock=lambda: float(next(ticks)))
+    assert list(meter) == [1, 2, 3]
+    assert main(["status", "--runtime", str(tmp_path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(r["rank"], r["steps"]) for r in doc["stalls"]] == [(2, 3)]

@@ -40,6 +40,10 @@ def closed_mode() -> bool:
 
 def _rank_world(rank: int | None, world: int | None) -> tuple[int, int]:
     if rank is not None or world is not None:
+        # Python ints: numpy's would end up in state_dict, which json and
+        # torch.load(weights_only=True) (torch's default) then refuse
+        rank = None if rank is None else _whole(rank, "Sampler's rank")
+        world = None if world is None else _whole(world, "Sampler's world_size")
         if rank is None or world is None or not 0 <= rank < world:
             raise ConfigError(f"rank={rank}, world_size={world}: give both, with "
                               "0 <= rank < world_size")
@@ -148,9 +152,13 @@ class Sampler(torch.utils.data.Sampler[int]):
                               "allowed under closed=True ($STAGEFS_CLOSED=1, MLPerf Storage "
                               "CLOSED rules)")
         self.n = len(dataset)
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
-        self.locality, self.window = bool(locality), int(window)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.seed = _whole(seed, "Sampler's seed")  # a float or a string is not truncated
+        self.locality, self.window = bool(locality), _whole(window, "Sampler's window")
+        if self.window < 1:
+            raise ConfigError(f"window={window}: a window is a number of shards, at least 1")
         self.rank, self.world_size = _rank_world(rank, world_size)
+        self._told = rank is not None  # rank/world_size given, not found (see _check_world)
         if held_by is not None and len(held_by) != self.world_size:
             raise ConfigError(f"held_by has {len(held_by)} entries for {self.world_size} ranks")
         self._held_by = held_by
@@ -185,7 +193,20 @@ class Sampler(torch.utils.data.Sampler[int]):
             return 0
         if prefetch is True:
             return DEFAULT_BUDGET
-        return parse_size(prefetch)
+        if isinstance(prefetch, str):
+            try:
+                return parse_size(prefetch)
+            except ConfigError as exc:
+                raise ConfigError(f"Sampler's prefetch={prefetch!r}: {exc}") from None
+        try:
+            budget = _whole(prefetch, "Sampler's prefetch")
+        except TypeError:
+            raise ConfigError(f"Sampler's prefetch={prefetch!r}: give a byte budget, as a "
+                              "number of bytes or a size ('512MiB'), or True") from None
+        if budget < 0:
+            raise ConfigError(f"Sampler's prefetch={prefetch!r}: a byte budget cannot be "
+                              "negative")
+        return budget
 
     # -- epochs ----------------------------------------------------------------------------
 
@@ -245,9 +266,25 @@ class Sampler(torch.utils.data.Sampler[int]):
         dist.all_gather_object(out, self._held_here())
         self._gathered = tuple(tuple(int(s) for s in h) for h in out)
 
+    def _check_world(self) -> None:
+        """A Sampler that found its rank before torch.distributed was initialised (DDP
+        started with torch.multiprocessing.spawn: no launcher variables) took one rank of
+        one; every rank would then read the whole epoch, silently. Said, not adapted to:
+        the order and any saved state are a function of the world size."""
+        if self._told or not (dist.is_available() and dist.is_initialized()):
+            return
+        now = dist.get_rank(), dist.get_world_size()
+        if now != (self.rank, self.world_size):
+            raise ConfigError(
+                f"this Sampler was made before torch.distributed was initialised and took "
+                f"rank {self.rank} of {self.world_size}; this process is rank {now[0]} of "
+                f"{now[1]}: make the Sampler after init_process_group, or pass rank= and "
+                "world_size=")
+
     def plan(self) -> Plan:
         """This epoch's plan for every rank (computed once per epoch)."""
         if self._plan is None:
+            self._check_world()
             holders = self._holders()
             segs = list(self._segments or [])
             if not segs or segs[-1].world != self.world_size or segs[-1].holders != holders:
@@ -373,11 +410,12 @@ class Sampler(torch.utils.data.Sampler[int]):
         inherit or unpickle it) so each worker can read its own next batches ahead."""
         if self.budget and hasattr(self.dataset, "_set_upcoming") and not self._tiered():
             plan = self.plan()
-            follow = None
-            if len(plan.segments) == 1:  # from the epoch's start: later epochs start so too
-                follow = EpochPlan(self.n, self.seed, self.shuffle, self.drop_last,
-                                   self.world_size, self.rank, plan.segments[0].holders,
-                                   self.window)
+            # the next epochs start from their beginning with this world size and these
+            # holders, a resumed epoch's too: a persistent worker follows them after it
+            # (a resume with another world size turned it off for the rest of the run)
+            follow = EpochPlan(self.n, self.seed, self.shuffle, self.drop_last,
+                               self.world_size, self.rank, plan.segments[-1].holders,
+                               self.window)
             self.dataset._set_upcoming(Upcoming(self.order(), self.budget,
                                                 max(1, self._ahead_threads()[0] // 2),
                                                 self.epoch, follow))

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Generic, TypeVar
 
 from stagefs._fsutil import atomic_write
+from stagefs._sampling import rank_world
 from stagefs.runtime import Runtime
 
 __all__ = ["EpochStall", "StallMeter"]
@@ -57,12 +58,29 @@ class EpochStall:
                 f"{self.steady_stall:.1%} after the first batch)")
 
 
+def _this_rank() -> int | None:
+    """This process's rank for its records, as the Sampler finds it (torch.distributed, then
+    the launcher's variables), looked up at each write: a script initialises
+    torch.distributed after it makes its loader as often as before. None: not told."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        found = rank_world()
+    except ValueError:  # malformed variables: the Sampler says so; a record is best effort
+        return None
+    return found[0] if found else None
+
+
 class StallMeter(Generic[T]):
     """Iterate ``loader`` through this to measure the data stall of every epoch.
 
     ``meter.epochs`` lists the finished epochs, ``meter.last`` the latest one. ``runtime``:
     the directory to write ``stall-<pid>.json`` into; by default ``$STAGEFS_RUNTIME``, else
     the job's default runtime directory if a Store has made it; ``write=False`` writes none.
+    ``rank``: recorded with the epochs; by default the rank torch.distributed or the
+    launcher gives, so that ``stagefs status`` tells a DDP job's ranks apart.
     """
 
     def __init__(self, loader: Iterable[T], *, runtime: str | None = None,
@@ -120,7 +138,8 @@ class StallMeter(Generic[T]):
 
     def write(self, path: str) -> None:
         """Write every finished epoch to ``path`` as JSON (atomically)."""
-        doc = {"pid": os.getpid(), "rank": self.rank, "updated": time.time(),
+        rank = self.rank if self.rank is not None else _this_rank()
+        doc = {"pid": os.getpid(), "rank": rank, "updated": time.time(),
                "epochs": [e.as_dict() for e in self.epochs]}
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         atomic_write(path, json.dumps(doc, indent=1))
