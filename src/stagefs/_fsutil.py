@@ -39,8 +39,8 @@ from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "unreachable", "user_name",
-           "worker_pool"]
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "private_makedirs",
+           "unreachable", "user_name", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -92,6 +92,25 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
             os.unlink(partial)
         raise
     return True
+
+
+def private_makedirs(path: str | os.PathLike[str]) -> None:
+    """Create ``path`` and each of its missing parents mode 0700 (``os.makedirs`` gives the
+    parents 0777 less the umask: under a umask of 000, a runtime's parent on a shared
+    ``/dev/shm`` that any user could rename away). Existing directories are left as they
+    are; OSError as ``os.mkdir`` raises it (a file on the way, no permission)."""
+    missing = []
+    here = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(here) and here != os.path.dirname(here):
+        missing.append(here)
+        here = os.path.dirname(here)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode=0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):  # a file in the way
+                raise
+            # another process of the job made it first
 
 
 def login(uid: int) -> str:

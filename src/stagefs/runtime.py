@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagefs._fsutil import atomic_write, login, user_name
+from stagefs._fsutil import atomic_write, login, private_makedirs, user_name
 from stagefs.config import env
 from stagefs.errors import ConfigError, RuntimeInUseError
 
@@ -181,7 +181,7 @@ def _default_base() -> str:
 def _private_dir(path: str) -> None:
     """Create ``path`` mode 0700, or check that the one there is ours and private."""
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        private_makedirs(path)
     except OSError as exc:
         raise ConfigError(
             f"runtime directory {path}: cannot create it ({exc.strerror}); set "

@@ -14,6 +14,7 @@ from typing import BinaryIO
 import pytest
 
 from stagefs._fsutil import atomic_write, file_lock
+from stagefs.errors import ConfigError
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -162,3 +163,26 @@ def test_the_lock_is_freed_when_its_holder_is_killed(tmp_path: Path) -> None:
         child.stdout.close()
     with file_lock(lock):  # would block forever if the dead holder kept it
         pass
+
+
+def test_a_runtime_and_a_tier_make_their_missing_parents_private_whatever_the_umask(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime named below directories that do not exist yet (the docs' mpirun recipe,
+    STAGEFS_RUNTIME=/dev/shm/stagefs-$USER/job42): under a umask of 000 its parents were
+    0777, and on a shared /dev/shm any user could rename the job's runtime away."""
+    from stagefs.runtime import Runtime
+    from stagefs.tiers.tier import prepare_tier_dir
+
+    old = os.umask(0)
+    try:
+        rt = Runtime(str(tmp_path / "shm" / "stagefs-me" / "job42")).open()
+        rt.unregister()
+        prepare_tier_dir(str(tmp_path / "nvme" / "me" / "tier"))
+    finally:
+        os.umask(old)
+    for d in ("shm", "shm/stagefs-me", "shm/stagefs-me/job42", "nvme", "nvme/me",
+              "nvme/me/tier"):
+        assert (tmp_path / d).stat().st_mode & 0o777 == 0o700, d
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="cannot create"):
+        Runtime(str(tmp_path / "file" / "job")).open()

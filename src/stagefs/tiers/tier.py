@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stagefs._fsutil import login, user_name
+from stagefs._fsutil import login, private_makedirs, user_name
 from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
@@ -142,7 +142,7 @@ def prepare_tier_dir(path: str) -> None:
         log.warning("tier %s: created its parent directories (%s did not exist)", path,
                     parent)
     try:
-        os.makedirs(parent, mode=0o700, exist_ok=True)
+        private_makedirs(parent)
         os.mkdir(path, mode=0o700)
     except FileExistsError:
         pass  # it was there, or another process of the job created it first
