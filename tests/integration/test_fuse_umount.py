@@ -51,3 +51,32 @@ def test_umount_of_a_mount_with_a_mount_inside_names_it(tmp_path: Path) -> None:
             if is_mounted(str(mp)):
                 subprocess.run(["fusermount3", "-u", "-z", str(mp)], check=False, timeout=60)
     assert not is_mounted(str(outer))
+
+
+def test_umount_of_a_killed_servers_mount_removes_its_empty_log(tmp_path: Path) -> None:
+    """A detached server killed by SIGKILL (the OOM killer) left its empty log in the temp
+    directory at every kill: /proc no longer showed it for ``stagefs umount`` to find."""
+    import signal
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a" * 100)
+    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    mnt, logs = tmp_path / "mnt", tmp_path / "logs"
+    mnt.mkdir()
+    logs.mkdir()
+    other = logs / "stagefs-mount-other.log"  # a log this mount's umount has no business with
+    other.write_text("")
+    try:
+        r = _stagefs("mount", str(tmp_path / "pack"), str(mnt), tmp=logs)
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout.split("server pid ")[1].split(";")[0])
+        assert len(list(logs.glob("stagefs-mount-*.log"))) == 2
+        os.kill(pid, signal.SIGKILL)
+        r = _stagefs("umount", str(mnt), tmp=logs)
+        assert r.returncode == 0, r.stderr
+    finally:
+        if is_mounted(str(mnt)):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=60)
+    assert not is_mounted(str(mnt))
+    assert sorted(logs.iterdir()) == [other]

@@ -42,6 +42,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import itertools
 import logging
 import os
@@ -946,6 +947,8 @@ def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> No
             f"{at[2] or 'an unknown source'}): stagefs umount only ends what stagefs mount "
             "started; use umount for anything else")
     server_log = _server_log(mp)  # while the server runs
+    if server_log is None:  # none serves it: killed (SIGKILL, the OOM killer)?
+        server_log = _dead_server_log(mp)
     error = _run_unmount(mp, timeout, lazy)
     if error is None:  # done: the kernel may take a moment to drop it from the mount table
         deadline = time.monotonic() + timeout
@@ -1065,6 +1068,41 @@ def _server_log(mountpoint: str) -> str | None:
     return None
 
 
+def _log_prefix(mountpoint: str) -> str:
+    """How a detached server's log is named: ``stagefs-mount-``, a tag of its mount point,
+    and a random part; so ``unmount`` finds the log of a server that was killed (SIGKILL, the
+    OOM killer), which /proc no longer shows, and each such kill left one more in /tmp."""
+    tag = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:8]
+    return f"stagefs-mount-{tag}-"
+
+
+def _dead_server_log(mountpoint: str) -> str | None:
+    """The logs this user's servers of ``mountpoint`` left when they were killed: the empty
+    ones removed (nothing to tell), the newest of the others returned (kept, to be told)."""
+    import tempfile
+
+    where, prefix = tempfile.gettempdir(), _log_prefix(mountpoint)
+    kept: list[tuple[float, str]] = []
+    try:
+        names = [n for n in os.listdir(where) if n.startswith(prefix) and n.endswith(".log")]
+    except OSError:
+        return None
+    for name in names:
+        path = os.path.join(where, name)
+        try:
+            s = os.lstat(path)
+        except OSError:
+            continue
+        if not st.S_ISREG(s.st_mode) or s.st_uid != os.getuid():
+            continue
+        if s.st_size:
+            kept.append((s.st_mtime, path))
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return max(kept)[1] if kept else None
+
+
 def _tell_log(mountpoint: str, path: str) -> None:
     """A warning naming a detached server's log and showing its first lines, if it holds
     anything (it is then kept)."""
@@ -1117,7 +1155,7 @@ def mount_background(dataset: str | None, mountpoint: str, tiers: list[str] | No
         cmd.append("--allow-other")
     if nonempty:
         cmd.append("--force-nonempty")
-    with tempfile.NamedTemporaryFile(prefix="stagefs-mount-", suffix=".log",
+    with tempfile.NamedTemporaryFile(prefix=_log_prefix(mp), suffix=".log",
                                      delete=False) as logf:
         child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                  start_new_session=True, close_fds=True,
