@@ -261,3 +261,29 @@ def test_a_batch_from_the_origin_counts_its_reads_as_the_origin_saw_them(
         fs.status()  # writes this process's counters
     st = status(rt)
     assert st["fetched"] == {"reads": reads, "bytes": sum(n for _, _, n in ents)}, st
+
+
+def test_an_empty_file_under_stagefs_run_is_a_sample_from_memory(tmp_path: Path) -> None:
+    """`cat` of an empty file under `stagefs run`, its shard in a disk tier: a sample of no
+    bytes from memory (the manifest answers it), as the Store counts it; the preload
+    library counted it as the tier's (or the origin's) that held the shard."""
+    from stagefs._native import preload_library
+
+    if preload_library() is None:
+        pytest.skip("the preload library is not built (no C compiler at install)")
+    raw, rt, tier, at = tmp_path / "raw", tmp_path / "rt", tmp_path / "tier", tmp_path / "at"
+    raw.mkdir()
+    (raw / "empty").write_bytes(b"")
+    (raw / "full").write_bytes(os.urandom(5000))
+    stagefs.pack(raw, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    env = dict(os.environ, STAGEFS_RUNTIME=str(rt))
+    for _ in range(2):  # the second time, the shard is whole in the tier
+        r = subprocess.run([sys.executable, "-m", "stagefs.cli", "run", "--dataset",
+                            str(tmp_path / "pack"), "--at", str(at), "--tier", str(tier),
+                            "--", "cat", str(at / "full"), str(at / "empty")],
+                           capture_output=True, timeout=120, env=env, check=False)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == (raw / "full").read_bytes()
+    st = status(rt)
+    assert (st["reads"], st["bytes"]) == (4, 10000), st
+    assert st["holders"]["memory"] == {"reads": 2, "bytes": 0}, st

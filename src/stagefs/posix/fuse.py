@@ -543,7 +543,13 @@ class Pieces:
 
     Before, one file object served a file's READs one at a time, keeping only the span of
     its last read: a READ behind it read and counted its pieces again (``sha256sum`` of a
-    70 MiB file counted 73 MiB read: ``stagefs status`` said more than was read)."""
+    70 MiB file counted 73 MiB read: ``stagefs status`` said more than was read).
+
+    A READ from the start of the file after one before it begins the program's next pass
+    (the kernel let go of the pages, or the program reads with O_DIRECT): a piece still
+    kept is counted again, once in the pass, as this process's memory's (as ``Whole``
+    counts a file kept); not counted, a file of up to 8 MiB read again was not counted at
+    all."""
 
     def __init__(self, store: Any, e: int, path: str, keep: int = _PIECES_KEPT) -> None:
         self.store, self.e, self.path = store, e, path
@@ -552,8 +558,15 @@ class Pieces:
         self.keep = max(2, keep // self.piece)
         self._pieces: dict[int, Future[bytes]] = {}  # most recent last
         self._lock = threading.Lock()
+        self._pass = 0  # the program's passes over the file: a READ from its start begins one
+        self._started = False  # a READ from the start of the file came
+        self._counted: dict[int, int] = {}  # piece kept -> the pass it was counted in
 
     def read(self, offset: int, size: int) -> bytes:
+        if offset == 0:
+            with self._lock:
+                self._pass += self._started
+                self._started = True
         end = min(self.size, offset + size)
         parts = []
         pos = offset
@@ -575,13 +588,19 @@ class Pieces:
             if f is None:
                 f = Future()
             self._pieces[k] = f
+            again = not mine and self._counted.get(k, self._pass) != self._pass
+            self._counted[k] = self._pass
             while len(self._pieces) > self.keep:  # the oldest read (not one being read)
                 old = next((x for x, v in self._pieces.items() if v.done()), None)
                 if old is None:
                     break
                 del self._pieces[old]
+                self._counted.pop(old, None)
         if not mine:
-            return f.result()  # another READ's read of it, or its error
+            kept = f.result()  # another READ's read of it, or its error
+            if again:  # kept from a pass before: this pass's read of it (a sample: the first)
+                self.store.count_kept(len(kept), int(k == 0), stored=len(kept))
+            return kept
         try:  # a sample for the read of the first piece: a read from the start of the file
             data: bytes = self.store.read_entry(self.e, self.path, k * self.piece, self.piece)
         except BaseException as exc:

@@ -709,7 +709,10 @@ static uint64_t *counters(void) {
     return m;
 }
 
+/* src -1: no holder (an empty file, which the manifest in memory answers: memory's, as the
+ * Store counts it) */
 static int holder_of(int src) {
+    if (src < 0) return H_MEMORY;
     return src < (int)D.ntiers ? (D.tier_kinds[src] == 'm' ? H_MEMORY : H_DISK) : H_ORIGIN;
 }
 
@@ -1239,7 +1242,7 @@ static int open_entry(uint32_t e, int flags) {
         if (fd >= 0) {
             if (real_lseek(fd, (off_t)D.offset[e], SEEK_SET) < 0) { real_close(fd); return -1; }
             int r = make_row(fd, F_SHARD, e, D.offset[e], src);
-            if (r >= 0) count_read(src, 1, 0);
+            if (r >= 0) count_read(D.size[e] ? src : -1, 1, 0);
             return r;
         }
     }

@@ -215,9 +215,13 @@ class TierChain:
         # rebuilds it from the tiers) must not drop a copy another thread has just made
         self._fills_lock = threading.RLock()
         self._grace_until: float | None = None
-        # one file per open store: several stores of one process each keep their counters
-        name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
-        self._stats_path = os.path.join(self.runtime.stats, name)
+        # one file per open store: several stores of one process each keep their counters;
+        # not the file of an ended process of the same pid (pids are reused): its stay
+        while True:
+            name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
+            self._stats_path = os.path.join(self.runtime.stats, name)
+            if not os.path.lexists(self._stats_path):
+                break
         self._stats_at = 0.0
 
     # -- the read path ----------------------------------------------------------------------

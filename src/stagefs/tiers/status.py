@@ -86,14 +86,23 @@ class ReadCounters:
 
     def _open(self) -> memoryview | None:
         """Make this process's file (None if the runtime dir is gone: counting is best
-        effort, never an error for a read)."""
+        effort, never an error for a read).
+
+        A new file, never an old one: a process that ended may have left a file of the same
+        pid (pids are reused, within a long job or a login session's runtime), whose counts
+        are the job's; truncating it took them from ``stagefs status`` (its totals went
+        backwards)."""
         self._pid = os.getpid()
         self._slots = None
-        path = os.path.join(self.folder, f"{self._pid}-{next(_SEQ)}{SUFFIX}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except OSError:
-            return None
+        while True:
+            path = os.path.join(self.folder, f"{self._pid}-{next(_SEQ)}{SUFFIX}")
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                break
+            except FileExistsError:
+                continue  # an ended process's, of this pid: its counts stay
+            except OSError:
+                return None
         try:
             os.ftruncate(fd, _SIZE)
             os.pwrite(fd, MAGIC + self._pid.to_bytes(8, "little"), 0)

@@ -1,0 +1,72 @@
+"""A FUSE mount's count of a large file read again (posix/fuse.py, ``Pieces``), its READs
+called as libfuse calls them, without a mount: a program's next pass over a file whose
+pieces the server still keeps (the kernel let go of its pages, or the program reads with
+O_DIRECT) is a sample and its bytes, from this process's memory, as for a small file kept;
+it was not counted at all (`stagefs status` showed nothing of a 5 MiB file read again)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stagefs
+from stagefs.errors import ConfigError
+from stagefs.runtime import Runtime
+from stagefs.tiers.status import job_status
+
+MiB = 2**20
+SIZE = 5 * MiB + 1  # raw, larger than a file read whole, all its pieces kept
+
+
+def _ops(store: Any) -> Any:
+    from stagefs.posix import fuse
+
+    try:
+        fuse._binding()
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    return fuse._operations(store, "/mnt/ds")
+
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    base = tmp_path_factory.mktemp("passes")
+    data = random.Random(5).randbytes(SIZE)
+    (base / "raw").mkdir()
+    (base / "raw" / "big.bin").write_bytes(data)
+    stagefs.pack(base / "raw", base / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    return base / "pack", data
+
+
+def _pass(ops: Any, size: int, block: int) -> bytes:
+    """One pass over the file from its start in READs of ``block`` bytes, each pair
+    answered in the other order (the kernel's read-ahead)."""
+    offs = list(range(0, size, block))
+    for k in range(1, len(offs) - 1, 2):
+        offs[k], offs[k + 1] = offs[k + 1], offs[k]
+    got = {off: ops.read("/big.bin", block, off, 0) for off in offs}
+    return b"".join(got[k] for k in sorted(got))
+
+
+def test_each_pass_over_a_kept_large_file_is_counted_once(
+        pack: tuple[Path, bytes], tmp_path: Path) -> None:
+    path, data = pack
+    rt = tmp_path / "rt"
+    with stagefs.open(path, tiers=[str(tmp_path / "tier")], runtime=str(rt)) as store:
+        ops = _ops(store)
+        assert _pass(ops, len(data), MiB) == data
+        assert (store.stats.reads, store.stats.bytes) == (1, len(data))
+        # the next passes: every piece from the server's memory, once each
+        assert _pass(ops, len(data), 128 * 1024) == data
+        assert (store.stats.reads, store.stats.bytes) == (2, 2 * len(data))
+        assert _pass(ops, len(data), 777_777) == data
+        assert (store.stats.reads, store.stats.bytes) == (3, 3 * len(data))
+        # a READ further on within a pass is no new pass: nothing more
+        assert ops.read("/big.bin", 4096, 3 * MiB, 0) == data[3 * MiB : 3 * MiB + 4096]
+        assert (store.stats.reads, store.stats.bytes) == (3, 3 * len(data))
+    st = job_status(Runtime(str(rt)))
+    assert (st["reads"], st["bytes"]) == (3, 3 * len(data)), st
+    assert st["holders"]["memory"] == {"reads": 2, "bytes": 2 * len(data)}, st
