@@ -4,6 +4,7 @@ the job's counters as a table."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import TYPE_CHECKING
 
@@ -51,19 +52,20 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     if not rt.exists():
         if runtime is not None:
             print(f"no stagefs runtime at {rt.path} (--runtime): no process of a job with "
-                  "tiers or a cluster daemon has used it")
+                  "tiers or a cluster daemon has used it", file=sys.stderr)
             return 1
         print(f"no stagefs runtime for job {rt.job} at {rt.path}: a job's read counters are "
               "kept where its processes use node-local tiers (--tier, tiers=[...], "
               "$STAGEFS_TIERS) or a cluster; is $STAGEFS_JOB (or --job) the job's, or did "
               "its daemon get another --runtime (then give it: --runtime DIR, or "
-              "$STAGEFS_RUNTIME)?")
+              "$STAGEFS_RUNTIME)?", file=sys.stderr)
         return 1
     st = job_status(rt)
     if as_json:
         print(json.dumps(st, indent=2))
         return 0
-    print(f"job {st['job']}: runtime {st['runtime']}, {st['live_processes']} live processes")
+    print(("" if st["job"] is None else f"job {st['job']}: ")
+          + f"runtime {st['runtime']}, {st['live_processes']} live processes")
     # what each tier served is in the reads by holder below, counted by every process (a
     # forked DataLoader worker writes no record of its own)
     rows = [[t["path"], format_size(t["bytes_used"]), t["shards_held"], t["shards_filling"],

@@ -222,10 +222,18 @@ def test_stage_status_clean(raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
     assert (t["path"], t["shards_held"], t["placed"]) == (tier, n_shards, n_shards), status
     assert t["hits"] >= sum(1 for d in files.values() if d)
     assert status["origins"][0]["origin"] == str(root)
+    # a runtime given by path is not said to be this shell's job (it may be any job's)
+    assert status["job"] is None
     assert main(["status", "--runtime", rt]) == 0
-    assert "shards held" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "shards held" in out and out.startswith(f"runtime {rt}, "), out
     assert main(["clean", "--runtime", rt]) == 0
     assert not os.path.exists(rt) and not os.listdir(tier)
+    capsys.readouterr()
+    # none there now: said on stderr, so `status --json` never prints what is not JSON
+    assert main(["status", "--runtime", rt, "--json"]) == 1
+    got = capsys.readouterr()
+    assert got.out == "" and f"no stagefs runtime at {rt}" in got.err
 
 
 def test_stage_without_tiers_is_a_clear_error(raw: tuple[Path, dict[str, bytes]],

@@ -244,7 +244,9 @@ def job_status(rt: Runtime) -> dict[str, Any]:
         o["processes"] += 1
         for k in _ORIGIN_COUNTERS:
             o[k] += int(rec.get("origin_stats", {}).get(k, 0))
-    return {"runtime": rt.path, "job": rt.job, "live_processes": len(rt.live_processes()),
+    # a runtime given by path (--runtime, $STAGEFS_RUNTIME) may be any job's: not this shell's
+    return {"runtime": rt.path, "job": None if rt.explicit else rt.job,
+            "live_processes": len(rt.live_processes()),
             "tiers": list(tiers.values()), "origins": list(origins.values()),
             **holder_summary(read_counts(rt.stats)), "stalls": stall_records(rt.path)}
 
