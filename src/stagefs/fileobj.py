@@ -42,6 +42,16 @@ class SmallFile(_Base, io.BytesIO):
     def writable(self) -> bool:
         return False
 
+    def peek(self, size: int = 0) -> bytes:
+        """What the next read returns, without moving: as a large file (a BufferedReader)
+        and a builtin binary file have it, so that code that peeks (a format sniffer,
+        pickle) takes any stagefs file."""
+        if self.closed:
+            raise ValueError("peek of closed file")
+        pos = self.tell()
+        with self.getbuffer() as view:  # released at once: a held export blocks close()
+            return view[pos : pos + max(size, io.DEFAULT_BUFFER_SIZE)].tobytes()
+
     def write(self, data: Any) -> int:
         raise ReadOnlyError(self.name)
 
@@ -77,10 +87,12 @@ class _RangeRaw(io.RawIOBase):
         return True
 
     def tell(self) -> int:
+        self._checkClosed()  # type: ignore[attr-defined]  # as a closed BytesIO: ValueError
         return self._pos
 
     def seek(self, pos: int, whence: int = 0) -> int:
         # as io.BytesIO (the small files' class), so both kinds of file behave the same
+        self._checkClosed()  # type: ignore[attr-defined]
         if whence not in (0, 1, 2):
             raise ValueError(f"invalid whence ({whence}, should be 0, 1 or 2)")
         if whence == 0 and pos < 0:
@@ -144,15 +156,19 @@ class LargeFile(_Base, io.BufferedReader):
 
 
 def open_entry(store: Store, e: int, name: str, mode: str, buffering: int, *,
-               per_open: bool = True) -> Any:
+               per_open: bool = True, encoding: str | None = None, errors: str | None = None,
+               newline: str | None = None) -> Any:
     """A file object of entry ``e``: one sample whatever it reads (``per_open``), or, for
     a reader kept across opens it cannot see (a FUSE server's), one for each read from the
-    start of the file."""
+    start of the file. In text mode, ``encoding`` (UTF-8 by default: a dataset's text does
+    not change with the reader's locale), ``errors`` and ``newline`` as ``open`` takes them."""
     m = store.manifest
     if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
         f: Any = SmallFile(store.read_entry(e, name), name)
     else:
         f = LargeFile(_RangeRaw(store, e, name, per_open), buffering)
     if "b" not in mode:
-        return io.TextIOWrapper(f, encoding="utf-8")
+        t = io.TextIOWrapper(f, encoding or "utf-8", errors, newline)
+        t.mode = "r"  # type: ignore[misc]  # as the builtin open's text files say
+        return t
     return f

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -109,46 +110,54 @@ def _within(path: bytes, root: bytes) -> bool:
     return path == root or path.startswith(root.rstrip(b"/") + b"/")
 
 
-def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None) -> _Scan:
+def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None,
+          progress: bool | None = None) -> _Scan:
+    """Every entry of the tree at ``src``. A count of the entries seen so far is shown as it
+    goes (``progress``, as ``pack``'s): on a shared file system the scan of a million files
+    takes minutes, and a pack that printed nothing for that long looked hung."""
     real_root = os.path.realpath(src)
     out = _Scan()
     top = os.stat(src)  # the root itself may be reached through a symlink
     out.entries.append(Entry(b"", KIND_DIR, top.st_mode, top.st_mtime_ns))
     seen_dirs = {(top.st_dev, top.st_ino)}
     stack: list[tuple[bytes, bytes]] = [(src, b"")]
-    while stack:
-        dirpath, rel_dir = stack.pop()
-        try:
-            with os.scandir(dirpath) as it:
-                items = sorted(it, key=lambda d: d.name)
-        except PermissionError:
-            out.unreadable.append(os.fsdecode(dirpath))
-            continue
-        for d in items:
-            rel = rel_dir + b"/" + d.name if rel_dir else d.name
-            apath = os.path.join(dirpath, d.name)
-            if exclude is not None and rel == exclude:  # DEST inside SRC
-                continue
+    with tqdm(desc=f"scanning {os.fsdecode(src)}", unit=" entries", leave=False,
+              disable=None if progress is None else not progress) as bar:
+        while stack:
+            dirpath, rel_dir = stack.pop()
             try:
-                info = d.stat(follow_symlinks=False)
-            except PermissionError:  # listable but not searchable (r without x)
+                with os.scandir(dirpath) as it:
+                    items = sorted(it, key=lambda d: d.name)
+            except PermissionError:
                 out.unreadable.append(os.fsdecode(dirpath))
-                break
-            except FileNotFoundError:  # removed since it was listed: not in the tree
                 continue
-            if st.S_ISLNK(info.st_mode):
-                # where the link is in the pack is where it is in the source, unless it lies
-                # in an outside directory that --follow-symlinks brought in
-                in_tree = apath == os.path.join(src, rel)
-                _scan_link(out, rel, apath, real_root, follow_symlinks, stack, seen_dirs,
-                           in_tree)
-            elif st.S_ISDIR(info.st_mode):
-                out.entries.append(Entry(rel, KIND_DIR, info.st_mode, info.st_mtime_ns))
-                stack.append((apath, rel))
-            elif st.S_ISREG(info.st_mode):
-                out.files.append(_Source(rel, apath, info.st_size, info.st_mtime_ns, info.st_mode))
-            else:
-                out.skipped.append(os.fsdecode(rel))
+            bar.update(len(items))
+            for d in items:
+                rel = rel_dir + b"/" + d.name if rel_dir else d.name
+                apath = os.path.join(dirpath, d.name)
+                if exclude is not None and rel == exclude:  # DEST inside SRC
+                    continue
+                try:
+                    info = d.stat(follow_symlinks=False)
+                except PermissionError:  # listable but not searchable (r without x)
+                    out.unreadable.append(os.fsdecode(dirpath))
+                    break
+                except FileNotFoundError:  # removed since it was listed: not in the tree
+                    continue
+                if st.S_ISLNK(info.st_mode):
+                    # where the link is in the pack is where it is in the source, unless it
+                    # lies in an outside directory that --follow-symlinks brought in
+                    in_tree = apath == os.path.join(src, rel)
+                    _scan_link(out, rel, apath, real_root, follow_symlinks, stack, seen_dirs,
+                               in_tree)
+                elif st.S_ISDIR(info.st_mode):
+                    out.entries.append(Entry(rel, KIND_DIR, info.st_mode, info.st_mtime_ns))
+                    stack.append((apath, rel))
+                elif st.S_ISREG(info.st_mode):
+                    out.files.append(_Source(rel, apath, info.st_size, info.st_mtime_ns,
+                                             info.st_mode))
+                else:
+                    out.skipped.append(os.fsdecode(rel))
     return out
 
 
@@ -430,6 +439,45 @@ def _reusable(dest: str, index: int, files: list[_Source]) -> _ShardResult | Non
 # ---------------------------------------------------------------------------------- pack
 
 
+@contextlib.contextmanager
+def _only_writer(dest: str) -> Iterator[None]:
+    """Be the only ``stagefs pack`` writing ``dest`` while inside, or raise a PackError.
+
+    Two packs into one DEST (a command run again in another terminal, two tasks of a job
+    array) would each take the other's shards for stale and delete them, or start with
+    pack ids of their own and leave a pack whose shards belong to two packs. The lock is an
+    ``flock`` on the DEST directory itself (made here if missing): it goes with the process,
+    however it ends, and leaves no file behind. A file system without ``flock`` (some
+    Lustre and NFS mounts) packs as before, unlocked."""
+    if os.path.exists(dest) and not os.path.isdir(dest):
+        raise PackError(f"{dest} is a file, not a directory: a pack is a directory; choose "
+                        "a missing or empty directory as DEST")
+    os.makedirs(dest, exist_ok=True)
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PackError(f"{dest}: another 'stagefs pack' is writing this pack now; wait "
+                            "for it to end (if it was stopped, run the same command again "
+                            "then: it resumes), or choose another DEST") from None
+        except OSError as exc:  # no flock here: nothing to serialise with
+            log.debug("%s: not locked (%s)", dest, exc.strerror)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _empty_dir(path: str) -> None:
+    """Remove what ``path`` holds, keeping the directory (and so its lock: _only_writer)."""
+    for name in os.listdir(path):
+        p = os.path.join(path, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+
+
 def _prepare_dest(dest: str, options: dict[str, Any], overwrite: bool) -> tuple[bytes, bool]:
     """Make ``dest`` ready; return the pack id to use and whether a run is being resumed."""
     state_file = os.path.join(dest, STATE_DIR, "state.json")
@@ -438,7 +486,7 @@ def _prepare_dest(dest: str, options: dict[str, Any], overwrite: bool) -> tuple[
             raise DestinationExistsError(
                 f"{dest} already holds a complete pack; pass --force to replace it"
             )
-        shutil.rmtree(dest)
+        _empty_dir(dest)
     if os.path.isdir(dest) and os.listdir(dest):
         try:
             with open(state_file) as f:
@@ -451,12 +499,12 @@ def _prepare_dest(dest: str, options: dict[str, Any], overwrite: bool) -> tuple[
                     f"{dest} is not empty and is not an interrupted pack; choose an empty "
                     "directory or pass --force to replace its contents"
                 )
-            shutil.rmtree(dest)
+            _empty_dir(dest)
         elif state.get("options") == options:
             return bytes.fromhex(state["pack_id"]), True
         else:
             log.warning("%s: an interrupted pack with other options is here; starting clean", dest)
-            shutil.rmtree(dest)
+            _empty_dir(dest)
     os.makedirs(os.path.join(dest, STATE_DIR), exist_ok=True)
     pack_id = uuid.uuid4().bytes
     _write_json(state_file, {"pack_id": pack_id.hex(), "options": options})
@@ -512,7 +560,8 @@ def pack(
     jobs = jobs or min(os.cpu_count() or 1, 8)
     file_align = _file_align(align, align_min)
 
-    scan = _scan(os.fsencode(src_s), follow_symlinks=follow_symlinks, exclude=dest_in_src)
+    scan = _scan(os.fsencode(src_s), follow_symlinks=follow_symlinks, exclude=dest_in_src,
+                 progress=progress)
     if scan.unsafe:
         raise UnsafeSymlinkError(
             f"{len(scan.unsafe)} symlink(s) in {src_s} point outside it: "
@@ -538,7 +587,7 @@ def pack(
 
     options = {"shard_size": size, "compress": compress, "source": src_s,
                "align": [file_align.to, file_align.min_size]}
-    with _room_in(dest_s, lambda: _after_full(dest_s)):  # every write to DEST
+    with _room_in(dest_s, lambda: _after_full(dest_s)), _only_writer(dest_s):  # every write
         pack_id, resuming = _prepare_dest(dest_s, options, overwrite)
         plan = _plan(scan.files, size)
         results: dict[int, _ShardResult] = {}

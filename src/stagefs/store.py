@@ -850,17 +850,24 @@ class Store:
             return os.fsdecode(path) if not isinstance(path, str) else path
         return os.fsdecode(self.manifest.path_of(e))
 
-    def open(self, path: PathArg, mode: str = "rb", buffering: int = -1) -> Any:
-        """A read-only binary file object (read, readinto, seek, tell, readline, iteration)."""
+    def open(self, path: PathArg, mode: str = "rb", buffering: int = -1,
+             encoding: str | None = None, errors: str | None = None,
+             newline: str | None = None) -> Any:
+        """A read-only file object (read, readinto, seek, tell, readline, iteration): binary
+        ('rb'), or text ('r') with ``encoding`` (default UTF-8), ``errors`` and ``newline``
+        as the builtin ``open`` takes them."""
         from stagefs.fileobj import open_entry
 
         if any(c in mode for c in "wax+"):
             raise ReadOnlyError(self._show(0, path))
         if mode not in ("rb", "br", "r", "rt", "tr"):
             raise ValueError(f"invalid mode {mode!r} (stagefs files open as 'rb' or 'r')")
+        if "b" in mode and (encoding, errors, newline) != (None, None, None):
+            raise ValueError(f"mode {mode!r} is binary: it takes no encoding, errors or "
+                             "newline (open with 'r' to read text)")
         e = self.namespace.file_entry(path)
         return open_entry(self, e, os.fsdecode(path) if not isinstance(path, str) else path,
-                          mode, buffering)
+                          mode, buffering, encoding=encoding, errors=errors, newline=newline)
 
     # -- tiers -------------------------------------------------------------------------------
 

@@ -253,7 +253,9 @@ class Manifest:
     def __init__(self, path: str, *, verify: bool = True) -> None:
         self.path = path
         try:
-            fd = os.open(path, os.O_RDONLY)
+            # non-blocking: a FIFO in a crafted pack would wait for a writer forever; for a
+            # regular file the flag changes nothing, and anything else is refused below
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CorruptManifestError(
                 f"{path}: no manifest here; is this a pack made by 'stagefs pack'? "

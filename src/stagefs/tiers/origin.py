@@ -95,7 +95,10 @@ class PackOrigin:
             raise SourceUnavailable(f"{self.pack_dir}: no shard {shard} in this pack")
         path = self.path(shard)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK for the open only: a FIFO named as a shard (a crafted pack) fails
+            # its reads (ESPIPE) instead of hanging the open for a writer
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            os.set_blocking(fd, True)
         except FileNotFoundError:
             if not os.path.isdir(self.pack_dir):  # the whole origin went away
                 raise SourceUnavailable(f"{self.pack_dir} is gone") from None
