@@ -117,14 +117,24 @@ def cmd_stat(args: argparse.Namespace) -> int:
 
 
 def cmd_cat(args: argparse.Namespace) -> int:
+    """As cat: a file that cannot be read is said and the others are still written; the
+    exit status is 1 if any could not be."""
+    rc = 0
     with _open(args) as fs:
         out = sys.stdout.buffer
         for path in args.paths:
-            with fs.open(path) as f:
-                while chunk := f.read(1 << 20):
-                    out.write(chunk)
+            try:
+                with fs.open(path) as f:
+                    while chunk := f.read(1 << 20):
+                        out.write(chunk)
+            except BrokenPipeError:
+                raise
+            except (StagefsError, OSError) as exc:
+                out.flush()
+                print(f"stagefs cat: {path}: {exc}", file=sys.stderr)
+                rc = 1
         out.flush()
-    return 0
+    return rc
 
 
 def cmd_info(args: argparse.Namespace) -> int:

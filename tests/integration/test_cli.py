@@ -130,6 +130,10 @@ def test_cat(cli_pack: tuple[Path, Path]) -> None:
         assert run("cat", pack, "--", rel).stdout == (src / rel).read_bytes(), rel
     both = run("cat", pack, "img/cat.jpg", "img/dog.jpg").stdout
     assert both == (src / "img/cat.jpg").read_bytes() + (src / "img/dog.jpg").read_bytes()
+    # as cat: a name that is not there is said, the others still written, and the status 1
+    r = run("cat", pack, "img/cat.jpg", "img/nope.jpg", "img/dog.jpg", ok=False)
+    assert r.returncode == 1 and b"Traceback" not in r.stderr
+    assert r.stdout == both and b"img/nope.jpg" in r.stderr
 
 
 def test_unpack(cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
