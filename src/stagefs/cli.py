@@ -131,7 +131,7 @@ def cmd_cat(args: argparse.Namespace) -> int:
                 raise
             except (StagefsError, OSError) as exc:
                 out.flush()
-                print(f"stagefs cat: {path}: {exc}", file=sys.stderr)
+                print(f"stagefs: error: {exc}", file=sys.stderr)
                 rc = 1
         out.flush()
     return rc

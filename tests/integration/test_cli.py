@@ -526,7 +526,7 @@ def test_wait_staged_with_no_cluster_fails(tmp_path: Path) -> None:
     # a --runtime that is not there: said as such (it named a job and $STAGEFS_JOB)
     r = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
                         str(tmp_path / "none")], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "(--runtime)" in r.stdout and "STAGEFS_JOB" not in r.stdout
+    assert r.returncode == 1 and "(--runtime)" in r.stderr and "STAGEFS_JOB" not in r.stderr
 
 
 def test_wait_staged_ends_at_once_when_the_daemon_failed_or_ended(tmp_path: Path) -> None:
