@@ -268,8 +268,15 @@ class ClusterHolders:
         return [a, b, *(p for p in first if p is not a and p is not b)]
 
     def held_shards(self) -> set[int]:
-        """The shards placed on this node (its daemon stages them)."""
-        return set(self._mine)
+        """The shards this node's processes read from its own tiers: those placed on it
+        (its daemon stages them), and the copies it made of a dead node's shards, which
+        ``_holders_of`` reads here too. Without those, a Sampler with locality dealt a
+        dead node's samples out at random after re-replication, and its local_fraction
+        said less than the reads served here."""
+        held = set(self._mine)
+        for t in self.tiers:
+            held |= {s for s in t.held() if self.rank in self._ranked_nodes[s]}
+        return held
 
     def prefetch(self, shards: Iterable[int]) -> None:
         """Staging is the daemons' job in cluster mode: nothing to do here."""

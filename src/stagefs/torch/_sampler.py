@@ -150,7 +150,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         if self.closed and locality:
             raise ConfigError("locality=True orders samples by what the nodes hold: not "
                               "allowed under closed=True ($STAGEFS_CLOSED=1, MLPerf Storage "
-                              "CLOSED rules)")
+                              "CLOSED rules); drop locality=True, or run without closed mode")
         self.n = len(dataset)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.seed = _whole(seed, "Sampler's seed")  # a float or a string is not truncated
@@ -262,6 +262,18 @@ class Sampler(torch.utils.data.Sampler[int]):
         if (not self.locality or self._held_by is not None or self.world_size == 1
                 or not (dist.is_available() and dist.is_initialized())):
             return
+        self._check_world()
+        here = dist.get_rank(), dist.get_world_size()
+        if here != (self.rank, self.world_size):
+            # rank/world_size given for a group of processes (data parallel within a larger
+            # world): the gathered list is per process of the whole world, not per rank of
+            # the sampler's (it failed deep inside the gather, or dealt holdings to the
+            # wrong ranks)
+            raise ConfigError(
+                f"locality=True with rank={self.rank}, world_size={self.world_size} given, but "
+                f"torch.distributed has this process as rank {here[0]} of {here[1]}: the "
+                "holdings cannot be gathered per rank of the sampler; pass held_by=[shards of "
+                f"rank 0's node, ...] ({self.world_size} lists, store.held_shards() on each)")
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, self._held_here())
         self._gathered = tuple(tuple(int(s) for s in h) for h in out)
