@@ -66,9 +66,15 @@ class SmallFile(_Base, io.BytesIO):
 
 
 class _RangeRaw(io.RawIOBase):
-    """Raw reads of one large uncompressed file by range. Each read asks the Store for the
-    whole pieces that cover it (verified) and keeps that span, so a sequential reader reads
-    and verifies each piece once."""
+    """Raw reads of one large uncompressed file by range. Each read asks the Store for
+    whole pieces (verified), from the one its position is in, as many as its buffer holds:
+    a read that does not start on a piece boundary ends on one (short, as raw reads may be;
+    the buffered reader above asks again for the rest). So a buffer fill (1 MiB, the piece
+    size) reads the one piece that holds what was asked, not the two it straddles, and a
+    large read no more pieces than it covers. The piece that holds the read's end is kept
+    (``_span``), so a sequential reader reads and verifies each piece once; never more
+    than a piece of it, so a large read is not held in memory twice until the file
+    closes."""
 
     def __init__(self, store: Store, e: int, name: str, per_open: bool = True) -> None:
         m = store.manifest
@@ -104,17 +110,22 @@ class _RangeRaw(io.RawIOBase):
         n = max(0, min(len(buf), self._size - self._pos))
         if n == 0:
             return 0
-        pos = self._pos
+        pos, p = self._pos, self._piece
         rel = pos - self._span_at
         if not 0 <= rel < len(self._span):
-            end, p = pos + n, self._piece
-            lo, hi = pos - pos % p, min(self._size, end + (-end) % p)
+            lo = pos - pos % p
+            hi = min(self._size, lo + -(-n // p) * p)  # whole pieces, as many as buf holds
             self._span = self._store.read_entry(self._e, self.name, lo, hi - lo,
                                                 sample=self._next_sample())
             self._span_at, rel = lo, pos - lo
-        n = min(n, len(self._span) - rel)  # the rest comes with the next call
-        memoryview(buf)[:n] = memoryview(self._span)[rel : rel + n]
-        self._pos += n
+        span = self._span
+        n = min(n, len(span) - rel)  # the rest comes with the next call
+        memoryview(buf)[:n] = memoryview(span)[rel : rel + n]
+        self._pos = end = pos + n
+        if len(span) > p:  # keep the piece the next read starts in, not the whole read
+            keep = max(end - end % p, self._span_at)
+            self._span = span[keep - self._span_at :]
+            self._span_at = keep
         return n
 
     def readall(self) -> bytes:

@@ -38,7 +38,7 @@ from stagefs.errors import (
     ReadOnlyError,
 )
 from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
-from stagefs.format.checksum import StreamSum, bad_piece, check
+from stagefs.format.checksum import StreamSum, bad_piece, check, piece_error
 from stagefs.format.codecs import decode
 from stagefs.namespace import DirEntry, Namespace, PathArg
 from stagefs.runtime import Runtime
@@ -617,6 +617,9 @@ class Store:
         sums: Sequence[int] | None = None  # a range's piece checksums
         derive = False
         if start or 0 <= length < size:  # a range
+            if start < 0:
+                raise ValueError(f"{self._show(e, path)}: a range starts at an offset of 0 "
+                                 f"or more, not {start}")
             end = size if length < 0 else min(size, start + length)
             if start >= end:
                 return b""
@@ -663,11 +666,15 @@ class Store:
                 if sums is not None:
                     k = bad_piece(raw, piece, sums, first)
                     if k >= 0:
-                        raise CorruptShardError(f"piece {k} does not match its checksum")
+                        raise piece_error(k, piece, size)
                     data = raw if start == lo and end == hi else raw[start - lo : end - lo]
                 else:
                     data = self._whole(e, raw, trust)
             except CorruptShardError as exc:
+                psums = self.manifest.piece_sums(e) if sums is None and not codec else None
+                if psums is not None and len(raw) == size:  # a whole file: name its bad piece
+                    k = bad_piece(raw, self.manifest.piece_size, psums, 0)
+                    exc = piece_error(k, self.manifest.piece_size, size) if k >= 0 else exc
                 self._bad(src, e, path, exc, tried, src is holders[-1])
                 continue
             if count:  # a sample per file read: a range counts one if it starts the file
@@ -741,7 +748,8 @@ class Store:
             self._counts.count("checksum_failures")
         last_from = getattr(src, "last_from", None)  # the stream: which copies it read
         who = last_from() if last_from is not None else src.name
-        tried.append(who)
+        # what was wrong, unless the error says it: which piece, a size, a frame
+        tried.append(who if str(exc) == "checksum mismatch" else f"{who} ({exc})")
         log.log(logging.DEBUG if last else logging.WARNING,
                 "%s, %s: bad bytes from %s (%s); trying the next holder",
                 self._where(e), self._show(e, path), who, exc)

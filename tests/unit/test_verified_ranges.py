@@ -140,6 +140,29 @@ def test_range_reads_verify_only_the_pieces_they_cover(pack: Path) -> None:
                                                             FILES["big/c.bin"]]
 
 
+def test_the_error_names_the_bad_piece(pack: Path) -> None:
+    """Which bytes of a damaged large file cannot be read: the piece and its range, for a
+    range over it and for the whole file (the other pieces still read)."""
+    _corrupt_origin(pack)
+    bad = "piece 3, bytes 3145728-4194303 of the file"
+    with stagefs.open(pack) as fs:
+        e = fs.namespace.file_entry(VICTIM)
+        for read in (lambda: fs.read_entry(e, VICTIM, BAD_AT, 10), lambda: fs.read(VICTIM),
+                     lambda: fs.read_many([VICTIM, "small.bin"])):
+            with pytest.raises(ChecksumError, match=VICTIM) as info:
+                read()
+            assert bad in str(info.value)
+        assert fs.read_entry(e, VICTIM, 4 * MiB, 10) == FILES[VICTIM][4 * MiB : 4 * MiB + 10]
+
+
+def test_a_range_before_the_file_is_refused(clean_pack: Path) -> None:
+    with stagefs.open(clean_pack) as fs:
+        for rel in ("big/a.bin", "small.bin"):
+            e = fs.namespace.file_entry(rel)
+            with pytest.raises(ValueError, match=f"{rel}: a range starts at .* not -5"):
+                fs.read_entry(e, rel, -5, 3)
+
+
 def test_sequential_reads_read_each_piece_once(clean_pack: Path) -> None:
     data = FILES["big/c.bin"]
     with stagefs.open(clean_pack) as fs:
@@ -219,9 +242,9 @@ def test_version_1_pack_reads_ranges_verified(v1_pack: Path,
         with fs.open("big/c.bin") as f:
             f.seek(4 * MiB + 3)
             assert f.read(10) == data[4 * MiB + 3 : 4 * MiB + 13]
-            # the first range read verifies the whole file once, then reads the pieces
-            # under the reader's 1 MiB buffer
-            assert st.bytes_read - before == len(data) + 2 * PIECE
+            # the first range read verifies the whole file once, then reads the piece
+            # that holds the ten bytes (the reader's 1 MiB buffer straddles two)
+            assert st.bytes_read - before == len(data) + PIECE
             before = st.bytes_read
             f.seek(8 * MiB)
             assert f.read(10) == data[8 * MiB : 8 * MiB + 10]

@@ -17,7 +17,8 @@ from stagefs.format.codecs import decode
 checksum = xxh3_64_intdigest
 """``checksum(data) -> int``: the 64-bit checksum recorded for every file."""
 
-__all__ = ["StreamSum", "bad_piece", "check", "checksum", "piece_count", "piece_sums"]
+__all__ = ["StreamSum", "bad_piece", "check", "checksum", "piece_count", "piece_error",
+           "piece_sums"]
 
 
 def check(codec: int, stored: bytes, size: int, expected: int, digest: int | None = None
@@ -55,6 +56,13 @@ def bad_piece(data: bytes | memoryview, piece: int, sums: Sequence[int], first: 
             return k
         k += 1
     return -1
+
+
+def piece_error(k: int, piece: int, size: int) -> CorruptShardError:
+    """Piece ``k`` of a file of ``size`` raw bytes failed its checksum: the error names it and
+    its bytes, so that a reader knows which ranges of the file cannot be read."""
+    return CorruptShardError(f"piece {k}, bytes {k * piece}-{min(size, (k + 1) * piece) - 1} "
+                             "of the file, does not match its checksum")
 
 
 class StreamSum:
