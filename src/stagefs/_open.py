@@ -61,7 +61,8 @@ def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike
 
             assert rt is not None
             scan_stats = OriginStats()
-            manifest, cache, _ = open_manifest(path, rt, progress=progress, stats=scan_stats)
+            manifest, cache, _ = open_manifest(path, rt, progress=progress, stats=scan_stats,
+                                               tiers=[s.path for s in specs])
             origin = InPlaceOrigin(path, manifest)
             origin.on_changed = cache.mark_stale  # a file changed in place: scan at next open
             origin.stats = scan_stats  # the scan's operations on the origin count too

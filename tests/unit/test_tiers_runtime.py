@@ -98,9 +98,17 @@ def raw(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
     return tmp_path / "raw", files
 
 
+def _age(root: Path, seconds: int = 3600) -> None:
+    """Set the mtime of every directory of ``root`` back by ``seconds``."""
+    for d in [root, *(p for p in root.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        t = d.stat().st_mtime_ns - seconds * 10**9
+        os.utime(d, ns=(t, t))
+
+
 def test_in_place_reads_stages_and_reuses_its_cache(raw: tuple[Path, dict[str, bytes]],
                                                     tmp_path: Path) -> None:
     root, files = raw
+    _age(root)  # written before the job: its mtimes prove it unchanged (see test_racy_...)
     rt = tmp_path / "rt"
     tiers = [str(tmp_path / "t")]
     with stagefs.open(root, tiers=tiers, runtime=rt) as fs:

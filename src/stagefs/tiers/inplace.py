@@ -17,11 +17,12 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from stagefs.errors import SourceChangedError
+from stagefs.errors import SourceChangedError, UnreadableSourceError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import OriginStats, SourceUnavailable
@@ -146,7 +147,14 @@ class InPlaceOrigin:
         rel = os.fsdecode(m.path_of(e))
         path = os.path.join(self.root, rel)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: a file replaced by a FIFO since the scan must not block the open
+            # (it is refused below as changed); a regular file ignores the flag
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except PermissionError as exc:  # not a change: scanning again would not help
+            raise UnreadableSourceError(
+                f"{path}: {exc.strerror} (a file of {self.root}). Give this user read "
+                "permission on it (chmod u+r, or a+r for a shared dataset), or open the "
+                "dataset as a user who has it") from exc
         except OSError as exc:
             if not os.path.isdir(self.root):
                 raise SourceUnavailable(f"{self.root}: {exc.strerror}") from exc
@@ -156,6 +164,9 @@ class InPlaceOrigin:
             self.stats.opens += 1
             self.stats.stats += 1
             s = os.fstat(fd)
+            if not stat.S_ISREG(s.st_mode):
+                raise self._changed(f"{path} is no longer a regular file (it was one when "
+                                    f"{self.root} was scanned)")
             if s.st_size != m.size[e] or s.st_mtime_ns != m.mtime_ns[e]:
                 raise self._changed(f"{path} changed since {self.root} was scanned (size "
                                     f"{m.size[e]} → {s.st_size}, or its mtime)")
