@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cluster_helpers import free_ports
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
@@ -43,9 +43,7 @@ def test_locality_in_another_group_than_the_world_names_held_by(tmp_path: Path) 
     make_tree(tmp_path / "raw" / "train", n=30, seed=2)
     stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="32KiB", jobs=1,
                  progress=False, echo=lambda _m: None)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     p = subprocess.run([sys.executable, "-c", RANK, str(tmp_path / "pack"), str(port)], env=env,
                        capture_output=True, text=True, timeout=120)

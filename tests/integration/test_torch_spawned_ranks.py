@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cluster_helpers import free_ports
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
@@ -42,9 +42,7 @@ def test_a_sampler_made_before_the_process_group_says_so(tmp_path: Path) -> None
     make_tree(tmp_path / "raw" / "train", n=30, seed=2)
     stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="32KiB", jobs=1,
                  progress=False, echo=lambda _m: None)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    (port,) = free_ports(1)
     launcher = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
                 "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in launcher}

@@ -11,24 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_fuse_large_pieces import _ops
 
 import stagefs
-from stagefs.errors import ConfigError
 from stagefs.runtime import Runtime
 from stagefs.tiers.status import job_status
 
 MiB = 2**20
 SIZE = 5 * MiB + 1  # raw, larger than a file read whole, all its pieces kept
-
-
-def _ops(store: Any) -> Any:
-    from stagefs.posix import fuse
-
-    try:
-        fuse._binding()
-    except ConfigError as exc:
-        pytest.skip(str(exc))
-    return fuse._operations(store, "/mnt/ds")
 
 
 @pytest.fixture(scope="module")
