@@ -966,7 +966,7 @@ def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> No
             f"{at[2] or 'an unknown source'}): stagefs umount only ends what stagefs mount "
             "started; use umount for anything else")
     server_log = _server_log(mp)  # while the server runs
-    if server_log is None:  # none serves it: killed (SIGKILL, the OOM killer)?
+    if server_log is None and _server_gone(mp):  # killed (SIGKILL, the OOM killer)
         server_log = _dead_server_log(mp)
     error = _run_unmount(mp, timeout, lazy)
     if error is None:  # done: the kernel may take a moment to drop it from the mount table
@@ -1093,6 +1093,17 @@ def _log_prefix(mountpoint: str) -> str:
     OOM killer), which /proc no longer shows, and each such kill left one more in /tmp."""
     tag = hashlib.sha1(os.fsencode(os.path.realpath(mountpoint))).hexdigest()[:8]
     return f"stagefs-mount-{tag}-"
+
+
+def _server_gone(mountpoint: str) -> bool:
+    """Is the mount's server gone (the kernel says ENOTCONN for its mount point)? Not a
+    server in the foreground, whose log is its terminal. Asked with statfs, which the
+    kernel always sends to the server (a stat is answered from its attribute cache)."""
+    try:
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
 
 
 def _dead_server_log(mountpoint: str) -> str | None:
