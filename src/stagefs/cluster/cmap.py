@@ -14,12 +14,12 @@ import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagefs._fsutil import atomic_write
+from stagefs._fsutil import atomic_write, unreachable
 from stagefs.errors import ClusterError
 from stagefs.net.auth import read_token, write_token
 
-__all__ = ["MAP_NAME", "TOKEN_NAME", "ClusterMap", "check_runtime_access", "load_runtime", "prepare_runtime",
-           "remove_runtime", "write_map"]
+__all__ = ["MAP_NAME", "TOKEN_NAME", "ClusterMap", "check_runtime_access", "load_runtime",
+           "prepare_runtime", "remove_runtime", "write_map"]
 
 MAP_NAME = "cluster.json"
 TOKEN_NAME = "token"
@@ -88,26 +88,12 @@ def check_runtime_access(path: str) -> None:
     """Refuse, naming its owner, a runtime directory this user cannot enter (another user's
     job: it is 0700): the reader or ``stagefs status`` got a bare "Permission denied" on a
     file inside it (or, waiting for its map, waited out its timeout for nothing)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return  # missing (not started yet): the map's absence says what to do
-    if stat.S_ISDIR(st.st_mode) and not os.access(path, os.R_OK | os.X_OK):
-        raise _not_ours(path, st)
-
-
-def _not_ours(path: str, st: os.stat_result | None = None) -> ClusterError:
-    if st is None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            st = None
-    who = "" if st is None else (f" (its owner uid {st.st_uid}, mode "
-                                 f"{stat.S_IMODE(st.st_mode):04o})")
-    return ClusterError(
-        f"runtime directory {path}: this user (uid {os.getuid()}) cannot read it{who}: a "
-        "job's runtime directory is its user's own; point STAGEFS_RUNTIME (or --runtime) at "
-        "the one given to your daemons, or run as its owner")
+    closed = unreachable(path)  # None if it is missing (not started yet: the map says so)
+    if closed:
+        raise ClusterError(
+            f"runtime directory {path}: this user cannot read it: {closed}. A job's runtime "
+            "directory is its user's own; point STAGEFS_RUNTIME (or --runtime) at the one "
+            "given to your daemons, or run as its owner")
 
 
 def load_runtime(path: str) -> tuple[ClusterMap, bytes]:
@@ -116,8 +102,9 @@ def load_runtime(path: str) -> tuple[ClusterMap, bytes]:
     try:
         with open(target) as f:
             text = f.read()
-    except PermissionError:
-        raise _not_ours(path) from None
+    except PermissionError as exc:  # the map itself closed to this user
+        raise ClusterError(f"{target}: this user cannot read it: "
+                           f"{unreachable(target) or exc.strerror}; run as its owner") from None
     except FileNotFoundError:
         raise ClusterError(
             f"no stagefs cluster at {path} (no {MAP_NAME}): start the daemons with "
