@@ -15,7 +15,7 @@ import os
 import secrets
 import stat
 
-from stagefs._fsutil import atomic_write
+from stagefs._fsutil import atomic_write, unreachable, user_name
 from stagefs.errors import ClusterError
 from stagefs.net.protocol import NONCE_SIZE
 
@@ -86,15 +86,16 @@ def _unreadable(path: str, st: os.stat_result | None, what: str) -> str:
     """Why this user cannot read the token file ``path`` (``st``: its stat, if that much
     worked) and what to do: its own file made unreadable (chmod) is not another user's."""
     if st is None:
-        return (f"{path}: this user (uid {os.getuid()}) cannot reach the {what} (a directory "
-                "on its way is not searchable): give a path this user can read")
+        return (f"{path}: this user cannot reach the {what}: "
+                f"{unreachable(path) or 'a directory on its way is not searchable'}; give a "
+                "path this user can read")
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid == os.getuid():
         return (f"{path}: the {what} is not readable by its owner (mode {mode:04o}): "
                 f"chmod 600 {path}")
-    return (f"{path}: the {what} belongs to another user (uid {st.st_uid}, mode {mode:04o}; "
-            f"this is uid {os.getuid()}): each user's jobs have their own; use yours, or "
-            "run as its owner")
+    return (f"{path}: the {what} belongs to another user ({user_name(st.st_uid)}, mode "
+            f"{mode:04o}; this is {user_name(os.getuid())}): each user's jobs have their "
+            "own; use yours, or run as its owner")
 
 
 def read_token(path: str, missing: str = "no job token here; is the stagefs daemon "
