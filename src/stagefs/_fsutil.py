@@ -39,8 +39,8 @@ from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "private_makedirs",
-           "unreachable", "user_name", "worker_pool"]
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "open_read",
+           "private_makedirs", "unreachable", "user_name", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -92,6 +92,22 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
             os.unlink(partial)
         raise
     return True
+
+
+def open_read(path: str | bytes, flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only without waiting on it, and fstat it: a FIFO where a file was
+    (a crafted pack, a tree changed since its scan) would hold a plain open for a writer
+    forever. A regular file's descriptor is blocking again, as any other; what is not one
+    is for the caller to refuse by the stat. ``flags``: more, e.g. ``O_NOFOLLOW``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
 
 
 def private_makedirs(path: str | os.PathLike[str]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stagefs._fsutil import atomic_write, worker_pool
+from stagefs._fsutil import atomic_write, open_read, worker_pool
 from stagefs.config import format_size, parse_size
 from stagefs.errors import (
     CorruptManifestError,
@@ -314,17 +314,15 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
     The scan found a regular file: if something else is there now (a FIFO, which a plain
     open would wait on for a writer forever; a device; a symlink), it changed."""
     try:
-        fd = os.open(f.abspath, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd, before = open_read(f.abspath, os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink now; a FIFO or socket now
             return "changed"
         raise
     try:
-        before = os.fstat(fd)
         if (not st.S_ISREG(before.st_mode) or before.st_size != f.size
                 or before.st_mtime_ns != f.mtime_ns):
             return "changed"
-        os.set_blocking(fd, True)  # a regular file: read it as any other
         if f.size > _STREAM_ABOVE:
             writer.align_for(Codec.NONE, f.size)
             offset, total, h = writer.position, 0, StreamSum(PIECE)

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 from xxhash import xxh3_64_intdigest
 
-from stagefs._fsutil import atomic_write
+from stagefs._fsutil import atomic_write, open_read
 from stagefs.errors import CorruptManifestError, UnsupportedVersionError
 from stagefs.format.checksum import piece_count
 from stagefs.format.spec import (
@@ -253,9 +253,7 @@ class Manifest:
     def __init__(self, path: str, *, verify: bool = True) -> None:
         self.path = path
         try:
-            # non-blocking: a FIFO in a crafted pack would wait for a writer forever; for a
-            # regular file the flag changes nothing, and anything else is refused below
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd, info = open_read(path)  # a FIFO in a crafted pack: refused below, not waited on
         except FileNotFoundError:
             raise CorruptManifestError(
                 f"{path}: no manifest here; is this a pack made by 'stagefs pack'? "
@@ -266,7 +264,6 @@ class Manifest:
             raise CorruptManifestError(f"{pack}: a file, not a pack (a pack is a directory "
                                        f"that holds {name}); name the pack's directory") from None
         try:
-            info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise CorruptManifestError(f"{path}: not a file, so this is not a pack; "
                                            "copy the pack again or re-pack it")

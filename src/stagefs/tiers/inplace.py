@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from stagefs._fsutil import open_read
 from stagefs.errors import SourceChangedError, UnreadableSourceError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
@@ -147,9 +148,8 @@ class InPlaceOrigin:
         rel = os.fsdecode(m.path_of(e))
         path = os.path.join(self.root, rel)
         try:
-            # O_NONBLOCK: a file replaced by a FIFO since the scan must not block the open
-            # (it is refused below as changed); a regular file ignores the flag
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            # a file replaced by a FIFO since the scan: refused below as changed, not waited on
+            fd, s = open_read(path)
         except PermissionError as exc:  # not a change: scanning again would not help
             raise UnreadableSourceError(
                 f"{path}: {exc.strerror} (a file of {self.root}). Give this user read "
@@ -163,7 +163,6 @@ class InPlaceOrigin:
         try:
             self.stats.opens += 1
             self.stats.stats += 1
-            s = os.fstat(fd)
             if not stat.S_ISREG(s.st_mode):
                 raise self._changed(f"{path} is no longer a regular file (it was one when "
                                     f"{self.root} was scanned)")

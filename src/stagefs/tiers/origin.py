@@ -8,6 +8,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
+from stagefs._fsutil import open_read
 from stagefs.config import env
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
 from stagefs.format import Manifest, ShardHeader
@@ -95,10 +96,9 @@ class PackOrigin:
             raise SourceUnavailable(f"{self.pack_dir}: no shard {shard} in this pack")
         path = self.path(shard)
         try:
-            # O_NONBLOCK for the open only: a FIFO named as a shard (a crafted pack) fails
-            # its reads (ESPIPE) instead of hanging the open for a writer
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            os.set_blocking(fd, True)
+            # a FIFO named as a shard (a crafted pack) fails its reads (ESPIPE) instead of
+            # hanging the open for a writer
+            fd, _ = open_read(path)
         except FileNotFoundError:
             if not os.path.isdir(self.pack_dir):  # the whole origin went away
                 raise SourceUnavailable(f"{self.pack_dir} is gone") from None
