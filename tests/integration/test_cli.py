@@ -564,3 +564,22 @@ def test_wait_staged_ends_at_once_when_the_daemon_failed_or_ended(tmp_path: Path
     (rt / "daemon.pid").write_text(gone + "\n")
     r = subprocess.run(status, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and f"pid {gone}" in r.stderr and "ended" in r.stderr
+
+
+def test_output_cut_short_by_its_reader_is_not_success(tmp_path: Path) -> None:
+    """`stagefs cat big | head -c 10`: the reader leaves, the command ends as a program
+    killed by SIGPIPE does (141), so `set -o pipefail` does not take the cut for a success
+    (`stagefs verify | head` once exited 0 whatever verify had found)."""
+    if EXE is None:
+        pytest.skip("the stagefs console script is not on PATH (pip install -e .)")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big").write_bytes(os.urandom(4 << 20))
+    run("pack", tmp_path / "src", tmp_path / "pack")
+    with subprocess.Popen([EXE, "cat", str(tmp_path / "pack"), "big"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        assert len(proc.stdout.read(10)) == 10
+        proc.stdout.close()
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 141, err
+    assert b"Traceback" not in err and b"Exception ignored" not in err, err
