@@ -8,6 +8,7 @@ only decides the order to ask them in and verifies what they return.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import logging
@@ -164,8 +165,11 @@ class Store:
         reopen: dict[str, Any] | None = None,
         runtime: Runtime | None = None,
         counters: str | None = None,
+        borrowed: bool = False,
     ) -> None:
         self.pack_dir = pack_dir
+        # what it was given is the caller's to close, not this store's when it is dropped
+        self._owned = not borrowed
         self.verify = verify
         self.manifest = manifest or Manifest(os.path.join(pack_dir, MANIFEST_NAME))
         self.namespace = ns = Namespace(self.manifest)
@@ -909,7 +913,7 @@ class Store:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         with self._lock:
             if self._closed:
                 return
@@ -920,7 +924,7 @@ class Store:
             for name in _WAYS_IN:
                 setattr(self, name, closed)
         if pool is not None and pool[0] == os.getpid():
-            pool[1].shutdown(wait=True)
+            pool[1].shutdown(wait=wait)
         if self._policy is not None:
             self._policy.close()
         if self._runtime is not None:
@@ -931,6 +935,17 @@ class Store:
         if self._counts is not None:
             self._counts.close()
         self.manifest.close()
+
+    def __del__(self) -> None:
+        """A Store let go of without close() (``stagefs.open(p).read(name)`` in a loop, a
+        notebook cell run again) gives back what it holds, as a file object does: each kept
+        the shard's and the manifest's descriptors, a tier's, its counters and its lease,
+        and the process ran out of descriptors after a few hundred. Quietly: the garbage
+        collector may run this in any thread, even at exit, so nothing is waited for."""
+        if getattr(self, "_closed", True) or not self.__dict__.get("_owned", False):
+            return
+        with contextlib.suppress(Exception):
+            self.close(wait=False)
 
     def _opened_with(self) -> str:
         """The call that opens this dataset again (for the errors of a closed store): a
@@ -956,14 +971,21 @@ class Store:
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "policy_reopen" in state:
             fn, args = state["policy_reopen"]
-            self.__dict__.update(fn(*args).__dict__)
+            self._adopt(fn(*args))
             return
         if "reopen" in state:  # tiers or in place: reopen the same way (_open.py)
             from stagefs._open import build_store
 
-            self.__dict__.update(build_store(**state["reopen"]).__dict__)
+            self._adopt(build_store(**state["reopen"]))
             return
         self.__init__(state["pack_dir"], verify=state["verify"])  # type: ignore[misc]
+
+    def _adopt(self, other: Store) -> None:
+        """Become ``other``, a Store just opened: what it holds is this one's now, so its
+        own going away (``__del__``) must not close it."""
+        self.__dict__.update(other.__dict__)
+        other._owned = False
+        _STORES.add(self)
 
     def __repr__(self) -> str:
         return f"<stagefs.Store {self.pack_dir!r} ({len(self.manifest)} entries)>"

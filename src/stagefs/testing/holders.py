@@ -141,11 +141,11 @@ def check_corrupt_copy(case: HolderCase) -> None:
         _fail(case, f"shard {s} [{lo}, {hi}) after corrupting byte {off}: returned {got!r}, "
                     f"the stored bytes are {bytes(want)!r}")
     reference = _Reference(case)
-    good = Store(case.name, manifest=m, origin=reference, sums=case.sums,
-                 sources=lambda _s: (reference,)).read_entry(e)
-    store = Store(case.name, manifest=m, origin=reference, sums=case.sums,
-                  sources=lambda _s: (case.holder, reference))
     # the Stores borrow the case's manifest and sums: closing them would close those
+    good = Store(case.name, manifest=m, origin=reference, sums=case.sums, borrowed=True,
+                 sources=lambda _s: (reference,)).read_entry(e)
+    store = Store(case.name, manifest=m, origin=reference, sums=case.sums, borrowed=True,
+                  sources=lambda _s: (case.holder, reference))
     if store.read_entry(e) != good:
         _fail(case, f"a Store reading entry {e} through the holder returned wrong bytes")
     if store.stats.checksum_failures != 1:
