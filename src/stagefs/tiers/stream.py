@@ -286,13 +286,19 @@ class Reservations:
 
 def _own_read(a: int, b: int, one_file: bool, offset: int, end: int) -> bool:
     """Whether a reader reads the extents [a, b) itself, whole, for the range [offset, end)
-    of them that it asks (none streaming them soon): a run up to ``DIRECT_LIMIT``, or (some
-    checksum pieces of) one file up to ``FILE_LIMIT``. Their bytes then fill the copy, so the
-    shard's stream does not read them again: a read of a few pieces of a 9 MB file (``read``,
-    or a FUSE mount's 1 MiB requests) read them from the origin, then the stream the whole
-    file. A range of a large raw file is its checksum pieces (fill.Extents): only those are
-    read; a range of a larger compressed file is served from the origin as asked."""
-    return a <= offset and end <= b and (b - a <= DIRECT_LIMIT or (one_file and b - a <= FILE_LIMIT))
+    of them that it asks (none streaming them soon): extents that add up to ``DIRECT_LIMIT``
+    to it, or (some checksum pieces of) one file up to ``FILE_LIMIT``. Their bytes then fill
+    the copy, so the shard's stream does not read them again: a read of a few pieces of a
+    9 MB file (``read``, or a FUSE mount's 1 MiB requests) read them from the origin, then
+    the stream the whole file. A range of a large raw file is its checksum pieces
+    (fill.Extents): only those are read, so a raw file over ``FILE_LIMIT`` read whole (or
+    most of it) is read by its reader too: served past the copy, its bytes came over again
+    when the stream reached them (a 70 MB file read whole by a second process, or before
+    the stream began its shard: 56 MiB of a first epoch read twice). A small range of a
+    larger compressed file is served from the origin as asked."""
+    beyond = (b - a) - (end - offset)  # bytes read that were not asked for
+    return a <= offset and end <= b and (beyond <= DIRECT_LIMIT
+                                         or (one_file and b - a <= FILE_LIMIT))
 
 
 def _runs(idx: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
@@ -725,9 +731,9 @@ class Stream:
                     self._served.holder = "origin"  # read now for this read
                     return self._read_myself(shard, fill, tier, h, runs, offset, length)
             elif not self.res.someone_holds(h, lo, hi):
-                # a run of files over DIRECT_LIMIT, or part of a compressed file over
-                # FILE_LIMIT: the origin serves the range directly (the shard's stream
-                # reads those files again)
+                # a small range of a run of files over DIRECT_LIMIT, or of a compressed
+                # file over FILE_LIMIT: the origin serves the range directly (the shard's
+                # stream reads those files again)
                 raise SourceUnavailable("not streamed now")
             with self._cond:
                 self._cond.wait(delay)
