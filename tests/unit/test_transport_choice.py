@@ -40,3 +40,32 @@ def test_mpi_transport_needs_mpi_ranks(tmp_path: Path, extra: dict[str, object])
 def test_unknown_transport_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="use one of tcp, mpi"):
         serve(ServeOptions(origin=str(tmp_path), tiers=[str(tmp_path)], transport="ib"))
+
+
+def _node(transport: str) -> dict[str, object]:
+    """The STATUS of a staged node, as much as the status table reads."""
+    return {"host": "10.0.0.1", "port": 7070, "state": "staged", "transport": transport,
+            "staging": {"shards_held": 2, "shards_assigned": 2, "bytes_assigned": 10,
+                        "bytes_held": 10},
+            "tiers": [], "server": {"bytes_served": 5, "tcp_peers": 1},
+            "peers_unreachable": 0, "checksum_failures": 0, "reads": {},
+            "mpi": {"server": {"bytes_served": 7}} if transport == "mpi" else None}
+
+
+@pytest.mark.parametrize("transport", ["tcp", "mpi"])
+def test_status_says_which_peer_transport_the_job_runs_on(
+        transport: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # which transport a job's daemons use was said only by --json, while the text's
+    # "served" column sums the MPI server's bytes with the TCP server's
+    from stagefs.cluster import status
+    from stagefs.cluster.cmap import ClusterMap
+
+    cmap = ClusterMap(pack=str(tmp_path / "pack"), pack_id="00", rank=0,
+                      nodes=[("10.0.0.1", 7070), ("10.0.0.2", 7070)], replicas=2, seed=0,
+                      everywhere=[], replicate_all=[], tiers=[])
+    nodes: list[dict[str, object] | None] = [_node(transport), None]
+    monkeypatch.setattr(status, "cluster_status", lambda runtime: (cmap, nodes))
+    status.print_cluster_status(str(tmp_path))
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith(f"(replicas 2, peer transport {transport})"), head

@@ -174,7 +174,8 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         rows = [head] + [_row(n, cmap, s, refusing) for n, s in enumerate(nodes)]
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         print(f"cluster of {cmap.size} nodes serving {cmap.pack} "
-              f"(replicas {cmap.replicas}{', replicate-all ' + ' '.join(cmap.replicate_all) if cmap.replicate_all else ''})")
+              f"(replicas {cmap.replicas}{', replicate-all ' + ' '.join(cmap.replicate_all) if cmap.replicate_all else ''}"
+              f"{_transport(nodes)})")
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         for line in rereplication_lines(nodes, cmap.replicas):
@@ -198,6 +199,14 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
             return 1
         return 0  # staged: every node, but those found dead whose shards were copied again
     return 0 if not down else 1
+
+
+def _transport(nodes: list[dict[str, Any] | None]) -> str:
+    """The peer transport the live nodes say they use (``--transport``), for the header:
+    which one a job runs on was said only by ``--json``, and the "served" column sums
+    both (a node's MPI server's bytes with its TCP server's)."""
+    used = sorted({str(s["transport"]) for s in nodes if s and s.get("transport")})
+    return f", peer transport {'/'.join(used)}" if used else ""
 
 
 def all_staged(nodes: list[dict[str, Any] | None]) -> bool:
