@@ -1,7 +1,8 @@
 """``stagefs doctor``: check this node for what stagefs uses, and say what each finding means.
 
 Every check returns findings (check, status, what it means for the user); nothing is changed
-on the node except a probe file written in each tier and removed again. Statuses: ``ok``,
+on the node except a probe file written in each tier and removed again (a tier directory that
+does not exist yet is made for it, as a store would make it, and removed too). Statuses: ``ok``,
 ``warn`` (works, at a cost the message names), ``missing`` (an optional part is absent: what
 needs it does not work), ``error`` (a tier that was named cannot be used).
 """
@@ -137,20 +138,42 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
                         f"one piece of placement ({format_size(PIECE)} as packed by "
                         f"default) and its copy's header: it holds little or nothing; give "
                         f"it {format_size(2 * PIECE)} or more, or leave it out")]
-    if not os.path.isdir(path):
-        parent = os.path.dirname(path)
-        total, free = _space(parent)
-        return [Finding(label, "ok", f"{path} does not exist yet (stagefs creates it in "
-                        f"{parent}); {format_size(free)} free of {format_size(total)}")]
+    # A tier that does not exist yet is made for the probe, as a store would make it, and
+    # removed again: what the directory's permissions promise (root may "write" in /proc)
+    # is not what the file system takes, and its parents may not exist either.
+    made = _missing_dirs(path)
     try:
+        if made:
+            try:
+                os.makedirs(path, mode=0o700)
+            except OSError as exc:
+                return [Finding(label, "error", f"{path} cannot be created in "
+                                f"{os.path.dirname(made[-1])} ({exc.strerror}): stagefs cannot "
+                                "stage there; name a writable directory with free space")]
         wrote, read = _probe(path, clock)
+        total, free = _space(path)
     except OSError as exc:
         return [Finding(label, "error", f"cannot write in {path} ({exc.strerror}): stagefs "
                         "cannot stage there; name a writable directory with free space")]
-    total, free = _space(path)
-    return [Finding(label, "ok", f"{format_size(free)} free of {format_size(total)}; write "
-                    f"{_speed(PROBE_BYTES, wrote)}, read {_speed(PROBE_BYTES, read)} "
+    finally:
+        for d in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+    new = f"{path} does not exist yet (stagefs creates it in {os.path.dirname(made[-1])}); " \
+        if made else ""
+    return [Finding(label, "ok", f"{new}{format_size(free)} free of {format_size(total)}; "
+                    f"write {_speed(PROBE_BYTES, wrote)}, read {_speed(PROBE_BYTES, read)} "
                     f"({format_size(PROBE_BYTES)} probe)")]
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist, deepest first (the order to
+    remove them in)."""
+    out = []
+    while not os.path.lexists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def check_accelerator() -> list[Finding]:

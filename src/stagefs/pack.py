@@ -749,6 +749,9 @@ def unpack(
     dest_s = os.path.abspath(os.fspath(dest))
     if os.path.lexists(dest_s) and not os.path.isdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not a directory; unpack into a new directory")
+    if os.path.exists(os.path.join(dest_s, MANIFEST_NAME)):  # the arguments swapped
+        raise DestinationExistsError(f"{dest_s} is a pack (it holds {MANIFEST_NAME}): the "
+                                     "pack comes first, then DEST: stagefs unpack PACK DEST")
     if os.path.isdir(dest_s) and os.listdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not empty; unpack into a new directory")
     then = (f"Unpack writes into an empty directory only: remove {dest_s} (it holds part "

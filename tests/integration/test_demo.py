@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -12,18 +13,22 @@ import pytest
 
 import stagefs
 from conftest import build_sample_tree
+from stagefs.bench import demo
 from stagefs.bench.demo import EpochResult, bar_chart
+from stagefs.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 
 EXE = shutil.which("stagefs")
 
 
-def run(*args: str | Path, ok: bool = True) -> subprocess.CompletedProcess[str]:
+def run(*args: str | Path, ok: bool = True, cwd: Path | None = None,
+        home: Path | None = None) -> subprocess.CompletedProcess[str]:
     if EXE is None:
         pytest.skip("the stagefs console script is not on PATH (pip install -e .)")
+    env = {**os.environ, "COLUMNS": "120"} | ({"HOME": str(home)} if home else {})
     proc = subprocess.run([EXE, "demo", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, check=False, env={**os.environ, "COLUMNS": "120"})
+                          timeout=300, check=False, env=env, cwd=cwd)
     assert "Traceback" not in proc.stderr
     if ok:
         assert proc.returncode == 0, proc.stderr
@@ -95,6 +100,38 @@ def test_bad_out_and_size_are_refused_before_the_run(tmp_path: Path) -> None:
     out = tmp_path / "out"  # a bad --origin leaves no empty --out made for the chart
     proc = run("--origin", afile, "--out", out, ok=False)
     assert proc.returncode == 1 and "--origin" in proc.stderr and not out.exists()
+
+
+def test_a_tilde_after_the_equals_sign_is_the_home_directory(tmp_path: Path) -> None:
+    """The shell expands '~' only at the start of a word: '--out=~/charts' made a
+    directory named '~' in the working directory."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    text = run("--origin=~/origin", "--size", "2MiB", "--out=~/charts", cwd=cwd,
+               home=home).stdout
+    assert f"origin: {home / 'origin'} (given with --origin)" in text
+    assert f"dataset kept in {home / 'origin'}" in text
+    assert list(cwd.iterdir()) == []  # no '~' made here
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (home / "charts" / "demo.png").stat().st_size > 0
+
+
+def test_a_full_origin_says_where_and_what_to_do(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that fills up while the dataset is generated was a bare
+    '[Errno 28] No space left on device' (and 'its generation was interrupted')."""
+    def fill(root: str, **_: object) -> None:
+        (Path(root) / "part").write_bytes(b"x")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(demo, "imagenet_like", fill)
+    root = tmp_path / "origin"
+    with pytest.raises(ConfigError) as info:
+        demo.ensure_dataset(str(root), 300 * 2**20)
+    said = str(info.value)
+    assert str(root) in said and "No space left on device" in said and "300.0 MiB" in said
+    assert "--size" in said and "--origin" in said
 
 
 def test_bar_chart_scales_to_the_fastest() -> None:

@@ -66,3 +66,18 @@ def test_stat_in_a_raw_directory_names_the_file_not_a_shard(
     assert f" Bytes: {src / 'a.txt'} (a raw directory" in out
     assert "Shard:" not in out and "xxh3" not in out
     assert " Shard: shard-" in run("stat", pack, "a.txt").stdout.decode()
+
+
+def test_mount_and_unpack_with_the_arguments_swapped_say_the_order(
+        cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    """'stagefs mount MOUNTPOINT PACK' was told to pass --force-nonempty (which then
+    failed on the empty directory taken for the dataset); 'stagefs unpack DEST PACK' that
+    the pack was not empty."""
+    pack, mp = cli_pack[1], tmp_path / "mp"
+    mp.mkdir()
+    line = one_line_error(run("mount", mp, pack, ok=False), f"{pack} is a pack",
+                          "stagefs mount DATASET MOUNTPOINT")
+    assert "--force-nonempty" not in line
+    line = one_line_error(run("unpack", tmp_path / "out", pack, ok=False),
+                          f"{pack} is a pack", "stagefs unpack PACK DEST")
+    assert not (tmp_path / "out").exists() and list(mp.iterdir()) == []

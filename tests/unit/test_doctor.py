@@ -1,11 +1,12 @@
 """``stagefs doctor``'s network check: the send buffer the node daemon asks for its readers'
-connections against the kernel's cap, read from a file as /proc gives it."""
+connections against the kernel's cap, read from a file as /proc gives it; its tier check on a
+tier that does not exist yet: said usable only where a store could make it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from stagefs.doctor import check_network
+from stagefs.doctor import check_network, check_tier
 from stagefs.net.server import UNIX_SNDBUF
 
 
@@ -34,3 +35,22 @@ def test_an_unreadable_cap_is_a_warning_not_an_error(tmp_path: Path) -> None:
             f.write_text(content)
         [finding] = check_network(str(f))
         assert finding.status == "warn" and str(f) in finding.meaning
+
+
+def test_a_tier_whose_parents_do_not_exist_yet_is_probed_and_left_as_it_was(
+        tmp_path: Path) -> None:
+    """A store makes the missing parents of a tier below a directory two levels deep; the
+    doctor ended instead, its report unprinted, asking the free space of a parent that was
+    not there."""
+    [finding] = check_tier(f"{tmp_path / 'scratch' / 'me' / 't0'}:64MiB")
+    assert finding.status == "ok", finding
+    assert f"creates it in {tmp_path}" in finding.meaning and "write" in finding.meaning
+    assert list(tmp_path.iterdir()) == []  # the probe's directories are gone again
+
+
+def test_a_tier_that_cannot_be_made_is_an_error_not_ok() -> None:
+    """Root may write in /proc by its permissions, but no directory can be made there: the
+    doctor called such a tier ok (0 B free of 0 B) where 'stagefs stage' then failed."""
+    [finding] = check_tier("/proc/stagefs-doctor-tier")
+    assert finding.status == "error", finding
+    assert "/proc/stagefs-doctor-tier" in finding.meaning

@@ -11,6 +11,7 @@ dataset (a walk for plain files, the in-place scan for stagefs).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -99,9 +100,17 @@ def ensure_dataset(root: str, size: int | None) -> bool:
                               f"files too: unpack it first ('stagefs unpack {root} DIR') and "
                               "pass DIR, or pass an empty directory to generate a dataset in")
         return False
-    files = max(1, (size if size is not None else DEFAULT_SIZE) // MEAN_SAMPLE)
-    os.makedirs(root, exist_ok=True)
-    imagenet_like(root, files=files, classes=max(1, min(1000, files // 100)))
+    want = size if size is not None else DEFAULT_SIZE
+    files = max(1, want // MEAN_SAMPLE)
+    try:
+        os.makedirs(root, exist_ok=True)
+        imagenet_like(root, files=files, classes=max(1, min(1000, files // 100)))
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ConfigError(f"{root}: {exc.strerror} while generating the demo's dataset "
+                          f"({format_size(want)}): free space there, pass a smaller --size, or "
+                          "an --origin DIR on a file system with room") from None
     return True
 
 
@@ -228,6 +237,10 @@ def write_png(plain: Sequence[EpochResult], fast: Sequence[EpochResult], path: s
 def run_demo(origin: str | None = None, size: int | None = None, out: str = "stagefs-demo",
              epochs: int = 3) -> int:
     t_start = time.perf_counter()
+    # '--out=~/x' reaches us unexpanded (the shell expands '~' only at a word's start): a
+    # directory named '~' in the working directory is never what was meant
+    out = os.path.expanduser(out)
+    origin = None if origin is None else os.path.expanduser(origin)
     if size is not None and size <= 0:
         raise ConfigError(f"--size {size}: the dataset to generate needs more than 0 bytes "
                           "(e.g. --size 300MiB)")
@@ -291,7 +304,7 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
         if temp:
             shutil.rmtree(root, ignore_errors=True)
         elif partial and os.path.isdir(root) and os.listdir(root):
-            print(f"the dataset in {root} is incomplete (its generation was interrupted): "
+            print(f"the dataset in {root} is incomplete (its generation did not finish): "
                   "remove it before running the demo on it again", file=sys.stderr)
         elif generated:
             print(f"dataset kept in {root}")

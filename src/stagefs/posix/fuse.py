@@ -60,6 +60,7 @@ from typing import Any
 from stagefs._sysinfo import memory_available
 from stagefs.config import env_flag
 from stagefs.errors import ConfigError, PathError, StagefsError
+from stagefs.format import MANIFEST_NAME
 from stagefs.runtime import job_id
 
 __all__ = ["CACHE_TIMEOUT", "check_mountpoint", "fuse_available", "is_mounted", "mount", "unmount"]
@@ -905,6 +906,10 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
     if not nonempty:
         with os.scandir(mp) as it:
             held = sorted(itertools.islice((e.name for e in it), 3))
+        if os.path.exists(os.path.join(mp, MANIFEST_NAME)):  # the arguments swapped
+            raise ConfigError(f"mount point {mp} is a pack (it holds {MANIFEST_NAME}): the "
+                              "dataset comes first, then the mount point: stagefs mount "
+                              "DATASET MOUNTPOINT")
         if held:
             raise ConfigError(
                 f"mount point {mp} is not empty (it holds {', '.join(held)}"
