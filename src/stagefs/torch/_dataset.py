@@ -42,12 +42,18 @@ class EpochPlan:
     rank: int
     holders: tuple[tuple[int, ...], ...] | None
     window: int
+    # the sampler's dataset is a Subset of this one (random_split): its samples here, by
+    # the sampler's index; the order is dealt over the Subset and read here
+    index: npt.NDArray[np.int64] | None = None
 
     def order(self, epoch: int, shard_of: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
+        if shard_of is not None and self.index is not None:
+            shard_of = shard_of[self.index]
         plan = Plan(self.n, self.seed, epoch, self.shuffle, self.drop_last,
                     [Segment(self.world, 0, self.holders)],
                     shard_of if self.holders is not None else None, self.window)
-        return plan.remaining(self.rank)
+        order = plan.remaining(self.rank)
+        return order if self.index is None else self.index[order]
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,22 @@ def _tier_reader(dataset: Any, shard_of: npt.NDArray[np.int64]) -> Callable[[Seq
     return read
 
 
+def _files_of(dataset: Any) -> tuple[Any, npt.NDArray[np.int64] | None]:
+    """The stagefs dataset the sampler's indices read, and where each index is in it: the
+    dataset itself (no map), or the FileDataset under torch Subsets (``random_split``
+    carving a validation set out of ``train``), whose indices the Subsets map; ``(None,
+    None)`` for any other dataset (no locality, no read-ahead)."""
+    index: npt.NDArray[np.int64] | None = None
+    while isinstance(dataset, torch.utils.data.Subset):
+        sub = np.asarray(dataset.indices, dtype=np.int64)  # negative: from the end, as a list's
+        sub = np.where(sub < 0, sub + len(dataset.dataset), sub)  # type: ignore[arg-type]
+        index = sub if index is None else sub[index]
+        dataset = dataset.dataset
+    if not hasattr(dataset, "shard_of"):
+        return None, None
+    return dataset, index
+
+
 def _is_whole(x: object) -> bool:
     """An int (numpy's too), not a bool or a float."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
@@ -164,10 +180,19 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._held_by = held_by
         self.budget = 0 if self.closed else self._budget(prefetch)  # closed: no read-ahead
         self.prefetch_threads = prefetch_threads  # None: by the store (_ahead_threads)
-        if (self.locality or self.budget) and not hasattr(dataset, "shard_of"):
-            raise ConfigError("locality and prefetch need a stagefs dataset (FileDataset)")
+        # the FileDataset read (the dataset, or the one under its Subsets) and the map
+        # from the sampler's indices to its own: the order is dealt over ``dataset`` and
+        # read ahead by the FileDataset's indices, which the DataLoader's fetches carry
+        self._files, self._index = _files_of(dataset)
+        if (self.locality or self.budget) and self._files is None:
+            raise ConfigError(
+                f"locality and prefetch need a stagefs dataset, not {type(dataset).__name__}: "
+                "a FileDataset, or a torch Subset of one (random_split); drop locality and "
+                "prefetch for another dataset")
+        shards = self._files.shard_of() if self._files is not None else None
+        self._file_shards: npt.NDArray[np.int64] | None = shards  # by the FileDataset's index
         self._shard_of: npt.NDArray[np.int64] | None = (
-            dataset.shard_of() if hasattr(dataset, "shard_of") else None)
+            shards if shards is None or self._index is None else shards[self._index])
         self.epoch = 0
         self._segments: list[Segment] | None = None  # None: from the epoch's start
         self._plan: Plan | None = None
@@ -252,7 +277,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         )
 
     def _held_here(self) -> tuple[int, ...]:
-        held = getattr(self.dataset.store, "held_shards", None)
+        held = getattr(getattr(self._files, "store", None), "held_shards", None)
         return tuple(sorted(int(s) for s in held())) if held is not None else ()
 
     def _gather_holders(self) -> None:
@@ -360,10 +385,10 @@ class Sampler(torch.utils.data.Sampler[int]):
         # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
         self._stop_tier_ahead(wait=False)
         threads, chunk = self._ahead_threads()
-        p = Prefetcher(self.dataset.read_samples, self.dataset.sizes(), order, self.budget,
-                       threads=threads, chunk=chunk)
+        p = Prefetcher(self._files.read_samples, self._files.sizes(), self._in_files(order),
+                       self.budget, threads=threads, chunk=chunk)
         self.prefetcher = p
-        self.dataset._set_prefetcher(p)  # started on first use in this process
+        self._files._set_prefetcher(p)  # started on first use in this process
 
     def _ahead_threads(self) -> tuple[int, int]:
         """Threads and samples a read of the in-memory read-ahead. With tiers one thread
@@ -378,7 +403,7 @@ class Sampler(torch.utils.data.Sampler[int]):
     def _stage(self, order: npt.NDArray[np.int64]) -> None:
         """Once per epoch plan: hand the store the shards in order of first use (this
         epoch, then the next)."""
-        stage = getattr(self.dataset.store, "prefetch", None)
+        stage = getattr(self._files.store, "prefetch", None)
         if stage is None or self._staged_plan is self._plan:
             return
         assert self._shard_of is not None
@@ -398,14 +423,16 @@ class Sampler(torch.utils.data.Sampler[int]):
             return
         order = self.order()
         self._stage(order)
-        chain = self.dataset.store.chain
+        chain = self._files.store.chain
         if chain.room_left() < self.budget:
             # the tiers cannot keep what it would read (the stream, staging the shards in
             # order of first use, takes their room): its reads would be read again by the
             # workers (a tier of a tenth of the dataset: the first epoch read 1.6 D)
             return
-        self.tier_ahead = TierAhead(_tier_reader(self.dataset, self._shard_of),
-                                    self.dataset.sizes(), order, self.budget, threads=1,
+        assert self._file_shards is not None
+        self.tier_ahead = TierAhead(_tier_reader(self._files, self._file_shards),
+                                    self._files.sizes(), self._in_files(order), self.budget,
+                                    threads=1,
                                     room=lambda: not chain.full).start()
 
     def _stop_tier_ahead(self, *, wait: bool) -> None:
@@ -415,20 +442,24 @@ class Sampler(torch.utils.data.Sampler[int]):
             self.tier_ahead = None
 
     def _tiered(self) -> bool:
-        return getattr(self.dataset.store, "chain", None) is not None
+        return getattr(getattr(self._files, "store", None), "chain", None) is not None
+
+    def _in_files(self, order: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Indices of the sampler's dataset as the FileDataset's (through its Subsets)."""
+        return order if self._index is None else self._index[order]
 
     def _tell_workers(self) -> None:
         """Give the dataset this epoch's order before the DataLoader starts its workers (they
         inherit or unpickle it) so each worker can read its own next batches ahead."""
-        if self.budget and hasattr(self.dataset, "_set_upcoming") and not self._tiered():
+        if self.budget and hasattr(self._files, "_set_upcoming") and not self._tiered():
             plan = self.plan()
             # the next epochs start from their beginning with this world size and these
             # holders, a resumed epoch's too: a persistent worker follows them after it
             # (a resume with another world size turned it off for the rest of the run)
             follow = EpochPlan(self.n, self.seed, self.shuffle, self.drop_last,
                                self.world_size, self.rank, plan.segments[-1].holders,
-                               self.window)
-            self.dataset._set_upcoming(Upcoming(self.order(), self.budget,
+                               self.window, self._index)
+            self._files._set_upcoming(Upcoming(self._in_files(self.order()), self.budget,
                                                 max(1, self._ahead_threads()[0] // 2),
                                                 self.epoch, follow))
 
@@ -538,7 +569,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         self._stop_tier_ahead(wait=True)
         if self.prefetcher is not None:
             self.prefetcher.close()
-            self.dataset._set_prefetcher(None)
+            self._files._set_prefetcher(None)
             self.prefetcher = None
 
     def __del__(self) -> None:
