@@ -36,9 +36,25 @@ import stagefs
 
 raw, large, scratch, tag, ranges = sys.argv[1:6]
 def packed(src, name):
+    # a pack kept from an earlier invocation is reused only if this checkout's packer, as
+    # it is now, wrote it from this tree: --a and --b swapped, a checkout edited since or
+    # another --files would otherwise read a pack of other code or of other data
     dest = os.path.join(scratch, name + '-' + tag)
-    if not os.path.exists(os.path.join(dest, 'manifest.sfm')):
+    pkg = os.path.dirname(os.path.abspath(stagefs.__file__))
+    code = sorted((os.path.relpath(os.path.join(d, f), pkg), st.st_size, st.st_mtime_ns)
+                  for d, _, fl in os.walk(pkg) for f in fl if f.endswith(('.py', '.so'))
+                  for st in [os.stat(os.path.join(d, f))])
+    with open(os.path.join(src, '.complete')) as f:
+        made_by = json.dumps([pkg, code, f.read()])
+    try:
+        with open(dest + '.made-by') as f:
+            same = f.read() == made_by
+    except OSError:
+        same = False
+    if not same or not os.path.exists(os.path.join(dest, 'manifest.sfm')):
         stagefs.pack(src, dest, jobs=1, overwrite=True, progress=False)
+        with open(dest + '.made-by', 'w') as f:
+            f.write(made_by)
     return dest
 
 PASSES = 5
@@ -164,21 +180,37 @@ print(json.dumps(out))
 """
 
 
+def _kept(root: str, made_of: dict[str, int]) -> bool:
+    """Whether ``root`` is a tree kept from an earlier run made of the same ``made_of``
+    (its ``.complete`` marker says): one of another --files was reused as this one."""
+    try:
+        with open(os.path.join(root, ".complete")) as f:
+            return bool(json.loads(f.read() or "null") == made_of)
+    except (OSError, ValueError):
+        return False
+
+
+def _made(root: str, made_of: dict[str, int]) -> None:
+    with open(os.path.join(root, ".complete"), "w") as f:
+        json.dump(made_of, f)
+
+
 def _large_tree(root: str, files: int, mib: int) -> str:
-    marker = os.path.join(root, ".complete")
-    if not os.path.exists(marker):
+    made_of = {"files": files, "mib": mib}
+    if not _kept(root, made_of):
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         for i in range(files):  # incompressible, and not a multiple of any piece size
             with open(os.path.join(root, f"blob-{i:03d}.bin"), "wb") as f:
                 f.write(os.urandom(mib * 2**20 + 12345))
-        open(marker, "w").close()
+        _made(root, made_of)
     return root
 
 
 def _run(src: str, raw: str, large: str, scratch: str, tag: str, ranges: bool
          ) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
+    env.pop("STAGEFS_TIERS", None)  # "no tier" means none, whatever the shell says
     proc = subprocess.run([sys.executable, "-c", _CHILD, raw, large, scratch, tag,
                            "1" if ranges else "0"], env=env,
                           capture_output=True, text=True)
@@ -218,11 +250,12 @@ def main() -> int:
 
     os.makedirs(args.scratch, exist_ok=True)
     raw = os.path.join(args.scratch, "raw")
-    if not os.path.exists(os.path.join(raw, ".complete")):
+    if not _kept(raw, {"files": args.files}):
         shutil.rmtree(raw, ignore_errors=True)
         imagenet_like(raw, files=args.files, classes=max(1, args.files // 200))
-        open(os.path.join(raw, ".complete"), "w").close()
-    large = _large_tree(os.path.join(args.scratch, "large"), args.large_files, args.large_mib)
+        _made(raw, {"files": args.files})
+    large = ("" if args.no_ranges else  # nearly 300 MB at the defaults, for the ranges only
+             _large_tree(os.path.join(args.scratch, "large"), args.large_files, args.large_mib))
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for _ in range(args.runs):
         for tag, src in (("a", args.a), ("b", args.b)):
@@ -256,7 +289,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"a": os.path.abspath(args.a), "b": os.path.abspath(args.b),
-                   "load": os.getloadavg(), "runs": runs}, f, indent=1)
+                   "files": args.files, "load": os.getloadavg(), "runs": runs}, f, indent=1)
     print(f"saved {args.out}")
     kept = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.scratch)
                for f in fs)

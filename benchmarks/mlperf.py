@@ -17,6 +17,7 @@ reader threads and the simulated compute time per batch are the workloads' own.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -191,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--even-if-busy", action="store_true",
                    help="run while tests run on this machine")
     a = p.parse_args(argv)
+    workloads, modes = a.workloads.split(","), a.modes.split(",")
+    for flag, names, known in (("--workloads", workloads, tuple(WORKLOADS)),
+                               ("--modes", modes, MODES)):
+        if bad := [n for n in names if n not in known]:  # a mode not known ran as "api"
+            raise SystemExit(f"mlperf: {flag} {','.join(bad)}: unknown; choose from "
+                             f"{','.join(known)}")
+    if importlib.util.find_spec("dlio_benchmark") is None:
+        raise SystemExit(f"mlperf: dlio-benchmark is not installed in {sys.executable}: install "
+                         "dlio-benchmark 2.0.0 there (docs/mlperf.md, 'Installing DLIO')")
     pfs = Path(a.pfs)
     if not os.path.ismount(pfs):
         raise SystemExit(f"mlperf: {pfs} is not mounted: start the test PFS first "
@@ -209,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                    TF_CPP_MIN_LOG_LEVEL="3", STAGEFS_RUNTIME=str(work / "runtime"))
         env.pop("STAGEFS_TIERS", None)
         rows = []
-        for name in a.workloads.split(","):
+        for name in workloads:
             wl = WORKLOADS[name]
             data, pack = prepare(wl, a.size, pfs, env)
-            for mode in a.modes.split(","):
+            for mode in modes:
                 if mode == "api" and not wl.api_mode:
                     continue
                 try:

@@ -446,16 +446,38 @@ def simulate(n: int, p: Params) -> Outcome:
 KILL_CONSTANTS = {"connect_s"}  # measured only where a node was lost (emulated-kill.json)
 
 
+def emulated(flag: str, path: str) -> dict[str, Any]:
+    """An emulated.json of benchmarks/emucluster.py, or a SystemExit naming the flag and the
+    file (a missing or foreign file was a traceback from open, json or a KeyError)."""
+    why = "no 'settings' and 'runs' in it"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        if isinstance(doc, dict) and isinstance(doc.get("settings"), dict) and isinstance(
+                doc.get("runs"), list):
+            return doc
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+    except ValueError:
+        why = "not JSON"
+    raise SystemExit(f"scale_sim: {flag} {path}: {why}: give an emulated.json that "
+                     "benchmarks/emucluster.py --out DIR wrote")
+
+
 def load_calibration(path: str) -> tuple[Params, dict[str, Any]]:
-    with open(path) as f:
-        doc = json.load(f)
+    doc = emulated("--calibration", path)
     s, cal = doc["settings"], doc.get("calibration", {})
-    p = Params(samples_per_node=s["samples_per_node"], sample_bytes=s["sample_kib"] * 1024,
-               batch=s["batch"], compute_s=s["compute_ms"] / 1000, prefetch=s["prefetch"],
-               epochs=s["epochs"], replicas=s["replicas"], link_Bps=s["rate_mbit"] * 1e6 / 8,
-               seed=s["seed"], dead_after_s=s.get("dead_after", Params.dead_after_s),
-               epoch_ahead=s.get("epoch_ahead", False),
-               lost_refuses=bool(s.get("kill")))  # --kill: a daemon SIGKILLed, its node up
+    try:
+        p = Params(samples_per_node=s["samples_per_node"], sample_bytes=s["sample_kib"] * 1024,
+                   batch=s["batch"], compute_s=s["compute_ms"] / 1000, prefetch=s["prefetch"],
+                   epochs=s["epochs"], replicas=s["replicas"],
+                   link_Bps=s["rate_mbit"] * 1e6 / 8, seed=s["seed"],
+                   dead_after_s=s.get("dead_after", Params.dead_after_s),
+                   epoch_ahead=s.get("epoch_ahead", False),
+                   lost_refuses=bool(s.get("kill")))  # --kill: a daemon SIGKILLed, its node up
+    except KeyError as exc:
+        raise SystemExit(f"scale_sim: --calibration {path}: its settings lack {exc}: give an "
+                         "emulated.json that benchmarks/emucluster.py --out DIR wrote") from None
     known = {f for f in Params.__dataclass_fields__} - {"local_s"}  # see Params.local_s
     return replace(p, **{k: v for k, v in cal.items() if k in known}), doc
 
@@ -477,12 +499,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     p, doc = load_calibration(a.calibration[0])
     for path in a.calibration[1:]:
-        with open(path) as f:
-            more = json.load(f).get("calibration", {})
+        more = emulated("--calibration", path).get("calibration", {})
         p = replace(p, **{k: v for k, v in more.items() if k in KILL_CONSTANTS})
     if a.measured:
-        with open(a.measured) as f:
-            doc = json.load(f)
+        doc = emulated("--measured", a.measured)
         # how the emulation lost its node: a daemon SIGKILLed, its kernel refusing
         p = replace(p, lost_refuses=bool(doc["settings"].get("kill")))
     measured = {r["nodes"]: r for r in doc["runs"]}

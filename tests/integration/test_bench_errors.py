@@ -5,6 +5,7 @@ and a failure reported as one (in the table and in the exit status), never as a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -83,6 +84,31 @@ def test_an_interrupted_generation_leaves_no_partial_dataset(
     assert os.listdir(origin) == []
 
 
+@pytest.mark.parametrize("err, words", [
+    (errno.ENOSPC, "they need about 429.7 KiB: free space there, or name another directory"),
+    (errno.EROFS, "name a directory you can write with --origin"),
+])
+def test_a_generation_the_origin_has_no_room_for_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        err: int, words: str) -> None:
+    """A full (or read-only) file system at --origin: the flag and what to do, not a bare
+    "[Errno 28] No space left on device"; and nothing of the dataset left there."""
+    from stagefs.bench import datasets
+
+    def full(root: str, **_: Any) -> None:
+        os.makedirs(os.path.join(root, "train"))
+        Path(root, "train", "img_0.JPEG").write_bytes(b"x" * 100)
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(datasets, "imagenet_like", full)
+    origin = tmp_path / "o"
+    assert main([*TINY, "--origin", str(origin), "--out", str(tmp_path / "r")]) == 1
+    msg = capsys.readouterr().err
+    assert f"--origin {origin}: generating 4 imagenet-like files there failed" in msg, msg
+    assert words in msg, msg
+    assert not origin.exists() and not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("kind", ["file", "origin-file"])
 def test_out_or_origin_a_file_is_refused_before_any_work(
         tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -106,6 +132,7 @@ def test_a_missing_peer_python_is_refused_before_any_work(
     out = capsys.readouterr()
     assert "--peer-python" in out.err and "generating" not in out.out
     assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "r").exists()  # no empty report directory either
 
 
 def test_systems_asked_for_that_cannot_run_fail_the_bench(
@@ -259,3 +286,56 @@ def test_ctrl_c_before_any_epoch_ended_writes_no_report(
                "--origin", str(tmp_path / "o"), "--out", str(out), "--systems", "plain-local"])
     assert rc == 130
     assert not out.exists()
+
+
+def test_the_system_without_a_tier_takes_none_from_stagefs_tiers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$STAGEFS_TIERS in the user's shell (as a training job sets it) must not give
+    stagefs-native a tier: that tier, not emptied between runs, served its epochs, so the
+    "no tier" row measured a tier and the cold epoch of every later run was warm."""
+    env_tier = tmp_path / "users-tier"
+    env_tier.mkdir()
+    monkeypatch.setenv("STAGEFS_TIERS", str(env_tier))
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "users-runtime"))
+    rc = main([*TINY, "--epochs", "2", "--origin", str(tmp_path / "o"),
+               "--out", str(tmp_path / "r"), "--systems", "stagefs-native"])
+    assert rc == 0
+    res = _results(tmp_path / "r")
+    epochs = res["systems"]["stagefs-native"]["epochs"]
+    assert [e["origin_bytes"] for e in epochs] == [res["dataset"]["bytes"]] * 2
+    assert os.listdir(env_tier) == []
+
+
+def test_a_dataset_found_at_origin_is_not_called_what_dataset_says(tmp_path: Path) -> None:
+    """--dataset and --files shape a generated dataset only: the report of a run on files
+    found at --origin called them "npz" because the flag said so."""
+    origin = tmp_path / "o"
+    origin.mkdir()
+    for k in range(3):
+        (origin / f"{k}.jpg").write_bytes(bytes([k]) * 100)
+    rc = main([*TINY, "--dataset", "npz", "--origin", str(origin), "--out", str(tmp_path / "r"),
+               "--systems", "plain-origin"])
+    assert rc == 0
+    assert _results(tmp_path / "r")["dataset"] == {
+        "kind": "existing", "root": str(origin), "files": 3, "bytes": 300}
+    assert (tmp_path / "r" / "table.md").read_text().startswith("3 existing files")
+    assert sorted(os.listdir(origin)) == ["0.jpg", "1.jpg", "2.jpg"]
+
+
+def test_a_local_copy_that_does_not_fit_leaves_no_part_behind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--local too small for plain-local's copy: the part copied filled it, so the worker
+    could not write its own error, and every system after it was "left out" with a
+    traceback, then the bench ended on a bare "[Errno 28]". The part is removed."""
+    ctx = Context(raw=str(tmp_path / "raw"), conv=str(tmp_path / "conv"),
+                  local=str(tmp_path / "local"), index=str(tmp_path / "index"))
+
+    def full(src: str, dest: str, **_: Any) -> None:
+        os.makedirs(dest)
+        Path(dest, "part").write_bytes(b"x" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dest)
+
+    monkeypatch.setattr(systems.shutil, "copytree", full)
+    with pytest.raises(OSError):
+        systems.PlainLocal().convert(ctx)
+    assert not os.path.exists(ctx.scratch("plain-local"))

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
+import signal
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from stagefs.bench import fuse_serve, worker
 from stagefs.bench.limit import read_files
 from stagefs.bench.measure import OriginCounter, Proc, Tally
-from stagefs.bench.report import limit_table, summarize, summary_table
+from stagefs.bench.report import limit_table, summarize, summary_table, write_report
 from stagefs.cli import main
 
 
@@ -82,6 +88,12 @@ def test_summary_takes_medians_of_cold_and_warm_epochs() -> None:
     assert "| x " in text and "of which shared MiB" in text
 
 
+def test_a_system_ctrl_c_stopped_before_its_turn_did_not_fail() -> None:
+    results = _results([])
+    results["interrupted"] = "stopped by Ctrl-C during run 1 of 1"
+    assert summarize(results)["x"]["error"] == "not run: stopped by Ctrl-C before its turn"
+
+
 def test_shared_pages_a_process_maps_are_told_from_its_own(tmp_path: Path) -> None:
     """A memory tier's pages a reader maps count in its RSS as shared memory: the bench
     reports them apart (a tier file on tmpfs, mapped and touched here)."""
@@ -125,6 +137,45 @@ def test_the_limit_reads_every_byte_with_any_number_of_streams(tmp_path: Path) -
         assert nbytes == sum(sizes) and seconds > 0
 
 
+def test_ctrl_c_stops_the_limits_readers(tmp_path: Path) -> None:
+    """Ctrl-C while the origin's limit is measured: the readers stop at their next read and
+    are gone when read_files returns, where they read the whole pack first (minutes on a
+    slow link) or failed once the run removed it. A FIFO fed byte by byte is the slow
+    origin; SIGINT comes once the reader has read from it; the feeder sees the reader go
+    (a write with no reader left fails)."""
+    fifo = tmp_path / "shard"
+    os.mkfifo(fifo)
+    fed, gone, done = threading.Event(), threading.Event(), threading.Event()
+
+    def feed() -> None:
+        with open(fifo, "wb", buffering=0) as f:
+            while not done.wait(0.005):
+                try:
+                    f.write(b"x")
+                except BrokenPipeError:  # the reader closed it: stopped
+                    gone.set()
+                    return
+                fed.set()
+
+    def interrupt() -> None:
+        if fed.wait(30):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    feeder, ctrl_c = threading.Thread(target=feed), threading.Thread(target=interrupt)
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    feeder.start()
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            read_files([str(fifo)], 1)
+        assert gone.wait(10), "the reader kept reading after Ctrl-C"
+    finally:
+        signal.signal(signal.SIGINT, old)
+        done.set()
+        ctrl_c.join()
+        feeder.join()
+
+
 @pytest.mark.parametrize("args, words", [
     (["--systems", "nosuch"], "unknown system"),
     (["--epochs", "0"], "at least 1"),
@@ -136,3 +187,53 @@ def test_bad_options_are_named(args: list[str], words: str, tmp_path: Path,
     assert rc == 1
     assert words in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before generating anything
+
+
+def test_one_epoch_a_run_reports_no_warm_figures(tmp_path: Path) -> None:
+    """With --epochs 1 the warm columns say "-": never the cold epoch again under a warm
+    heading (they showed the cold samples/s and origin opens as warm ones)."""
+    results = _results([_epoch(0, r, 9) for r in (100, 300, 200)])
+    m = summarize(results)["x"]
+    assert m["cold_samples_per_s"] == 200
+    assert m["warm_samples_per_s"] is None and m["warm_origin_opens"] is None
+    row = next(line for line in summary_table(results).splitlines() if line.startswith("| x "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3:6] == ["200", "-", "-"]  # cold samples/s, warm samples/s, warm MB/s
+    assert cells[9] == "-"  # origin opens (warm)
+    results.update(epochs=1, runs=3, cold="page cache dropped",
+                   dataset={"kind": "imagenet-like", "root": "/o", "files": 3, "bytes": 30})
+    written = write_report(results, str(tmp_path))  # the plots too, where matplotlib is
+    assert "no warm figures" in (tmp_path / "table.md").read_text()
+    assert all(os.path.getsize(p) > 0 for p in written)
+
+
+def test_the_fuse_servers_counters_are_the_ones_taken_after_the_epoch(tmp_path: Path) -> None:
+    """The server's thread publishes its origin counters every 50 ms; on a loaded machine it
+    runs late, and the counters read a fixed 0.2 s after the epoch were the ones of before
+    its end: the cold epoch's bytes went to the next one's. The reader now waits for the
+    first ones taken after the end (the server's thread, real, held back here)."""
+    stats = tmp_path / "stats.json"
+    spec = {"server_stats": str(stats)}
+
+    store = SimpleNamespace(origin=SimpleNamespace(stats=SimpleNamespace(
+        as_dict=lambda: {"bytes_read": 1000})))
+    stats.write_text(json.dumps({"bytes_read": 10, "at": 0.0}))  # before the epoch's end
+    stop, go = threading.Event(), threading.Event()
+    ended = time.monotonic()
+
+    def late() -> None:
+        go.wait(30)  # the server descheduled past the epoch's end
+        fuse_serve._publish(store, str(stats), stop)
+
+    t, wake = threading.Thread(target=late), threading.Timer(0.3, go.set)
+    t.start()
+    wake.start()
+    try:
+        got = worker._server_stats(spec, after=ended)
+    finally:
+        wake.cancel()
+        go.set()
+        stop.set()
+        t.join()
+        wake.join()
+    assert got["bytes_read"] == 1000 and got["at"] >= ended

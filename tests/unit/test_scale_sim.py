@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("simpy", reason="the scale model needs SimPy (pip install '.[test]')")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import simpy
-from scale_sim import Links, Params, Sim, simulate
+from scale_sim import Links, Params, Sim, main, simulate
 
 SMALL = Params(samples_per_node=32, epochs=2, shard_bytes=512 * 1024)  # 8 samples a shard
 
@@ -146,3 +146,23 @@ def test_each_reader_finds_the_lost_node_dead_by_a_request_of_its_own() -> None:
     assert len(sim.knows) >= 2  # several readers, each by its own failed request
     assert o.hedged_parts >= len(sim.knows)
     assert o.origin_fallback_bytes == 0  # the other replica answered each
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "No such file or directory"),
+    ("{}", "no 'settings' and 'runs' in it"),
+    ("not json", "not JSON"),
+    ('{"settings": {}, "runs": []}', "its settings lack 'samples_per_node'"),
+])
+def test_a_calibration_that_is_not_an_emulated_run_is_named(
+        tmp_path: Path, content: str | None, words: str) -> None:
+    """A missing or foreign --calibration file: the flag, the file and what to give, not a
+    traceback from open, json or a KeyError."""
+    path = tmp_path / "emulated.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["--calibration", str(path), "--nodes", "2"])
+    msg = str(exc.value)
+    assert msg.startswith(f"scale_sim: --calibration {path}: {words}"), msg
+    assert "benchmarks/emucluster.py --out DIR" in msg

@@ -25,6 +25,10 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
+def _median_or_none(epochs: Sequence[dict[str, Any]], key: str) -> float | None:
+    return _median([e[key] for e in epochs]) if epochs else None
+
+
 def _names(results: dict[str, Any]) -> list[str]:
     """The systems in the order they ran, then those that never ran (a failed conversion)."""
     order = list(results.get("order") or [])
@@ -39,10 +43,14 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
         s = results["systems"][name]
         eps = s["epochs"]
         if not eps:
-            out[name] = {"title": s["title"], "error": (s["errors"] or ["no epochs"])[0]}
+            why = ("not run: stopped by Ctrl-C before its turn" if results.get("interrupted")
+                   else "no epochs")  # a system Ctrl-C stopped first did not fail
+            out[name] = {"title": s["title"], "error": (s["errors"] or [why])[0]}
             continue
         first = [e for e in eps if e["epoch"] == 0]
-        rest = [e for e in eps if e["epoch"] > 0] or first
+        # with --epochs 1 there is no warm epoch: its figures are None ("-"), never the
+        # cold epoch's again under a warm heading
+        rest = [e for e in eps if e["epoch"] > 0]
         per_epoch = [
             _median([e["samples_per_s"] for e in eps if e["epoch"] == k])
             for k in range(max(e["epoch"] for e in eps) + 1)]
@@ -51,14 +59,14 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "conversion_s": s["conversion"]["seconds"],
             "size_on_disk": s["conversion"]["bytes_on_disk"],
             "cold_samples_per_s": _median([e["samples_per_s"] for e in first]),
-            "warm_samples_per_s": _median([e["samples_per_s"] for e in rest]),
-            "warm_mb_per_s": _median([e["mb_per_s"] for e in rest]),
+            "warm_samples_per_s": _median_or_none(rest, "samples_per_s"),
+            "warm_mb_per_s": _median_or_none(rest, "mb_per_s"),
             "cold_origin_opens": _median([e["origin_opens"] for e in first]),
             "cold_origin_stats": _median([e["origin_stats"] for e in first]),
             "cold_origin_bytes": _median([e["origin_bytes"] for e in first]),
-            "warm_origin_opens": _median([e["origin_opens"] for e in rest]),
-            "warm_origin_stats": _median([e["origin_stats"] for e in rest]),
-            "warm_origin_bytes": _median([e["origin_bytes"] for e in rest]),
+            "warm_origin_opens": _median_or_none(rest, "origin_opens"),
+            "warm_origin_stats": _median_or_none(rest, "origin_stats"),
+            "warm_origin_bytes": _median_or_none(rest, "origin_bytes"),
             "peak_rss": max(e["peak_rss"] for e in eps),
             "peak_shared_rss": max(e.get("shared_rss", 0) for e in eps),
             "cpu_s_per_1k": _median([e["cpu_s_per_1k"] for e in eps]),
@@ -69,8 +77,8 @@ def summarize(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _fmt(x: float, digits: int = 0) -> str:
-    return f"{x:,.{digits}f}"
+def _fmt(x: float | None, digits: int = 0) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
 
 
 def summary_table(results: dict[str, Any]) -> str:
@@ -105,7 +113,8 @@ def markdown(results: dict[str, Any]) -> str:
     d = results["dataset"]
     head = (f"{d['files']:,} {d['kind']} files, {d['bytes'] / 1e6:,.1f} MB at {d['root']}; "
             f"{results['epochs']} epochs per run, {results['runs']} runs, medians; "
-            f"first epoch of each run cold ({results['cold']}).")
+            f"first epoch of each run cold ({results['cold']})"
+            + ("; one epoch a run, so no warm figures." if results["epochs"] == 1 else "."))
     cmd = f"\n\nCommand: `{results['command']}`" if results.get("command") else ""
     if results.get("interrupted"):
         head = f"**Incomplete: {results['interrupted']}.** " + head
@@ -182,10 +191,16 @@ def _plots(results: dict[str, Any], out: str) -> list[str]:
     paths = []
     ys = range(len(names))
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.5), sharey=True)
-    for ax, key, label in ((axes[0], "cold_samples_per_s", "cold first epoch"),
-                           (axes[1], "warm_samples_per_s", "warm epochs")):
-        vals = [summary[n][key] for n in names]
+    # --epochs 1 has no warm epoch: its panel and bars are left out, not drawn as zeros
+    warm = any(summary[n]["warm_samples_per_s"] is not None for n in names)
+    panels = [("cold_samples_per_s", "cold first epoch")]
+    panels += [("warm_samples_per_s", "warm epochs")] if warm else []
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 0.5,
+                                                      0.45 * len(names) + 1.5),
+                             sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        vals = [summary[n][key] or 0.0 for n in names]
         # a node-local copy is never cold: keep the cold scale for the systems that are
         local = {n for n in names if not results["systems"][n].get("on_origin", True)}
         scale = max([v for n, v in zip(names, vals, strict=True)
@@ -218,11 +233,12 @@ def _plots(results: dict[str, Any], out: str) -> list[str]:
     paths.append(_save(fig, out, "epochs.png"))
 
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(names) + 1.5))
-    for off, (label, ops) in zip((-0.2, 0.2), (
-            ("cold epoch", [summary[n]["cold_origin_opens"] + summary[n]["cold_origin_stats"]
-                            for n in names]),
-            ("warm epoch", [summary[n]["warm_origin_opens"] + summary[n].get(
-                "warm_origin_stats", 0) for n in names])), strict=True):
+    bars = [("cold epoch", [summary[n]["cold_origin_opens"] + summary[n]["cold_origin_stats"]
+                            for n in names])]
+    bars += [("warm epoch", [(summary[n]["warm_origin_opens"] or 0)
+                             + (summary[n].get("warm_origin_stats") or 0) for n in names])
+             ] if warm else []
+    for off, (label, ops) in zip((-0.2, 0.2) if warm else (0.0,), bars, strict=True):
         ax.barh([y + off for y in ys], [max(0.8, v) for v in ops], height=0.4, label=label)
         for y, v in zip(ys, ops, strict=True):
             ax.text(max(0.8, v), y + off, f" {v:,.0f}", va="center", fontsize=8)

@@ -8,6 +8,7 @@ page cache was dropped (when root) and every node-local cache emptied, then warm
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ from typing import Any
 
 from stagefs.bench.base import Context, System
 from stagefs.bench.systems import all_systems, serve_fuse, stop_fuse
+from stagefs.config import format_size
 from stagefs.errors import ConfigError
 
 __all__ = ["BenchConfig", "run_bench"]
@@ -93,6 +95,14 @@ def _dataset(cfg: BenchConfig) -> tuple[str, bool]:
                           progress=False)
         else:
             npz_like(root, files=cfg.files, progress=False)
+    except OSError as exc:  # a full or read-only origin: name it and what it needs
+        _empty(root, remove=made)
+        need = cfg.files * (110_000 if cfg.dataset == "imagenet-like" else 17_000)
+        todo = (f"they need about {format_size(need)}: free space there, or name another "
+                "directory with --origin" if exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                else "name a directory you can write with --origin")
+        raise ConfigError(f"--origin {root}: generating {cfg.files:,} {cfg.dataset} files "
+                          f"there failed ({exc.strerror or exc}): {todo}") from None
     except BaseException:
         _empty(root, remove=made)
         raise
@@ -244,9 +254,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if cfg.epochs < 1 or cfg.runs < 1 or cfg.files < 1:
         raise ConfigError("--epochs, --runs and --files must be at least 1")
     systems = _select(cfg.systems)
+    peer_python = _peer_python(cfg, systems)  # before --out is made: a refusal leaves none
     made_out = not os.path.exists(cfg.out)
     check_out(cfg.out)
-    peer_python = _peer_python(cfg, systems)
     raw, generated = "", False
     claimed: list[str] = []  # this run's own directories, removed at the end
     try:
@@ -263,7 +273,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         ctx = Context(raw=raw, conv=conv, local=local,
                       index=os.path.join(scratch, "index.tsv"),
                       fuse_mount=os.path.join(local, "fuse-mount"))
-        return _run(cfg, systems, ctx, scratch, raw, write_report, peer_python)
+        return _run(cfg, systems, ctx, scratch, raw, write_report, peer_python, generated)
     finally:
         if not cfg.keep:
             for d in claimed:
@@ -276,13 +286,18 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, raw: str,
-         write_report: Any, peer_python: str | None = None) -> dict[str, Any]:
+         write_report: Any, peer_python: str | None = None,
+         generated: bool = True) -> dict[str, Any]:
     files, total = _index(raw, ctx.index)
-    cfg.say(f"dataset: {files:,} files, {total / 1e6:,.1f} MB in {raw}")
+    # a dataset found at --origin is what it is: --dataset and --files shape a generated
+    # one only, and the report must not call 300 JPEG-like files "npz"
+    kind = cfg.dataset if generated else "existing"
+    cfg.say(f"dataset: {files:,} files, {total / 1e6:,.1f} MB in {raw}" + (
+        "" if generated else " (found there: --dataset and --files apply to generating only)"))
     worker = _Worker(cfg, ctx, scratch, peer_python)
     results: dict[str, Any] = {
         "command": cfg.command, "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "dataset": {"kind": cfg.dataset, "root": raw, "files": files, "bytes": total},
+        "dataset": {"kind": kind, "root": raw, "files": files, "bytes": total},
         "where": {"origin": raw, "conversions": ctx.conv, "local": ctx.local},
         "epochs": cfg.epochs, "runs": cfg.runs, "machine": _machine(),
         "systems": {}, "skipped": {}, "requested": list(cfg.systems or []),

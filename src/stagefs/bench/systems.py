@@ -69,7 +69,11 @@ class PlainLocal(_PlainReads):
     def convert(self, ctx: Context) -> str:
         dest = ctx.scratch(self.name)
         shutil.rmtree(dest, ignore_errors=True)
-        shutil.copytree(ctx.raw, dest)
+        try:
+            shutil.copytree(ctx.raw, dest)
+        except BaseException:  # a --local too small: a part copy would fill it for the
+            shutil.rmtree(dest, ignore_errors=True)  # others (and this error's report)
+            raise
         return dest
 
     def _root(self, ctx: Context) -> str:
@@ -109,8 +113,9 @@ class _StagefsBase(_Base):
 
         pack = ctx.out(self.pack_name)
         t = self.tier_args(ctx)
-        if t is None:
-            return stagefs.open(pack)
+        if t is None:  # no tier whatever $STAGEFS_TIERS says: a tier of the user's, never
+            # emptied between runs, would serve this "no tier" system and its cold epochs
+            return stagefs.open(pack, **_taken(stagefs.open, tiers=[]))
         return stagefs.open(pack, tiers=t[0], runtime=t[1])  # type: ignore[call-arg]
 
     def open(self, ctx: Context, run: int) -> None:

@@ -83,11 +83,10 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
     opens = opens1 - opens0
     if server:  # FUSE: the server process reads the origin; count its share too
         cpu += server.cpu() - s_cpu0
-        time.sleep(0.2)  # the server publishes its counters every 50 ms
-        s_stats1 = _server_stats(spec)
-        origin_bytes = s_stats1.get("bytes_read", 0) - s_stats0.get("bytes_read", 0)
-        opens += s_stats1.get("opens", 0) - s_stats0.get("opens", 0)
-        stats_extra = s_stats1.get("stats", 0) - s_stats0.get("stats", 0)
+        s_stats1 = _server_stats(spec, after=time.monotonic())
+        origin_bytes = int(s_stats1.get("bytes_read", 0) - s_stats0.get("bytes_read", 0))
+        opens += int(s_stats1.get("opens", 0) - s_stats0.get("opens", 0))
+        stats_extra = int(s_stats1.get("stats", 0) - s_stats0.get("stats", 0))
         extra["server_peak_rss"] = server.peak_rss()
         peak += extra["server_peak_rss"]
         shared += server.shared_rss()
@@ -104,13 +103,22 @@ def _one_epoch(system: Any, ctx: Any, spec: dict[str, Any], epoch: int,
         setup_seconds=setup, extra=extra)
 
 
-def _server_stats(spec: dict[str, Any]) -> dict[str, int]:
-    """The FUSE server's origin counters (fuse_serve.py writes them)."""
-    try:
-        with open(spec["server_stats"]) as f:
-            return dict(json.load(f))
-    except (OSError, ValueError, KeyError, TypeError):
-        return {}
+def _server_stats(spec: dict[str, Any], after: float | None = None,
+                  timeout: float = 30.0) -> dict[str, float]:
+    """The FUSE server's origin counters (fuse_serve.py writes them every 50 ms). With
+    ``after``: the first ones taken after that moment (their ``at``), so that an epoch's
+    bytes are never counted in the next one's when the server's thread runs late; the
+    last seen if none comes within ``timeout`` (a server that died)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(spec["server_stats"]) as f:
+                stats = dict(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError):
+            stats = {}
+        if after is None or stats.get("at", 0.0) >= after or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
 
 
 def main(argv: list[str]) -> int:
