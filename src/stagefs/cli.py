@@ -223,8 +223,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not cmd:
         raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
     exe = shutil.which(cmd[0])
-    if exe is None:
-        raise SystemExit(f"stagefs run: command not found: {cmd[0]}")
+    if exe is None:  # as a shell, env or timeout says it: 127 not found, 126 not runnable
+        there = os.sep in cmd[0] and os.path.exists(cmd[0])
+        print(f"stagefs run: {cmd[0]}: "
+              f"{'not an executable file' if there else 'command not found'}", file=sys.stderr)
+        return 126 if there else 127
     served = preload.launch if preload_library() is not None else None
     if served is None and program_kind(cmd) == "native" and not args.any_program:
         raise ConfigError(

@@ -583,3 +583,17 @@ def test_output_cut_short_by_its_reader_is_not_success(tmp_path: Path) -> None:
         err = proc.stderr.read()
         assert proc.wait(timeout=60) == 141, err
     assert b"Traceback" not in err and b"Exception ignored" not in err, err
+
+
+def test_run_of_a_command_that_is_not_there_exits_as_a_shell_does(
+        cli_pack: tuple[Path, Path], tmp_path: Path) -> None:
+    """127 for a command not found, 126 for a file that is not executable (as a shell,
+    env and timeout say it): a job script tells them from the program's own failure."""
+    _, pack = cli_pack
+    script = tmp_path / "train.sh"
+    script.write_text("echo hi\n")  # not made executable
+    for cmd, code, said in ((["no-such-command-here"], 127, "command not found"),
+                            ([str(script)], 126, "not an executable file")):
+        proc = run("run", "--dataset", pack, "--at", tmp_path / "at", "--", *cmd, ok=False)
+        assert proc.returncode == code, proc.stderr
+        assert proc.stderr.decode().strip() == f"stagefs run: {cmd[0]}: {said}"
