@@ -318,7 +318,7 @@ def test_stagefs_run_errors_are_clear(tree: Any, tmp_path: Path) -> None:
     assert r.returncode == 1 and "no dataset here" in r.stderr
     r = _run([sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(tree[1]),
               "--at", str(tmp_path / "a"), "--", "no-such-command-x"])
-    assert r.returncode != 0 and "command not found: no-such-command-x" in r.stderr
+    assert r.returncode == 127 and "no-such-command-x: command not found" in r.stderr
 
 
 def test_subprocess_inside_the_api_block_is_intercepted(tree: Any, store: stagefs.Store,
