@@ -313,16 +313,7 @@ class Interceptor:
                 e = ns.dir_entry(r)
             except OSError as exc:
                 raise _fix(exc, path) from None
-            return _ScandirIterator(_entries(e, "." if path is None else path))
-
-        def _entries(e: int, path: Any) -> Iterator[DirEntry]:
-            m = store.manifest
-            base = path if isinstance(path, (str, bytes)) else os.fspath(path)
-            asbytes = isinstance(base, bytes)
-            for c in m.children(e):
-                raw = m.name_of(c)
-                name: Any = raw if asbytes else os.fsdecode(raw)
-                yield DirEntry(ns, c, name, posixpath.join(base, name))  # type: ignore[arg-type]
+            return _ScandirIterator(ns.dir_entries(e, "." if path is None else path))
 
         def readlink(path: Any, *, dir_fd: int | None = None) -> Any:
             r = None if dir_fd is not None else rel(path)

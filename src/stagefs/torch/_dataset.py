@@ -46,26 +46,53 @@ class EpochPlan:
     # the sampler's index; the order is dealt over the Subset and read here
     index: npt.NDArray[np.int64] | None = None
 
-    def order(self, epoch: int, shard_of: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
-        if shard_of is not None and self.index is not None:
-            shard_of = shard_of[self.index]
-        plan = Plan(self.n, self.seed, epoch, self.shuffle, self.drop_last,
-                    [Segment(self.world, 0, self.holders)],
-                    shard_of if self.holders is not None else None, self.window)
-        order = plan.remaining(self.rank)
+    def order(self, epoch: int, shard_of: Callable[[], npt.NDArray[np.int64]],
+              segments: Sequence[Segment] | None = None) -> npt.NDArray[np.int64]:
+        """This rank's order of ``epoch`` (by this dataset's indices): from its start, or,
+        given the epoch's ``segments`` (a resumed epoch), from where the last one stands.
+        ``shard_of`` is called only for a locality plan, which needs it."""
+        segs = list(segments) if segments else [Segment(self.world, 0, self.holders)]
+        local = any(s.holders is not None for s in segs)
+        shards = shard_of() if local else None
+        if shards is not None and self.index is not None:
+            shards = shards[self.index]
+        order = Plan(self.n, self.seed, epoch, self.shuffle, self.drop_last, segs, shards,
+                     self.window).remaining(self.rank)
         return order if self.index is None else self.index[order]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Upcoming:
-    """What the Sampler tells DataLoader workers: this rank's order for the epoch, and the
-    read-ahead budget (shared by the workers) and threads (per worker)."""
+    """What the Sampler tells DataLoader workers: how this rank's order of the epoch is
+    dealt, and the read-ahead budget (shared by the workers) and threads (per worker).
 
-    order: npt.NDArray[np.int64]
+    The order itself (8 bytes a sample) is not pickled: a spawned worker works it out
+    from the plan (a function of numbers) when it first reads. Sent along, it was
+    10 MB per worker for ImageNet's 1.28 M files, more than a pipe holds, so the
+    DataLoader could start the next worker only once this one had imported torch and
+    read it: the workers started one after the other. A forked worker inherits the
+    order the Sampler worked out."""
+
     budget: int
     threads: int
-    epoch: int = 0
-    plan: EpochPlan | None = None  # to follow into the next epochs
+    epoch: int
+    plan: EpochPlan  # also to follow into the next epochs
+    segments: tuple[Segment, ...] | None = None  # a resumed epoch's stretches; None: its start
+    known: npt.NDArray[np.int64] | None = None  # the order, once worked out in this process
+
+    def order(self, shard_of: Callable[[], npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+        if self.known is None:
+            self.known = self.plan.order(self.epoch, shard_of, self.segments)
+        return self.known
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"budget": self.budget, "threads": self.threads, "epoch": self.epoch,
+                "plan": self.plan, "segments": self.segments}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.known = None
 
 
 @dataclass
@@ -331,10 +358,11 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         return st.prefetcher.start()
 
     def _worker_plan(self, up: Upcoming, info: Any, size: int) -> _WorkerAhead:
-        n = len(up.order)
-        batches = [up.order[b * size : (b + 1) * size]
+        order = up.order(self.shard_of)
+        n = len(order)
+        batches = [order[b * size : (b + 1) * size]
                    for b in range(info.id, math.ceil(n / size), info.num_workers)]
-        mine = np.concatenate(batches) if batches else up.order[:0]
+        mine = np.concatenate(batches) if batches else order[:0]
         p = Prefetcher(self.read_samples, self.sizes(), mine,
                        max(1, up.budget // info.num_workers), threads=up.threads)
         return _WorkerAhead(os.getpid(), p, batches)
@@ -342,10 +370,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def _next_epoch(self, up: Upcoming) -> Upcoming | None:
         """A persistent worker's batches stopped matching: if they are the next epoch's,
         follow it (the order is a function of the seed and the epoch)."""
-        if up.plan is None:
-            return None
-        order = up.plan.order(up.epoch + 1, self.shard_of())
-        return Upcoming(order, up.budget, up.threads, up.epoch + 1, up.plan)
+        return Upcoming(up.budget, up.threads, up.epoch + 1, up.plan)
 
     def _set_upcoming(self, up: Upcoming | None) -> None:
         self._upcoming = up

@@ -459,9 +459,11 @@ class Sampler(torch.utils.data.Sampler[int]):
             follow = EpochPlan(self.n, self.seed, self.shuffle, self.drop_last,
                                self.world_size, self.rank, plan.segments[-1].holders,
                                self.window, self._index)
-            self._files._set_upcoming(Upcoming(self._in_files(self.order()), self.budget,
-                                                max(1, self._ahead_threads()[0] // 2),
-                                                self.epoch, follow))
+            # the plan, not the order, travels to spawned workers (Upcoming); forked ones
+            # inherit the order worked out here
+            self._files._set_upcoming(Upcoming(
+                self.budget, max(1, self._ahead_threads()[0] // 2), self.epoch, follow,
+                tuple(plan.segments), known=self._in_files(self.order())))
 
     # -- resumable state -------------------------------------------------------------------
 
