@@ -348,13 +348,17 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
 
 
 def _write_shard(
-    dest: str, index: int, pack_id: bytes, files: list[_Source], compress: str, align: FileAlign
+    dest: str, index: int, pack_id: bytes, files: list[_Source], compress: str,
+    align: FileAlign, on_file: Callable[[int], object] | None = None,
 ) -> _ShardResult:
-    """Worker: write shard ``index``; its record file makes it reusable by a later run."""
+    """Worker: write shard ``index``; its record file makes it reusable by a later run.
+    ``on_file(size)``: after each file (the progress bar, when written in this process)."""
     result = _ShardResult(index, [])
     writer = ShardWriter(os.path.join(dest, shard_name(index)), index, pack_id, align)
     try:
         for f in files:
+            if on_file is not None:
+                on_file(f.size)
             try:
                 rec = _write_one(writer, f, compress)
             except PermissionError:
@@ -379,6 +383,15 @@ def _write_shard(
     _write_json(record_path, {"files": _signature(files), "records": result.records,
                               "size": result.size, "version": VERSION})
     return result
+
+
+def _written(dest: str, index: int, most: int) -> int:
+    """The bytes shard ``index`` holds so far while a worker writes it (its ``.partial``
+    file), up to ``most`` (its files' size: padding and headers are not progress)."""
+    try:
+        return min(most, os.stat(os.path.join(dest, shard_name(index)) + ".partial").st_size)
+    except OSError:
+        return 0  # not begun, or just renamed into place
 
 
 def _write_json(path: str, obj: Any) -> None:
@@ -658,25 +671,37 @@ def _run_writers(
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                desc="packing", disable=None if progress is None else not progress,
                dynamic_ncols=True)
-    done_files = 0
+    done_files = done_bytes = 0
+    # The bar moves as files are written, not only as whole shards end: a pack of many tiny
+    # files makes few shards (ImageNet's 1.28 M files at 16-200 bytes: 3), and the bar sat
+    # at 0% for 2 of the 3 minutes. Here, file by file; from the worker processes, by the
+    # bytes their shards (.partial) hold so far, looked at twice a second.
+    sizes = {i: sum(f.size for f in plan[i]) for i in todo}
     try:
         if jobs == 1 or len(todo) <= 1:
             for i in todo:
-                results[i] = _write_shard(dest, i, pack_id, plan[i], compress, align)
+                results[i] = _write_shard(dest, i, pack_id, plan[i], compress, align,
+                                          on_file=bar.update)
                 done_files += len(plan[i])
-                bar.update(sum(f.size for f in plan[i]))
                 bar.set_postfix_str(f"{done_files}/{total_files} files")
             return
         with worker_pool(jobs) as pool:  # no worker outlives a killed pack
             futures = {pool.submit(_write_shard, dest, i, pack_id, plan[i], compress, align): i
                        for i in todo}
             try:
-                for fut in cf.as_completed(futures):
-                    i = futures[fut]
-                    results[i] = fut.result()
-                    done_files += len(plan[i])
-                    bar.update(sum(f.size for f in plan[i]))
-                    bar.set_postfix_str(f"{done_files}/{total_files} files")
+                waiting = set(futures)
+                while waiting:
+                    ended, waiting = cf.wait(waiting, timeout=0.5,
+                                             return_when=cf.FIRST_COMPLETED)
+                    for fut in ended:
+                        i = futures[fut]
+                        results[i] = fut.result()
+                        done_files += len(plan[i])
+                        done_bytes += sizes[i]
+                    if not bar.disable:
+                        bar.n = done_bytes + sum(_written(dest, futures[f], sizes[futures[f]])
+                                                 for f in waiting if f.running())
+                        bar.set_postfix_str(f"{done_files}/{total_files} files")
             except BaseException:
                 for fut in futures:
                     fut.cancel()
