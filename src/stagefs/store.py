@@ -8,7 +8,6 @@ only decides the order to ask them in and verifies what they return.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import logging
@@ -942,10 +941,11 @@ class Store:
         the shard's and the manifest's descriptors, a tier's, its counters and its lease,
         and the process ran out of descriptors after a few hundred. Quietly: the garbage
         collector may run this in any thread, even at exit, so nothing is waited for."""
-        if getattr(self, "_closed", True) or not self.__dict__.get("_owned", False):
-            return
-        with contextlib.suppress(Exception):
-            self.close(wait=False)
+        try:  # no module-level name here: at exit, modules may be torn down already
+            if not self.__dict__.get("_closed", True) and self.__dict__.get("_owned", False):
+                self.close(wait=False)
+        except Exception:  # nothing to tell, and no one to tell it to
+            pass
 
     def _opened_with(self) -> str:
         """The call that opens this dataset again (for the errors of a closed store): a
