@@ -38,14 +38,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagefs._fsutil import atomic_write, login, private_makedirs, user_name
+from stagefs._fsutil import atomic_write, login, open_read, private_makedirs, user_name
 from stagefs.config import env
 from stagefs.errors import ConfigError, RuntimeInUseError
 
-__all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start"]
+__all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start", "read_record"]
 
 _JOB_VARS = ("STAGEFS_JOB", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 HOST = socket.gethostname()
+PID_MAX = 2**22  # the kernel's largest pid_max: a larger "pid" names no process
+RECORD_MAX = 2**20
+"""The largest record file (lease, tier or stats record) read: the small JSON files stagefs
+writes are far below it; a larger one is damage, skipped rather than read into memory."""
 log = logging.getLogger("stagefs")
 _USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
@@ -102,8 +106,8 @@ def proc_start(pid: int) -> int:
 
 def alive(pid: int, start: int = 0) -> bool:
     """Is process ``pid`` (started at ``start``, if known) still running?"""
-    if pid <= 0:
-        return False
+    if not 0 < pid <= PID_MAX:
+        return False  # no process has it (a lease written wrong, or crafted)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -161,14 +165,15 @@ def _read_lease(path: str) -> Lease | None:
     in its file name, so that it is still judged."""
     name = os.path.basename(path)
     pid_s, _, host = name.partition("@")
+    if not os.path.lexists(path):
+        return None
+    doc = read_record(path)
     try:
-        with open(path) as f:
-            doc = json.load(f)
+        if doc is None:
+            raise ValueError(path)
         return Lease(int(doc["pid"]), str(doc["host"]), int(doc.get("start", 0)),
                      str(doc.get("cmd", "")))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, OverflowError):
         return Lease(int(pid_s), host or HOST) if pid_s.isdigit() else None
 
 
@@ -231,7 +236,12 @@ class Runtime:
             _private_dir(self.base)
         _private_dir(self.path)
         for sub in (self.claims, self.stats, self.tiers, self.inplace, self.procs):
-            os.makedirs(sub, mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(sub, mode=0o700, exist_ok=True)
+            except FileExistsError:  # a file (or symlink) there: the directory's is made anew
+                log.warning("%s: not a directory (damaged runtime directory); made anew", sub)
+                os.unlink(sub)
+                os.makedirs(sub, mode=0o700, exist_ok=True)
         self.register()
         return self
 
@@ -266,7 +276,7 @@ class Runtime:
         out: list[Lease] = []
         try:
             names = sorted(os.listdir(self.procs))
-        except FileNotFoundError:
+        except OSError:  # gone, or not a directory (damaged): no lease to judge
             return out
         for name in names:
             if name.endswith(".partial"):
@@ -276,8 +286,8 @@ class Runtime:
                 continue
             if lease.alive():
                 out.append(lease)
-            else:
-                with contextlib.suppress(FileNotFoundError):
+            else:  # (what cannot be unlinked, a directory made there, stays: judged again)
+                with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.procs, name))
         return out
 
@@ -326,18 +336,23 @@ class Runtime:
         with another, left the first set's data behind)."""
         path = os.path.join(self.tiers, pack_id + ".json")
         placed = list(tier_dirs)
+        old = _tier_record(read_record(path))
+        for t in [*old["placed"], *old["tiers"]] if old is not None else []:
+            if t not in placed:
+                placed.append(t)
+        record = {"pack_id": pack_id, "tiers": tier_dirs, "placed": placed}
         try:
-            with open(path) as f:
-                old = json.load(f)
-            for t in [*old.get("placed", []), *old.get("tiers", [])]:
-                if isinstance(t, str) and t not in placed:
-                    placed.append(t)
-        except (OSError, ValueError, AttributeError):
-            pass
-        _write_json(path, {"pack_id": pack_id, "tiers": tier_dirs, "placed": placed})
+            _write_json(path, record)
+        except IsADirectoryError:  # a directory made under its name: the record replaces it
+            log.warning("%s: a directory (damaged runtime directory); made a record anew", path)
+            shutil.rmtree(path, ignore_errors=True)
+            _write_json(path, record)
 
     def tier_records(self) -> list[dict[str, Any]]:
-        return _read_jsons(self.tiers)
+        """The tier records, checked: ``clean`` removes the directories they name, so a
+        damaged one (a pack id that is not a name, a tier that is not an absolute path) is
+        skipped rather than trusted."""
+        return [r for r in map(_tier_record, _read_jsons(self.tiers)) if r is not None]
 
     def tier_dirs(self) -> list[str]:
         """The tier directories (``<tier>/<pack id>``) this job's data was placed into."""
@@ -423,9 +438,28 @@ def _not_runtime(path: str) -> str | None:
     return "it has no procs/ folder: no stagefs process ever used it as its runtime"
 
 
+def _tier_record(rec: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tier record (``record_tiers``) with its fields checked, or None: the pack id a
+    plain name, ``tiers`` and ``placed`` lists of absolute paths (a wrong entry dropped)."""
+    if rec is None:
+        return None
+    pack_id = rec.get("pack_id")
+    if not isinstance(pack_id, str) or pack_id in ("", ".", "..") or "/" in pack_id \
+            or "\0" in pack_id:
+        return None
+
+    def paths(key: str) -> list[str]:
+        value = rec.get(key)
+        return [t for t in value if isinstance(t, str) and os.path.isabs(t) and "\0" not in t] \
+            if isinstance(value, list) else []
+
+    tiers = paths("tiers")
+    return {**rec, "pack_id": pack_id, "tiers": tiers,
+            "placed": paths("placed") if "placed" in rec else tiers}
+
+
 def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:
-    return [os.path.join(t, rec["pack_id"]) for rec in records
-            for t in rec.get("placed", rec.get("tiers", []))]
+    return [os.path.join(t, rec["pack_id"]) for rec in records for t in rec["placed"]]
 
 
 def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = frozenset()
@@ -457,18 +491,34 @@ def _write_json(path: str, obj: Any) -> None:
     atomic_write(path, json.dumps(obj))
 
 
+def read_record(path: str) -> dict[str, Any] | None:
+    """The JSON object in the record file ``path``, or None if there is none to read: gone,
+    being replaced, torn by a crash, or damaged (not a JSON object, not a regular file,
+    larger than ``RECORD_MAX``). Opened without following a symlink or waiting on a FIFO,
+    and read within a bound: a runtime directory left damaged (by a crash, a buggy
+    program) makes ``stagefs status`` and ``clean`` skip the record, never hang, fill the
+    memory or fail."""
+    try:
+        fd, info = open_read(path, os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if not st.S_ISREG(info.st_mode) or info.st_size > RECORD_MAX:
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(RECORD_MAX + 1)
+        doc = json.loads(raw) if len(raw) <= RECORD_MAX else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    return doc if isinstance(doc, dict) else None
+
+
 def _read_jsons(folder: str) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
     try:
         names = sorted(os.listdir(folder))
-    except FileNotFoundError:
-        return out
-    for name in names:
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue  # being replaced right now, or torn by a crash: skip it
-    return out
+    except OSError:  # gone, or not a directory (damaged): no records
+        return []
+    records = (read_record(os.path.join(folder, n)) for n in names if n.endswith(".json"))
+    return [r for r in records if r is not None]

@@ -14,7 +14,7 @@ import stat
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagefs._fsutil import atomic_write, unreachable
+from stagefs._fsutil import atomic_write, open_read, unreachable
 from stagefs.errors import ClusterError
 from stagefs.net.auth import read_token, write_token
 
@@ -26,6 +26,7 @@ TOKEN_NAME = "token"
 DAEMON_PID = "daemon.pid"  # the runtime directory's daemon, once it holds the directory
 FAILED_NAME = "daemon.failed"  # why the daemon of this runtime could not start
 MAP_VERSION = 1
+_MAP_MAX = 64 * 2**20  # far above any map (a line per node): what is longer is damage
 
 
 @dataclass(frozen=True)
@@ -55,14 +56,18 @@ class ClusterMap:
     def from_json(cls, text: str, where: str) -> ClusterMap:
         try:
             d = json.loads(text)
+            if not isinstance(d, dict):
+                raise TypeError("not a JSON object")
             if d.get("version") != MAP_VERSION:
                 raise ClusterError(f"{where}: cluster map version {d.get('version')}; this "
                                    f"stagefs reads {MAP_VERSION}: use the daemon's stagefs")
+            bytes.fromhex(d["pack_id"])  # (a ValueError if it is not hex)
             d["nodes"] = [(str(h), int(p)) for h, p in d["nodes"]]
             d["tiers"] = [(str(p), None if c is None else int(c)) for p, c in d["tiers"]]
             return cls(**d)
         except (ValueError, TypeError, KeyError) as exc:
-            raise ClusterError(f"{where}: malformed cluster map ({exc})") from None
+            raise ClusterError(f"{where}: malformed cluster map ({exc}): restart this node's "
+                               "daemon, which writes it anew") from None
 
 
 def prepare_runtime(path: str) -> None:
@@ -99,9 +104,15 @@ def check_runtime_access(path: str) -> None:
 def load_runtime(path: str) -> tuple[ClusterMap, bytes]:
     check_runtime_access(path)
     target = os.path.join(path, MAP_NAME)
-    try:
-        with open(target) as f:
-            text = f.read()
+    try:  # without waiting on a FIFO, and bounded: a damaged runtime, never a hang
+        fd, info = open_read(target)
+        try:
+            if not stat.S_ISREG(info.st_mode):
+                raise ClusterError(f"{target}: not a file (a damaged runtime directory): "
+                                   "remove it and restart this node's daemon, which writes it")
+            text = os.read(fd, _MAP_MAX).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
     except PermissionError as exc:  # the map itself closed to this user
         raise ClusterError(f"{target}: this user cannot read it: "
                            f"{unreachable(target) or exc.strerror}; run as its owner") from None

@@ -9,13 +9,14 @@ connection (both nonces are fresh).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import os
 import secrets
 import stat
 
-from stagefs._fsutil import atomic_write, unreachable, user_name
+from stagefs._fsutil import atomic_write, open_read, unreachable, user_name
 from stagefs.errors import ClusterError
 from stagefs.net.protocol import NONCE_SIZE
 
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 TOKEN_SIZE = 32
+_TOKEN_FILE_MAX = 4096  # a token file is 65 bytes; what is longer is not one
 
 
 def new_token() -> bytes:
@@ -106,8 +108,16 @@ def read_token(path: str, missing: str = "no job token here; is the stagefs daem
     st: os.stat_result | None = None
     try:
         st = os.stat(path)
-        with open(path, "rb") as f:
-            text = f.read().strip()
+        # without waiting, and a bounded read: a FIFO or a device (a symlink to /dev/zero)
+        # where the token was would hold the reader forever or fill its memory
+        fd, st = open_read(path)
+        try:
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EISDIR, os.strerror(errno.EISDIR)) if stat.S_ISDIR(
+                    st.st_mode) else OSError(errno.EINVAL, "not a regular file")
+            text = os.pread(fd, _TOKEN_FILE_MAX, 0).strip()
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         raise ClusterError(f"{path}: {missing}") from None
     except PermissionError:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import time
 from collections.abc import Iterator
 
-from stagefs._fsutil import atomic_write, file_lock
+from stagefs._fsutil import atomic_write, file_lock, open_read
 from stagefs.runtime import alive, proc_start
 
 __all__ = ["Claims"]
@@ -73,6 +75,8 @@ class Claims:
                 return False  # its creator is writing it right now
             if owner is not None and alive(*owner):
                 return False
+            if os.path.isdir(path) and not os.path.islink(path):  # damage: no rename onto it
+                shutil.rmtree(path, ignore_errors=True)
             atomic_write(path, self.me, mode=0o600)
         self.taken += 1
         self.takeovers += 1
@@ -93,8 +97,17 @@ def _parse(text: str) -> tuple[int, int] | None:
 
 
 def _read(path: str) -> tuple[int, int] | None:
+    """The owner in the claim at ``path``; None if there is none, or if what is there is no
+    claim (damaged: garbage, a FIFO, a directory), which is then taken over as a dead one's.
+    Opened without waiting: a FIFO under a claim's name would hold a plain open forever."""
     try:
-        with open(path) as f:
-            return _parse(f.read())
-    except FileNotFoundError:
+        fd, info = open_read(path, os.O_NOFOLLOW)
+    except OSError:
         return None
+    try:
+        raw = os.pread(fd, 64, 0) if stat.S_ISREG(info.st_mode) else b""
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return _parse(raw.decode("ascii", "replace"))

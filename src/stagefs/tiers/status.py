@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import mmap
 import os
+import stat
 import threading
 import weakref
 from typing import Any
 
+from stagefs._fsutil import open_read
 from stagefs._table import table
 from stagefs.config import format_size
-from stagefs.runtime import Runtime
+from stagefs.runtime import Runtime, read_record
 from stagefs.tiers.tier import dir_bytes
 
 __all__ = ["COUNTER_SLOTS", "HOLDERS", "ReadCounters", "holder_summary", "job_status",
@@ -142,11 +143,16 @@ def read_counts(folder: str) -> dict[str, int]:
     except OSError:
         return total
     for name in names:
-        try:
-            with open(os.path.join(folder, name), "rb") as f:
-                raw = f.read(_SIZE)
+        try:  # without waiting: a FIFO under a counters name would hold status forever
+            fd, info = open_read(os.path.join(folder, name), os.O_NOFOLLOW)
         except OSError:
             continue
+        try:
+            raw = os.pread(fd, _SIZE, 0) if stat.S_ISREG(info.st_mode) else b""
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
         if raw[:8] != MAGIC or len(raw) < 16:
             continue  # not a counters file (or one being made): skip it
         body = raw[16:]
@@ -154,6 +160,16 @@ def read_counts(folder: str) -> dict[str, int]:
             if 8 * i + 8 <= len(body):
                 total[key] += int.from_bytes(body[8 * i : 8 * i + 8], "little")
     return total
+
+
+def _count(value: Any) -> int:
+    """A count from a process's stats record, 0 if it is not one (a damaged record)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _obj(value: Any) -> dict[str, Any]:
+    """A JSON object of a stats record, empty if the record has something else there."""
+    return value if isinstance(value, dict) else {}
 
 
 def holder_summary(counts: dict[str, int]) -> dict[str, Any]:
@@ -231,19 +247,21 @@ def job_status(rt: Runtime) -> dict[str, Any]:
     for row in tiers.values():
         row["bytes_used"] = dir_bytes(row["path"])
     origins: dict[str, dict[str, Any]] = {}
+    # (a record a process left damaged counts what in it is a count, and no more)
     for rec in rt.stat_records():
-        for path, counters in rec.get("tiers", {}).items():
+        for path, counters in _obj(rec.get("tiers")).items():
             held = tiers.get(path)
             if held is not None:
                 for k in _TIER_COUNTERS:
-                    held[k] += int(counters.get(k, 0))
-        o = origins.setdefault(rec.get("origin", "?"), {"origin": rec.get("origin", "?"),
-                                                       "misses": 0, "processes": 0,
-                                                       **dict.fromkeys(_ORIGIN_COUNTERS, 0)})
-        o["misses"] += int(rec.get("misses", 0))
+                    held[k] += _count(_obj(counters).get(k))
+        name = rec.get("origin")
+        name = name if isinstance(name, str) else "?"
+        o = origins.setdefault(name, {"origin": name, "misses": 0, "processes": 0,
+                                      **dict.fromkeys(_ORIGIN_COUNTERS, 0)})
+        o["misses"] += _count(rec.get("misses"))
         o["processes"] += 1
         for k in _ORIGIN_COUNTERS:
-            o[k] += int(rec.get("origin_stats", {}).get(k, 0))
+            o[k] += _count(_obj(rec.get("origin_stats")).get(k))
     # a runtime given by path (--runtime, $STAGEFS_RUNTIME) may be any job's: not this shell's
     return {"runtime": rt.path, "job": None if rt.explicit else rt.job,
             "live_processes": len(rt.live_processes()),
@@ -264,6 +282,10 @@ def stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
                    "stall after 1st batch"], rows)]
 
 
+_STALL_IDS = ("pid", "rank", "epoch")
+_STALL_FIGURES = ("steps", "wait_s", "step_s", "stall", "steady_stall")
+
+
 def stall_records(runtime: str) -> list[dict[str, Any]]:
     """The data-stall records training processes wrote (``stall-<pid>.json``, written by
     ``stagefs.torch.StallMeter``): one row per process and epoch, by rank then epoch."""
@@ -274,12 +296,15 @@ def stall_records(runtime: str) -> list[dict[str, Any]]:
     except OSError:
         return rows
     for name in names:
-        try:
-            with open(os.path.join(runtime, name)) as f:
-                rec = json.load(f)
-            for ep in rec.get("epochs", []):
-                rows.append({"pid": rec.get("pid"), "rank": rec.get("rank"), **ep})
-        except (OSError, ValueError, TypeError):
-            continue  # a record being rewritten or not ours: skip it, status is best effort
+        # a record being rewritten, torn or damaged is skipped: status is best effort
+        rec = read_record(os.path.join(runtime, name)) or {}
+        epochs = rec.get("epochs")
+        for ep in epochs if isinstance(epochs, list) else []:
+            if not isinstance(ep, dict):
+                continue
+            row = {"pid": rec.get("pid"), "rank": rec.get("rank"), **ep}
+            if all(isinstance(row.get(k), int) or row.get(k) is None for k in _STALL_IDS) and \
+                    all(isinstance(row.get(k, 0), int | float) for k in _STALL_FIGURES):
+                rows.append(row)
     rows.sort(key=lambda r: (r.get("rank") or 0, r.get("pid") or 0, r.get("epoch") or 0))
     return rows

@@ -18,13 +18,15 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stagefs._fsutil import login, private_makedirs, user_name
+from stagefs._fsutil import login, open_read, private_makedirs, user_name
 from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
@@ -165,13 +167,17 @@ class Room:
         self.root = root
 
     def used(self) -> int:
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read(8)
-        except FileNotFoundError:
-            raw = b""
-        if len(raw) == 8:
-            return int.from_bytes(raw, "little", signed=True)
+        try:  # without waiting: a FIFO left under its name would hold the tiers' lock
+            fd, info = open_read(self.path, os.O_NOFOLLOW)
+        except OSError:
+            raw = b""  # none yet, or a symlink: counted anew, and made a file (_write)
+        else:
+            try:
+                raw = os.pread(fd, 8, 0) if stat.S_ISREG(info.st_mode) else b""
+            finally:
+                os.close(fd)
+        if len(raw) == 8 and (value := int.from_bytes(raw, "little", signed=True)) >= 0:
+            return value
         total, unwritten = dir_usage(self.root)
         self._write(total - unwritten)
         return total - unwritten
@@ -190,7 +196,24 @@ class Room:
         return value
 
     def _write(self, value: int) -> None:
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        try:
+            fd = os.open(self.path, flags, 0o600)
+            kind = os.fstat(fd).st_mode
+        except OSError as exc:  # a directory or a symlink there (ELOOP, ENXIO: a FIFO)
+            if exc.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
+                raise
+            kind, fd = 0, -1
+        if not stat.S_ISREG(kind):  # not the count's file: replaced by one (the runtime's)
+            if fd >= 0:
+                os.close(fd)
+            log.warning("%s: not a file (damaged runtime directory); made anew", self.path)
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                shutil.rmtree(self.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+            fd = os.open(self.path, flags | os.O_EXCL, 0o600)
         try:
             os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
         finally:
@@ -267,10 +290,12 @@ class DirTier:
         if not 0 <= shard < len(self._names):
             return False
         try:
-            fd = os.open(self.path(shard), os.O_RDONLY | os.O_CLOEXEC)
+            # without waiting: a FIFO left under a copy's name would hold a plain open (and
+            # the read behind it) for a writer forever; what is not a file is not a copy
+            fd, info = open_read(self.path(shard))
         except OSError:
             return False
-        if os.fstat(fd).st_size != self._sizes[shard]:
+        if not stat.S_ISREG(info.st_mode) or info.st_size != self._sizes[shard]:
             os.close(fd)  # not ours to judge further: the reader's checksum decides
             return False
         with self._lock:
