@@ -174,15 +174,18 @@ _POLL_S = 0.001
 
 
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike[str]) -> Iterator[None]:
+def file_lock(path: str | os.PathLike[str], timeout: float = -1) -> Iterator[None]:
     """Hold an exclusive lock on the file ``path`` (created 0600 if missing) while inside.
 
-    Blocks until the lock is free. The lock belongs to the open file: it goes when this
-    block ends or the process dies, so a killed holder never leaves it taken.
+    Blocks until the lock is free, or for at most ``timeout`` seconds (then a
+    ``TimeoutError``). The lock belongs to the open file: it goes when this block ends or
+    the process dies, so a killed holder never leaves it taken; a stopped one does (kill
+    -STOP, a debugger), hence the timeout.
     """
     # filelock polls a non-blocking flock; its default of 50 ms between tries made a
     # contended tier lock cost at least 50 ms, where the holder keeps it for microseconds
-    with filelock.FileLock(os.fspath(path), mode=0o600).acquire(poll_interval=_POLL_S):
+    with filelock.FileLock(os.fspath(path), mode=0o600).acquire(timeout=timeout,
+                                                                poll_interval=_POLL_S):
         yield
 
 

@@ -63,7 +63,7 @@ from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, f
 from stagefs.tiers.stream import Stream
 from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes
 
-__all__ = ["RECHECK_S", "TierChain"]
+__all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "TierChain", "TiersBusy"]
 
 log = logging.getLogger("stagefs.tiers")
 
@@ -74,6 +74,14 @@ GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first
 READERS_S = 0.05  # threads that read from the origin this recently count as reading now
 _STATS_EVERY_S = 1.0
 PIECE_SIZE: int | None = None  # bytes per piece of placement; None: the manifest's piece_size
+# the tiers' lock is held for microseconds (a millisecond for a piece's fallocate): waited
+# this long, its holder is stopped (kill -STOP, Ctrl-Z, a debugger), not busy
+TIER_LOCK_WAIT_S = 2.0
+
+
+class TiersBusy(TimeoutError):
+    """The tiers' lock could not be had: another process of the job holds it and does not
+    go on. What needed it is skipped (a reservation, a rename, a drop); reads go on."""
 
 Record = Callable[[int, int], None]
 
@@ -215,6 +223,7 @@ class TierChain:
         # rebuilds it from the tiers) must not drop a copy another thread has just made
         self._fills_lock = threading.RLock()
         self._grace_until: float | None = None
+        self._lock_stuck = False  # the tiers' lock was not had in TIER_LOCK_WAIT_S
         # one file per open store: several stores of one process each keep their counters;
         # not the file of an ended process of the same pid (pids are reused): its stay
         while True:
@@ -415,6 +424,8 @@ class TierChain:
                             break
                         continue  # a large piece no tier has room for: the next may fit
                     out[p] = got
+        except TiersBusy:
+            pass  # nothing reserved: the reads go to the origin until the lock is free
         except OSError as exc:  # the lock file cannot be had (the runtime dir was removed)
             for t in self.tiers:
                 if t.stopped is None:
@@ -596,19 +607,25 @@ class TierChain:
         self.stream.clear()
 
     def _finish(self, shard: int, f: ShardFill, t: DirTier) -> bool:
-        """A complete partial copy becomes the shard's copy (once, under the tiers' lock)."""
-        with self._tier_lock():
-            if not f.linked() or not f.complete():
-                return False
-            try:
-                finish_copy(f, shard, self.manifest.pack_id, self._sizes[shard])
-            except (CorruptShardError, OSError) as exc:
-                log.warning("shard %d: partial copy not kept: %s", shard, exc)
-                remove_fill(f.final)
-                self._room(t, -self._charged(f, t))
-                self._forget_fill(shard, t)
-                return False
-            # counted as it was (every piece and the copy: whole_charge, what its drop frees)
+        """A complete partial copy becomes the shard's copy (once, under the tiers' lock).
+        With the lock stuck it stays complete, and the next read that re-checks the shard
+        renames it (_miss)."""
+        try:
+            with self._tier_lock():
+                if not f.linked() or not f.complete():
+                    return False
+                try:
+                    finish_copy(f, shard, self.manifest.pack_id, self._sizes[shard])
+                except (CorruptShardError, OSError) as exc:
+                    log.warning("shard %d: partial copy not kept: %s", shard, exc)
+                    remove_fill(f.final)
+                    self._room(t, -self._charged(f, t))
+                    self._forget_fill(shard, t)
+                    return False
+                # counted as it was (every piece and the copy: whole_charge, what its drop
+                # frees)
+        except TiersBusy:
+            return False
         fd = os.dup(f.fd)
         if not t.adopt(shard, fd):
             os.close(fd)
@@ -890,8 +907,30 @@ class TierChain:
 
         A fork waits until no thread of this process is inside (_FORK_GUARD): a child would
         inherit the locked file and hold the lock for as long as it lives.
+
+        A process stopped while it holds the lock (kill -STOP, Ctrl-Z, a debugger) held up
+        every reader of the node for as long as it stayed stopped. The lock is waited for
+        TIER_LOCK_WAIT_S at most (then TiersBusy: callers skip what needed it), and, once
+        that happened, only tried until it is had again, so reads do not wait on each try.
         """
-        with _FORK_GUARD, file_lock(os.path.join(self.runtime.claims, ".tiers.lock")):
+        path = os.path.join(self.runtime.claims, ".tiers.lock")
+        with _FORK_GUARD, contextlib.ExitStack() as held:
+            try:
+                held.enter_context(file_lock(path, 0 if self._lock_stuck else TIER_LOCK_WAIT_S))
+            except TimeoutError:
+                if not self._lock_stuck:
+                    self._lock_stuck = True
+                    log.warning("another process of this job has held the tiers' lock %s for "
+                                "over %g s: stopped (kill -STOP, Ctrl-Z, a debugger)? This "
+                                "process places nothing into the tiers and reads from the "
+                                "origin until it is free: resume that process (kill -CONT) "
+                                "or end it", path, TIER_LOCK_WAIT_S)
+                raise TiersBusy(f"the tiers' lock {path} is held by a process that does not "
+                                "go on") from None
+            if self._lock_stuck:
+                self._lock_stuck = False
+                log.warning("the tiers' lock %s is free again: placing into the tiers goes on",
+                            path)
             yield
 
     # -- whole-dataset operations ---------------------------------------------------------

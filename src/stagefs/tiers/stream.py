@@ -80,6 +80,14 @@ STREAM_WAIT_S = 1.0  # a read waits for a stream that brings its bytes within th
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 FILE_LIMIT = 64 * 2**20  # and one file up to this size, whole, for any range of it
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
+# a reader waits this long at most for files another reader (or stream) holds: longer, and
+# the holder is stopped (kill -STOP, Ctrl-Z, a debugger); the read goes to the origin. Long
+# enough for a live holder's read of a whole FILE_LIMIT file on a slow origin (64 MiB at
+# 100 Mbit/s: 5.4 s; a wait cut short reads its bytes from the origin a second time). Once
+# that happened, a wait lasts HOLDER_RETRY_S until one is answered again (a stopped stream
+# holds a run of files: a full wait each was minutes of stall)
+HOLDER_WAIT_S = 30.0
+HOLDER_RETRY_S = 0.05
 _LOOKS = 4  # a read looks for the copies of a shard again at most this often
 
 
@@ -403,6 +411,7 @@ class Stream:
         self._at: dict[int, int] = {}  # shard -> offset its stream (one a node) has reached
         self._rate = 0.0  # bytes/s of one stream's reads, as last measured
         self._closing = False
+        self._stuck = False  # a wait for another holder's files ran out (HOLDER_WAIT_S)
         self.started: list[int] = []  # shards in the order this process began streaming them
 
     # -- the queue ---------------------------------------------------------------------------
@@ -703,8 +712,11 @@ class Stream:
                                       fill.ext.one_file(lo, hi), offset, end)
         delay = _POLL_S[0]
         held = True  # the copy held them when asked: its tier's bytes, not the origin's
+        deadline = time.monotonic() + (HOLDER_RETRY_S if self._stuck else HOLDER_WAIT_S)
         while True:
             if fill.covered(offset, end):
+                if not held:
+                    self._stuck = False  # waited for, and brought: holders go on again
                 try:
                     data = fill.pread(offset, length)
                 except DamagedCopy:
@@ -735,6 +747,16 @@ class Stream:
                 # file over FILE_LIMIT: the origin serves the range directly (the shard's
                 # stream reads those files again)
                 raise SourceUnavailable("not streamed now")
+            if time.monotonic() > deadline:
+                # a reservation whose holder lives but does not go on held this read (and
+                # every other reader of the node) for as long as the holder stayed stopped
+                if not self._stuck:
+                    self._stuck = True
+                    log.warning("shard %d: bytes [%d, %d) held by a reader that has not "
+                                "brought them in %g s (a process of this job stopped? kill "
+                                "-CONT it, or end it): read from the origin until holders "
+                                "go on", shard, offset, end, HOLDER_WAIT_S)
+                raise SourceUnavailable("held by a reader that does not go on")
             with self._cond:
                 self._cond.wait(delay)
             delay = min(2 * delay, _POLL_S[1])
