@@ -27,10 +27,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import ctypes
+import errno
+import logging
 import os
 import pwd
 import resource
 import secrets
+import shutil
 import signal
 import stat
 import sys
@@ -39,7 +42,7 @@ from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "open_read",
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "open_own_file", "open_read",
            "private_makedirs", "unreachable", "user_name", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
@@ -108,6 +111,36 @@ def open_read(path: str | bytes, flags: int = 0) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, info
+
+
+def open_own_file(path: str, flags: int = os.O_RDWR) -> int:
+    """A descriptor (``flags``: O_RDWR, O_WRONLY) on the regular file ``path`` of a runtime
+    or a tier (a count, a shared map), made 0600 if missing. What a damaged runtime left
+    under its name instead (a directory, a FIFO, a symlink) is removed and the file made
+    anew, with a warning: before, a directory there stopped placement into a tier and a
+    FIFO made every ``stagefs.open`` of the dataset fail with a bare EINVAL."""
+    flags |= os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = -1
+    try:
+        fd = os.open(path, flags, 0o600)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.set_blocking(fd, True)
+            return fd
+    except OSError as exc:  # ELOOP: a symlink; ENXIO: a FIFO no one reads (O_WRONLY)
+        if exc.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
+            raise
+    if fd >= 0:
+        os.close(fd)
+    logging.getLogger("stagefs").warning(
+        "%s: not a file (a damaged runtime directory); made anew", path)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    fd = os.open(path, flags | os.O_EXCL, 0o600)
+    os.set_blocking(fd, True)
+    return fd
 
 
 def private_makedirs(path: str | os.PathLike[str]) -> None:
@@ -184,9 +217,19 @@ def file_lock(path: str | os.PathLike[str], timeout: float = -1) -> Iterator[Non
     """
     # filelock polls a non-blocking flock; its default of 50 ms between tries made a
     # contended tier lock cost at least 50 ms, where the holder keeps it for microseconds
-    with filelock.FileLock(os.fspath(path), mode=0o600).acquire(timeout=timeout,
-                                                                poll_interval=_POLL_S):
+    lock = filelock.FileLock(os.fspath(path), mode=0o600)
+    try:
+        lock.acquire(timeout=timeout, poll_interval=_POLL_S)
+    except IsADirectoryError:  # a directory a damaged runtime left: it stopped placement
+        logging.getLogger("stagefs").warning(
+            "%s: a directory where a lock file goes (a damaged runtime directory); made "
+            "anew", path)
+        shutil.rmtree(path, ignore_errors=True)
+        lock.acquire(timeout=timeout, poll_interval=_POLL_S)
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def hold_lock(path: str | os.PathLike[str]) -> filelock.BaseFileLock | None:

@@ -213,3 +213,40 @@ def test_a_damaged_cluster_map_or_token_is_refused_clearly(tmp_path: Path) -> No
     os.mkfifo(rt / "token", 0o600)
     with pytest.raises(ClusterError, match="token: cannot read the job token"):
         _within(lambda: read_token(str(rt / "token")), [rt / "token"])
+
+
+def test_directories_and_fifos_where_a_tier_copy_a_lock_or_the_activity_map_go(
+        used: tuple[Path, Path], sample_pack_session: tuple[Path, Path]) -> None:
+    """A directory where a shard's tier copy goes stopped placement into the whole tier
+    (IsADirectoryError at every re-check), one where the tiers' lock file goes too, and a
+    FIFO or a directory in place of the job's activity map made every ``stagefs.open`` of
+    the dataset fail (a bare EINVAL, IsADirectoryError). Each is removed and made anew."""
+    rt, tier = used
+    _, pack = sample_pack_session
+    copies = sorted(tier.rglob("*.sfs"))
+    for c in copies:
+        c.unlink()
+    copies[0].mkdir()
+    (copies[0] / "inside").write_text("x")
+    lock = rt / "claims" / ".tiers.lock"
+    lock.unlink(missing_ok=True)
+    lock.mkdir()
+    (activity,) = (rt / "claims").glob("*.activity")
+    activity.unlink()
+    files = _files(sample_pack_session)
+    for damage in (os.mkfifo, os.mkdir):
+        if activity.is_dir():
+            activity.rmdir()
+        elif activity.exists():
+            activity.unlink()
+        damage(activity)
+
+        def read_all() -> None:
+            with stagefs.open(pack, tiers=[f"{tier}:64MiB"], runtime=rt) as fs:
+                for p, data in files.items():
+                    assert fs.read(p) == data, p
+                fs.prefetch(range(len(fs.manifest.shards)))
+                assert fs.chain is not None and fs.chain.wait_idle(30)
+        _within(read_all, [activity])
+        assert activity.is_file() and lock.is_file()
+        assert all(c.is_file() for c in copies)  # every shard placed again, the first too

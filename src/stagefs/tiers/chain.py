@@ -31,6 +31,8 @@ import json
 import logging
 import multiprocessing.util as mp_util
 import os
+import shutil
+import stat
 import threading
 import time
 import weakref
@@ -439,7 +441,13 @@ class TierChain:
         caller holds the tiers' lock."""
         path = t.path(shard)
         try:
-            size = os.stat(path).st_size
+            info = os.stat(path)
+            if stat.S_ISDIR(info.st_mode):  # damage (no copy is one): it stopped placement
+                log.warning("%s: a directory where shard %d's copy goes (a damaged tier); "
+                            "removed, the shard to be placed anew", path, shard)
+                shutil.rmtree(path, ignore_errors=True)
+                return False
+            size = info.st_size
             if size == self._sizes[shard]:
                 return True
             os.unlink(path)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from stagefs._fsutil import open_own_file
 from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
@@ -221,7 +222,7 @@ class Activity:
     def __init__(self, path: str, clock: Callable[[], int] = time.monotonic_ns) -> None:
         self._clock = clock
         size = 8 * self.SLOTS
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_own_file(path)  # (a directory or a FIFO a damaged runtime left: made anew)
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)

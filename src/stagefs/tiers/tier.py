@@ -18,7 +18,6 @@ import hashlib
 import logging
 import mmap
 import os
-import shutil
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stagefs._fsutil import login, open_read, private_makedirs, user_name
+from stagefs._fsutil import login, open_own_file, open_read, private_makedirs, user_name
 from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
@@ -196,24 +195,7 @@ class Room:
         return value
 
     def _write(self, value: int) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-        try:
-            fd = os.open(self.path, flags, 0o600)
-            kind = os.fstat(fd).st_mode
-        except OSError as exc:  # a directory or a symlink there (ELOOP, ENXIO: a FIFO)
-            if exc.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
-                raise
-            kind, fd = 0, -1
-        if not stat.S_ISREG(kind):  # not the count's file: replaced by one (the runtime's)
-            if fd >= 0:
-                os.close(fd)
-            log.warning("%s: not a file (damaged runtime directory); made anew", self.path)
-            if os.path.isdir(self.path) and not os.path.islink(self.path):
-                shutil.rmtree(self.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
-            fd = os.open(self.path, flags | os.O_EXCL, 0o600)
+        fd = open_own_file(self.path, os.O_WRONLY)
         try:
             os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
         finally:
