@@ -43,7 +43,7 @@ from typing import BinaryIO
 import filelock
 
 __all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "open_own_file", "open_read",
-           "private_makedirs", "unreachable", "user_name", "worker_pool"]
+           "private_makedirs", "remove_any", "unreachable", "user_name", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -133,14 +133,20 @@ def open_own_file(path: str, flags: int = os.O_RDWR) -> int:
         os.close(fd)
     logging.getLogger("stagefs").warning(
         "%s: not a file (a damaged runtime directory); made anew", path)
+    remove_any(path)
+    fd = os.open(path, flags | os.O_EXCL, 0o600)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def remove_any(path: str) -> None:
+    """Remove ``path`` whatever it is: a directory with its tree, a file, a FIFO, a symlink
+    (never what it points to); nothing if it is gone."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-    fd = os.open(path, flags | os.O_EXCL, 0o600)
-    os.set_blocking(fd, True)
-    return fd
 
 
 def private_makedirs(path: str | os.PathLike[str]) -> None:

@@ -38,7 +38,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stagefs._fsutil import atomic_write, login, open_read, private_makedirs, user_name
+from stagefs._fsutil import (
+    atomic_write,
+    login,
+    open_read,
+    private_makedirs,
+    remove_any,
+    user_name,
+)
 from stagefs.config import env
 from stagefs.errors import ConfigError, RuntimeInUseError
 
@@ -370,6 +377,12 @@ class Runtime:
         if tier_data:
             removed += remove_tier_data(self.tier_records(), keep)
         if os.path.isdir(self.path):
+            # procs/ last: a clean cut short (killed, Ctrl-C) leaves what is still the
+            # job's runtime by its mark (_not_runtime), which the next clean then removes
+            with contextlib.suppress(OSError), os.scandir(self.path) as it:
+                for e in list(it):
+                    if e.name != "procs":
+                        remove_any(e.path)
             shutil.rmtree(self.path, ignore_errors=True)
             removed.append(self.path)
         return removed

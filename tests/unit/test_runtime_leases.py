@@ -190,3 +190,32 @@ def test_a_lease_is_judged_by_host_pid_and_start_time(tmp_path: Path) -> None:
     assert sorted(os.listdir(procs)) == sorted([me.name, f"{dead_pid}@another-node"])
     rt.unregister()
     assert os.listdir(procs) == [f"{dead_pid}@another-node"]
+
+
+def test_a_clean_cut_short_leaves_a_runtime_the_next_clean_removes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`stagefs clean` killed while it removed the runtime directory could leave it without
+    procs/ (its mark as a runtime): the next clean refused it as "not a stagefs runtime
+    directory of yours". procs/ goes last."""
+    from stagefs import runtime as rt_mod
+
+    rt = tmp_path / "rt"
+    Runtime(str(rt)).open().unregister()  # a job's runtime, its process ended
+    for sub in ("stats", "claims", "tiers"):
+        (rt / sub / "x").write_text("x")
+    real = rt_mod.remove_any
+    calls: list[str] = []
+
+    def cut_short(path: str) -> None:
+        calls.append(os.path.basename(path))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the clean is killed here
+        real(path)
+
+    monkeypatch.setattr(rt_mod, "remove_any", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        rt_mod.clean([Runtime(str(rt))])
+    assert "procs" not in calls and (rt / "procs").is_dir()
+    monkeypatch.setattr(rt_mod, "remove_any", real)
+    rt_mod.clean([Runtime(str(rt))])
+    assert not rt.exists()
