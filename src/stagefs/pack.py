@@ -52,7 +52,7 @@ from stagefs.format import (
     shard_name,
 )
 from stagefs.format.checksum import StreamSum, piece_sums
-from stagefs.format.codecs import Codec, compress_auto
+from stagefs.format.codecs import MAX_COMPRESSED, Codec, compress_auto
 from stagefs.format.manifest import Entry, ShardInfo
 from stagefs.format.spec import FILE_ALIGN, FILE_ALIGN_MIN, MAX_FILE_ALIGN, PIECE, SHARD_HEADER
 from stagefs.format.validate import NO_ALIGN, FileAlign
@@ -63,7 +63,7 @@ log = logging.getLogger("stagefs.pack")
 
 DEFAULT_SHARD_SIZE = "64MiB"
 STATE_DIR = PACK_STATE_DIR
-_STREAM_ABOVE = 64 * 2**20  # files larger than this are copied in chunks and stored raw
+_STREAM_ABOVE = MAX_COMPRESSED  # files larger than this are copied in chunks and stored raw
 _CHUNK = 8 * 2**20
 COMPRESS_MODES = ("auto", "zstd", "none")
 

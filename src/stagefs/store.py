@@ -883,9 +883,18 @@ class Store:
     # -- tiers -------------------------------------------------------------------------------
 
     def prefetch(self, shards: Iterable[int]) -> None:
-        """Place these shards into the tiers in this order, soonest first (background)."""
+        """Place these shards into the tiers in this order, soonest first (background).
+        A number that is no shard of the pack is refused here, naming it: the background
+        copy failed on it with a traceback in the log, and the caller never knew."""
         if self._policy is not None:
-            self._policy.prefetch(shards)
+            order = list(shards)
+            n = len(self.manifest.shards)
+            bad = [s for s in order if not isinstance(s, (int, np.integer)) or not 0 <= s < n]
+            if bad:
+                raise IndexError(f"{bad[0]!r} is not a shard of this pack (shards 0 to "
+                                 f"{n - 1}): prefetch takes shard numbers ('stagefs stat "
+                                 "PACK PATH' names a file's)")
+            self._policy.prefetch(order)
 
     def held_shards(self) -> set[int]:
         """The shards this node holds in its tiers."""

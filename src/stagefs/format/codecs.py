@@ -9,7 +9,7 @@ import zstandard
 
 from stagefs.errors import CorruptShardError
 
-__all__ = ["CODEC_NONE", "CODEC_ZSTD", "Codec", "compress_auto", "decode"]
+__all__ = ["CODEC_NONE", "CODEC_ZSTD", "MAX_COMPRESSED", "Codec", "compress_auto", "decode"]
 
 
 class Codec(enum.IntEnum):
@@ -21,6 +21,11 @@ CODEC_NONE = Codec.NONE
 CODEC_ZSTD = Codec.ZSTD
 
 ZSTD_LEVEL = 3
+MAX_COMPRESSED = 64 * 2**20
+"""The largest file a pack stores compressed: a larger one is copied in chunks and stored
+raw. A reader decodes a compressed file whole, into memory, so a manifest that says a zstd
+file is larger is refused (format/validate.py): a tiny crafted frame would otherwise make
+every reader allocate what the manifest says, up to 32768 times its stored bytes."""
 MIN_SAVING = 0.05
 """``auto`` keeps zstd only if it saves at least this share: below it, raw reads are cheaper."""
 _SAMPLE = 16 * 1024

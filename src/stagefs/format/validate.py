@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stagefs.errors import CorruptManifestError
-from stagefs.format.codecs import Codec
+from stagefs.format.codecs import MAX_COMPRESSED, Codec
 from stagefs.format.spec import (
     ALIGN,
     ENTRY_ARRAYS,
@@ -297,6 +297,11 @@ def _check_files(a: Mapping[str, Arr], shard_sizes: Arr, where: str) -> None:
     e = _first(files & (codec > int(max(Codec))))
     if e is not None:
         raise corrupt(where, f"{_entry(a, e)} has codec {codec[e]} (0 raw, 1 zstd)")
+    # a compressed file is decoded whole, into memory: never allocate what a crafted size says
+    e = _first(files & (codec == Codec.ZSTD) & (size > np.uint64(MAX_COMPRESSED)))
+    if e is not None:
+        raise corrupt(where, f"{_entry(a, e)} is a zstd file of {size[e]} bytes, and no pack "
+                      f"stores a file of more than {MAX_COMPRESSED} bytes compressed")
     raw_bad = (codec == Codec.NONE) & (stored != size)
     zstd_bad = (codec == Codec.ZSTD) & (size // np.uint64(ZSTD_MAX_RATIO) > stored)
     e = _first(files & (raw_bad | zstd_bad))
