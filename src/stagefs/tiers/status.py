@@ -15,16 +15,18 @@ import mmap
 import os
 import stat
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from stagefs._fsutil import open_read
 from stagefs._table import table
 from stagefs.config import format_size
-from stagefs.runtime import Runtime, read_record
+from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers.tier import dir_bytes
 
-__all__ = ["COUNTER_SLOTS", "HOLDERS", "ReadCounters", "holder_summary", "job_status",
+__all__ = ["COUNTER_SLOTS", "HOLDERS", "EndedCounts", "ReadCounters", "holder_summary", "job_status",
            "read_counts", "read_lines"]
 
 MAGIC = b"SFSCNT1\n"
@@ -135,31 +137,94 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def read_counts(folder: str) -> dict[str, int]:
-    """Every ``*.counters`` file in ``folder`` summed, by counter name."""
+class EndedCounts:
+    """The counts of the counters files whose writer has ended, which no one adds to any
+    more, kept by a caller that sums a folder again and again (a node's daemon, every
+    second): ``read_counts`` reads each such file once, then only lists the folder. A long
+    job leaves a file for every process that read, each DataLoader worker of each epoch:
+    without it the daemon read them all every second in its event loop, thousands after a
+    few hours, and every reader of the node waited while it did. Their pids are judged
+    again every ``every`` seconds: a file whose pid lives again (reused, the preload
+    library adds to a file of its pid's name) is read again from then on."""
+
+    def __init__(self, every: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every, self.clock = every, clock
+        self.files: dict[str, tuple[int, list[int]]] = {}  # name -> (pid, its counts)
+        self.total = [0] * len(COUNTER_SLOTS)
+        self._judged = clock()
+
+    def add(self, name: str, pid: int, values: list[int]) -> None:
+        self.files[name] = (pid, values)
+        self._count(values, 1)
+
+    def drop(self, name: str) -> None:
+        self._count(self.files.pop(name)[1], -1)
+
+    def _count(self, values: list[int], sign: int) -> None:
+        for i, v in enumerate(values):
+            self.total[i] += sign * v
+
+    def refresh(self, names: set[str]) -> None:
+        """Forget the files no longer in the folder (removed: counted no more) and, when
+        due, those whose pid is alive again."""
+        for gone in self.files.keys() - names:
+            self.drop(gone)
+        if self.clock() - self._judged >= self.every:
+            self._judged = self.clock()
+            for name in [n for n, (pid, _) in self.files.items() if alive(pid)]:
+                self.drop(name)
+
+
+def read_counts(folder: str, ended: EndedCounts | None = None) -> dict[str, int]:
+    """Every ``*.counters`` file in ``folder`` summed, by counter name; ``ended``: the
+    counts of ended writers' files read before, not read again (``EndedCounts``)."""
     total = dict.fromkeys(COUNTER_SLOTS, 0)
     try:
-        names = [n for n in os.listdir(folder) if n.endswith(SUFFIX)]
+        names = {n for n in os.listdir(folder) if n.endswith(SUFFIX)}
     except OSError:
         return total
+    if ended is not None:
+        ended.refresh(names)
+        for key, v in zip(COUNTER_SLOTS, ended.total, strict=True):
+            total[key] += v
+        names -= ended.files.keys()
     for name in names:
-        try:  # without waiting: a FIFO under a counters name would hold status forever
-            fd, info = open_read(os.path.join(folder, name), os.O_NOFOLLOW)
-        except OSError:
+        counts = _read_counter_file(os.path.join(folder, name), ended is not None)
+        if counts is None:
             continue
-        try:
-            raw = os.pread(fd, _SIZE, 0) if stat.S_ISREG(info.st_mode) else b""
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        if raw[:8] != MAGIC or len(raw) < 16:
-            continue  # not a counters file (or one being made): skip it
-        body = raw[16:]
-        for i, key in enumerate(COUNTER_SLOTS):
-            if 8 * i + 8 <= len(body):
-                total[key] += int.from_bytes(body[8 * i : 8 * i + 8], "little")
+        pid, values, final = counts
+        for key, v in zip(COUNTER_SLOTS, values, strict=False):
+            total[key] += v
+        if final and ended is not None:
+            ended.add(name, pid, values)
     return total
+
+
+def _read_counter_file(path: str, judge: bool) -> tuple[int, list[int], bool] | None:
+    """A counters file's writer pid and counts (None: not a counters file, or gone), and
+    with ``judge``, whether they are final: the writer had ended before they were read
+    (read again once it is found dead, so no count it made before it ended is missed)."""
+    try:  # without waiting: a FIFO under a counters name would hold status forever
+        fd, info = open_read(path, os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, _SIZE, 0) if stat.S_ISREG(info.st_mode) else b""
+        if raw[:8] != MAGIC or len(raw) < 16:
+            return None  # not a counters file (or one being made): skip it
+        pid = int.from_bytes(raw[8:16], "little")
+        final = judge and not alive(pid)
+        if final:
+            raw = os.pread(fd, _SIZE, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    body = raw[16:]
+    values = [int.from_bytes(body[8 * i : 8 * i + 8], "little")
+              for i in range(len(COUNTER_SLOTS)) if 8 * i + 8 <= len(body)]
+    return pid, values, final
 
 
 def _count(value: Any) -> int:
