@@ -57,6 +57,11 @@ PID_MAX = 2**22  # the kernel's largest pid_max: a larger "pid" names no process
 RECORD_MAX = 2**20
 """The largest record file (lease, tier or stats record) read: the small JSON files stagefs
 writes are far below it; a larger one is damage, skipped rather than read into memory."""
+DAEMON_FILES = frozenset({"daemon.failed", "daemon.lock", "daemon.pid"})
+"""What a node daemon (cluster/daemon.py, cluster/cmap.py) may write in its runtime directory
+before it takes its lease (``procs/``): a directory holding only these is the runtime of a
+daemon that did not start (each node of a job whose daemons failed keeps one, saying why),
+and ``stagefs clean`` in the job's epilogue must remove it."""
 log = logging.getLogger("stagefs")
 _USERS: dict[tuple[int, str], int] = {}  # (pid, runtime path) -> stores open in this process
 
@@ -250,6 +255,10 @@ class Runtime:
                 os.unlink(sub)
                 os.makedirs(sub, mode=0o700, exist_ok=True)
         self.register()
+        # the leases of processes that ended without closing (killed, os._exit) go: in a
+        # cluster job no `stagefs status` or `clean` of this runtime judges them, and a
+        # long run left one for each reader killed, without end
+        self.leases()
         return self
 
     def exists(self) -> bool:
@@ -432,7 +441,8 @@ def _is_runtime(entry: os.DirEntry[str]) -> bool:
 
 def _not_runtime(path: str) -> str | None:
     """Why ``path`` is not a job runtime directory of this user (a real directory of its
-    own with the ``procs`` folder that ``Runtime.open`` makes, or an empty one), or None.
+    own with the ``procs`` folder that ``Runtime.open`` makes, or one holding nothing but
+    ``DAEMON_FILES``), or None.
 
     ``stagefs clean`` removes a runtime directory whole: a ``--runtime`` or
     ``$STAGEFS_RUNTIME`` naming a directory of another use ($TMPDIR, a scratch or results
@@ -444,7 +454,7 @@ def _not_runtime(path: str) -> str | None:
             return "not a directory"
         if s.st_uid != os.getuid():
             return f"owned by {user_name(s.st_uid)}"
-        if os.path.isdir(os.path.join(path, "procs")) or not os.listdir(path):
+        if os.path.isdir(os.path.join(path, "procs")) or set(os.listdir(path)) <= DAEMON_FILES:
             return None
     except OSError as exc:
         return exc.strerror or str(exc)

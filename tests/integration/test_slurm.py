@@ -86,7 +86,7 @@ def _wait(what: str, cond: object, timeout: float, log: Path | None = None) -> N
         time.sleep(0.2)
 
 
-def _submit(env: dict[str, str], work: Path, pack: str) -> tuple[str, Path]:
+def _submit(env: dict[str, str], work: Path, pack: str, *sbatch: str) -> tuple[str, Path]:
     script = work / "job.sh"
     script.write_text(recipe())
     log = work / "job.out"
@@ -95,7 +95,7 @@ def _submit(env: dict[str, str], work: Path, pack: str) -> tuple[str, Path]:
                    STAGEFS_SECRET=str(work / "secret"),
                    TMPDIR=str(work))  # torchrun's log dirs (torchelastic_*, never removed)
     job = _run(["sbatch", "--parsable", f"--nodes={NODES}", "--time=10", f"--output={log}",
-                str(script)], job_env).strip().split(";")[0]
+                *sbatch, str(script)], job_env).strip().split(";")[0]
     return job, log
 
 
@@ -165,9 +165,13 @@ def test_recipe_reads_exact_bytes_with_a_node_lost(slurm: dict[str, str],
 
 
 def test_scancel_stops_and_cleans_every_node(slurm: dict[str, str], tmp_path: Path) -> None:
+    """Submitted as a job of two tasks a node (one per GPU, as users write it): srun then
+    takes the job's task count and ignored the recipe's --ntasks-per-node=1, and every
+    daemon was refused; the recipe gives --ntasks too."""
     pack, content = make_pack(str(tmp_path), files=60, shard_size="64KiB")
     write_expected(str(tmp_path), content)
-    job, log = _submit(slurm, tmp_path, pack)  # its trainers wait for a 'go' never given
+    # its trainers wait for a 'go' never given
+    job, log = _submit(slurm, tmp_path, pack, "--ntasks-per-node=2")
     _wait("every training process halfway",
           lambda: all((tmp_path / f"half-{r}").exists() for r in range(NODES * 2)), 240, log)
     _run(["scancel", job], slurm)

@@ -67,6 +67,15 @@ def test_slurm_step_refuses_several_tasks_per_node() -> None:
         slurm_step(_env(SLURM_STEP_NUM_NODES="3"))
 
 
+def test_several_tasks_per_node_names_the_srun_options_that_give_one() -> None:
+    """A job of several tasks a node (#SBATCH --ntasks-per-node=2): srun inherits its task
+    count, and ignores --ntasks-per-node=1 with a warning. The advice was that very option;
+    a user who followed it met the same error. It must name --ntasks too."""
+    with pytest.raises(ConfigError) as err:
+        slurm_step(_env(SLURM_STEP_NUM_TASKS="8", SLURM_NTASKS_PER_NODE="2"))
+    assert "--ntasks=$SLURM_NNODES --ntasks-per-node=1" in str(err.value)
+
+
 def test_job_token_is_the_same_on_every_node_and_differs_per_job(tmp_path: Path) -> None:
     secret = str(tmp_path / "home" / ".config" / "stagefs" / "secret")
     got: list[bytes] = []

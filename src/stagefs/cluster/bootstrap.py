@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from xxhash import xxh3_64_intdigest
 
-from stagefs.cluster.world import SlurmStep, World, detect
+from stagefs.cluster.world import ONE_PER_NODE, SlurmStep, World, detect
 from stagefs.errors import ClusterError, StagefsError
 from stagefs.net import auth
 from stagefs.net.client import PeerClient
@@ -168,8 +168,8 @@ class MpiBootstrap:
             (a, b), (h, rt) = twice
             raise ClusterError(
                 f"nodes {a} and {b} are two daemons on one host ({h}) with one runtime "
-                f"directory ({rt}): launch one daemon per node (mpiexec -ppn 1, srun "
-                "--ntasks-per-node=1); for a test cluster on one machine give each its own: "
+                f"directory ({rt}): launch one daemon per node (mpiexec -ppn 1, "
+                f"{ONE_PER_NODE}); for a test cluster on one machine give each its own: "
                 "--runtime 'DIR{rank}' and --tier 'DIR{rank}'")
         if failure is not None and not isinstance(failure, (StagefsError, OSError)):
             raise failure  # a bug: its traceback (the others stop, naming this node)

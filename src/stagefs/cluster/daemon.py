@@ -85,7 +85,7 @@ from stagefs.tiers.audit import check_shard
 from stagefs.tiers.base import SourceUnavailable
 from stagefs.tiers.chain import TierChain
 from stagefs.tiers.origin import PackOrigin
-from stagefs.tiers.status import ReadCounters, read_counts
+from stagefs.tiers.status import EndedCounts, ReadCounters, read_counts
 from stagefs.tiers.tier import DirTier
 
 __all__ = ["Daemon", "ServeOptions", "descriptor_shortfall", "descriptors_for",
@@ -334,6 +334,7 @@ class Daemon:
         self._missing: set[int] = set()  # its copies deleted as bad, not placed again yet
         self._used: dict[str, int] = {}  # each tier's bytes used, as last read
         self._reads_at, self._reads_bad = float("-inf"), 0
+        self._reads_ended = EndedCounts()  # ended readers' counts: read once
         # the relay's pipes are descriptors too: kept out of the connections' share
         self._limits = limits = dataclasses.replace(
             o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
@@ -633,8 +634,8 @@ class Daemon:
         if now - self._reads_at >= 1.0:
             self._reads_at = now
             # (they only grow: a listing that failed, out of descriptors, counts none)
-            self._reads_bad = max(self._reads_bad,
-                                  read_counts(self.lease.stats)["checksum_failures"])
+            self._reads_bad = max(self._reads_bad, read_counts(
+                self.lease.stats, self._reads_ended)["checksum_failures"])
         return self._reads_bad
 
     def cmap(self, staged: bool) -> ClusterMap:
@@ -882,6 +883,26 @@ def _only_daemon(runtime: str) -> Any:
     return lock
 
 
+def _forget_dead_daemon(runtime: str) -> None:
+    """A daemon starts on ``runtime``: what an earlier one left there no longer holds: the
+    failure it recorded, and, if it was killed (SIGKILL after Slurm's KillWait, the OOM
+    killer) and the job restarted on this node (requeued, its step run again), its map and
+    token. Readers took them for this daemon's (with ``--wait``, before it had staged), and
+    ``stagefs status --wait-staged`` asked the dead daemon's address until its time was up,
+    instead of saying why this one could not start. A live daemon's are left: this one is
+    refused (``_only_daemon``)."""
+    clear_failure(runtime)
+    if not os.path.isdir(runtime):
+        return
+    lock = hold_lock(os.path.join(runtime, DAEMON_LOCK))
+    if lock is None:
+        return
+    try:
+        remove_runtime(runtime)
+    finally:
+        lock.release()
+
+
 _HEADROOM = 32  # descriptors free after staging, at least: else it is short of them
 
 
@@ -928,7 +949,7 @@ def serve(o: ServeOptions) -> int:
     given = o.runtime or runtime_default()
     where = None if "{rank}" in given else os.path.abspath(given)  # (its rank not known yet)
     if where is not None:
-        clear_failure(where)
+        _forget_dead_daemon(where)
     try:
         d = Daemon(o)
     except (StagefsError, OSError) as exc:

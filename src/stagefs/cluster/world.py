@@ -15,8 +15,12 @@ from stagefs import runtime as _runtime
 from stagefs.errors import ConfigError
 from stagefs.runtime import job_id
 
-__all__ = ["SlurmStep", "World", "detect", "expand_hostlist", "job_id", "read_hosts",
-           "runtime_default", "slurm_step", "under_mpi"]
+__all__ = ["ONE_PER_NODE", "SlurmStep", "World", "detect", "expand_hostlist", "job_id",
+           "read_hosts", "runtime_default", "slurm_step", "under_mpi"]
+
+# the srun options that start one task on each node of the job, whatever its #SBATCH
+# --ntasks-per-node (srun inherits the job's SLURM_NTASKS, which overrides --ntasks-per-node)
+ONE_PER_NODE = "srun --nodes=$SLURM_NNODES --ntasks=$SLURM_NNODES --ntasks-per-node=1"
 
 # (rank variable, size variable, launcher), most specific first
 _LAUNCHERS = (
@@ -153,7 +157,9 @@ def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
     if ntasks is not None and ntasks != len(hosts):
         raise ConfigError(
             f"this srun step runs {ntasks} tasks on {len(hosts)} nodes; stagefs serve needs "
-            "one per node: srun --nodes=$SLURM_NNODES --ntasks-per-node=1 stagefs serve ...")
+            f"one per node: {ONE_PER_NODE} stagefs serve ... (--ntasks too: in a job of "
+            "several tasks a node, srun takes the job's task count and ignores "
+            "--ntasks-per-node=1, with only a warning)")
     return SlurmStep(job, node, hosts)
 
 
