@@ -64,7 +64,8 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
                _JOB, False),
     "serve": (("mpirun -ppn 1 stagefs serve /shared/imagenet.pack "
                "--tier /dev/shm/$USER/data:64GiB --replicas 2 --wait",
-               "srun --ntasks-per-node=1 stagefs serve /shared/imagenet.pack "
+               "srun --nodes=$SLURM_NNODES --ntasks=$SLURM_NNODES --ntasks-per-node=1 "
+               "stagefs serve /shared/imagenet.pack "
                "--tier /nvme/$USER/data:80% --interface ib0",
                "stagefs serve --new-token tok && stagefs serve /shared/imagenet.pack "
                "--hosts hosts --rank 0 --token-file tok --tier /dev/shm/$USER/data:50%"),

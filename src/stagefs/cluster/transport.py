@@ -33,7 +33,8 @@ def open_transport(name: str, comm: Any, manifest: Manifest,
         return None
     if comm is None:
         raise ConfigError("--transport mpi needs the daemons launched as MPI ranks "
-                          "(mpiexec -ppn 1 stagefs serve ..., srun --ntasks-per-node=1 ...), "
+                          "(mpiexec -ppn 1 stagefs serve ..., srun --nodes=$SLURM_NNODES "
+                          "--ntasks=$SLURM_NNODES --ntasks-per-node=1 ...), "
                           "not a hosts file; or use --transport tcp")
     return MpiTransport(comm, manifest, chain.locate).start()
 
