@@ -68,20 +68,25 @@ def test_listing_costs_no_lookup_per_file(many: tuple[Path, Path],
     strings: looking each name up through the manifest made a walk of ImageNet's tree take
     7 s, ten times os.walk's on a local disk."""
     _, pack = many
-    calls = 0
-    real = Manifest.path_of
-
-    def counted(self: Manifest, e: int) -> bytes:
-        nonlocal calls
-        calls += 1
-        return real(self, e)
-
     with stagefs.open(pack) as fs:
-        monkeypatch.setattr(Manifest, "path_of", counted)
+        calls = _count_lookups(monkeypatch)
         files = sum(len(f) for _, _, f in fs.walk("train"))
         assert files == DIRS * PER_DIR
         assert len(fs.listdir("train/n0001")) == PER_DIR
-        assert calls <= 4 * (DIRS + 2), calls  # a few per directory, none per file
+        assert calls[0] <= 4 * (DIRS + 2), calls  # a few per directory, none per file
+
+
+def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, how many times a path is looked up in the manifest (one count)."""
+    calls = [0]
+    real = Manifest.path_of
+
+    def counted(self: Manifest, e: int) -> bytes:
+        calls[0] += 1
+        return real(self, e)
+
+    monkeypatch.setattr(Manifest, "path_of", counted)
+    return calls
 
 
 @pytest.mark.parametrize("as_bytes", [False, True])
@@ -108,20 +113,12 @@ def test_intercepted_walk_costs_no_lookup_per_file(many: tuple[Path, Path], tmp_
     the namespace's listing, not a name lookup per file (7.1 s for ImageNet's tree)."""
     src, pack = many
     at = tmp_path / "at"
-    calls = 0
-    real = Manifest.path_of
-
-    def counted(self: Manifest, e: int) -> bytes:
-        nonlocal calls
-        calls += 1
-        return real(self, e)
-
     with stagefs.open(pack) as fs, stagefs.intercept(fs, at=at):
-        monkeypatch.setattr(Manifest, "path_of", counted)
+        calls = _count_lookups(monkeypatch)
         got = sorted((os.path.relpath(d, at), sorted(ds), sorted(fs_))
                      for d, ds, fs_ in os.walk(at / "train"))
-        monkeypatch.setattr(Manifest, "path_of", real)
-    assert calls <= 4 * (DIRS + 2), calls
+        monkeypatch.undo()  # (before the intercept ends)
+    assert calls[0] <= 4 * (DIRS + 2), calls
     want = sorted((os.path.relpath(d, src), sorted(ds), sorted(fs_))
                   for d, ds, fs_ in os.walk(src / "train"))
     assert got == want

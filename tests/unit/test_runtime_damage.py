@@ -71,6 +71,15 @@ def _files(sample: tuple[Path, Path]) -> dict[str, bytes]:
     return {str(p.relative_to(src)): p.read_bytes() for p in src.rglob("*") if p.is_file()}
 
 
+def _read_and_place(pack: Path, tier: Path, rt: Path, files: dict[str, bytes]) -> None:
+    """Read every file through the tier (each byte checked), then place every shard."""
+    with stagefs.open(pack, tiers=[f"{tier}:64MiB"], runtime=rt) as fs:
+        for p, data in files.items():
+            assert fs.read(p) == data, p
+        fs.prefetch(range(len(fs.manifest.shards)))
+        assert fs.chain is not None and fs.chain.wait_idle(30)
+
+
 def test_status_skips_records_of_the_wrong_shape(used: tuple[Path, Path]) -> None:
     """A tier, stats or stall record that is JSON but not of the shape stagefs writes
     (a list; a count that is a string; an object where a number is), and a lease naming a
@@ -145,14 +154,7 @@ def test_fifos_in_the_runtime_never_hang_status_or_readers(
         os.mkfifo(f, 0o600)
     st = _within(lambda: job_status(Runtime(rt)), fifos)
     assert st["live_processes"] == 0
-
-    def read_all() -> None:
-        with stagefs.open(pack, tiers=[f"{tier}:64MiB"], runtime=rt) as fs:
-            for p, data in files.items():
-                assert fs.read(p) == data, p
-            fs.prefetch(range(len(fs.manifest.shards)))
-            assert fs.chain is not None and fs.chain.wait_idle(30)
-    _within(read_all, fifos)
+    _within(lambda: _read_and_place(pack, tier, rt, files), fifos)
     assert copies[0].is_file()  # placed anew
 
 
@@ -240,13 +242,6 @@ def test_directories_and_fifos_where_a_tier_copy_a_lock_or_the_activity_map_go(
         elif activity.exists():
             activity.unlink()
         damage(activity)
-
-        def read_all() -> None:
-            with stagefs.open(pack, tiers=[f"{tier}:64MiB"], runtime=rt) as fs:
-                for p, data in files.items():
-                    assert fs.read(p) == data, p
-                fs.prefetch(range(len(fs.manifest.shards)))
-                assert fs.chain is not None and fs.chain.wait_idle(30)
-        _within(read_all, [activity])
+        _within(lambda: _read_and_place(pack, tier, rt, files), [activity])
         assert activity.is_file() and lock.is_file()
         assert all(c.is_file() for c in copies)  # every shard placed again, the first too
