@@ -313,6 +313,9 @@ def open_manifest(root: str, runtime: Runtime, *, shard_size: int = DEFAULT_SHAR
             m = cache.use(Manifest(cache.manifest_path))
             meta = m.meta.get("inplace", {})
             why = "made for another directory" if meta.get("origin") != root else None
+            if "started_ns" not in meta:  # scanned by a stagefs from before the racy check
+                why = why or ("scanned by an older stagefs, which did not keep when its scan "
+                              "began: a change made during that scan could go unseen")
             with contextlib.suppress(OSError), open(cache.stale_path) as f:
                 why = why or f.read()
             why = why or is_stale(root, m, stats)

@@ -190,7 +190,8 @@ class Store:
         # reads per holder, summed by `stagefs status` (tiers/status.py): in the runtime's
         # stats dir, or ``counters`` (a cluster client's)
         folder = counters or (runtime.stats if runtime is not None else None)
-        self._counts = ReadCounters(folder) if folder is not None else None
+        self._counts = ReadCounters(folder, self.manifest.pack_id.hex()) \
+            if folder is not None else None
         stats = getattr(self.origin, "stats", None)
         if self._counts is not None and isinstance(stats, OriginStats):
             stats.sink = self._counts.fetched  # the job counts every read of the origin

@@ -45,7 +45,7 @@ from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit
 from stagefs.config import TierSpec, format_size
 from stagefs.errors import ConfigError, CorruptShardError
 from stagefs.format import Manifest
-from stagefs.runtime import Runtime
+from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers import placer
 from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full
 from stagefs.tiers.claims import Claims
@@ -139,29 +139,84 @@ def _one_directory_each(tiers: Sequence[DirTier]) -> None:
                               "it should have")
 
 
-def _say_who_fills(t: DirTier) -> None:
+def _live_datasets(runtime: Runtime) -> dict[str, str]:
+    """The datasets (pack id -> origin) a live process of this job has open: this
+    process's stores, and the stats record of each store another process opened
+    (``<pid>.<pack id>.<n>.json``, its pid alive, not written by its ``close``)."""
+    live = {c.pack_id: c.origin_path for c in list(_CHAINS) if not c._closing}
+    try:
+        names = os.listdir(runtime.stats)
+    except OSError:
+        return live
+    for name in names:
+        pid, _, rest = name.partition(".")
+        pack_id = rest.partition(".")[0]
+        if not name.endswith(".json") or not pid.isdigit() or pack_id in live \
+                or int(pid) == os.getpid() or not alive(int(pid)):
+            continue
+        rec = read_record(os.path.join(runtime.stats, name)) or {}
+        if rec.get("open") is False:  # closed by a process that goes on
+            continue
+        origin = rec.get("origin")
+        live[pack_id] = origin if isinstance(origin, str) else pack_id
+    return live
+
+
+def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     """``t`` is full: if other datasets' copies take most of it, say which. A dataset packed
     again has a new pack id, and the old one's copies stay (for the next job of it) until
     ``stagefs clean``: the tier was found full of them, and the new pack held none of its
-    share, with no word why."""
+    share, with no word why. A dataset the job reads now (a train set that took the room
+    before the val set came) is named apart, by its origin: the warning once told to
+    delete its directory, the copies the job was reading."""
     others: list[tuple[int, str]] = []
     try:
         with os.scandir(t.root) as it:
             for e in it:
                 if e.name != t.pack_id and e.is_dir(follow_symlinks=False):
-                    others.append((dir_bytes(e.path), e.path))
+                    others.append((dir_bytes(e.path), e.name))
     except OSError:
         return
     theirs = sum(n for n, _ in others)
     if theirs <= dir_bytes(t.dir):
         return
-    others.sort(reverse=True)
-    named = ", ".join(f"{path} ({format_size(n)})" for n, path in others[:3])
-    log.warning("%s is full, %s of it with other datasets' copies: %s%s. A dataset packed "
-                "again has a new id and its old copies stay until 'stagefs clean' (of the "
-                "job that staged them); delete a directory no job reads any more to give "
-                "this dataset its share", t.name, format_size(theirs), named,
-                f" and {len(others) - 3} more" if len(others) > 3 else "")
+    if t.room is not None and not _first_to_say(f"{t.room.path}.full-{t.pack_id}"):
+        return  # said once for the job: not again by each DataLoader worker of each epoch
+    live = _live_datasets(runtime)
+    read = sorted((n, live[name]) for n, name in others if name in live)
+    old = sorted((n, os.path.join(t.root, name)) for n, name in others if name not in live)
+    if read:
+        log.warning("%s is full, %s of it with the copies of other datasets this job reads: "
+                    "%s. A tier's room goes to the datasets placed in it first come, and "
+                    "what they hold stays; to keep a share for %s, give each dataset a "
+                    "tier directory of its own with the capacity it should have",
+                    t.name, format_size(sum(n for n, _ in read)), _sizes_named(read),
+                    origin)
+    if old:
+        log.warning("%s is full, %s of it with other datasets' copies: %s. A dataset packed "
+                    "again has a new id and its old copies stay until 'stagefs clean' (of "
+                    "the job that staged them); delete a directory no job reads any more to "
+                    "give this dataset its share", t.name, format_size(sum(n for n, _ in old)),
+                    _sizes_named(old))
+
+
+def _first_to_say(marker: str) -> bool:
+    """Is this the job's first process to say what ``marker`` stands for? (The marker file
+    is made once, beside the tier's room counter in the runtime's claims.)"""
+    try:
+        os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        pass  # the runtime dir gone or damaged: say it anyway
+    return True
+
+
+def _sizes_named(items: list[tuple[int, str]]) -> str:
+    """The three largest of (bytes, name), named with their sizes, and how many more."""
+    items = sorted(items, reverse=True)
+    named = ", ".join(f"{name} ({format_size(n)})" for n, name in items[:3])
+    return named + (f" and {len(items) - 3} more" if len(items) > 3 else "")
 
 
 class TierChain:
@@ -533,7 +588,7 @@ class TierChain:
                     if why == "full" or t.capacity is None:  # what it was given: as asked
                         log.info("%s: %s; it takes no more pieces", t.name, why)
                         if why == "full":
-                            _say_who_fills(t)
+                            _say_who_fills(t, self.runtime, self.origin_path)
                     else:  # short of its capacity: the user asked for room it does not have
                         log.warning("%s: its file system is full with %s of the %s asked "
                                     "of it; it takes no more pieces, reads go on (free "
@@ -1028,6 +1083,7 @@ class TierChain:
             "pid": os.getpid(),
             "pack_id": self.pack_id,
             "origin": self.origin_path,
+            "open": not self._closing,  # a closed store's dataset is no longer read
             "misses": self.misses,
             "origin_stats": origin_stats.as_dict() if origin_stats is not None else {},
             "claims": self.claims.taken,

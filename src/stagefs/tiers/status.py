@@ -26,8 +26,8 @@ from stagefs.config import format_size
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers.tier import dir_bytes
 
-__all__ = ["COUNTER_SLOTS", "HOLDERS", "EndedCounts", "ReadCounters", "holder_summary", "job_status",
-           "read_counts", "read_lines"]
+__all__ = ["COUNTER_SLOTS", "HOLDERS", "EndedCounts", "ReadCounters", "dataset_counts",
+           "holder_summary", "job_status", "read_counts", "read_lines"]
 
 MAGIC = b"SFSCNT1\n"
 HOLDERS = ("memory", "disk", "peer", "origin")
@@ -47,11 +47,14 @@ _SEQ = itertools.count()
 
 
 class ReadCounters:
-    """This process's read counters for one store, in ``<stats dir>/<pid>-<n>.counters``,
-    made at the first count (a forked child makes its own: the parent's stay its own)."""
+    """This process's read counters for one store, in ``<stats dir>/<pid>-<n>.counters``
+    (``<pid>-<dataset>-<n>.counters`` given the dataset's pack id: ``stagefs status`` shows
+    each dataset of a job apart, a train set's hit rate not mixed with a val set's), made at
+    the first count (a forked child makes its own: the parent's stay its own)."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, dataset: str = "") -> None:
         self.folder = folder
+        self._tag = f"{dataset}-" if dataset else ""
         self._pid = -1
         self._slots: memoryview | None = None
         self._mm: mmap.mmap | None = None
@@ -98,7 +101,7 @@ class ReadCounters:
         self._pid = os.getpid()
         self._slots = None
         while True:
-            path = os.path.join(self.folder, f"{self._pid}-{next(_SEQ)}{SUFFIX}")
+            path = os.path.join(self.folder, f"{self._pid}-{self._tag}{next(_SEQ)}{SUFFIX}")
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 break
@@ -201,6 +204,27 @@ def read_counts(folder: str, ended: EndedCounts | None = None) -> dict[str, int]
     return total
 
 
+def dataset_counts(folder: str) -> dict[str, dict[str, int]]:
+    """The ``*.counters`` files of ``folder`` that name their dataset, summed by dataset
+    (pack id -> counts by counter name); files of no dataset (the preload library's, a
+    node daemon's) are left out."""
+    by: dict[str, dict[str, int]] = {}
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(SUFFIX)]
+    except OSError:
+        return by
+    for name in names:
+        parts = name.removesuffix(SUFFIX).split("-")
+        counts = _read_counter_file(os.path.join(folder, name), False) \
+            if len(parts) == 3 and parts[1] else None
+        if counts is None:
+            continue
+        total = by.setdefault(parts[1], dict.fromkeys(COUNTER_SLOTS, 0))
+        for key, v in zip(COUNTER_SLOTS, counts[1], strict=False):
+            total[key] += v
+    return by
+
+
 def _read_counter_file(path: str, judge: bool) -> tuple[int, list[int], bool] | None:
     """A counters file's writer pid and counts (None: not a counters file, or gone), and
     with ``judge``, whether they are final: the writer had ended before they were read
@@ -224,6 +248,14 @@ def _read_counter_file(path: str, judge: bool) -> tuple[int, list[int], bool] | 
     body = raw[16:]
     values = [int.from_bytes(body[8 * i : 8 * i + 8], "little")
               for i in range(len(COUNTER_SLOTS)) if 8 * i + 8 <= len(body)]
+    nbytes = sum(values[_SLOT[f"{h}_bytes"]] for h in HOLDERS) if len(values) > _STORED else 0
+    if nbytes and not values[_STORED] and not values[_SLOT["fetched_bytes"]]:
+        # an older stagefs's file (same magic, no fetched_* or stored_bytes yet): its
+        # samples from the origin are the origin reads it is known to have made, or
+        # every one of them would count as a hit
+        values[_FETCHED] = values[_SLOT["origin_reads"]]
+        values[_SLOT["fetched_bytes"]] = values[_SLOT["origin_bytes"]]
+        values[_STORED] = nbytes
     return pid, values, final
 
 
@@ -274,6 +306,12 @@ def read_lines(summary: dict[str, Any], who: str) -> list[str]:
            f"{100 * summary['hit_rate']:.1f}% (the bytes read that were not read from the "
            "origin)",
            table(["holder", "samples", "bytes", "share"], rows)]
+    rows = [[d["origin"], d["reads"], format_size(d["bytes"]),
+             format_size(d["fetched"]["bytes"]), f"{100 * d['hit_rate']:.1f}%"]
+            for d in summary.get("datasets", []) if d["reads"]]
+    if len(rows) > 1:  # a job reading several datasets (train, val): each apart
+        out += ["reads by dataset (the stores of the API, torch, a FUSE mount):",
+                table(["dataset", "samples", "bytes", "from the origin", "hit rate"], rows)]
     pushed = summary["pushed"]
     if pushed["reads"]:
         out.append(f"of these, pushed by a FUSE mount into the kernel's page cache as "
@@ -312,6 +350,7 @@ def job_status(rt: Runtime) -> dict[str, Any]:
     for row in tiers.values():
         row["bytes_used"] = dir_bytes(row["path"])
     origins: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}  # pack id -> its origin, for the reads by dataset
     # (a record a process left damaged counts what in it is a count, and no more)
     for rec in rt.stat_records():
         for path, counters in _obj(rec.get("tiers")).items():
@@ -321,17 +360,23 @@ def job_status(rt: Runtime) -> dict[str, Any]:
                     held[k] += _count(_obj(counters).get(k))
         name = rec.get("origin")
         name = name if isinstance(name, str) else "?"
+        if isinstance(rec.get("pack_id"), str):
+            names[rec["pack_id"]] = name
         o = origins.setdefault(name, {"origin": name, "misses": 0, "processes": 0,
                                       **dict.fromkeys(_ORIGIN_COUNTERS, 0)})
         o["misses"] += _count(rec.get("misses"))
         o["processes"] += 1
         for k in _ORIGIN_COUNTERS:
             o[k] += _count(_obj(rec.get("origin_stats")).get(k))
+    datasets = [{"pack_id": pack_id,
+                 "origin": names.get(pack_id, pack_id), **holder_summary(counts)}
+                for pack_id, counts in sorted(dataset_counts(rt.stats).items())]
     # a runtime given by path (--runtime, $STAGEFS_RUNTIME) may be any job's: not this shell's
     return {"runtime": rt.path, "job": None if rt.explicit else rt.job,
             "live_processes": len(rt.live_processes()),
             "tiers": list(tiers.values()), "origins": list(origins.values()),
-            **holder_summary(read_counts(rt.stats)), "stalls": stall_records(rt.path)}
+            **holder_summary(read_counts(rt.stats)), "datasets": datasets,
+            "stalls": stall_records(rt.path)}
 
 
 def stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
