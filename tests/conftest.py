@@ -159,6 +159,19 @@ class Node:
     content: bytes  # file bytes, or a symlink's target
 
 
+def pack_files(base: Path, name: str, files: dict[str, bytes]) -> Path:
+    """Write ``files`` (relative path -> bytes) under ``base/name`` and pack them into
+    ``base/name.pack`` (8 MiB shards; packed again over an earlier pack of that name)."""
+    for rel, data in files.items():
+        p = base / name / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    out = base / f"{name}.pack"
+    stagefs.pack(base / name, out, shard_size="8MiB", jobs=1, progress=False,
+                 echo=lambda _m: None, overwrite=out.exists())
+    return out
+
+
 def snapshot_tree(root: Path | str | bytes, *, mtimes: bool = True) -> dict[bytes, Node]:
     """Every path under ``root`` (bytes, relative), with kind, mode, mtime and content.
 

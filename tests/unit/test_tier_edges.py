@@ -10,28 +10,17 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes
+from conftest import pack_files, random_bytes
 from stagefs.errors import ConfigError
 from stagefs.tiers.tier import dir_bytes
 
 MiB = 2**20
 
 
-def _pack(base: Path, name: str, files: dict[str, bytes]) -> Path:
-    for rel, data in files.items():
-        p = base / name / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    out = base / f"{name}.pack"
-    stagefs.pack(base / name, out, shard_size="8MiB", jobs=1, progress=False,
-                 echo=lambda _m: None, overwrite=out.exists())
-    return out
-
-
 @pytest.fixture
 def one_large(tmp_path: Path) -> Path:
     """One shard: one raw file of 6 MiB (6 pieces of 1 MiB)."""
-    return _pack(tmp_path, "large", {"big.bin": random_bytes(6 * MiB, 1)})
+    return pack_files(tmp_path, "large", {"big.bin": random_bytes(6 * MiB, 1)})
 
 
 def test_staging_a_shard_split_over_two_tiers_counts_both_copies(
@@ -112,7 +101,7 @@ def test_a_tier_full_of_an_older_pack_says_whose_copies_fill_it(
     warning names the directory that fills it and what to do; a tier full of the dataset's
     own copies says nothing."""
     files = {f"f{i}.bin": random_bytes(200_000, i) for i in range(30)}
-    pack = _pack(tmp_path, "data", files)
+    pack = pack_files(tmp_path, "data", files)
     tier = f"{tmp_path / 'ram'}:3MiB"
     with stagefs.open(pack, tiers=[tier]) as fs:
         assert fs.chain is not None
@@ -124,7 +113,7 @@ def test_a_tier_full_of_an_older_pack_says_whose_copies_fill_it(
         fs.chain.stage()
     assert not [r for r in caplog.records if "other datasets" in r.getMessage()]
     files = {f"f{i}.bin": random_bytes(200_000, 100 + i) for i in range(30)}
-    pack = _pack(tmp_path, "data", files)  # packed again: another pack id
+    pack = pack_files(tmp_path, "data", files)  # packed again: another pack id
     with caplog.at_level(logging.WARNING, logger="stagefs"), \
             stagefs.open(pack, tiers=[tier]) as fs:
         assert fs.chain is not None

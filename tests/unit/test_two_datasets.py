@@ -9,20 +9,9 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes
+from conftest import pack_files, random_bytes
 
 MiB = 2**20
-
-
-def _pack(base: Path, name: str, files: dict[str, bytes]) -> Path:
-    for rel, data in files.items():
-        p = base / name / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    out = base / f"{name}.pack"
-    stagefs.pack(base / name, out, shard_size="8MiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
-    return out
 
 
 def test_a_tier_full_of_a_dataset_the_job_reads_is_not_called_old(
@@ -30,9 +19,9 @@ def test_a_tier_full_of_a_dataset_the_job_reads_is_not_called_old(
     """The train set took the tier before the val set came: the val set's warning names
     the train set by its origin as a dataset this job reads, and does not tell to delete its
     directory (it once called the train set's copies old ones to delete)."""
-    train = _pack(tmp_path, "train", {f"t{i}.bin": random_bytes(200_000, i) for i in range(30)})
+    train = pack_files(tmp_path, "train", {f"t{i}.bin": random_bytes(200_000, i) for i in range(30)})
     val_files = {f"v{i}.bin": random_bytes(200_000, 100 + i) for i in range(5)}
-    val = _pack(tmp_path, "val", val_files)
+    val = pack_files(tmp_path, "val", val_files)
     tier = f"{tmp_path / 'ram'}:3MiB"
     with stagefs.open(train, tiers=[tier]) as tr, stagefs.open(val, tiers=[tier]) as va:
         assert tr.chain is not None and va.chain is not None
@@ -53,9 +42,9 @@ def test_the_full_tier_is_told_once_for_the_job_not_by_each_worker(
     the warning was said by every one of them, two a worker an epoch for two tiers. It is
     said by the job's first process that finds it (a second store stands for the next
     worker), and the reads go on as before."""
-    train = _pack(tmp_path, "train", {f"t{i}.bin": random_bytes(200_000, i) for i in range(30)})
+    train = pack_files(tmp_path, "train", {f"t{i}.bin": random_bytes(200_000, i) for i in range(30)})
     val_files = {f"v{i}.bin": random_bytes(200_000, 100 + i) for i in range(5)}
-    val = _pack(tmp_path, "val", val_files)
+    val = pack_files(tmp_path, "val", val_files)
     tier = f"{tmp_path / 'ram'}:3MiB"
     with stagefs.open(train, tiers=[tier]) as tr:
         assert tr.chain is not None
@@ -81,8 +70,8 @@ def test_status_shows_each_dataset_reads_and_hit_rate_apart(
 
     train_files = {f"t{i}.bin": random_bytes(100_000, i) for i in range(10)}
     val_files = {f"v{i}.bin": random_bytes(100_000, 100 + i) for i in range(4)}
-    train = _pack(tmp_path, "train", train_files)
-    val = _pack(tmp_path, "val", val_files)
+    train = pack_files(tmp_path, "train", train_files)
+    val = pack_files(tmp_path, "val", val_files)
     tier = f"{tmp_path / 'ram'}:1200KiB"
     with stagefs.open(train, tiers=[tier]) as tr, stagefs.open(val, tiers=[tier]) as va:
         assert tr.chain is not None
