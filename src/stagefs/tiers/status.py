@@ -26,8 +26,8 @@ from stagefs.config import format_size
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers.tier import dir_bytes
 
-__all__ = ["COUNTER_SLOTS", "HOLDERS", "EndedCounts", "ReadCounters", "dataset_counts",
-           "holder_summary", "job_status", "read_counts", "read_lines"]
+__all__ = ["COUNTER_SLOTS", "HOLDERS", "EndedCounts", "ReadCounters", "holder_summary",
+           "job_status", "read_counts", "read_lines"]
 
 MAGIC = b"SFSCNT1\n"
 HOLDERS = ("memory", "disk", "peer", "origin")
@@ -179,9 +179,14 @@ class EndedCounts:
                 self.drop(name)
 
 
-def read_counts(folder: str, ended: EndedCounts | None = None) -> dict[str, int]:
+def read_counts(folder: str, ended: EndedCounts | None = None,
+                by_dataset: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
     """Every ``*.counters`` file in ``folder`` summed, by counter name; ``ended``: the
-    counts of ended writers' files read before, not read again (``EndedCounts``)."""
+    counts of ended writers' files read before, not read again (``EndedCounts``);
+    ``by_dataset``: also filled, in the same pass, with the sums of the files that name
+    their dataset (``<pid>-<pack id>-<n>.counters``), by pack id (files of no dataset, the
+    preload library's or a node daemon's, are in the total only)."""
+    assert ended is None or by_dataset is None  # (ended files are not read again)
     total = dict.fromkeys(COUNTER_SLOTS, 0)
     try:
         names = {n for n in os.listdir(folder) if n.endswith(SUFFIX)}
@@ -197,32 +202,16 @@ def read_counts(folder: str, ended: EndedCounts | None = None) -> dict[str, int]
         if counts is None:
             continue
         pid, values, final = counts
-        for key, v in zip(COUNTER_SLOTS, values, strict=False):
-            total[key] += v
+        sums = [total]
+        parts = name.removesuffix(SUFFIX).split("-")
+        if by_dataset is not None and len(parts) == 3 and parts[1]:
+            sums.append(by_dataset.setdefault(parts[1], dict.fromkeys(COUNTER_SLOTS, 0)))
+        for into in sums:
+            for key, v in zip(COUNTER_SLOTS, values, strict=False):
+                into[key] += v
         if final and ended is not None:
             ended.add(name, pid, values)
     return total
-
-
-def dataset_counts(folder: str) -> dict[str, dict[str, int]]:
-    """The ``*.counters`` files of ``folder`` that name their dataset, summed by dataset
-    (pack id -> counts by counter name); files of no dataset (the preload library's, a
-    node daemon's) are left out."""
-    by: dict[str, dict[str, int]] = {}
-    try:
-        names = [n for n in os.listdir(folder) if n.endswith(SUFFIX)]
-    except OSError:
-        return by
-    for name in names:
-        parts = name.removesuffix(SUFFIX).split("-")
-        counts = _read_counter_file(os.path.join(folder, name), False) \
-            if len(parts) == 3 and parts[1] else None
-        if counts is None:
-            continue
-        total = by.setdefault(parts[1], dict.fromkeys(COUNTER_SLOTS, 0))
-        for key, v in zip(COUNTER_SLOTS, counts[1], strict=False):
-            total[key] += v
-    return by
 
 
 def _read_counter_file(path: str, judge: bool) -> tuple[int, list[int], bool] | None:
@@ -368,14 +357,16 @@ def job_status(rt: Runtime) -> dict[str, Any]:
         o["processes"] += 1
         for k in _ORIGIN_COUNTERS:
             o[k] += _count(_obj(rec.get("origin_stats")).get(k))
+    by_dataset: dict[str, dict[str, int]] = {}
+    total = read_counts(rt.stats, by_dataset=by_dataset)  # one pass: the job's, each dataset's
     datasets = [{"pack_id": pack_id,
                  "origin": names.get(pack_id, pack_id), **holder_summary(counts)}
-                for pack_id, counts in sorted(dataset_counts(rt.stats).items())]
+                for pack_id, counts in sorted(by_dataset.items())]
     # a runtime given by path (--runtime, $STAGEFS_RUNTIME) may be any job's: not this shell's
     return {"runtime": rt.path, "job": None if rt.explicit else rt.job,
             "live_processes": len(rt.live_processes()),
             "tiers": list(tiers.values()), "origins": list(origins.values()),
-            **holder_summary(read_counts(rt.stats)), "datasets": datasets,
+            **holder_summary(total), "datasets": datasets,
             "stalls": stall_records(rt.path)}
 
 
