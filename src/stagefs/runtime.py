@@ -361,7 +361,7 @@ class Runtime:
             _write_json(path, record)
         except IsADirectoryError:  # a directory made under its name: the record replaces it
             log.warning("%s: a directory (damaged runtime directory); made a record anew", path)
-            shutil.rmtree(path, ignore_errors=True)
+            remove_any(path)
             _write_json(path, record)
 
     def tier_records(self) -> list[dict[str, Any]]:

@@ -31,7 +31,6 @@ import json
 import logging
 import multiprocessing.util as mp_util
 import os
-import shutil
 import stat
 import threading
 import time
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit
+from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit, remove_any
 from stagefs.config import TierSpec, format_size
 from stagefs.errors import ConfigError, CorruptShardError
 from stagefs.format import Manifest
@@ -500,7 +499,7 @@ class TierChain:
             if stat.S_ISDIR(info.st_mode):  # damage (no copy is one): it stopped placement
                 log.warning("%s: a directory where shard %d's copy goes (a damaged tier); "
                             "removed, the shard to be placed anew", path, shard)
-                shutil.rmtree(path, ignore_errors=True)
+                remove_any(path)  # (a symlink to one: the link)
                 return False
             size = info.st_size
             if size == self._sizes[shard]:

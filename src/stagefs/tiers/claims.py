@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 import time
 from collections.abc import Iterator
 
-from stagefs._fsutil import atomic_write, file_lock, open_read
+from stagefs._fsutil import atomic_write, file_lock, open_read, remove_any
 from stagefs.runtime import alive, proc_start
 
 __all__ = ["Claims"]
@@ -75,8 +74,8 @@ class Claims:
                 return False  # its creator is writing it right now
             if owner is not None and alive(*owner):
                 return False
-            if os.path.isdir(path) and not os.path.islink(path):  # damage: no rename onto it
-                shutil.rmtree(path, ignore_errors=True)
+            if os.path.isdir(path):  # damage: no rename onto a directory
+                remove_any(path)
             atomic_write(path, self.me, mode=0o600)
         self.taken += 1
         self.takeovers += 1
