@@ -507,7 +507,8 @@ def test_python_mmap_gets_the_library_s_descriptor(packed: tuple[Path, Path],
             "a = np.load(sys.argv[1], mmap_mode='r')\n"
             "f = open(sys.argv[1], 'rb'); fd = f.fileno()\n"
             "print(a.shape, float(a.sum()), os.fstat(fd).st_size)\n"
-            "print(os.readlink(f'/proc/self/fd/{fd}').startswith('/memfd'))\n")
+            "proc = os.open('/proc/self/fd', os.O_RDONLY)  # the kernel's name of the file\n"
+            "print(os.readlink(str(fd), dir_fd=proc).startswith('/memfd'))\n")
     got = run(pack, at, sys.executable, "-c", code, at / "big/noise.npy").stdout.splitlines()
     want = plain(sys.executable, "-c", code, src / "big/noise.npy").splitlines()
     assert got[0] == want[0]

@@ -57,15 +57,17 @@ for p in paths:
         except OSError as e:
             shared = errno.errorcode[e.errno]
         sealed = "-"
-        link = f"/proc/self/fd/{fd}"
-        if os.readlink(link).startswith("/memfd:"):  # an in-memory copy: its bytes sealed
-            w = os.open(link, os.O_RDWR)
+        # the kernel's name of the file behind fd (/proc/self/fd/N names the staged file)
+        proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY)
+        if os.readlink(str(fd), dir_fd=proc).startswith("/memfd:"):  # its bytes sealed
+            w = os.open(str(fd), os.O_RDWR, dir_fd=proc)
             try:
                 os.pwrite(w, b"WRITTEN!", 0)
                 sealed = "no"
             except OSError as e:
                 sealed = errno.errorcode[e.errno]
             os.close(w)
+        os.close(proc)
         if mode == "fstat":
             data = f.read()
         else:
@@ -156,7 +158,8 @@ for p in sys.argv[1:]:
     with open(p, "rb") as f:
         fd = f.fileno()
         print(os.path.basename(p), a.shape, hashlib.sha256(a.tobytes()).hexdigest(),
-              os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:"), os.fstat(fd).st_size)
+              os.readlink(str(fd), dir_fd=os.open("/proc/self/fd", os.O_RDONLY)).startswith(
+                  "/memfd:"), os.fstat(fd).st_size)  # the kernel's name of its file
 """
 
 

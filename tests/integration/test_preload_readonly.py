@@ -79,15 +79,19 @@ int main(int argc, char **argv) {
         unsigned long long fk = 0;
         (void)!read(pipefd[0], &fk, sizeof fk);
         waitpid(pid, NULL, 0);
+        /* the kernel's name of the file behind fd: relative to /proc/self/fd (the path
+         * /proc/self/fd/N names the staged file itself, as on the plain tree) */
         char link[64], target[256] = "";
-        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-        ssize_t tl = readlink(link, target, sizeof target - 1);
+        int procfd = open("/proc/self/fd", O_RDONLY | O_DIRECTORY);
+        snprintf(link, sizeof link, "%d", fd);
+        ssize_t tl = readlinkat(procfd, link, target, sizeof target - 1);
         int memfd = tl > 0 && strncmp(target, "/memfd:", 7) == 0;
         const char *rw = "-";
         if (memfd) {  /* the in-memory copy reopened for writing: sealed */
-            int w = open(link, O_RDWR);
+            int w = openat(procfd, link, O_RDWR);
             rw = w < 0 ? strerror(errno) : said(pwrite(w, "WRITTEN!", 8, 0));
         }
+        close(procfd);
         int again = open(argv[i], O_RDONLY);
         unsigned long long ag = whole(again);
         printf("%s: mode %d, pwrite %s, write %s, shared writable mmap %s, read %llx mmap %llx "

@@ -60,6 +60,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -167,6 +168,12 @@ REAL(int, setxattr, const char *, const char *, const void *, size_t, int);
 REAL(int, lsetxattr, const char *, const char *, const void *, size_t, int);
 REAL(int, removexattr, const char *, const char *);
 REAL(int, lremovexattr, const char *, const char *);
+REAL(int, fchmod, int, mode_t);
+REAL(int, fchown, int, uid_t, gid_t);
+REAL(int, futimens, int, const struct timespec[2]);
+REAL(int, futimes, int, const struct timeval[2]);
+REAL(int, fsetxattr, int, const char *, const void *, size_t, int);
+REAL(int, fremovexattr, int, const char *);
 
 static void *next_sym(const char *name) {
     void *p = dlsym(RTLD_NEXT, name);
@@ -184,7 +191,8 @@ static void resolve_real(void) {
     R(execveat); R(execvpe); R(posix_spawn); R(posix_spawnp); R(copy_file_range); R(sendfile);
     R(splice); R(close_range); R(unlinkat); R(renameat2); R(mkdirat); R(fchmodat);
     R(fchownat); R(truncate); R(linkat); R(symlinkat); R(utimensat); R(mknodat); R(setxattr);
-    R(lsetxattr); R(removexattr); R(lremovexattr);
+    R(lsetxattr); R(removexattr); R(lremovexattr); R(fchmod); R(fchown); R(futimens); R(futimes);
+    R(fsetxattr); R(fremovexattr);
 #undef R
 }
 
@@ -210,6 +218,43 @@ static uint8_t *vfile[MAX_SOURCES], *vpiece[MAX_SOURCES];  /* verified marks per
 static uint8_t *touched;  /* shards this process asked the helper to place */
 
 static int sys_fstat(int fd, struct stat *st) { return (int)syscall(SYS_fstat, fd, st); }
+
+/* A vfork child (subprocess's, between vfork and exec) runs in its parent's memory: a
+ * close, dup2 or chdir it makes must not change the parent's table (the parent's staged
+ * descriptors would then be read as raw shard bytes), yet the program it execs must
+ * inherit what it set up (stdin dup2'd from a staged file). So a process that is not the
+ * table's owner writes to a few rows of its own (kid), read before the table, and leaves
+ * the table's rows alone: closed in the child, they fail its fstat check. */
+enum { KID_ROWS = 16 };
+static pid_t owner;  /* the process whose memory this is */
+static struct {
+    pid_t pid;       /* the child the rows below are of */
+    int n, fd[KID_ROWS];
+    Row r[KID_ROWS];
+    int cwd_set;     /* it changed directory: its current directory, for its exec */
+    char vcwd[PATH_MAX];
+} kid;
+
+/* Does this process run in another's memory (a vfork child)? Its kid rows, made current. */
+static int borrowed(void) {
+    pid_t me = getpid();
+    if (me == owner) return 0;
+    if (kid.pid != me) { kid.pid = me; kid.n = 0; kid.cwd_set = 0; }
+    return 1;
+}
+
+static int kid_find(int fd) {
+    for (int i = 0; i < kid.n; i++) if (kid.fd[i] == fd) return i;
+    return -1;
+}
+
+/* The child's row for fd (kind 0: cleared); dropped if there is no room (the program it
+ * execs then reads that descriptor as it is). */
+static void kid_set(int fd, const Row *r) {
+    int i = kid_find(fd);
+    if (i < 0 && kid.n < KID_ROWS) { i = kid.n++; kid.fd[i] = fd; }
+    if (i >= 0) { kid.r[i] = *r; kid.r[i].seq = 0; }
+}
 
 /* The descriptor table takes no lock: a signal handler that reads a staged descriptor while
  * the thread it interrupted is inside a read, an open or a close must not wait for that
@@ -258,12 +303,19 @@ static void row_end(int fd) { __atomic_add_fetch(&rows[fd].seq, 1, __ATOMIC_RELE
 
 /* The row of fd, if fd is staged and still refers to the file recorded; else 0. */
 static int get_row(int fd, Row *out) {
-    if (!D.active || fd < 0 || fd >= max_fd || !__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE))
-        return 0;
-    row_copy(fd, out);
-    if (!out->kind) return 0;
+    if (!D.active || fd < 0 || fd >= max_fd) return 0;
+    int i = -1;  /* >= 0: a vfork child's own row (looked for only where one may be) */
+    if (kid.n && kid_find(fd) >= 0 && borrowed() && (i = kid_find(fd)) >= 0) {
+        *out = kid.r[i];
+        if (!out->kind) return 0;
+    } else {
+        if (!__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE)) return 0;
+        row_copy(fd, out);
+        if (!out->kind) return 0;
+    }
     struct stat st;
     if (sys_fstat(fd, &st) != 0 || (uint64_t)st.st_dev != out->dev || (uint64_t)st.st_ino != out->ino) {
+        if (i >= 0 || borrowed()) return 0;  /* the table is the parent's */
         row_begin(fd);  /* closed behind the wrappers' back, and maybe reused */
         if (rows[fd].dev == out->dev && rows[fd].ino == out->ino)
             __atomic_store_n(&rows[fd].kind, F_NONE, __ATOMIC_RELAXED);
@@ -275,6 +327,7 @@ static int get_row(int fd, Row *out) {
 
 static void set_row(int fd, const Row *r) {
     if (fd < 0 || fd >= max_fd) return;
+    if (borrowed()) { kid_set(fd, r); return; }
     for (int top = __atomic_load_n(&top_fd, __ATOMIC_RELAXED); fd > top;)
         if (__atomic_compare_exchange_n(&top_fd, &top, fd, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
             break;
@@ -291,8 +344,13 @@ static void set_row(int fd, const Row *r) {
 }
 
 static void clear_row(int fd) {
-    if (!D.active || fd < 0 || fd >= max_fd || !__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE))
+    if (!D.active || fd < 0 || fd >= max_fd) return;
+    if (kid.n && kid_find(fd) >= 0 && borrowed()) {
+        if (kid_find(fd) >= 0) kid_set(fd, &(Row){.kind = F_NONE});
         return;
+    }
+    if (!__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE)) return;
+    if (borrowed()) return;  /* a vfork child: the parent's row stays (its fstat check fails) */
     row_begin(fd);
     __atomic_store_n(&rows[fd].kind, F_NONE, __ATOMIC_RELAXED);
     row_end(fd);
@@ -533,6 +591,54 @@ static void resolve_below_real(Res *r, int dirfd, const char *path, size_t n, in
     if (r->kind == R_REAL && !r->entered) r->path = path;  /* never in the tree: as given */
 }
 
+/* The descriptor of this process an absolute path names (/proc/self/fd/N, /proc/<pid>/fd/N,
+ * /proc/thread-self/fd/N, /dev/fd/N, /dev/stdin, /dev/stdout, /dev/stderr), with in *rest
+ * what follows it ("" or "/..."); else -1. */
+static int fd_path(const char *p, const char **rest) {
+    const char *s;
+    if (!strncmp(p, "/dev/", 5)) {
+        static const char *const std[] = {"stdin", "stdout", "stderr"};
+        s = p + 5;
+        for (int i = 0; i < 3; i++) {
+            size_t l = strlen(std[i]);
+            if (!strncmp(s, std[i], l) && (s[l] == 0 || s[l] == '/')) { *rest = s + l; return i; }
+        }
+    } else if (!strncmp(p, "/proc/", 6)) {
+        s = p + 6;
+        if (!strncmp(s, "self/", 5)) s += 5;
+        else if (!strncmp(s, "thread-self/", 12)) s += 12;
+        else {
+            char *end;
+            long pid = strtol(s, &end, 10);
+            if (*s < '0' || *s > '9' || *end != '/' || pid != (long)getpid()) return -1;
+            s = end + 1;
+        }
+    } else {
+        return -1;
+    }
+    if (strncmp(s, "fd/", 3) || s[3] < '0' || s[3] > '9') return -1;
+    char *end;
+    long fd = strtol(s + 3, &end, 10);
+    if ((*end && *end != '/') || fd > INT_MAX) return -1;
+    *rest = end;
+    return (int)fd;
+}
+
+/* A path through a staged descriptor (/dev/stdin of `prog /dev/stdin < staged`): the
+ * kernel would reopen the file behind it, the whole shard or the run's empty directory, so
+ * it is the entry's, as it is on the plain tree. The magic link itself (not followed: lstat)
+ * stays the kernel's. 1 if r is set. */
+static int via_fd(Res *r, const char *path, int follow) {
+    const char *rest;
+    int fd = fd_path(path, &rest);
+    Row row;
+    if (fd < 0 || (!*rest && !follow) || !get_row(fd, &row)) return 0;
+    r->entered = 1;
+    if (*rest && row.kind != F_DIRFD) { r->kind = R_ERR; r->err = ENOTDIR; return 1; }
+    walk(r, rest, row.e, follow);
+    return 1;
+}
+
 /* Where (dirfd, path) lies: in the staged tree (an entry or an error), or outside it. */
 static void resolve(Res *r, int dirfd, const char *path, int follow) {
     r->kind = R_REAL;
@@ -540,6 +646,7 @@ static void resolve(Res *r, int dirfd, const char *path, int follow) {
     if (!D.active || path == NULL) return;
     size_t n = strlen(path);
     if (path[0] == '/') {
+        if ((path[1] == 'd' || path[1] == 'p') && via_fd(r, path, follow)) return;
         if (!starts_root(path, n) && !needs_walk(path)) return;  /* the fast path */
         walk(r, path, -1, follow);
         /* never in the tree: the kernel resolves the original (with the real symlinks) */
@@ -1129,6 +1236,8 @@ static void serve_stdin(void) {
 }
 
 static void after_fork_child(void) {
+    owner = getpid();  /* a forked child has memory of its own */
+    kid.n = 0;
     counts = NULL;
     counts_state = 0;  /* the child counts in a file of its own */
     pthread_mutex_init(&lock, NULL);
@@ -1156,6 +1265,7 @@ static void init(void) {
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (rows == MAP_FAILED) { warn("%s", "no memory for the descriptor table: not served"); return; }
     touched = calloc(D.nshards + 1, 1);
+    owner = getpid();
     D.uid = getuid(); D.gid = getgid();
     Dl_info info;
     if (dladdr((void *)&init, &info) && info.dli_fname) D.self_path = strdup(info.dli_fname);
@@ -1226,6 +1336,10 @@ static int open_entry(uint32_t e, int flags) {
     }
     if (flags & O_DIRECTORY) { errno = ENOTDIR; return -1; }
     if (D.kind[e] != K_FILE) { errno = ELOOP; return -1; }  /* O_NOFOLLOW on a link */
+    if (flags & O_PATH) {  /* the file's name only (fstat, *at calls): no byte read or readable */
+        int fd = real_openat(AT_FDCWD, D.empty_dir, O_PATH | O_DIRECTORY | (cloexec ? O_CLOEXEC : 0));
+        return fd < 0 ? -1 : make_row(fd, F_DIRFD, e, 0, 0);
+    }
     if (D.direct && D.codec[e] == 0 && (D.piece || D.size[e] <= D.piece_size || D.size[e] <= (64u << 20))) {
         int src = 0;
         int fd = open_shard(e, cloexec, &src, !D.ntiers);
@@ -1404,10 +1518,24 @@ API ssize_t preadv2(int fd, const struct iovec *iov, int cnt, off_t off, int fla
 }
 API ssize_t preadv64v2(int fd, const struct iovec *iov, int cnt, off_t off, int flags) { return preadv2(fd, iov, cnt, off, flags); }
 
+/* lseek of a staged directory: the position getdents64 goes on from (a d_off it gave, or 0
+ * to list it again), as on a real directory. */
+static off_t dir_seek(int fd, const Row *r, off_t off, int whence) {
+    int64_t pos = whence == SEEK_SET ? off : whence == SEEK_CUR ? (int64_t)r->dpos + off : -1;
+    if (pos < 0) { errno = EINVAL; return -1; }
+    row_begin(fd);
+    if (rows[fd].kind == F_DIRFD && rows[fd].ino == r->ino)
+        __atomic_store_n(&rows[fd].dpos, (uint64_t)pos, __ATOMIC_RELAXED);
+    row_end(fd);
+    return (off_t)pos;
+}
+
 API off_t lseek(int fd, off_t off, int whence) {
     INIT();
     Row r;
-    if (!get_row(fd, &r) || r.kind != F_SHARD) return real_lseek(fd, off, whence);
+    if (!get_row(fd, &r)) return real_lseek(fd, off, whence);
+    if (r.kind == F_DIRFD && D.kind[r.e] == K_DIR) return dir_seek(fd, &r, off, whence);
+    if (r.kind != F_SHARD) return real_lseek(fd, off, whence);
     int64_t size = (int64_t)D.size[r.e], pos;
     switch (whence) {
     case SEEK_SET: pos = off; break;
@@ -1590,6 +1718,16 @@ API int faccessat(int d, const char *p, int mode, int fl) { return do_access(d, 
 API ssize_t readlinkat(int dirfd, const char *path, char *buf, size_t size) {
     INIT();
     Res r;
+    const char *rest;
+    Row row;
+    int fd = D.active && path && path[0] == '/' && strncmp(path, "/dev/std", 8) ? fd_path(path, &rest) : -1;
+    if (fd >= 0 && !*rest && get_row(fd, &row)) {  /* /proc/self/fd/N: the file's own path */
+        char tmp[PATH_MAX];
+        if (entry_path(row.e, tmp, sizeof tmp) != 0) { errno = ENAMETOOLONG; return -1; }
+        size_t n = strlen(tmp) < size ? strlen(tmp) : size;
+        memcpy(buf, tmp, n);
+        return (ssize_t)n;
+    }
     resolve(&r, dirfd, path, 0);
     if (r.kind == R_REAL) {
         ssize_t n = real_readlinkat(dirfd, r.path, buf, size);
@@ -1651,6 +1789,7 @@ static int enter(uint32_t e) {
     char p[PATH_MAX];
     if (entry_path(e, p, sizeof p) != 0) { errno = ENAMETOOLONG; return -1; }
     if (real_chdir(D.empty_dir) != 0) return -1;
+    if (borrowed()) { strcpy(kid.vcwd, p); kid.cwd_set = 1; return 0; }
     pthread_mutex_lock(&cwd_lock);
     strcpy(vcwd, p);
     pthread_mutex_unlock(&cwd_lock);
@@ -1663,6 +1802,7 @@ static void leave(void) {
     int above = real_getcwd(here, sizeof here) != NULL;
     size_t n = above ? strlen(here) : 0, m = n == 1 ? 0 : n;  /* "/": every root is below */
     above = above && D.root_len > m && memcmp(D.root, here, m) == 0 && D.root[m] == '/';
+    if (owner && borrowed()) { kid.vcwd[0] = 0; kid.cwd_set = 1; return; }
     pthread_mutex_lock(&cwd_lock);
     vcwd[0] = 0;
     if (above) memcpy(rcwd, here, n + 1);
@@ -1766,7 +1906,7 @@ API DIR *fdopendir(int fd) {
     INIT();
     Row r;
     if (!get_row(fd, &r)) return real_fdopendir(fd);
-    if (r.kind != F_DIRFD) { errno = ENOTDIR; return NULL; }
+    if (r.kind != F_DIRFD || D.kind[r.e] != K_DIR) { errno = ENOTDIR; return NULL; }
     return new_sdir(fd, r.e);
 }
 
@@ -1827,6 +1967,7 @@ API ssize_t getdents64(int fd, void *buf, size_t n) {
     INIT();
     Row r;
     if (!get_row(fd, &r)) return real_getdents64(fd, buf, n);
+    if (r.kind == F_DIRFD && D.kind[r.e] != K_DIR) return real_getdents64(fd, buf, n);  /* O_PATH */
     if (r.kind != F_DIRFD) { errno = ENOTDIR; return -1; }
     size_t used = 0;
     uint64_t pos = r.dpos, ino; uint8_t type; const char *name; size_t nl;
@@ -2008,10 +2149,20 @@ API int linkat(int od, const char *op, int nd, const char *np, int fl) {
 API int link(const char *op, const char *np) { return linkat(AT_FDCWD, op, AT_FDCWD, np, 0); }
 API int symlinkat(const char *target, int d, const char *p) { REFUSE1(d, p, 0); return real_symlinkat(target, d, r_.path); }
 API int symlink(const char *target, const char *p) { return symlinkat(target, AT_FDCWD, p); }
+/* A call that changes the file behind a descriptor: on a staged one it would change the
+ * tier's or the origin's shard (or the run's empty directory), which a read-only
+ * descriptor does not prevent. */
+#define REFUSE_FD(fd) do { INIT(); Row w_; if (get_row(fd, &w_)) { errno = EROFS; return -1; } } while (0)
+API int fchmod(int fd, mode_t m) { REFUSE_FD(fd); return real_fchmod(fd, m); }
+API int fchown(int fd, uid_t u, gid_t g) { REFUSE_FD(fd); return real_fchown(fd, u, g); }
+API int futimens(int fd, const struct timespec t[2]) { REFUSE_FD(fd); return real_futimens(fd, t); }
+API int futimes(int fd, const struct timeval t[2]) { REFUSE_FD(fd); return real_futimes(fd, t); }
+API int fsetxattr(int fd, const char *n, const void *v, size_t s, int fl) { REFUSE_FD(fd); return real_fsetxattr(fd, n, v, s, fl); }
+API int fremovexattr(int fd, const char *n) { REFUSE_FD(fd); return real_fremovexattr(fd, n); }
 API int utimensat(int d, const char *p, const struct timespec t[2], int fl) {
     INIT();
     Res r;
-    if (p == NULL) { Row w; if (get_row(d, &w)) { errno = EROFS; return -1; } return real_utimensat(d, p, t, fl); }
+    if (p == NULL) { REFUSE_FD(d); return real_utimensat(d, p, t, fl); }
     if (staged(&r, d, p, !(fl & AT_SYMLINK_NOFOLLOW))) { errno = EROFS; return -1; }
     return real_utimensat(d, r.path, t, fl);
 }
@@ -2056,8 +2207,11 @@ static char **child_env(char *const envp[]) {
     char *fds = malloc(cap);
     if (fds) {
         used = (size_t)sprintf(fds, "STAGEFS_PRELOAD_FDS=");
-        for (int fd = 0; fd < max_fd; fd++) {
-            if (!__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE)) continue;
+        /* the table's rows, then a vfork child's own where the table has none */
+        int extra = borrowed() ? kid.n : 0;
+        for (int i = 0; i < max_fd + extra; i++) {
+            int fd = i < max_fd ? i : kid.fd[i - max_fd];
+            if ((i < max_fd) != (__atomic_load_n(&rows[fd].kind, __ATOMIC_ACQUIRE) != 0)) continue;
             Row r;
             if (!get_row(fd, &r)) continue;
             int fl = real_fcntl(fd, F_GETFD);
@@ -2076,9 +2230,10 @@ static char **child_env(char *const envp[]) {
         }
         out[k++] = fds;
     }
-    if (vcwd[0]) {
+    const char *cwd = borrowed() && kid.cwd_set ? kid.vcwd : vcwd;
+    if (cwd[0]) {
         char *c;
-        if (asprintf(&c, "STAGEFS_PRELOAD_CWD=%s", vcwd) >= 0) out[k++] = c;
+        if (asprintf(&c, "STAGEFS_PRELOAD_CWD=%s", cwd) >= 0) out[k++] = c;
     }
     out[k] = NULL;
     return out;
