@@ -43,10 +43,11 @@ class FakePeer:
         ns = auth.new_nonce()
         conn.sendall(P.encode(P.Challenge(ns, self.pack_id)))
         msg = recv_message(conn, 4096)
+        end = auth.channel_binding(conn, accepted=True)
         if not isinstance(msg, P.Auth) or not auth.verify(
-                auth.client_proof(self.token, ns, msg.nonce), msg.mac):
+                auth.client_proof(self.token, ns, msg.nonce, end), msg.mac):
             return False
-        conn.sendall(P.encode(P.AuthOk(auth.server_proof(self.token, ns, msg.nonce))))
+        conn.sendall(P.encode(P.AuthOk(auth.server_proof(self.token, ns, msg.nonce, end))))
         return True
 
     def serve(self, conn: socket.socket) -> None:
@@ -75,7 +76,8 @@ def authed(addr: tuple[str, int] | str, token: bytes) -> socket.socket:
     ch = msgs[0]
     assert isinstance(ch, P.Challenge)
     nc = auth.new_nonce()
-    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc))))
+    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc,
+                                                    auth.channel_binding(s, accepted=False)))))
     msgs = []
     while not msgs:
         dec.feed(s.recv(4096))

@@ -42,8 +42,9 @@ from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "open_own_file", "open_read",
-           "private_makedirs", "remove_any", "unreachable", "user_name", "worker_pool"]
+__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "movable_by_others",
+           "open_own_file", "open_read", "private_makedirs", "remove_any", "unreachable",
+           "user_name", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -166,6 +167,31 @@ def private_makedirs(path: str | os.PathLike[str]) -> None:
             if not os.path.isdir(d):  # a file in the way
                 raise
             # another process of the job made it first
+
+
+def movable_by_others(directory: str | os.PathLike[str]) -> str | None:
+    """Why another user may rename or replace what is in ``directory`` or in a directory on
+    its way (its missing part left out): the first such directory, with whose it is or that
+    every user may write it without the sticky bit that ``/dev/shm`` and ``/tmp`` have;
+    None if only this user and root may. Such a user can move a runtime directory or a
+    tier's copies away while a job uses them, or put a directory (or a symlink) of theirs
+    in their place, made first under a predictable name (``/dev/shm/stagefs-$USER``)."""
+    here = os.path.abspath(os.fspath(directory))
+    me = os.getuid()
+    while True:
+        try:
+            s = os.stat(here)
+        except OSError:
+            s = None  # missing (to be made, ours) or closed to us (said where it is used)
+        if s is not None and stat.S_ISDIR(s.st_mode):
+            why = (f"belongs to {user_name(s.st_uid)}" if s.st_uid not in (0, me) else
+                   "may be written by every user and has no sticky bit"
+                   if s.st_mode & stat.S_IWOTH and not s.st_mode & stat.S_ISVTX else None)
+            if why:
+                return f"{here} {why} (mode {stat.S_IMODE(s.st_mode):04o})"
+        if here == os.path.dirname(here):
+            return None
+        here = os.path.dirname(here)
 
 
 def login(uid: int) -> str:

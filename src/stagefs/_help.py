@@ -10,7 +10,8 @@ import textwrap
 
 from stagefs.config import ENV_VARS, SIZE_SYNTAX
 
-__all__ = ["COMMANDS", "Formatter", "bash_completion", "commands", "epilog", "markdown"]
+__all__ = ["COMMANDS", "EXIT_STATUS", "Formatter", "bash_completion", "commands", "epilog",
+           "markdown"]
 
 _STORE = ("STAGEFS_TIERS", "STAGEFS_RUNTIME", "STAGEFS_JOB", "STAGEFS_READ_THREADS",
           "STAGEFS_ORIGIN_READAHEAD", "STAGEFS_SPEEDUPS", "STAGEFS_MALLOC_TUNE",
@@ -96,6 +97,21 @@ Start here:
 Reference: docs/cli.md. Shell completion: eval "$(stagefs completion bash)" (zsh: run
 'autoload -U +X bashcompinit && bashcompinit' first)."""
 
+EXIT_STATUS = """\
+Exit status:
+  0    done
+  1    an error, said on stderr; also: verify, a file is corrupt; cat, a file could not be
+       read; stage, copying a shard failed (one that found no room left is not an error);
+       status, no runtime, a node unreachable, or not staged within --wait-staged; doctor,
+       a tier cannot be used; bench, a system failed or read wrong bytes
+  2    a command line that cannot work (the command's usage is shown)
+  126  run: the command is not executable (else run ends with the command's status)
+  127  run: the command is not found
+  130  Ctrl-C, after cleaning up
+  141  the reader of the output went away (stagefs ... | head)
+  143  SIGTERM (scancel, the job's time limit), after cleaning up as after Ctrl-C
+       (serve and mount -f end at either signal with 0)"""
+
 _WIDTH = 88
 
 
@@ -146,7 +162,7 @@ def epilog(command: str | None) -> str:
     if command is None:
         public = tuple(n for n, v in ENV_VARS.items() if not v.internal)
         return "\n\n".join([OVERVIEW, textwrap.fill(SIZE_SYNTAX, _WIDTH),
-                            "\n".join(_env_lines(public))])
+                            "\n".join(_env_lines(public)), EXIT_STATUS])
     if command not in COMMANDS:  # a new command: tests/unit/test_cli_help.py asks for its entry
         return ""
     examples, names, sizes = COMMANDS[command]
@@ -280,6 +296,7 @@ def markdown(parser: argparse.ArgumentParser) -> str:
             for v in ENV_VARS.values() if not v.internal]
     out += ["", "Set by stagefs for the processes it starts (not for users): "
             + ", ".join(f"`{v.name}`" for v in ENV_VARS.values() if v.internal) + ".", ""]
+    out += ["## Exit status", "", "```", EXIT_STATUS.split("\n", 1)[1], "```", ""]
     for name, sp in cmds.items():
         out += _command_md(name, sp)
     return "\n".join(out).rstrip("\n") + "\n"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-__all__ = ["meminfo", "memory_available"]
+__all__ = ["meminfo", "memory_available", "memory_limit_room"]
 
 
 def meminfo(proc: str = "/proc") -> dict[str, int]:
@@ -65,6 +65,14 @@ def _cgroup_room(proc: str, root: str) -> int | None:
             left = max(0, limit - usage)
             room = left if room is None else min(room, left)
     return room
+
+
+def memory_limit_room(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's control group (or one above it) may still use under its memory
+    limit (a batch job's: Slurm's ``--mem``), or None where no limit applies. A memory
+    tier's pages (tmpfs) count against it, and are not given back under pressure: the
+    kernel kills a process of the group instead."""
+    return _cgroup_room(proc, cgroup_root)
 
 
 def memory_available(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> int:

@@ -10,13 +10,14 @@ import signal
 import stat as st
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from stagefs import __version__
 from stagefs._help import Formatter, bash_completion, commands, epilog
 from stagefs._native import preload_library
-from stagefs.config import format_size, parse_size
+from stagefs.config import format_size, parse_size, show_path
 from stagefs.errors import ConfigError, StagefsError
 from stagefs.format.spec import FILE_ALIGN_MIN
 
@@ -25,18 +26,52 @@ __all__ = ["main"]
 Handler = Callable[[argparse.Namespace], int]
 
 
+class UsageError(Exception):
+    """A command line that cannot mean anything (an argument missing, two that exclude each
+    other): the command's usage and status 2, as argparse gives for the errors it finds."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``scancel``, Slurm's time limit), raised where the command is, so
+    that it cleans up as after Ctrl-C (temporary data, claims, a FUSE server it started)."""
+
+
+_TERMINATED = [False]  # SIGTERM came: set even where its exception is lost (an at-fork hook)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    if _TERMINATED[0]:  # once: a second SIGTERM must not cut the cleanup of the first short
+        return
+    _TERMINATED[0] = True
+    raise Terminated
+
+
+def _parent_ends_child() -> None:
+    """A forked child (a pool worker, which never execs) leaves SIGTERM to its parent: the
+    parent stops handing out work, waits for what runs, and the child ends with it. Ended
+    by the signal itself, the pool would break under the parent's cleanup (and Python 3.11
+    prints a traceback for each cancelled task); raising in it, it would print one."""
+    if signal.getsignal(signal.SIGTERM) is _terminate:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+os.register_at_fork(after_in_child=_parent_ends_child)
+
+
 def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     import stagefs
 
     return stagefs.open(args.pack)
 
 
-def _size(flag: str, text: str) -> int:
-    """``parse_size``, its error naming the option (a command may take several sizes)."""
+def _size(text: str) -> int:
+    """``parse_size`` as an option's type: a bad size is a usage error (status 2) naming
+    the option, as a bad number is."""
     try:
         return parse_size(text)
     except ConfigError as exc:
-        raise ConfigError(f"{flag} {text}: {exc}") from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _is_raw(path: str) -> bool:
@@ -50,16 +85,13 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from stagefs.pack import describe, pack
 
     t0 = time.perf_counter()
-    report = pack(args.src, args.dest, shard_size=_size("--shard-size", args.shard_size),
-                  compress=args.compress, align=_size("--align", args.align), jobs=args.jobs,
+    report = pack(args.src, args.dest, shard_size=args.shard_size,
+                  compress=args.compress, align=args.align, jobs=args.jobs,
                   follow_symlinks=args.follow_symlinks, overwrite=args.force)
     dt = time.perf_counter() - t0
     rate = report.raw_bytes / dt / 2**20 if dt else 0.0
     print(f"{describe(report)} in {dt:.1f} s ({rate:.0f} MiB/s) → {report.dest}")
-    if report.skipped:
-        print(f"warning: skipped {len(report.skipped)} special files: "
-              f"{', '.join(report.skipped[:10])}", file=sys.stderr)
-    return 0
+    return 0  # special files skipped: pack's warning named them
 
 
 def cmd_unpack(args: argparse.Namespace) -> int:
@@ -178,7 +210,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     report = verify_pack(args.pack, jobs=args.jobs)
     for c in report.corrupt:
-        print(f"CORRUPT {c.path} (in {c.shard}): {c.reason}")
+        print(f"CORRUPT {show_path(c.path)} (in {c.shard}): {c.reason}")
     state = "OK" if report.ok else f"{len(report.corrupt)} CORRUPT"
     print(f"verified {report.files:,} files, {format_size(report.bytes)}: {state}")
     return 0 if report.ok else 1
@@ -187,8 +219,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from stagefs.bench.demo import run_demo
 
-    size = _size("--size", args.size) if args.size is not None else None
-    return run_demo(origin=args.origin, size=size, out=args.out)
+    return run_demo(origin=args.origin, size=args.size, out=args.out)
 
 
 def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[no-untyped-def]
@@ -201,10 +232,10 @@ def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[n
 
     if connect:
         if origin:
-            raise SystemExit("stagefs: give either a dataset or --connect, not both")
+            raise UsageError("give either a dataset or --connect, not both")
         return stagefs.connect(runtime)
     if not origin:
-        raise SystemExit("stagefs: name the dataset (a pack or a directory), or --connect")
+        raise UsageError("name the dataset (a pack or a directory), or --connect")
     if tiers and "tiers" in inspect.signature(stagefs.open).parameters:
         return stagefs.open(origin, tiers=tiers, runtime=runtime)  # type: ignore[call-arg]
     if tiers:
@@ -221,7 +252,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        raise SystemExit("stagefs run: name the command after '--', e.g. -- python train.py")
+        raise UsageError("name the command after '--', e.g. -- python train.py")
     exe = shutil.which(cmd[0])
     if exe is None:  # as a shell, env or timeout says it: 127 not found, 126 not runnable
         there = os.sep in cmd[0] and os.path.exists(cmd[0])
@@ -261,6 +292,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise ConfigError(cannot)
     if args.foreground:
         with _open_dataset(args.dataset, args.tier, args.connect, args.runtime) as store:
+            # libfuse ends its loop at SIGTERM (unmounting) only where nothing else handles it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             fuse.mount(store, args.mountpoint, allow_other=args.allow_other,
                        nonempty=args.force_nonempty)
         fuse.remove_own_log()  # a detached server that ended cleanly leaves no log behind
@@ -325,7 +358,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"wrote a new job token to {args.new_token} (mode 0600)")
         return 0
     if not args.origin:
-        raise SystemExit("stagefs serve: error: ORIGIN is required")
+        raise UsageError("the following arguments are required: origin (or --new-token)")
     return serve(ServeOptions(
         origin=args.origin, tiers=args.tier or [], replicas=args.replicas,
         replicate_all=args.replicate_all or [], runtime=args.runtime, wait=args.wait,
@@ -446,15 +479,19 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=textwrap.fill(help, 88),
                             formatter_class=Formatter, epilog=epilog(name))
         sp.set_defaults(handler=handler)
+        # after the command too (stagefs serve ... -v), as scripts add it at the end
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log what stagefs does (as stagefs -v COMMAND)")
         return sp
 
     sp = add("pack", cmd_pack, "pack a directory tree into shards and a manifest")
     sp.add_argument("src", help="the directory to pack")
     sp.add_argument("dest", help="the pack directory to write")
-    sp.add_argument("--shard-size", default="64MiB", metavar="SIZE", help="target shard size")
+    sp.add_argument("--shard-size", type=_size, default="64MiB", metavar="SIZE",
+                    help="target shard size")
     sp.add_argument("--compress", choices=("auto", "zstd", "none"), default="auto",
                     help="auto: keep zstd only where it saves space")
-    sp.add_argument("--align", default="4096", metavar="SIZE",
+    sp.add_argument("--align", type=_size, default="4096", metavar="SIZE",
                     help=f"start each raw file of {FILE_ALIGN_MIN // 1024} KiB or more at a "
                          "multiple of SIZE in its shard, so that it can be mapped from a tier "
                          "copy with no copy (a power of two; 1 or 0: no padding)")
@@ -495,7 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the dataset's directory: its files are used, or a dataset is "
                     "generated there when it is empty or missing, and kept (default: a temp "
                     "dir on the test PFS at /tmp/pfs if mounted, else a local temp dir)")
-    sp.add_argument("--size", default=None, metavar="N",
+    sp.add_argument("--size", type=_size, default=None, metavar="N",
                     help="bytes to generate, e.g. 300MiB or 1GB (default 768MiB: about a "
                     "minute on 2 cores)")
     sp.add_argument("--out", default="stagefs-demo", metavar="DIR",
@@ -649,7 +686,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv:  # bare `stagefs`: the overview, not an error
         parser.print_help()
         return 0
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    command = commands(parser)[args.command]
+    if extra:  # the command's error, with its usage (argparse's would show the top one's)
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "job", None):  # for this command and every process it starts
         os.environ["STAGEFS_JOB"] = args.job
     reconfigure = getattr(sys.stdout, "reconfigure", None)
@@ -657,8 +697,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconfigure(errors="surrogateescape")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="stagefs: %(levelname)s: %(message)s")
+    with _terminated_as_interrupt():
+        try:
+            rc = _run(command, args)
+        except Exception:
+            if not _TERMINATED[0]:
+                raise
+            rc = 1  # an error SIGTERM made (a pool whose worker it ended): terminated, below
+        if _TERMINATED[0] and rc != 128 + signal.SIGTERM:
+            print("stagefs: terminated", file=sys.stderr)
+            rc = 128 + signal.SIGTERM
+        return rc
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises Terminated for the length of the command (a command that handles it
+    itself, the daemon and a FUSE server, sets its own handler); one ignored stays ignored."""
+    old = signal.getsignal(signal.SIGTERM)
+    _TERMINATED[0] = False
+    if old != signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run(command: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The command's handler, its errors made an exit status and a line on stderr."""
     try:
         return int(args.handler(args))
+    except UsageError as exc:
+        command.error(str(exc))
+    except Terminated:
+        print("stagefs: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("stagefs: interrupted", file=sys.stderr)
         return 130

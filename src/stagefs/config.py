@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 
 from stagefs.errors import ConfigError
 
-__all__ = ["ENV_VARS", "SIZE_SYNTAX", "EnvVar", "TierSpec", "env", "format_size", "parse_size",
-           "parse_tier"]
+__all__ = ["ENV_VARS", "SIZE_SYNTAX", "EnvVar", "TierSpec", "absolute", "env", "format_size",
+           "parse_size", "parse_tier", "show_path"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -63,6 +64,29 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def absolute(path: str | bytes | os.PathLike[str] | os.PathLike[bytes]) -> str:
+    """``os.path.abspath(path)``, as str (a bytes path, as ``os.fsencode`` gives a name that
+    is not UTF-8, decoded as the file system's names are); a relative path in a current
+    directory that was removed (``cd d; rmdir ../d``, a job's scratch directory cleaned
+    under its shell) is a FileNotFoundError naming the path and what to do, not the bare
+    one ``os.getcwd`` raises, which names nothing."""
+    try:
+        return os.path.abspath(os.fsdecode(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            errno.ENOENT, "the current directory no longer exists (removed after it was "
+            "entered?), so a relative path names nothing; cd to an existing directory, or "
+            "give an absolute path", os.fsdecode(path)) from None
+
+
+def show_path(path: str | bytes) -> str:
+    """A path for a message or a listing of one path a line: as it is, or quoted as a Python
+    string when it holds what would not print as itself (a newline, a tab, a byte that is
+    not UTF-8), so each path stays on its line and can be told apart."""
+    text = os.fsdecode(path)
+    return text if text.isprintable() else repr(text)
+
+
 @dataclass(frozen=True, slots=True)
 class TierSpec:
     """One node-local tier: a directory and how many bytes of it stagefs may use."""
@@ -103,7 +127,7 @@ def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
         path = path.replace("{rank}", str(rank))
     elif "{rank}" in path:
         raise ConfigError(f"tier {spec!r} names {{rank}} but no rank is known here")
-    path = os.path.abspath(os.path.expanduser(path))
+    path = absolute(os.path.expanduser(path))
     probe = _existing_parent(path)
     try:
         capacity = parse_size(size, of=probe) if size else None

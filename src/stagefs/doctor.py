@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stagefs._native import preload_library
-from stagefs._sysinfo import meminfo
+from stagefs._sysinfo import meminfo, memory_limit_room
 from stagefs._table import table
 from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format.spec import PIECE
-from stagefs.tiers.tier import tier_dir_problem
+from stagefs.tiers.tier import dir_bytes, memory_limit_problem, tier_dir_problem, tier_kind
 
 __all__ = ["Finding", "check_node", "check_tier", "render"]
 
@@ -75,11 +75,17 @@ def _space(path: str) -> tuple[int, int]:
 def check_shm() -> list[Finding]:
     """/dev/shm is the fastest tier and holds the runtime directory."""
     if not os.path.isdir(SHM):
-        return [Finding("/dev/shm", "missing", "no /dev/shm: the runtime dir goes to /tmp, "
+        return [Finding("/dev/shm", "missing", "no /dev/shm: the runtime dir goes to the "
+                                               "temporary directory ($TMPDIR, else /tmp), "
                                                "and there is no memory tier by default")]
     total, free = _space(SHM)
     mem = meminfo().get("MemTotal", 0)
     what = f"{format_size(total)}, {format_size(free)} free"
+    if free < PIECE and env("RUNTIME") is None:
+        return [Finding("/dev/shm", "warn", f"{what}: full, so the runtime directory stagefs "
+                        "keeps there (leases, claims, counters) cannot be written and opening a "
+                        "dataset with tiers fails; free space there (what other jobs left), or "
+                        "set STAGEFS_RUNTIME to a node-local directory with room")]
     if mem and total < mem // 4:
         return [Finding("/dev/shm", "warn", f"{what}: under a quarter of the memory "
                         f"({format_size(mem)}); a memory tier there holds little of a dataset")]
@@ -152,6 +158,8 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
                                 "stage there; name a writable directory with free space")]
         wrote, read = _probe(path, clock)
         total, free = _space(path)
+        over = memory_limit_problem(path, tier.capacity, dir_bytes(path)) \
+            if tier_kind(path) == "memory" else None
     except OSError as exc:
         return [Finding(label, "error", f"cannot write in {path} ({exc.strerror}): stagefs "
                         "cannot stage there; name a writable directory with free space")]
@@ -161,6 +169,8 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
                 os.rmdir(d)
     new = f"{path} does not exist yet (stagefs creates it in {os.path.dirname(made[-1])}); " \
         if made else ""
+    if over:
+        return [Finding(label, "warn", f"{new}{over}")]
     return [Finding(label, "ok", f"{new}{format_size(free)} free of {format_size(total)}; "
                     f"write {_speed(PROBE_BYTES, wrote)}, read {_speed(PROBE_BYTES, read)} "
                     f"({format_size(PROBE_BYTES)} probe)")]
@@ -231,9 +241,12 @@ def check_memory() -> list[Finding]:
                                         "memory tier and in the page cache"))]
     mem = meminfo()
     if "MemTotal" in mem:
+        room = memory_limit_room()
+        limit = "" if room is None else (f"; this job's memory limit (its control group's) "
+                                         f"leaves {format_size(room)}")
         out.append(Finding("memory", "ok", f"{format_size(mem['MemTotal'])} in all, "
-                           f"{format_size(mem.get('MemAvailable', 0))} available: a memory "
-                           "tier and the training job share it"))
+                           f"{format_size(mem.get('MemAvailable', 0))} available{limit}: a "
+                           "memory tier and the training job share it"))
     return out
 
 

@@ -29,6 +29,7 @@ the real file system would set it.
     │                                                quota there used up (ENOSPC, EDQUOT)
     ├── ConfigError (ValueError)               a size, a tier spec or a variable is malformed
     ├── ProtocolError (ValueError)             a peer sent bytes that are not the stagefs protocol
+    │   └── ProtocolVersionError                     another version of it (another stagefs)
     ├── AuthenticationError (PermissionError)  a peer did not prove the job token
     ├── ClusterError                           no cluster runtime here, or it cannot be used
     └── RuntimeInUseError                      live processes use a job's runtime (clean refuses)
@@ -61,6 +62,7 @@ __all__ = [
     "PackError",
     "PathError",
     "ProtocolError",
+    "ProtocolVersionError",
     "ReadOnlyError",
     "RuntimeInUseError",
     "SourceChangedError",
@@ -220,6 +222,10 @@ class ConfigError(StagefsError, ValueError):
 
 class ProtocolError(StagefsError, ValueError):
     """A peer sent a frame that docs/PROTOCOL.md does not allow (bad magic, version, size)."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """A peer speaks another version of the protocol: it runs another stagefs."""
 
 
 class AuthenticationError(StagefsError, PermissionError):

@@ -27,8 +27,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from stagefs._fsutil import atomic_write, open_read, worker_pool
-from stagefs.config import format_size, parse_size
+from stagefs._fsutil import PARTIAL_SUFFIX, atomic_write, open_read, worker_pool
+from stagefs.config import absolute, format_size, parse_size, show_path
 from stagefs.errors import (
     CorruptManifestError,
     DestinationExistsError,
@@ -56,6 +56,7 @@ from stagefs.format.codecs import MAX_COMPRESSED, Codec, compress_auto
 from stagefs.format.manifest import Entry, ShardInfo
 from stagefs.format.spec import FILE_ALIGN, FILE_ALIGN_MIN, MAX_FILE_ALIGN, PIECE, SHARD_HEADER
 from stagefs.format.validate import NO_ALIGN, FileAlign
+from stagefs.namespace import PathArg
 
 __all__ = ["PackReport", "pack", "unpack"]
 
@@ -129,7 +130,7 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None,
                 with os.scandir(dirpath) as it:
                     items = sorted(it, key=lambda d: d.name)
             except PermissionError:
-                out.unreadable.append(os.fsdecode(dirpath))
+                out.unreadable.append(show_path(dirpath))
                 continue
             bar.update(len(items))
             for d in items:
@@ -140,7 +141,7 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None,
                 try:
                     info = d.stat(follow_symlinks=False)
                 except PermissionError:  # listable but not searchable (r without x)
-                    out.unreadable.append(os.fsdecode(dirpath))
+                    out.unreadable.append(show_path(dirpath))
                     break
                 except FileNotFoundError:  # removed since it was listed: not in the tree
                     continue
@@ -183,8 +184,8 @@ def _scan_link(
             # its text, read from its place in the pack (readlink, unpack, a mount), would
             # not lead where the file system led: the path inside the pack that does
             new = os.path.relpath(b"/" + link_resolved, b"/" + rel_dir)
-            out.relinked.append(f"{os.fsdecode(rel)} -> {os.fsdecode(target)} "
-                                f"(stored as -> {os.fsdecode(new)})")
+            out.relinked.append(f"{show_path(rel)} -> {show_path(target)} "
+                                f"(stored as -> {show_path(new)})")
             target = new
         out.entries.append(
             Entry(rel, KIND_SYMLINK, info.st_mode, info.st_mtime_ns, link_target=target,
@@ -194,17 +195,17 @@ def _scan_link(
     if not follow or not os.path.exists(resolved):
         if follow:
             log.warning("symlink %s points to missing %s: kept as a symlink",
-                        os.fsdecode(rel), os.fsdecode(target))
+                        show_path(rel), show_path(target))
             out.entries.append(
                 Entry(rel, KIND_SYMLINK, info.st_mode, info.st_mtime_ns, link_target=target)
             )
         else:
-            out.unsafe.append(f"{os.fsdecode(rel)} -> {os.fsdecode(target)}")
+            out.unsafe.append(f"{show_path(rel)} -> {show_path(target)}")
         return
     tinfo = os.stat(resolved)
     if st.S_ISDIR(tinfo.st_mode):
         if (tinfo.st_dev, tinfo.st_ino) in seen_dirs:
-            out.unsafe.append(f"{os.fsdecode(rel)} -> {os.fsdecode(target)} (a loop)")
+            out.unsafe.append(f"{show_path(rel)} -> {show_path(target)} (a loop)")
             return
         seen_dirs.add((tinfo.st_dev, tinfo.st_ino))
         out.entries.append(Entry(rel, KIND_DIR, tinfo.st_mode, tinfo.st_mtime_ns))
@@ -362,13 +363,13 @@ def _write_shard(
             try:
                 rec = _write_one(writer, f, compress)
             except PermissionError:
-                result.unreadable.append(os.fsdecode(f.abspath))
+                result.unreadable.append(show_path(f.abspath))
                 continue
             except FileNotFoundError:
-                result.changed.append(os.fsdecode(f.rel) + " (deleted)")
+                result.changed.append(show_path(f.rel) + " (deleted)")
                 continue
             if isinstance(rec, str):
-                result.changed.append(os.fsdecode(f.rel))
+                result.changed.append(show_path(f.rel))
             else:
                 result.records.append(rec)
         if result.changed or result.unreadable:
@@ -523,8 +524,8 @@ def _prepare_dest(dest: str, options: dict[str, Any], overwrite: bool) -> tuple[
 
 
 def pack(
-    src: str | os.PathLike[str],
-    dest: str | os.PathLike[str],
+    src: PathArg,
+    dest: PathArg,
     *,
     shard_size: int | str = DEFAULT_SHARD_SIZE,
     compress: str = "auto",
@@ -543,7 +544,7 @@ def pack(
     only when stderr is a terminal.
     """
     say = echo or (lambda msg: print(msg, file=sys.stderr))
-    src_s, dest_s = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dest))
+    src_s, dest_s = absolute(src), absolute(dest)
     if compress not in COMPRESS_MODES:
         raise PackError(f"unknown --compress {compress!r}: use one of {', '.join(COMPRESS_MODES)}")
     if not os.path.isdir(src_s):
@@ -555,7 +556,7 @@ def pack(
         raise PackError(f"{src_s} is a pack already (it holds {MANIFEST_NAME}): read it as it "
                         f"is (stagefs info {src_s}); to pack its files again, give the "
                         "directory they came from, or 'stagefs unpack' it first")
-    real_dest, real_src = os.path.realpath(dest_s).encode(), os.path.realpath(src_s).encode()
+    real_dest, real_src = os.fsencode(os.path.realpath(dest_s)), os.fsencode(os.path.realpath(src_s))
     if _within(real_src, real_dest):  # --force would delete the source with the old DEST
         raise PackError(f"{dest_s}: the pack cannot be written to the source directory or to "
                         f"a directory that contains it ({src_s}); choose another DEST")
@@ -593,8 +594,9 @@ def pack(
                     "inside the pack: %s%s", len(scan.relinked), src_s,
                     "; ".join(scan.relinked[:10]), "; ..." if len(scan.relinked) > 10 else "")
     if scan.skipped:
-        log.warning("skipped %d special files (sockets, FIFOs, devices): %s",
-                    len(scan.skipped), ", ".join(scan.skipped[:10]))
+        log.warning("skipped %d special files (sockets, FIFOs, devices): %s%s",
+                    len(scan.skipped), ", ".join(map(show_path, scan.skipped[:10])),
+                    ", ..." if len(scan.skipped) > 10 else "")
 
     options = {"shard_size": size, "compress": compress, "source": src_s,
                "align": [file_align.to, file_align.min_size]}
@@ -645,14 +647,25 @@ def _file_align(align: int, align_min: int) -> FileAlign:
 
 
 def _clear_stale(dest: str, n_shards: int, keep: set[int]) -> None:
+    """Before a resumed run writes: remove what an interrupted run left and this one does
+    not reuse: shards and their records (a record left beside the shard written again would
+    describe the old bytes to a later run, if the run writing it dies before its own
+    record), shards in progress, and a manifest a killed run was writing (it would stay in
+    the finished pack, as large as the manifest, for good)."""
     for name in os.listdir(dest):
-        if name.startswith("shard-") and (name.endswith(".sfs") or name.endswith(".partial")):
+        if name.startswith(MANIFEST_NAME + ".") and name.endswith(PARTIAL_SUFFIX):
+            os.unlink(os.path.join(dest, name))
+        elif name.startswith("shard-") and (name.endswith(".sfs") or name.endswith(".partial")):
             try:
                 idx = int(name[6:12])
             except ValueError:
                 continue
             if idx not in keep or name.endswith(".partial") or idx >= n_shards:
                 os.unlink(os.path.join(dest, name))
+    for name in os.listdir(os.path.join(dest, STATE_DIR)):
+        index, dot, _ = name.partition(".")
+        if dot and index.isdigit() and int(index) not in keep:  # N.json and its partials
+            os.unlink(os.path.join(dest, STATE_DIR, name))
 
 
 def _run_writers(
@@ -760,7 +773,7 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 
 
 def unpack(
-    pack_dir: str | os.PathLike[str], dest: str | os.PathLike[str], *, progress: bool | None = None
+    pack_dir: PathArg, dest: PathArg, *, progress: bool | None = None
 ) -> int:
     """Restore the tree of a pack at ``dest`` byte for byte, with modes and mtimes.
 
@@ -771,7 +784,7 @@ def unpack(
     """
     from stagefs.store import open as open_store
 
-    dest_s = os.path.abspath(os.fspath(dest))
+    dest_s = absolute(dest)
     if os.path.lexists(dest_s) and not os.path.isdir(dest_s):
         raise DestinationExistsError(f"{dest_s} is not a directory; unpack into a new directory")
     if os.path.exists(os.path.join(dest_s, MANIFEST_NAME)):  # the arguments swapped

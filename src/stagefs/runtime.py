@@ -27,6 +27,7 @@ is never removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -41,15 +42,17 @@ from typing import Any
 from stagefs._fsutil import (
     atomic_write,
     login,
+    movable_by_others,
     open_read,
     private_makedirs,
     remove_any,
     user_name,
 )
-from stagefs.config import env
+from stagefs.config import absolute, env
 from stagefs.errors import ConfigError, RuntimeInUseError
 
-__all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "proc_start", "read_record"]
+__all__ = ["Lease", "Runtime", "alive", "clean", "job_id", "private_dir", "proc_start",
+           "read_record"]
 
 _JOB_VARS = ("STAGEFS_JOB", "SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID", "COBALT_JOBID")
 HOST = socket.gethostname()
@@ -195,15 +198,45 @@ def _default_base() -> str:
     return os.path.join(root, f"stagefs-{os.getuid()}")
 
 
-def _private_dir(path: str) -> None:
-    """Create ``path`` mode 0700, or check that the one there is ours and private."""
+def _cannot(path: str, doing: str, exc: OSError) -> ConfigError:
+    """The error for a runtime directory ``path`` this process cannot ``doing`` (create
+    it, write in it): a full file system (a shared /dev/shm that other jobs filled) is
+    said to be one."""
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return ConfigError(
+        f"runtime directory {path}: cannot {doing} ({exc.strerror}); "
+        + (f"its file system is full: free space there (df {os.path.dirname(path)}), or "
+           if full else "")
+        + "set STAGEFS_RUNTIME to a writable node-local directory"
+        + (" with room" if full else ""))
+
+
+def _owner(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None
+
+
+def private_dir(path: str) -> None:
+    """Create ``path`` mode 0700, or check that the one there is ours and private; refused
+    (ConfigError) in a directory another user may rename it in: that user could move it
+    away (a daemon's readers then wait for its map forever) or put one of theirs in its
+    place, as a predictable name on a shared ``/dev/shm`` (``stagefs-$USER``) invites."""
+    why = movable_by_others(os.path.dirname(os.path.abspath(path)))
+    if why:
+        raise ConfigError(
+            f"runtime directory {path}: {why}: another user may move the runtime directory "
+            "away or put theirs in its place. Set STAGEFS_RUNTIME (or --runtime) to a "
+            "directory in one of your own, such as one made by 'mktemp -d "
+            "/dev/shm/stagefs-XXXXXX', or unset it for the default")
     try:
         private_makedirs(path)
     except OSError as exc:
-        raise ConfigError(
-            f"runtime directory {path}: cannot create it ({exc.strerror}); set "
-            "STAGEFS_RUNTIME to a writable node-local directory"
-        ) from exc
+        # a file or FIFO another user made under its name: said below, with its owner
+        if not (isinstance(exc, FileExistsError) and exc.filename == os.path.abspath(path)
+                and _owner(path) not in (None, os.getuid())):
+            raise _cannot(path, "create it", exc) from exc
     s = os.lstat(path)
     if not st.S_ISDIR(s.st_mode) or s.st_uid != os.getuid():
         # on a shared /dev/shm (sticky) only its owner or root can remove another user's
@@ -231,7 +264,7 @@ class Runtime:
         self.job = job_id()
         self.explicit = given is not None
         self.base = _default_base() if given is None else None
-        self.path = os.path.abspath(given) if given else os.path.join(_default_base(), self.job)
+        self.path = absolute(given) if given else os.path.join(_default_base(), self.job)
         self.claims = os.path.join(self.path, "claims")
         self.stats = os.path.join(self.path, "stats")
         self.tiers = os.path.join(self.path, "tiers")
@@ -245,16 +278,20 @@ class Runtime:
         """Create the directory (0700) and take a lease for this process. Nothing of another
         job is touched: only ``clean`` removes data."""
         if self.base is not None:
-            _private_dir(self.base)
-        _private_dir(self.path)
-        for sub in (self.claims, self.stats, self.tiers, self.inplace, self.procs):
-            try:
-                os.makedirs(sub, mode=0o700, exist_ok=True)
-            except FileExistsError:  # a file (or symlink) there: the directory's is made anew
-                log.warning("%s: not a directory (damaged runtime directory); made anew", sub)
-                os.unlink(sub)
-                os.makedirs(sub, mode=0o700, exist_ok=True)
-        self.register()
+            private_dir(self.base)
+        private_dir(self.path)
+        try:
+            for sub in (self.claims, self.stats, self.tiers, self.inplace, self.procs):
+                try:
+                    os.makedirs(sub, mode=0o700, exist_ok=True)
+                except FileExistsError:  # a file (or symlink) there: made anew as a directory
+                    log.warning("%s: not a directory (damaged runtime directory); made anew",
+                                sub)
+                    os.unlink(sub)
+                    os.makedirs(sub, mode=0o700, exist_ok=True)
+            self.register()
+        except OSError as exc:  # ENOSPC: a full /dev/shm was a bare OSError naming nothing
+            raise _cannot(self.path, "write in it", exc) from exc
         # the leases of processes that ended without closing (killed, os._exit) go: in a
         # cluster job no `stagefs status` or `clean` of this runtime judges them, and a
         # long run left one for each reader killed, without end
@@ -270,11 +307,11 @@ class Runtime:
         """Take (or renew) this process's lease on the job (once per open store; see
         unregister)."""
         lease = Lease.mine(pid)
-        key = (lease.pid, self.path)
-        _USERS[key] = _USERS.get(key, 0) + 1
         atomic_write(os.path.join(self.procs, lease.name),
                      json.dumps({"pid": lease.pid, "host": lease.host, "start": lease.start,
                                  "cmd": lease.cmd}), mode=0o600, fsync=False)
+        key = (lease.pid, self.path)
+        _USERS[key] = _USERS.get(key, 0) + 1
 
     def unregister(self) -> None:
         """A store closed; the lease goes when the process's last store of the job does."""

@@ -19,14 +19,14 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from stagefs._fsutil import unreachable
 from stagefs._malloc import tune_malloc
-from stagefs.config import TierSpec, env
+from stagefs.config import TierSpec, absolute, env
 from stagefs.errors import (
     ChecksumError,
     ConfigError,
@@ -77,9 +77,16 @@ _STORES: weakref.WeakSet[Store] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    """A lock another thread held at the fork stays held in the child: make new ones."""
+    """A lock another thread held at the fork stays held in the child: make new ones. The
+    origin of a store without tiers too (the tier chain resets its own): its lock, and its
+    counts, which are the child's from now on (``status()["origin_stats"]``)."""
     for store in list(_STORES):
         store._lock = threading.Lock()
+        has = store.__dict__
+        reset = getattr(has.get("origin"), "reset_after_fork", None) \
+            if has.get("chain") is None else None
+        if reset is not None:
+            reset()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -141,6 +148,27 @@ def _out_of_descriptors(exc: BaseException) -> bool:
 def _closed_store(pack_dir: str, how: str, *args: Any, **kwargs: Any) -> Any:
     raise ValueError(f"I/O operation on a closed Store ({pack_dir}): open the dataset "
                      f"again with {how}")
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _while_open(method: Callable[Concatenate[Store, _P], _R]
+                ) -> Callable[Concatenate[Store, _P], _R]:
+    """A read that was under way in another thread when the Store was closed raises the
+    closed Store's error, not whatever it met of what close() let go of (a released
+    manifest view, a KeyError of its arrays, a reader pool shut down)."""
+
+    @functools.wraps(method)
+    def call(self: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            self._raise_if_closed(exc)
+            raise
+
+    return call
 
 
 class Store:
@@ -230,12 +258,29 @@ class Store:
     readlink: Callable[[PathArg], str]
 
     def scandir(self, path: PathArg = "") -> Iterator[DirEntry]:
-        return self.namespace.scandir(path)
+        return self._while_open_iter(self.namespace.scandir(path))
 
     def walk(
         self, top: PathArg = "", topdown: bool = True, followlinks: bool = False
     ) -> Iterator[tuple[str, list[str], list[str]]]:
-        return self.namespace.walk(top, topdown, followlinks)
+        return self._while_open_iter(self.namespace.walk(top, topdown, followlinks))
+
+    def _while_open_iter(self, it: Iterator[Any]) -> Iterator[Any]:
+        """``it`` (a walk, a listing: read as the caller goes), with the closed Store's
+        error if the Store is closed before the caller is done (_while_open)."""
+        try:
+            yield from it
+        except Exception as exc:
+            self._raise_if_closed(exc)
+            raise
+
+    def _raise_if_closed(self, exc: BaseException) -> None:
+        """If this Store was closed, the error that says so, for ``exc`` met on the way."""
+        if self._closed:
+            try:
+                _closed_store(self.pack_dir, self._opened_with())
+            except ValueError as closed:
+                raise closed from exc
 
     def info(self) -> dict[str, Any]:
         return {"pack": self.pack_dir, **self.namespace.summary()}
@@ -249,6 +294,7 @@ class Store:
             e = self.namespace.file_entry(path)
         return self.read_entry(e, path)
 
+    @_while_open
     def read_many(self, paths: Iterable[PathArg]) -> list[bytes]:
         """The contents of many files, in the order asked: the batched fast path.
 
@@ -266,6 +312,7 @@ class Store:
             ents = [e if e >= 0 else file_entry(p) for e, p in zip(ents, plist, strict=True)]
         return self.read_entries(ents, plist)
 
+    @_while_open
     def read_entries(self, entries: Sequence[int] | npt.NDArray[np.integer[Any]],
                      paths: Sequence[PathArg | None] | None = None, *,
                      count: bool = True) -> list[bytes]:
@@ -595,6 +642,7 @@ class Store:
         raise IndexError(f"entry {e} is not in this pack's manifest (entries 0 to "
                          f"{len(self.manifest) - 1}): look entries up with the Store")
 
+    @_while_open
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
                    length: int = -1, *, count: bool = True, sample: int | None = None
                    ) -> bytes:
@@ -757,7 +805,10 @@ class Store:
         log.log(logging.DEBUG if last else logging.WARNING,
                 "%s, %s: bad bytes from %s (%s); trying the next holder",
                 self._where(e), self._show(e, path), who, exc)
-        self._corrupt(src, self._shard[e])
+        try:
+            self._corrupt(src, self._shard[e])
+        except CorruptShardError as why:  # the origin's shard file is the cause: the file too
+            raise CorruptShardError(f"{self._show(e, path)}: {why}") from why
 
     def _count(self, src: ShardSource | None, reads: int, nbytes: int, stored: int,
                files: Callable[[], Sequence[tuple[int, int]]] | None = None) -> None:
@@ -843,7 +894,10 @@ class Store:
     def _corrupt(self, src: ShardSource, shard: int) -> None:
         """A holder returned bad bytes: tell it to drop its copy, if it keeps copies (a peer
         to check its copy); the origin says what is wrong with its shard file, if that is
-        the cause."""
+        the cause. Not once the Store is closed: a read under way then may have read a
+        descriptor close() let go of, and a good copy must not be dropped for it."""
+        if self._closed:
+            return
         drop = getattr(src, "drop", None)
         if drop is not None:
             drop(shard)
@@ -862,6 +916,7 @@ class Store:
             return os.fsdecode(path) if not isinstance(path, str) else path
         return os.fsdecode(self.manifest.path_of(e))
 
+    @_while_open
     def open(self, path: PathArg, mode: str = "rb", buffering: int = -1,
              encoding: str | None = None, errors: str | None = None,
              newline: str | None = None) -> Any:
@@ -971,6 +1026,8 @@ class Store:
         self.close()
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._closed:  # as a closed file: a spawned worker's copy would read on, reopened
+            _closed_store(self.pack_dir, self._opened_with())
         reopen = getattr(self._policy, "reopen", None)
         if reopen is not None:  # (function, args) that open it again (a cluster: connect)
             return {"policy_reopen": reopen()}
@@ -1033,7 +1090,7 @@ def _first_up(hs: Sequence[ShardSource]) -> ShardSource:
 
 
 def open(
-    path: str | os.PathLike[str],
+    path: PathArg,
     *,
     tiers: Sequence[str | TierSpec] | str | None = None,
     runtime: str | os.PathLike[str] | None = None,
@@ -1049,7 +1106,7 @@ def open(
     """
     from stagefs._open import build_store
 
-    p = os.path.abspath(os.fspath(path))
+    p = absolute(path)
     if not os.path.exists(p):
         closed = unreachable(p)  # another user's private directory is not "no such file"
         if closed:

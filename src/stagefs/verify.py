@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from stagefs._fsutil import worker_pool
+from stagefs.config import absolute
 from stagefs.errors import ConfigError
 from stagefs.format import MANIFEST_NAME, PACK_STATE_DIR, Manifest
 from stagefs.tiers.audit import Corrupt, check_shard
@@ -38,7 +39,7 @@ def _verify_shard(pack_dir: str, shard: int) -> tuple[int, int, list[Corrupt]]:
 def verify_pack(pack_dir: str, *, jobs: int | None = None,
                 progress: bool | None = None) -> VerifyReport:
     """Verify every file; the manifest's own checksum is checked first, on open."""
-    pack_dir = os.path.abspath(pack_dir)
+    pack_dir = absolute(pack_dir)
     if os.path.isdir(pack_dir) and not os.path.exists(os.path.join(pack_dir, MANIFEST_NAME)) \
             and not os.path.isdir(os.path.join(pack_dir, PACK_STATE_DIR)):
         if not os.listdir(pack_dir):

@@ -119,7 +119,7 @@ def test_out_or_origin_a_file_is_refused_before_any_work(
     assert main([*TINY, "--systems", "plain-local", *args]) == 1
     out = capsys.readouterr()
     assert ("--out" if kind == "file" else "--origin") in out.err
-    assert "converting" not in out.out
+    assert "converting" not in out.err
     assert f.read_text() == "x"
 
 
@@ -130,7 +130,7 @@ def test_a_missing_peer_python_is_refused_before_any_work(
                "--peer-python", str(tmp_path / "nope" / "python")])
     assert rc == 1
     out = capsys.readouterr()
-    assert "--peer-python" in out.err and "generating" not in out.out
+    assert "--peer-python" in out.err and "generating" not in out.err
     assert not (tmp_path / "o").exists()
     assert not (tmp_path / "r").exists()  # no empty report directory either
 
@@ -264,7 +264,7 @@ def test_ctrl_c_after_a_run_keeps_the_runs_that_ended(
     rc = main(["bench", "--files", "4", "--epochs", "1", "--runs", "3", "--no-drop-caches",
                "--origin", str(tmp_path / "o"), "--out", str(out), "--systems", "plain-local"])
     assert rc == 130
-    assert f"reported in {out}" in capsys.readouterr().out
+    assert f"reported in {out}" in capsys.readouterr().err
     res = _results(out)
     assert res["interrupted"].startswith("stopped by Ctrl-C during run 2 of 3")
     assert len(res["systems"]["plain-local"]["epochs"]) == 1

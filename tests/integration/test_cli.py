@@ -209,7 +209,8 @@ def test_errors_are_one_line(cli_pack: tuple[Path, Path], tmp_path: Path) -> Non
     (interrupted / ".stagefs-pack").mkdir(parents=True)
     (interrupted / shard_name(0)).write_bytes(b"x" * 100)
     one_line_error(run("ls", interrupted, ok=False), str(interrupted), "stagefs pack")
-    one_line_error(run("pack", src, tmp_path / "p", "--shard-size", "lots", ok=False), "lots")
+    bad = run("pack", src, tmp_path / "p", "--shard-size", "lots", ok=False)  # as -j x: usage
+    assert bad.returncode == 2 and b"--shard-size: not a size: 'lots'" in bad.stderr
     one_line_error(run("pack", src, tmp_path / "p", "--shard-size", "0", ok=False), "size")
     one_line_error(run("pack", tmp_path / "nowhere", tmp_path / "p", ok=False), "nowhere")
     one_line_error(run("pack", src, tmp_path / "p", "-j", "-1", ok=False), "--jobs", "-1")
@@ -228,13 +229,43 @@ def test_pack_refuses_outside_symlink_then_follows(tmp_path: Path) -> None:
     assert run("cat", tmp_path / "p", "escape").stdout == b"out\n"
 
 
+def test_verify_names_each_corrupt_file_on_its_line(tmp_path: Path) -> None:
+    """A corrupt file whose name holds a newline or bytes that are not UTF-8 is one CORRUPT
+    line, its name quoted, as the errors that name it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    names = [b"two\nlines", b"bad\xff", b"plain"]
+    for n in names:
+        Path(os.fsdecode(os.path.join(os.fsencode(src), n))).write_bytes(n * 100)
+    run("pack", src, tmp_path / "p", "--compress", "none")
+    with stagefs.open(tmp_path / "p") as fs:
+        m = fs.manifest
+        for n in names:
+            e = m.lookup(n)
+            with open(tmp_path / "p" / m.shards[m.shard[e]].name, "r+b") as f:
+                f.seek(int(m.offset[e]))
+                f.write(b"X")
+    out = run("verify", tmp_path / "p", ok=False).stdout.decode("utf-8", "surrogateescape")
+    shard = "shard-000000.sfs"
+    assert [line for line in out.splitlines() if not line.startswith("verified")] == [
+        f"CORRUPT 'bad\\udcff' (in {shard}): checksum mismatch",
+        f"CORRUPT plain (in {shard}): checksum mismatch",
+        f"CORRUPT 'two\\nlines' (in {shard}): checksum mismatch"]
+
+
 def test_pack_reports_skipped_special_files(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     (src / "f").write_bytes(b"f")
     os.mkfifo(src / "pipe")
+    os.mkfifo(src / "two\nlines")
     proc = run("pack", src, tmp_path / "p", "--compress", "none")
-    assert "pipe" in proc.stderr.decode() and "skipped" in proc.stderr.decode()
+    err = proc.stderr.decode()
+    # once, each name on the warning's one line (a newline shown quoted)
+    assert err.count("skipped") == 1 and err.count("pipe") == 1
+    assert [line for line in err.splitlines() if "skipped" in line] == [
+        "stagefs: WARNING: skipped 2 special files (sockets, FIFOs, devices): pipe, "
+        "'two\\nlines'"]
 
 
 def test_usage_errors_exit_2() -> None:

@@ -91,3 +91,37 @@ def test_closed_mode_refuses_locality_and_bad_values(pack: Path,
             assert Sampler(ds).closed
         monkeypatch.setenv("STAGEFS_CLOSED", "off")
         assert not Sampler(ds).closed
+
+
+def _ahead_in_worker(batch: list[Any]) -> tuple[int, int]:
+    """(samples in the batch, samples this DataLoader worker read ahead so far)."""
+    info = torch.utils.data.get_worker_info()
+    st = getattr(info.dataset, "_worker_ahead", None) if info is not None else None
+    return len(batch), 0 if st is None else st.prefetcher.stats.read
+
+
+def test_closed_mode_takes_no_read_ahead_an_earlier_sampler_left(pack: Path,
+                                                                 runtime: Path) -> None:
+    """An open-mode Sampler made first on the same dataset (a comparison of the two modes in
+    one script, with one seed) left its read-ahead there: the closed-mode loop read ahead
+    in the seed's order through it."""
+    with stagefs.open(pack) as fs:  # no tiers: DataLoader workers read their batches ahead
+        ds = FileDataset(fs, root="train", target=None)
+        earlier = Sampler(ds, seed=3, prefetch="1MiB")
+        s = Sampler(ds, seed=3, prefetch="1MiB", closed=True)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=s, num_workers=2,
+                                             multiprocessing_context="fork",
+                                             collate_fn=_ahead_in_worker)
+        got = list(loader)
+        assert sum(n for n, _ in got) == len(ds)
+        assert [a for _, a in got] == [0] * len(got)
+        # in this process (num_workers=0): a loop of the earlier sampler left early
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=earlier,
+                                             collate_fn=_identity)
+        next(iter(loader))
+        assert earlier.prefetcher is not None
+        served = earlier.prefetcher.stats.hits + earlier.prefetcher.stats.misses
+        list(torch.utils.data.DataLoader(ds, batch_size=8, sampler=s, collate_fn=_identity))
+        # none of the closed loop's samples was asked of the earlier read-ahead
+        assert earlier.prefetcher.stats.hits + earlier.prefetcher.stats.misses == served
+        earlier.close()

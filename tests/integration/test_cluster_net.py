@@ -109,11 +109,147 @@ def test_pool_concurrent_and_peersource(server: tuple[ShardServer, bytes, Manife
 def test_wrong_token_refused(server: tuple[ShardServer, bytes, Manifest]) -> None:
     srv, _, _ = server
     c = PeerClient(*srv.address, auth.new_token())
-    with pytest.raises(AuthenticationError, match="wrong job token"):
+    with pytest.raises(AuthenticationError, match="another job token"):
         c.read([(0, 0, 10)])  # also a PeerUnavailable: to a reader, the next holder
     assert srv.stats.auth_failures == 1 and srv.stats.bytes_served == 0
     with pytest.raises(SourceUnavailable):  # as a source: just unavailable
         PeerSource(PeerClient(*srv.address, auth.new_token())).pread(0, 0, 10)
+
+
+class _Relay:
+    """A listener on another port that passes the bytes of each connection to ``target``
+    and back, unchanged: port forwarding, or another user's process on the port of a dead
+    node, relaying a live daemon's handshake."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.lst = socket.create_server(("127.0.0.1", 0))
+        self.address: tuple[str, int] = self.lst.getsockname()[:2]
+        self.socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                a, _ = self.lst.accept()
+                b = socket.create_connection(self.target, timeout=10)
+                self.socks += [a, b]
+                for src, dst in ((a, b), (b, a)):
+                    threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.lst.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_a_relayed_handshake_is_refused_and_a_direct_one_logs_in(
+        server: tuple[ShardServer, bytes, Manifest], packed: tuple[str, dict[str, bytes]]
+) -> None:
+    """A process between a reader and a daemon that passes the bytes both ways (protocol
+    1: the daemon took the relayed AUTH, and the relay kept a proven connection to read
+    shards on): the proofs cover the server end each side sees, which differ, so the daemon
+    refuses and counts it, and the reader is told why."""
+    srv, token, m = server
+    relay = _Relay(srv.address)
+    try:
+        c = PeerClient(*relay.address, token, pack_id=m.pack_id)
+        with pytest.raises(AuthenticationError, match=rf"connection to 127\.0\.0\.1:"
+                           rf"{srv.address[1]}.*connected to 127\.0\.0\.1:"
+                           rf"{relay.address[1]}.*NAT or port forwarding"):
+            c.read([(0, 0, 10)])
+        assert c.refused == "token" and c.stats.connects == 0 and c.stats.failures == 1
+        assert srv.stats.auth_failures == 1 and srv.stats.bytes_served == 0
+        assert srv.stats.tcp_peers == 0
+        c.close()
+    finally:
+        relay.close()
+    direct = PeerClient(*srv.address, token, pack_id=m.pack_id)
+    assert direct.read([(0, 0, 10)]) == [_shard_bytes(packed[0], m, 0)[:10]]
+    assert direct.refused is None and srv.stats.auth_failures == 1
+    direct.close()
+
+
+def test_a_client_refuses_a_proof_made_for_another_server_end(
+        server: tuple[ShardServer, bytes, Manifest]) -> None:
+    """A daemon behind a relay that takes any AUTH (as a daemon of protocol 1 took a relayed
+    one) and proves the token for its own end: the client, which connected to the relay,
+    does not take that proof."""
+    _, token, _ = server
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            ns = auth.new_nonce()
+            conn.sendall(P.encode(P.Challenge(ns, b"\0" * 16)))
+            dec = P.FrameDecoder()
+            while (msg := dec.next_message()) is None:
+                dec.feed(conn.recv(4096))
+            assert isinstance(msg, P.Auth)
+            end = auth.channel_binding(conn, accepted=True)
+            conn.sendall(P.encode(P.AuthOk(auth.server_proof(token, ns, msg.nonce, end))))
+            with contextlib.suppress(OSError):
+                while conn.recv(4096):
+                    pass
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    relay = _Relay(lst.getsockname()[:2])
+    try:
+        c = PeerClient(*relay.address, token)
+        with pytest.raises(AuthenticationError, match=r"could not prove the job token for a "
+                           rf"connection to 127\.0\.0\.1:{relay.address[1]}"):
+            c.read([(0, 0, 10)])
+        assert c.refused == "token" and c.stats.connects == 0
+        c.close()
+    finally:
+        relay.close()
+        lst.close()
+    t.join(10)
+
+
+def test_a_daemon_of_another_protocol_version_is_refused_naming_both(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A daemon that runs another stagefs (protocol 1, before the handshake named the server
+    end): a refusal that names both versions and the fix, said once at WARNING, not a peer
+    taken for unreachable and probed again in silence (at INFO) for as long as it runs."""
+    old = P.VERSION - 1
+    lst = socket.create_server(("127.0.0.1", 0))
+    conns: list[socket.socket] = []
+
+    def run() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = lst.accept()
+                conns.append(conn)
+                payload = auth.new_nonce() + b"\0" * 16
+                conn.sendall(P.HEADER.pack(P.MAGIC, old, P.T_CHALLENGE, 0, len(payload))
+                             + payload)
+
+    threading.Thread(target=run, daemon=True).start()
+    c = PeerClient(*lst.getsockname()[:2], auth.new_token())
+    try:
+        for attempt in (lambda: c.read([(0, 0, 10)]), c.open_connection):
+            with caplog.at_level("WARNING", logger="stagefs"), \
+                    pytest.raises(AuthenticationError, match=rf"version {old}, this stagefs "
+                                  rf"speaks {P.VERSION}: run the same stagefs version"):
+                attempt()
+        assert c.refused == "version" and c.stats.connects == 0 and c.stats.failures == 2
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(said) == 1 and "another protocol version" in said[0], said
+    finally:
+        c.close()
+        lst.close()
+        for conn in conns:
+            conn.close()
 
 
 def test_dead_peer_and_timeout(server: tuple[ShardServer, bytes, Manifest]) -> None:
@@ -192,7 +328,8 @@ def _authed(srv: ShardServer, token: bytes) -> socket.socket:
         ch.feed(s.recv(4096))
     assert isinstance(msg, P.Challenge)
     nc = auth.new_nonce()
-    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, msg.nonce, nc))))
+    s.sendall(P.encode(P.Auth(nc, auth.client_proof(token, msg.nonce, nc,
+                                                auth.channel_binding(s, accepted=False)))))
     return s
 
 
@@ -239,6 +376,22 @@ def test_never_binds_all_interfaces(packed: tuple[str, dict[str, bytes]]) -> Non
     with pytest.raises(ConfigError, match="all interfaces"):
         ShardServer(m, b"t" * 32, lambda s: None, "0.0.0.0")
     m.close()
+
+
+def test_a_port_another_process_took_first_says_to_give_another(
+        packed: tuple[str, dict[str, bytes]]) -> None:
+    m = Manifest(os.path.join(packed[0], "manifest.sfm"))
+    squatter = socket.socket()  # another user's program on the job's (derived) port
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    try:
+        # before: "cannot listen on 127.0.0.1:N: Address already in use", and no way out
+        with pytest.raises(ConfigError, match=r"another process listens there.*--port"):
+            ShardServer(m, b"t" * 32, lambda s: None, "127.0.0.1",
+                        squatter.getsockname()[1])
+    finally:
+        squatter.close()
+        m.close()
 
 
 def test_a_batch_of_every_kind_of_range_returns_the_right_bytes(tmp_path: Path) -> None:
@@ -296,8 +449,8 @@ def _fake_peer(token: bytes, pack_id: bytes, reply: Callable[[P.Read], list[byte
                 for msg in dec.messages():
                     msgs.append(msg)
                     if isinstance(msg, P.Auth):
-                        conn.sendall(P.encode(P.AuthOk(auth.server_proof(token, ns,
-                                                                         msg.nonce))))
+                        conn.sendall(P.encode(P.AuthOk(auth.server_proof(
+                            token, ns, msg.nonce, auth.channel_binding(conn, accepted=True)))))
             assert isinstance(msgs[1], P.Read)
             for piece in reply(msgs[1]):
                 conn.sendall(piece)

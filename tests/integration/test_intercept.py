@@ -373,3 +373,43 @@ def test_dataloader_workers_are_intercepted(tree: Any, store: stagefs.Store, tmp
     assert served.returncode == 0, served.stderr
     assert served.stdout == real.stdout
     assert len(eval(real.stdout)) > 20
+
+
+def test_a_file_of_a_cut_shard_fails_with_eio_naming_it(tmp_path: Path) -> None:
+    """A file whose bytes a shard cut short in the pack lost: a large file's range read, a
+    whole read and os.open fail with an OSError (EIO) that names the file and the shard, as the
+    preload library and a FUSE mount answer, not with a ValueError (the Store's
+    CorruptShardError) that a program's ``except OSError`` does not catch; the files
+    before the cut still read."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    small, big = os.urandom(50_000), os.urandom(3 * 2**20 + 5)
+    (src / "a.bin").write_bytes(small)
+    (src / "z.bin").write_bytes(big)  # after a.bin in the shard
+    stagefs.pack(src, tmp_path / "pack", compress="none", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    pack = tmp_path / "cut"
+    shutil.copytree(tmp_path / "pack", pack)
+    with stagefs.open(pack) as s:
+        m = s.manifest
+        e = m.lookup(b"z.bin")
+        shard = m.shards[int(m.shard[e])].name
+        os.truncate(pack / shard, int(m.offset[e]) + 2**20 + 7)  # z.bin's second MiB on
+    at = tmp_path / "nowhere"
+    with stagefs.open(pack) as s, stagefs.intercept(s, at=at):
+        assert (at / "a.bin").read_bytes() == small
+
+        def ranged() -> None:
+            with open(at / "z.bin", "rb") as f:
+                f.seek(2 * 2**20)
+                f.read(1000)
+
+        for read in (ranged, lambda: (at / "z.bin").read_bytes(),
+                     lambda: os.read(os.open(at / "z.bin", os.O_RDONLY), 10)):
+            with pytest.raises(OSError) as err:
+                read()
+            assert err.value.errno == errno.EIO
+            assert "z.bin" in str(err.value) and shard in str(err.value)
+            assert "truncated" in str(err.value)

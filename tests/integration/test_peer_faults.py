@@ -64,14 +64,15 @@ def _challenge(s: socket.socket) -> P.Challenge:
     return msg
 
 
-def _auth_frame(ch: P.Challenge, token: bytes) -> bytes:
+def _auth_frame(s: socket.socket, ch: P.Challenge, token: bytes) -> bytes:
     nc = auth.new_nonce()
-    return P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc)))
+    end = auth.channel_binding(s, accepted=False)
+    return P.encode(P.Auth(nc, auth.client_proof(token, ch.nonce, nc, end)))
 
 
 def _authed(addr: tuple[str, int], token: bytes) -> socket.socket:
     s = socket.create_connection(addr, timeout=10)
-    s.sendall(_auth_frame(_challenge(s), token))
+    s.sendall(_auth_frame(s, _challenge(s), token))
     dec = P.FrameDecoder()
     while (msg := dec.next_message()) is None:
         dec.feed(s.recv(4096))
@@ -117,7 +118,7 @@ def test_a_trickled_handshake_is_dropped_at_its_total_deadline(packed: Pack) -> 
     srv = _server(packed[0], token, ServerLimits(handshake_timeout=0.5))
     try:
         with socket.create_connection(srv.address, timeout=10) as s:
-            frame = _auth_frame(_challenge(s), token)
+            frame = _auth_frame(s, _challenge(s), token)
             sent = _trickle(s, frame)  # 1 byte per 100 ms: 7.6 s for the whole AUTH
             got = _replies(s)
         assert sent < len(frame)  # the server closed before the AUTH was whole
@@ -689,3 +690,47 @@ def test_wrong_bytes_from_one_replica_are_read_from_the_other(packed: Pack,
         bad.close()
         good.close()
         m.close()
+
+
+def test_a_peer_whose_status_cannot_be_read_is_named_not_a_traceback(
+        packed: Pack, tmp_path: object, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # a peer with the job token that answers STATUS with valid frames but not a daemon's
+    # counters (another stagefs, a listener of another kind): `stagefs status` ended in a
+    # KeyError, and so did rank 0's daemon at its final report of staging
+    from stagefs.cluster import status
+    from stagefs.cluster.cmap import write_map
+    from stagefs.cluster.daemon import Daemon
+
+    pack, _ = packed
+    token = auth.new_token()
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    odd = ShardServer(m, token, lambda s: None, "127.0.0.1",
+                      status=lambda: {"rank": 1, "staging_done": True, "state": "staged",
+                                      "tiers": [], "staging": {"bytes_held": 1}}).start()
+    try:
+        rt = os.path.join(str(tmp_path), "rt")
+        os.makedirs(rt, mode=0o700)
+        write_map(rt, ClusterMap(pack=pack, pack_id=m.pack_id.hex(), rank=0,
+                                 nodes=[odd.address, odd.address], replicas=1, seed=0,
+                                 everywhere=[], replicate_all=[], tiers=[]), token)
+        with caplog.at_level(logging.WARNING, "stagefs.status"):
+            assert status.print_cluster_status(rt) == 1  # (no node could be read)
+        out = capsys.readouterr().out
+        assert [line.split()[2] for line in out.splitlines()[2:4]] == ["unreachable"] * 2
+        said = [r.getMessage() for r in caplog.records]
+        assert any("node 1 answered a STATUS this stagefs cannot read" in w for w in said)
+        assert "no number staging.shards_held" in said[0] and "same stagefs" in said[0]
+        # the daemon's own gathering of its peers' counters: the odd peer is None, said once
+        d = Daemon.__new__(Daemon)
+        d.rank, d.size, d.progress_unreachable, d._unreadable = 0, 2, 0, {}
+        d.peers = {1: PeerClient(*odd.address, token, pack_id=m.pack_id, name="node 1")}
+        d.status = lambda: {"rank": 0}  # type: ignore[method-assign]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "stagefs.status"):
+            assert d._gather() == [{"rank": 0}, None]
+            assert d._gather() == [{"rank": 0}, None]
+        assert len(caplog.records) == 1
+        d.peers[1].close()
+    finally:
+        odd.close()

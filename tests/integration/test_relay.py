@@ -116,7 +116,8 @@ class _CraftedPeer:
             send_message(s, P.Challenge(nonce, self.pack_id))
             msg = recv_message(s)
             assert isinstance(msg, P.Auth)
-            send_message(s, P.AuthOk(auth.server_proof(self.token, nonce, msg.nonce)))
+            send_message(s, P.AuthOk(auth.server_proof(self.token, nonce, msg.nonce,
+                                                       auth.channel_binding(s, accepted=True))))
             while True:
                 try:
                     req = recv_message(s)

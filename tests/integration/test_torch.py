@@ -98,6 +98,26 @@ def test_dataset_is_imagefolder_compatible(tree: tuple[Path, Path]) -> None:
             ds.__getitems__([0, bad])
 
 
+def test_dataset_orders_names_that_are_not_utf8_as_imagefolder(tmp_path: Path) -> None:
+    """ImageFolder sorts names as str, where a byte that is not UTF-8 is a surrogate that
+    sorts after most characters; the manifest sorts them as bytes. A Shift-JIS class beside
+    a UTF-8 one, a Latin-1 file beside a UTF-8 one: the same classes, targets and samples."""
+    raw = os.fsencode(tmp_path / "raw")
+    for c in (b"\x83e\x83X\x83g", "テスト".encode(), b"plain"):
+        for sub in (b"", b"\xc0sub/", "été/".encode()):
+            for f in (b"\xc0pple.jpg", "été.jpg".encode(), b"z.jpg"):
+                p = os.path.join(raw, b"train", c, sub + f)
+                os.makedirs(os.path.dirname(p), exist_ok=True)
+                Path(os.fsdecode(p)).write_bytes(p)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", progress=False)
+    ds = FileDataset(tmp_path / "pack")
+    classes, samples = raw_listing(tmp_path / "raw")
+    assert ds.classes == classes
+    assert ds.samples == samples
+    assert [ds[i][0] for i in range(len(ds))] == [
+        (tmp_path / "raw" / p).read_bytes() for p, _ in samples]
+
+
 def test_dataset_targets_and_transforms(tree: tuple[Path, Path]) -> None:
     raw, pack = tree
     _, samples = raw_listing(raw)
@@ -438,6 +458,37 @@ def test_stall_meter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [e["steps"] for e in doc["epochs"]] == [5, 5]
     assert doc["epochs"][1]["stall"] == pytest.approx(slow.stall)
     assert f"{slow.stall:.1%}" in meter.report()
+
+
+def test_stall_meter_records_the_samplers_epoch_of_a_resumed_run(
+        tree: tuple[Path, Path]) -> None:
+    """A run resumed from a checkpoint records its epochs by the sampler's number, not the
+    meter's passes (a job resumed in epoch 4 said epoch 0 in ``stagefs status``); a resumed
+    epoch that had ended is a pass without a batch, and stalls nothing (it said 100%)."""
+    ds = FileDataset(tree[1], target=None)
+    s = Sampler(ds, seed=0)
+    s.set_epoch(4)
+    list(s)
+    state = s.state_dict()  # epoch 4 done
+    clock = Clock()
+    resumed = Sampler(ds, seed=0)
+    resumed.load_state_dict(state)
+    loader = torch.utils.data.DataLoader(ds, batch_size=50, sampler=resumed,
+                                         collate_fn=lambda b: b)
+    meter = StallMeter(loader, write=False, clock=clock)
+    for epoch in range(state["epoch"], 6):
+        resumed.set_epoch(epoch)
+        clock.now += 0.5  # set-up between epochs
+        for _ in meter:
+            clock.now += 0.01
+    assert [(e.epoch, e.steps > 0) for e in meter.epochs] == [(4, False), (5, True)]
+    assert meter.epochs[0].stall == 0.0 and meter.epochs[0].steady_stall == 0.0
+    # a loader without a sampler's epoch: the passes are counted
+    plain = StallMeter([1, 2], write=False, clock=clock)
+    for _ in range(2):
+        for _ in plain:
+            clock.now += 0.01
+    assert [e.epoch for e in plain.epochs] == [0, 1]
 
 
 def test_stall_meter_left_early_still_records() -> None:

@@ -5,6 +5,7 @@ that are not entries."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from pathlib import Path
@@ -250,3 +251,30 @@ def test_entries_that_are_not_whole_numbers_are_named(pack: Path) -> None:
         with pytest.raises(ValueError, match="paths"):
             fs.read_entries([e, e, e], ["only one"])
         assert fs.read_entries(np.array([e, e], dtype=np.int32)) == [data, data]
+
+
+def test_a_state_of_another_dataset_of_the_same_size_is_refused(pack: Path) -> None:
+    """The state names the dataset's files (a digest of their path hashes), not only their
+    count: a random_split without a seeded generator is another split each run, and its
+    state resumed silently (samples of the resumed split read twice, others never)."""
+    ds = FileDataset(pack, target=None)
+    split = [0.75, 0.25]
+    a = torch.utils.data.random_split(ds, split, generator=torch.Generator().manual_seed(1))[0]
+    b = torch.utils.data.random_split(ds, split, generator=torch.Generator().manual_seed(2))[0]
+    assert len(a) == len(b) and list(a.indices) != list(b.indices)
+    state = Sampler(a, seed=0).state_dict(consumed=8)
+    with pytest.raises(ConfigError, match=r"another dataset.*random_split"):
+        Sampler(b, seed=0).load_state_dict(state)
+    same = torch.utils.data.random_split(ds, split, generator=torch.Generator().manual_seed(1))
+    s = Sampler(same[0], seed=0)
+    s.load_state_dict(json.loads(json.dumps(state)))  # the same split, through JSON
+    assert list(s) == list(Sampler(a, seed=0).order()[8:])
+    # the whole dataset in another order of its files is another dataset too
+    t = Sampler(torch.utils.data.Subset(ds, list(range(len(ds)))[::-1]), seed=0)
+    with pytest.raises(ConfigError, match="another dataset"):
+        t.load_state_dict(Sampler(ds, seed=0).state_dict(consumed=8))
+    # a state saved before the digest was kept loads as before; a damaged one is refused
+    old = {k: v for k, v in state.items() if k != "dataset"}
+    Sampler(b, seed=0).load_state_dict(old)
+    with pytest.raises(ConfigError, match="damaged"):
+        Sampler(a, seed=0).load_state_dict({**state, "dataset": 7})

@@ -89,7 +89,8 @@ def _wrong_token_handshake(addr: tuple[str, int]) -> P.Message:
         ch = recv_message(s, 4096)
         assert isinstance(ch, P.Challenge)
         nc = auth.new_nonce()
-        s.sendall(P.encode(P.Auth(nc, auth.client_proof(auth.new_token(), ch.nonce, nc))))
+        end = auth.channel_binding(s, accepted=False)
+        s.sendall(P.encode(P.Auth(nc, auth.client_proof(auth.new_token(), ch.nonce, nc, end))))
         return recv_message(s, 4096)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from stagefs.doctor import check_network, check_tier
 from stagefs.net.server import UNIX_SNDBUF
 
@@ -54,3 +56,27 @@ def test_a_tier_that_cannot_be_made_is_an_error_not_ok() -> None:
     [finding] = check_tier("/proc/stagefs-doctor-tier")
     assert finding.status == "error", finding
     assert "/proc/stagefs-doctor-tier" in finding.meaning
+
+
+def test_a_memory_tier_over_the_job_s_memory_limit_is_a_warning_with_what_to_give(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A memory tier larger than what the job's memory limit (its control group's: Slurm's
+    --mem) leaves was called ok: filling it got the job killed (out of memory), its pages
+    being charged to the job and never given back. The doctor says so, with the room left
+    and what to give; a tier that fits, or a node with no limit, stays ok."""
+    from stagefs.tiers import tier as tier_mod
+
+    room: list[int | None] = [8 << 20]
+    monkeypatch.setattr(tier_mod, "fs_type", lambda _p: "tmpfs")
+    monkeypatch.setattr(tier_mod, "memory_limit_room", lambda: room[0])
+    [over] = check_tier(f"{tmp_path / 't0'}:64MiB")
+    assert over.status == "warn", over
+    assert "its capacity (64.0 MiB)" in over.meaning and "leaves (8.0 MiB)" in over.meaning
+    assert "out of memory" in over.meaning and "--mem" in over.meaning
+    [whole] = check_tier(f"{tmp_path / 't1'}")  # no capacity: all of its free space
+    assert whole.status == "warn" and "free space of its file system" in whole.meaning
+    [fits] = check_tier(f"{tmp_path / 't2'}:4MiB")
+    assert fits.status == "ok", fits
+    room[0] = None  # no limit applies
+    [free] = check_tier(f"{tmp_path / 't3'}:64MiB")
+    assert free.status == "ok", free

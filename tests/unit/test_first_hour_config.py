@@ -70,3 +70,35 @@ def test_a_runtime_directory_is_not_opened_as_a_dataset(
     (tmp_path / "rt" / "cluster.json").write_text("{}")
     with pytest.raises(ConfigError, match=r"stagefs\.connect\(runtime="):
         stagefs.open(rt.path)
+
+
+def test_a_relative_path_in_a_removed_current_directory_names_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A shell left in a directory that was removed (``cd d; rmdir ../d``, a job's scratch
+    directory cleaned under it): a relative dataset, tier, runtime or pack source was a
+    bare ``FileNotFoundError: [Errno 2] No such file or directory`` naming nothing (the
+    current directory's getcwd), and the CLI said only that. Each names the path, the
+    removed current directory, and what to do."""
+    import stagefs
+    from stagefs.cli import main
+    from stagefs.runtime import Runtime
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    calls = {
+        "data.pack": lambda: stagefs.open("data.pack"),
+        "t0:1MiB": lambda: parse_tier("t0:1MiB"),
+        "rt": lambda: Runtime("rt"),
+        "src": lambda: stagefs.pack("src", str(tmp_path / "out.pack"), progress=False),
+    }
+    for name, call in calls.items():
+        with pytest.raises(FileNotFoundError, match="current directory no longer exists") \
+                as got:
+            call()
+        assert got.value.filename == name.partition(":")[0] and "cd to" in str(got.value)
+    assert main(["ls", "data.pack"]) == 1
+    err = capsys.readouterr().err
+    assert "current directory no longer exists" in err and "'data.pack'" in err, err

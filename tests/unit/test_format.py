@@ -331,6 +331,34 @@ def test_shard_of_another_pack(two_shard_pack: Path, tmp_path: Path) -> None:
     assert "another pack" in str(info.value)
 
 
+@pytest.mark.parametrize("new_files", [1, 6])
+def test_pack_packed_again_under_an_open_store(two_shard_pack: Path, tmp_path: Path,
+                                               new_files: int) -> None:
+    """`stagefs pack --force` over a pack a Store has open: a shard the Store opened before
+    still reads the old bytes; one it had not is gone (1 file: one shard now) or another
+    pack's (6 files: two shards), and the error says the pack was packed again and to open
+    it again, not to re-pack it (the manifest it has is the old one, and right)."""
+    src2 = tmp_path / "src2"
+    src2.mkdir()
+    for i in range(new_files):
+        (src2 / f"f{i}").write_bytes(random_bytes(3000, 100 + i))
+    fs = stagefs.open(two_shard_pack)
+    assert fs.read("f0") == (tmp_path / "src" / "f0").read_bytes()  # opens shard 0
+    stagefs.pack(src2, two_shard_pack, shard_size=9000, jobs=1, progress=False,
+                 overwrite=True, echo=lambda _m: None)
+    try:
+        assert fs.read("f1") == (tmp_path / "src" / "f1").read_bytes()
+        with pytest.raises(StagefsError, match=shard_name(1)) as info:
+            fs.read("f5")
+        assert "was packed again since this process opened it" in str(info.value)
+        assert "Open the pack again" in str(info.value)
+        assert "re-pack" not in str(info.value)
+    finally:
+        fs.close()
+    with stagefs.open(two_shard_pack) as fs:  # opened again: the new pack
+        assert fs.read("f0") == (src2 / "f0").read_bytes()
+
+
 def test_shard_with_wrong_index(two_shard_pack: Path) -> None:
     s0, s1 = two_shard_pack / shard_name(0), two_shard_pack / shard_name(1)
     tmp = two_shard_pack / "swap"

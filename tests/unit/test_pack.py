@@ -17,6 +17,7 @@ import pytest
 
 import stagefs
 from conftest import as_nobody, patch_manifest, random_bytes, snapshot_tree, text_bytes, world_dir
+from stagefs._fsutil import partial_name
 from stagefs.errors import (
     DestinationExistsError,
     PackError,
@@ -53,6 +54,23 @@ def test_empty_files_and_dirs_are_kept(tmp_path: Path) -> None:
         assert fs.isdir("e1/e2") and fs.listdir("e1/e2") == [] and fs.listdir("e3") == []
         assert fs.read("zero") == b"" and fs.getsize("e1/zero2") == 0
     _roundtrip(src, tmp_path / "pack", tmp_path / "out")
+
+
+def test_bytes_paths_of_a_directory_that_is_not_utf8(tmp_path: Path) -> None:
+    """pack, open and unpack take bytes paths, as os does (a directory name that is not
+    UTF-8, as os.fsencode or os.walk(bytes) gives it)."""
+    base = os.path.join(os.fsencode(tmp_path), b"d\xff")
+    src, pack, out = (os.path.join(base, n) for n in (b"src", b"pack", b"out"))
+    os.makedirs(os.path.join(src, b"sub"))
+    Path(os.fsdecode(os.path.join(src, b"sub", b"f\xfe"))).write_bytes(b"data")
+    report = stagefs.pack(src, pack, progress=False, echo=quiet, jobs=1)
+    assert report.dest == os.fsdecode(pack) and report.files == 1
+    with stagefs.open(pack) as fs:
+        assert fs.read(b"sub/f\xfe") == b"data"
+    with stagefs.open(src) as fs:  # a raw directory, in place
+        assert fs.read(b"sub/f\xfe") == b"data"
+    assert stagefs.unpack(pack, out, progress=False) == 1
+    assert snapshot_tree(out) == snapshot_tree(src)
 
 
 def test_empty_source(tmp_path: Path) -> None:
@@ -384,6 +402,53 @@ def test_resume_with_other_options_starts_clean(tmp_path: Path, four_shard_src: 
     monkeypatch.undo()
     report = _pack(four_shard_src, dest, shard_size=20_000)
     assert report.reused_shards == 0
+    _roundtrip(four_shard_src, dest, tmp_path / "out")
+
+
+def test_resume_removes_the_manifest_a_killed_run_was_writing(
+        tmp_path: Path, four_shard_src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run killed (kill -9) while it writes the manifest leaves its partial file, which
+    the next run removes instead of keeping it in the finished pack."""
+    dest = tmp_path / "pack"
+    _failing_shard(monkeypatch, 3)
+    with pytest.raises(OSError, match="injected"):
+        _pack(four_shard_src, dest, shard_size=10_000)
+    monkeypatch.undo()
+    left = Path(partial_name(str(dest / MANIFEST_NAME)))
+    left.write_bytes(b"the start of a manifest")
+    report = _pack(four_shard_src, dest, shard_size=10_000)
+    assert report.reused_shards == 3
+    assert sorted(os.listdir(dest)) == [MANIFEST_NAME] + [shard_name(i) for i in range(4)]
+
+
+def test_resume_forgets_the_record_of_a_shard_it_writes_again(
+        tmp_path: Path, four_shard_src: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that writes a shard again and dies before its record must not leave the old
+    record beside the new shard: a later run whose source is the first one's again (files
+    restored with their mtimes) would take the new bytes for the old files."""
+    dest = tmp_path / "pack"
+    _failing_shard(monkeypatch, 3)
+    with pytest.raises(OSError, match="injected"):
+        _pack(four_shard_src, dest, shard_size=10_000)
+    monkeypatch.undo()
+    f1 = four_shard_src / "f1"  # in shard 0; raw (random bytes), so the shard keeps its size
+    old, old_mtime = f1.read_bytes(), f1.stat().st_mtime_ns
+    f1.write_bytes(random_bytes(len(old), 99))
+    os.utime(f1, ns=(old_mtime + 10**9, old_mtime + 10**9))
+    real = packmod._write_json
+
+    def dies_after_shard_0(path: str, obj: Any) -> None:
+        if os.path.basename(path) == "0.json":
+            raise KeyboardInterrupt  # shard 0 is in place, its record not yet
+        real(path, obj)
+
+    monkeypatch.setattr(packmod, "_write_json", dies_after_shard_0)
+    with pytest.raises(KeyboardInterrupt):
+        _pack(four_shard_src, dest, shard_size=10_000)
+    monkeypatch.undo()
+    f1.write_bytes(old)  # restored as it was, mtime included
+    os.utime(f1, ns=(old_mtime, old_mtime))
+    _pack(four_shard_src, dest, shard_size=10_000)
     _roundtrip(four_shard_src, dest, tmp_path / "out")
 
 

@@ -245,3 +245,35 @@ def test_directories_and_fifos_where_a_tier_copy_a_lock_or_the_activity_map_go(
         _within(lambda: _read_and_place(pack, tier, rt, files), [activity])
         assert activity.is_file() and lock.is_file()
         assert all(c.is_file() for c in copies)  # every shard placed again, the first too
+
+
+def test_a_full_runtime_file_system_is_named_with_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared /dev/shm that other jobs filled: every ``stagefs.open`` with tiers (and
+    ``stagefs stage``) failed with a bare ``OSError: [Errno 28] No space left on device``
+    from writing the process's lease, naming nothing. It names the runtime directory, says
+    its file system is full and what to do; nothing of the failed open stays counted."""
+    import errno
+
+    from stagefs import runtime as runtime_mod
+    from stagefs.doctor import check_shm
+    from stagefs.errors import ConfigError
+
+    def full(path: str, *_a: object, **_k: object) -> bool:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(runtime_mod, "atomic_write", full)
+    rt = Runtime(tmp_path / "rt")
+    with pytest.raises(ConfigError) as got:
+        rt.open()
+    said = str(got.value)
+    assert f"runtime directory {rt.path}: cannot write in it (No space left" in said
+    assert "file system is full" in said and "STAGEFS_RUNTIME" in said
+    assert not any(path == rt.path for _, path in runtime_mod._USERS)
+    # the doctor says the same of a full /dev/shm where the runtime goes by default
+    monkeypatch.delenv("STAGEFS_RUNTIME", raising=False)
+    monkeypatch.setattr("stagefs.doctor._space", lambda _p: (2 << 20, 4096))
+    monkeypatch.setattr("stagefs.doctor.os.path.isdir", lambda _p: True)
+    [shm] = check_shm()
+    assert shm.status == "warn" and "runtime directory" in shm.meaning
+    assert "STAGEFS_RUNTIME" in shm.meaning

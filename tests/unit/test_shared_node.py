@@ -204,3 +204,120 @@ def test_a_runtime_directory_another_user_made_first_names_its_owner_and_a_way_o
     # before: "not a directory owned by you (uid 65534); remove it": nobody can remove it
     assert code == 1 and str(squatted) in msg and "root (uid 0) owns it" in msg, msg
     assert "STAGEFS_RUNTIME" in msg and "/stagefs-nobody" in msg, msg
+
+
+@pytest.mark.parametrize("parent_is", ["another_users", "world_writable"])
+@pytest.mark.parametrize("opener", ["reader", "daemon"])
+def test_a_runtime_in_a_directory_another_user_may_rename_in_is_refused(
+        world: Path, parent_is: str, opener: str) -> None:
+    from stagefs.cluster.cmap import prepare_runtime
+
+    # the docs' /dev/shm/stagefs-$USER, made first by another user, or a directory any user
+    # may write without the sticky bit: that user may move the runtime away (the daemon's
+    # readers then wait for its map forever) or put one of theirs in its place
+    parent = world / "stagefs-nobody"
+    parent.mkdir()
+    os.chmod(parent, 0o777)
+    if parent_is == "another_users":
+        os.chown(parent, 12345, 12345)
+    runtime = parent / "job42"
+
+    def open_it() -> None:
+        if opener == "reader":
+            Runtime(str(runtime)).open()
+        else:
+            prepare_runtime(str(runtime))
+
+    code, msg = as_nobody(open_it)
+    # before: made job42 there, and used it
+    assert code == 1 and f"{parent} " in msg and "may move the runtime directory" in msg, msg
+    assert ("uid 12345" if parent_is == "another_users" else "every user") in msg, msg
+    assert "STAGEFS_RUNTIME" in msg and "mktemp -d" in msg, msg
+    assert not runtime.exists()
+
+
+@pytest.mark.parametrize("squat", ["copy_symlink", "copy_file", "tier_symlink", "tier_theirs"])
+def test_a_name_another_user_made_first_in_a_shared_tier_is_never_placed_through(
+        world: Path, squat: str) -> None:
+    pack = _pack(world)
+    with stagefs.open(pack) as fs:
+        pack_id = fs.manifest.pack_id.hex()
+    tier = world / "scratch"  # shared by users (/dev/shm), sticky
+    tier.mkdir()
+    os.chmod(tier, 0o1777)
+    mine = _own_runtime(world)
+    elsewhere = mine / "elsewhere"  # a directory of the reader's, where the squatter points
+    elsewhere.mkdir()
+    os.chown(elsewhere, NOBODY, NOBODY)
+    named = tier  # the tier the reader names
+    if squat == "copy_symlink":
+        (tier / pack_id).symlink_to(elsewhere)
+        os.lchown(tier / pack_id, 12345, 12345)
+    elif squat == "copy_file":
+        (tier / pack_id).write_bytes(b"")
+        os.chown(tier / pack_id, 12345, 12345)
+    elif squat == "tier_symlink":
+        named = tier / "t-nobody"  # the reader's tier, named before it made it
+        named.symlink_to(elsewhere)
+        os.lchown(named, 12345, 12345)
+    else:
+        named = tier / "t-nobody"  # made first as a directory every user may write
+        named.mkdir()
+        os.chmod(named, 0o777)
+        os.chown(named, 12345, 12345)
+
+    def reader() -> None:
+        os.environ["STAGEFS_RUNTIME"] = str(mine / "rt")
+        with stagefs.open(pack, tiers=[f"{named}:64MiB"]) as fs:
+            fs.chain.stage(list(range(len(fs.manifest.shards))))
+
+    code, msg = as_nobody(reader)
+    # before: copies placed in `elsewhere` (where the squatter chose; clean never removes
+    # them) for a symlink, a FileExistsError from inside for a file, and copies in a
+    # directory of theirs, which they could swap for one where they read what is written
+    assert code == 1 and msg.startswith("ConfigError") and "uid 12345" in msg, msg
+    assert "symlink" in msg or "not a directory" in msg or "may move" in msg, msg
+    assert os.listdir(elsewhere) == []
+
+
+@pytest.mark.parametrize("kind", ["file", "fifo"])
+def test_a_file_another_user_made_under_the_runtime_name_names_its_owner(
+        world: Path, kind: str) -> None:
+    squatted = world / "stagefs-rt"  # /dev/shm/stagefs-<uid>, made first as a file or FIFO
+    if kind == "fifo":
+        os.mkfifo(squatted, 0o666)
+    else:
+        squatted.write_bytes(b"")
+    os.chown(squatted, 12345, 12345)
+    code, msg = as_nobody(lambda: Runtime(str(squatted)).open())
+    # before: "cannot create it (File exists)", naming no one
+    assert code == 1 and str(squatted) in msg and "uid 12345" in msg, msg
+    assert "STAGEFS_RUNTIME" in msg, msg
+
+
+def test_another_users_files_in_a_shared_tier_take_none_of_this_users_room(
+        world: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pack = _pack(world)
+    tier = world / "scratch"  # shared by users (/dev/shm), sticky
+    tier.mkdir()
+    os.chmod(tier, 0o1777)
+    theirs = tier / "theirs"  # another user's readable directory: one 1 MiB file, 64 links
+    theirs.mkdir(mode=0o755)
+    (theirs / "f0").write_bytes(os.urandom(2**20))
+    for i in range(1, 64):
+        os.link(theirs / "f0", theirs / f"f{i}")
+    (tier / "top").write_bytes(os.urandom(2**20))  # and a file of theirs at the top
+    mine = _own_runtime(world)
+
+    def stage() -> None:
+        os.environ["STAGEFS_RUNTIME"] = str(mine / "rt")
+        with stagefs.open(pack, tiers=[f"{tier}:8MiB"]) as fs:
+            n = len(fs.manifest.shards)
+            fs.chain.stage(list(range(n)))
+            held, stopped = fs.held_shards(), [t.stopped for t in fs.chain.tiers]
+            if len(held) != n or any(stopped):
+                raise AssertionError(f"held {sorted(held)} of {n}; stopped: {stopped}")
+
+    code, msg = as_nobody(stage)
+    # before: their 65 MiB counted against this user's 8 MiB: nothing placed
+    assert code == 0, msg

@@ -221,8 +221,8 @@ def test_switches_take_1_or_0_and_refuse_the_rest(monkeypatch: pytest.MonkeyPatc
 
 def test_read_many_of_a_truncated_shard_says_what_read_says(tmp_path: Path) -> None:
     """The batch reads a shard's files at once (``gather``): those the cut took away are
-    read again alone and raise what ``read`` raises, naming the shard; a batch of the files
-    before the cut is read whole, and right."""
+    read again alone and raise what ``read`` raises, naming the file and the shard; a batch of
+    the files before the cut is read whole, and right."""
     files = _busy_tree(tmp_path / "src")
     stagefs.pack(tmp_path / "src", tmp_path / "pack", shard_size="40KiB", jobs=1,
                  progress=False, echo=lambda _m: None)
@@ -242,6 +242,8 @@ def test_read_many_of_a_truncated_shard_says_what_read_says(tmp_path: Path) -> N
             with pytest.raises(CorruptShardError, match="truncated") as info:
                 read(mine[-1])
             assert name in str(info.value)
+            # the file read (in the batch, the first of those cut), then why
+            assert str(info.value).split(": ")[0] in mine[len(mine) // 2 :]
 
 
 @pytest.mark.parametrize("err", [

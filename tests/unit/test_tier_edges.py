@@ -5,6 +5,7 @@ its capacity, a tier filled by another (or an older) pack (docs/decisions/0015-p
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,16 @@ def test_a_tier_full_of_an_older_pack_says_whose_copies_fill_it(
         assert fs.chain.tiers[0].dir != old_dir
     said = [r.getMessage() for r in caplog.records if "other datasets" in r.getMessage()]
     assert said and old_dir in said[0] and "stagefs clean" in said[0]
+
+
+def test_a_tier_whose_path_is_not_utf8_holds_data(one_large: Path, runtime: Path,
+                                                  tmp_path: Path) -> None:
+    """A tier directory named with bytes that are not UTF-8 (os.fsdecode's surrogates):
+    its room count is keyed by its path's bytes; it was a UnicodeEncodeError at open."""
+    tier = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"t\xff"))
+    with stagefs.open(one_large, tiers=[f"{tier}:8MiB"]) as fs:
+        assert fs.chain is not None
+        assert fs.chain.stage() == {"placed": 1}
+        assert fs.read("big.bin") == random_bytes(6 * MiB, 1)
+        assert set(fs.held_shards()) == {0}
+    assert dir_bytes(tier) >= 6 * MiB

@@ -4,6 +4,7 @@ ran several processes at once (the tests here are their one-process core)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -149,3 +150,53 @@ def test_a_copy_grown_from_outside_is_not_called_cut_short(
     said = [r.getMessage() for r in caplog.records if str(victim) in r.getMessage()]
     assert said and all("shorter" not in m for m in said), said
     assert any(f"{size + 100} bytes" in m and "not this shard's copy" in m for m in said), said
+
+
+def test_a_tier_copy_that_cannot_be_opened_for_want_of_descriptors_stops_placement_only(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Under a low open-file limit (``ulimit -n 64``, several tiers), opening a shard's
+    partial copy failed with EMFILE inside the chain's look for it, and the read died with
+    a bare ``OSError: Too many open files`` though the origin could serve it. The tier's
+    placement stops, saying the limit and how to raise it; the reads go on, right."""
+    from stagefs.tiers import chain as chain_mod
+
+    pack, files = dataset
+
+    def no_descriptor(final: str, *_a: object, **_k: object) -> None:
+        raise OSError(errno.EMFILE, "Too many open files", final + ".partial")
+
+    monkeypatch.setattr(chain_mod, "open_fill", no_descriptor)
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tmp_path / 't0'}:64MiB"]) as fs:
+        epoch(fs, files, 4)
+        [tier] = fs.status()["tiers"]
+    assert tier["stopped"] == "open-file limit reached"
+    said = [r.getMessage() for r in caplog.records if "placement into it stopped" in r.message]
+    assert said and "open-file limit" in said[0] and "ulimit -n" in said[0]
+
+
+def test_a_memory_tier_over_the_job_s_memory_limit_is_warned_of_when_the_store_opens(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A memory tier larger than the job's memory limit leaves (Slurm's --mem; /dev/shm
+    itself is larger) filled until the kernel killed the job, with no word of why: its
+    pages are charged to the job's control group and never given back. Opening the store
+    says so, naming the tier, the room left and what to do; the reads are right."""
+    from stagefs.tiers import tier as tier_mod
+
+    pack, files = dataset
+    monkeypatch.setattr(tier_mod, "fs_type", lambda _p: "tmpfs")
+    monkeypatch.setattr(tier_mod, "memory_limit_room", lambda: 1 << 20)
+    for capacity, warned in (("64MiB", True), ("512KiB", False)):
+        caplog.clear()
+        tier = tmp_path / f"t-{capacity}"
+        with caplog.at_level("WARNING", logger="stagefs"), \
+                stagefs.open(pack, tiers=[f"{tier}:{capacity}"]) as fs:
+            assert fs.status()["tiers"][0]["kind"] == "memory"
+            epoch(fs, files, 5)
+        said = [r.getMessage() for r in caplog.records if "memory limit" in r.message]
+        assert bool(said) == warned, said
+        if warned:
+            assert f"memory tier {tier}" in said[0] and "leaves (1.0 MiB)" in said[0]
+            assert "--mem" in said[0]

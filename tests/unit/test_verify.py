@@ -184,3 +184,24 @@ def test_verify_out_of_descriptors_calls_no_shard_corrupt(
     out, err_text = capsys.readouterr()
     assert "CORRUPT" not in out and "Traceback" not in err_text
     assert err_text.startswith(f"stagefs: error: {victim}: ") and "ulimit -n" in err_text
+
+
+def test_a_copy_written_past_its_end_is_bad_as_a_whole_copy(verify_pack_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """A tier's copy longer than its shard: its files are right, but no server serves it,
+    so the daemon's check (``whole``) calls it bad, and the daemon places it again; a
+    pack's shard is checked by its files as before (``stagefs verify``)."""
+    from stagefs.format import MANIFEST_NAME, Manifest
+
+    pack = _copy(verify_pack_dir, tmp_path)
+    with open(pack / shard_name(0), "ab") as f:
+        f.write(b"\0" * 10)
+    m = Manifest(str(pack / MANIFEST_NAME))
+    try:
+        n, _, bad = verify_mod.check_shard(str(pack), m, 0, whole=True)
+        assert n and len(bad) == len(_files_of(pack, 0)) > 0
+        assert all("manifest says" in c.reason and shard_name(0) in c.reason for c in bad)
+        assert verify_mod.check_shard(str(pack), m, 0)[2] == []
+        assert verify_mod.check_shard(str(pack), m, 1, whole=True)[2] == []
+    finally:
+        m.close()

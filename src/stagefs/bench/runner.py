@@ -49,8 +49,9 @@ class BenchConfig:
     log: Any = field(default=None, repr=False)
 
     def say(self, msg: str) -> None:
+        """A line of progress: on stderr, as every command's (stdout is the results)."""
         stamp = time.strftime("%H:%M:%S")
-        print(f"[{stamp}] {msg}", file=self.log or sys.stdout, flush=True)
+        print(f"[{stamp}] {msg}", file=self.log or sys.stderr, flush=True)
 
 
 def drop_caches() -> bool:

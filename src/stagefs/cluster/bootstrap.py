@@ -32,7 +32,7 @@ from stagefs.net.sockio import host_port
 from stagefs.tiers.base import SourceUnavailable
 
 __all__ = ["Bootstrap", "MpiBootstrap", "SingleBootstrap", "SlurmBootstrap", "StagedNodes",
-           "StaticBootstrap", "barrier_round", "secret_path"]
+           "StaticBootstrap", "barrier_round", "placed", "secret_path"]
 
 
 class Bootstrap(Protocol):
@@ -365,11 +365,35 @@ class StagedNodes:
     """The nodes this node knows have staged: what its barrier learned, answered in its
     STATUS (``staged_nodes``, a hexadecimal bit mask) so that the others learn it too."""
 
-    def __init__(self, rank: int | None = None) -> None:
+    def __init__(self, rank: int | None = None,
+                 placement: Mapping[str, Any] | None = None) -> None:
         self.rank = rank  # this node's (a peer's address answered by this daemon: said so)
+        self.placement = dict(placement or {})  # what this node placed the shards with
         self._mask = 0
         self._lock = threading.Lock()
         self.elsewhere: dict[int, int] = {}  # node -> the rank the daemon there says it is
+        self.placed_apart: dict[int, str] = {}  # node -> the key of its other placement
+
+    def disagrees(self, node: int, theirs: object) -> bool:
+        """Does the daemon at ``node`` place the shards apart from this one (another
+        ``--replicas``, ``--seed`` or ``--replicate-all``: one restarted with other
+        arguments)? Said once for each placement it has; such a node is not counted staged
+        until it agrees: each of the two would look for shards where the other did not put
+        them, and hold fewer copies than the job was asked for, while both said staged."""
+        mine = self.placement.get("key")
+        other: Mapping[str, Any] = theirs if isinstance(theirs, Mapping) else {}
+        key = other.get("key")
+        if mine is None or key is None or key == mine:  # (None: an older daemon's STATUS)
+            self.placed_apart.pop(node, None)
+            return False
+        if self.placed_apart.get(node) != key:
+            self.placed_apart[node] = str(key)
+            log.warning("node %d places the shards with %s, this node with %s: every daemon "
+                        "of a job must be given the same --replicas, --seed and "
+                        "--replicate-all (restart it with the others' arguments); node %d "
+                        "is not counted staged until it agrees", node, placed(other),
+                        placed(self.placement), node)
+        return True
 
     def misplaced(self, node: int, says: object) -> None:
         """The daemon at ``node``'s address answers as another rank: the nodes' hosts files
@@ -412,6 +436,13 @@ class StagedNodes:
         return format(self._mask, "x")
 
 
+def placed(p: Mapping[str, Any]) -> str:
+    """A placement's settings as the options that give them."""
+    every = p.get("replicate_all") or ()
+    return (f"--replicas {p.get('replicas')} --seed {p.get('seed')} --replicate-all "
+            f"{' '.join(map(str, every)) if every else '(none)'} on {p.get('nodes')} nodes")
+
+
 def barrier_round(status: Mapping[int, PeerClient], known: StagedNodes, size: int,
                   gone: frozenset[int], rng: random.Random, fan: int = FAN) -> bool:
     """One round of the staged barrier: True if every peer but those ``gone`` is known to
@@ -421,7 +452,8 @@ def barrier_round(status: Mapping[int, PeerClient], known: StagedNodes, size: in
     did, so the news spreads in O(log N) rounds and no node is asked by every other."""
     live = [n for n in status if n not in gone]
     done = known.nodes()
-    if all(n in done for n in live) and not known.elsewhere.keys() - gone:
+    apart = known.elsewhere.keys() | known.placed_apart.keys()
+    if all(n in done for n in live) and not apart - gone:
         return True
     for n in live if len(live) <= fan else rng.sample(live, fan):
         try:
@@ -433,12 +465,16 @@ def barrier_round(status: Mapping[int, PeerClient], known: StagedNodes, size: in
             known.misplaced(n, says)
             continue
         known.elsewhere.pop(n, None)
+        if known.disagrees(n, info.get("placement")):
+            continue  # its view of who holds what is not this node's
         if info.get("staging_done"):
             known.add(n)
         known.merge(info.get("staged_nodes"), size)
     done = known.nodes()
-    # (a peer answering as another rank: what the others say of it is not this node's)
-    return all(n in done for n in live) and not known.elsewhere.keys() - gone
+    # (a peer answering as another rank, or placing the shards apart: what the others say
+    # of it is not this node's)
+    apart = known.elsewhere.keys() | known.placed_apart.keys()
+    return all(n in done for n in live) and not apart - gone
 
 
 def ask_until_staged(stop: threading.Event, status: Mapping[int, PeerClient],

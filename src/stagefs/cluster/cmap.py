@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stagefs._fsutil import atomic_write, open_read, unreachable
-from stagefs.errors import ClusterError
+from stagefs.errors import ClusterError, StagefsError
 from stagefs.net.auth import read_token, write_token
+from stagefs.runtime import private_dir
 
 __all__ = ["MAP_NAME", "TOKEN_NAME", "ClusterMap", "check_runtime_access", "load_runtime",
            "prepare_runtime", "remove_runtime", "write_map"]
@@ -71,14 +72,9 @@ class ClusterMap:
 
 
 def prepare_runtime(path: str) -> None:
-    """Create the runtime directory (0700, ours) or refuse one another user could enter."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise ClusterError(f"runtime directory {path} belongs to another user; name another "
-                           "with --runtime or STAGEFS_RUNTIME")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    """Create the runtime directory (0700, ours) or refuse (ConfigError) one another user
+    could enter, or move away (``runtime.private_dir``)."""
+    private_dir(path)
 
 
 def write_map(path: str, cmap: ClusterMap, token: bytes | None = None) -> None:
@@ -134,7 +130,7 @@ def remove_runtime(path: str) -> None:
 def record_failure(path: str, message: str) -> None:
     """Say in the runtime directory why its daemon could not start (``stagefs status
     --wait-staged`` ends with it rather than wait out its timeout); best effort."""
-    with contextlib.suppress(OSError, ClusterError):
+    with contextlib.suppress(OSError, StagefsError):
         prepare_runtime(path)
         atomic_write(os.path.join(path, FAILED_NAME), message.encode())
 

@@ -51,7 +51,7 @@ from stagefs.cluster.fabric import FabricHolder
 from stagefs.cluster.placement import SPARE, place
 from stagefs.cluster.world import runtime_default
 from stagefs.config import TierSpec, env, env_flag
-from stagefs.errors import ClusterError
+from stagefs.errors import ClusterError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
 from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
@@ -272,11 +272,26 @@ class ClusterHolders:
         (its daemon stages them), and the copies it made of a dead node's shards, which
         ``_holders_of`` reads here too. Without those, a Sampler with locality dealt a
         dead node's samples out at random after re-replication, and its local_fraction
-        said less than the reads served here."""
-        held = set(self._mine)
+        said less than the reads served here. Once the cluster has staged, only the
+        copies its tiers hold: the shards placed on a node whose tiers had no room for
+        them (a small tier, a tier of 0 bytes) are read from peers, and were counted as
+        its own (its ranks were dealt them, and local_fraction said they read locally)."""
+        held: set[int] = set()
         for t in self.tiers:
             held |= {s for s in t.held() if self.rank in self._ranked_nodes[s]}
-        return held
+        return held if self._staged() else held | self._mine
+
+    def _staged(self) -> bool:
+        """Has the cluster staged (the map says so)? Read again from the runtime directory
+        until it does: a reader may connect before (a daemon without ``--wait``)."""
+        if not self.cmap.staged:
+            try:
+                now = load_runtime(self.runtime)[0]
+            except (StagefsError, OSError):  # restarting: as it was
+                return False
+            if now.staged:
+                self.cmap = replace(self.cmap, staged=True)
+        return self.cmap.staged
 
     def prefetch(self, shards: Iterable[int]) -> None:
         """Staging is the daemons' job in cluster mode: nothing to do here."""

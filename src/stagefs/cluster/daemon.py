@@ -40,7 +40,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +70,7 @@ from stagefs.cluster.mpi_transport import MpiPeer, mpi_library
 from stagefs.cluster.placement import place, shards_matching
 from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
+from stagefs.cluster.status import said_unreadable, unreadable, without_room
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
 from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
 from stagefs.config import env_flag, format_size, parse_tier
@@ -285,7 +286,8 @@ class Daemon:
                                   "first")
             if not o.tiers:
                 raise ConfigError("give at least one --tier DIR[:SIZE] (node-local memory or "
-                                  "disk)")
+                                  "disk); on a node with no room for data, DIR:0 (it holds "
+                                  "nothing, and its readers read the other nodes)")
             self.tier_specs = [parse_tier(t, rank=self.rank) for t in o.tiers]
             self._one = _only_daemon(self.runtime)
             self.manifest = Manifest(os.path.join(self.pack, MANIFEST_NAME))
@@ -401,7 +403,7 @@ class Daemon:
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout,
                              sources=peer_sources(self.transport, self.peers),
-                             unreachable_after=o.dead_after)
+                             unreachable_after=o.dead_after, first=self.everywhere)
         self._mine = frozenset(self.stager.mine)  # (staging counts what it placed)
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
         # probes go on the relay's connection to each peer (STATUS): two fit in
@@ -412,7 +414,8 @@ class Daemon:
             self._relay_mpi = {id(ps[n]): self.transport.peer(n, f"node {n}")
                                for n in self.peers}
         probes = {n: (lambda p=ps[n]: relay.probe(p, wait)) for n in self.peers}
-        self.staged_nodes = StagedNodes(self.rank)  # the staged barrier's knowledge
+        # the staged barrier's knowledge, and what this node placed the shards with
+        self.staged_nodes = StagedNodes(self.rank, self.placement_settings())
         self.rereplicator = Rereplicator(self.manifest, self.placement, self.rank, self.chain,
                                          self.peers, probes, self.stop,
                                          dead_after=o.dead_after,
@@ -420,6 +423,7 @@ class Daemon:
                                          forward_timeout=o.forward_timeout)
         self.monitor: threading.Thread | None = None
         self.progress_unreachable = 0
+        self._unreadable: dict[int, str] = {}  # peers whose STATUS could not be read, why
         self.staged_at = 0.0
 
     def _abandon(self) -> None:
@@ -484,7 +488,8 @@ class Daemon:
                             "limit, %d)", t.name, shard, self.fd_limit)
                 self._checked.pop(shard, None)  # the next report asks again
                 continue
-            _, _, bad = check_shard(t.dir, self.manifest, shard)  # (says what it cannot read)
+            # (says what it cannot read; a copy of the wrong size is bad: it is not served)
+            _, _, bad = check_shard(t.dir, self.manifest, shard, whole=True)
             self.checks["checked"] += 1
             if bad:
                 self.checks["dropped"] += 1
@@ -562,6 +567,11 @@ class Daemon:
         self._status_cache = (now, out)
         return out
 
+    def placement_settings(self) -> dict[str, Any]:
+        """What this node placed the shards with (STATUS ``placement``): a peer whose key
+        differs is not counted staged (bootstrap.StagedNodes.disagrees)."""
+        return {**self.placement.settings(), "replicate_all": list(self.o.replicate_all)}
+
     def _status(self) -> dict[str, Any]:
         st = self.stager.stats.as_dict()
         # what the tiers hold now, not what staging placed: a copy deleted since (found
@@ -577,6 +587,7 @@ class Daemon:
             "staging_done": self.stager.done.is_set() and self.rereplicator.idle(),
             "primary_done": self.stager.primary_done,
             "staged_nodes": self.staged_nodes.text(),  # what its barrier knows (gossip)
+            "placement": self.staged_nodes.placement,
             "rereplication": self.rereplicator.status(),
             "staging_error": None if self.stager.error is None else str(self.stager.error),
             "tiers": self._tier_usage(), "pack": self.pack,
@@ -793,10 +804,16 @@ class Daemon:
                 out.append(self.status())
                 continue
             try:
-                out.append(self.peers[n].status())
+                info = self.peers[n].status()
             except SourceUnavailable:
                 self.progress_unreachable += 1
                 out.append(None)
+                continue
+            why = unreadable(info)
+            if why is not None and self._unreadable.get(n) != why:
+                self._unreadable[n] = why
+                said_unreadable(n, why)  # once a node (and kind)
+            out.append(None if why is not None else info)
         return out
 
     def _report(self) -> None:
@@ -808,19 +825,11 @@ class Daemon:
             if all((s and s["staging_done"]) or n in dead for n, s in enumerate(nodes)):
                 return  # the final report says it, with the time staging took: a rate over
                 # this interval would count the time since staging ended
-            done = sum(s["staging"]["bytes_held"] for s in nodes if s)
-            total = sum(s["staging"]["bytes_assigned"] for s in nodes if s)
+            done, total, lag = staging_progress(nodes, dead)
             now = time.monotonic()
             rate = (done - last_bytes) / (now - last_t) if now > last_t else 0.0
             last_bytes, last_t = done, now
             eta = (total - done) / rate if rate > 0 else float("inf")
-            fracs = {i: s["staging"]["bytes_held"] / max(1, s["staging"]["bytes_assigned"])
-                     for i, s in enumerate(nodes) if s}
-            mean = statistics.fmean(fracs.values()) if fracs else 0.0
-            lag = [f"node {i} ({f:.0%})" for i, f in sorted(fracs.items(), key=lambda x: x[1])
-                   if f < 0.75 * mean][:5]
-            lag += [f"node {i} ({'dead' if i in dead else 'unreachable'})"
-                    for i, s in enumerate(nodes) if s is None][:5]
             eta_s = f"{eta:.0f} s" if eta != float("inf") else "?"
             _say(0, f"staging: {format_size(done)} of {format_size(total)} "
                  f"({done / max(total, 1):.0%}), {format_size(rate)}/s, ETA {eta_s}"
@@ -843,6 +852,36 @@ class Daemon:
         _say(0, f"staged: {format_size(held)} on {len(ok)} nodes in {took:.1f} s; origin "
              f"read {format_size(origin)} ({origin / max(dataset, 1):.2f}x the dataset), "
              f"{format_size(fwd)} forwarded between nodes")
+        roomless = without_room(nodes, self.placement.replicas)
+        if roomless:
+            _say(0, roomless)
+
+
+def staging_progress(nodes: Sequence[dict[str, Any] | None], dead: Collection[int]
+                     ) -> tuple[int, int, list[str]]:
+    """Bytes staged, bytes to stage, and the laggards (nodes below 75% of the mean progress
+    of those still staging, then those that do not answer), for rank 0's progress lines. A
+    node done staging is done: what its tiers had no room for is not to come (it was
+    counted to stage, so the progress stopped short of 100% with no ETA while the others
+    staged, and the node was named a laggard at its share, 21%, until the end)."""
+    done = total = 0
+    fracs: dict[int, float] = {}
+    for i, s in enumerate(nodes):
+        if not s:
+            continue
+        st = s["staging"]
+        done += st["bytes_held"]
+        if s.get("staging_done"):
+            total += st["bytes_held"]
+            continue
+        total += max(st["bytes_assigned"], st["bytes_held"])
+        fracs[i] = st["bytes_held"] / max(1, st["bytes_assigned"])
+    mean = statistics.fmean(fracs.values()) if fracs else 0.0
+    lag = [f"node {i} ({f:.0%})" for i, f in sorted(fracs.items(), key=lambda x: x[1])
+           if f < 0.75 * mean][:5]
+    lag += [f"node {i} ({'dead' if i in dead else 'unreachable'})"
+            for i, s in enumerate(nodes) if s is None][:5]
+    return done, total, lag
 
 
 def staging_shortfall(held: int, assigned: int, tiers: Sequence[DirTier]) -> str | None:
@@ -890,7 +929,9 @@ def _forget_dead_daemon(runtime: str) -> None:
     token. Readers took them for this daemon's (with ``--wait``, before it had staged), and
     ``stagefs status --wait-staged`` asked the dead daemon's address until its time was up,
     instead of saying why this one could not start. A live daemon's are left: this one is
-    refused (``_only_daemon``)."""
+    refused (``_only_daemon``). A directory that is not this user's own is refused first,
+    touching nothing in it (``prepare_runtime``)."""
+    prepare_runtime(runtime)
     clear_failure(runtime)
     if not os.path.isdir(runtime):
         return

@@ -30,9 +30,10 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
-from xxhash import xxh3_64_intdigest
+from xxhash import xxh3_64_hexdigest, xxh3_64_intdigest
 
 from stagefs.errors import ConfigError
 
@@ -100,6 +101,16 @@ class Placement:
                              compare=False, repr=False)
     _keys: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False,
                                                         repr=False)
+
+    def settings(self) -> dict[str, Any]:
+        """What the placement was computed from, and a key of it, for a daemon's STATUS:
+        daemons of one job that were given another ``--replicas``, ``--seed`` or
+        ``--replicate-all`` (one restarted with other arguments) place the shards apart,
+        and each looks for shards where the others did not put them."""
+        every = sorted(self.everywhere)
+        key = xxh3_64_hexdigest(repr((self.nodes, self.replicas, self.seed, every)).encode())
+        return {"key": key, "nodes": self.nodes, "replicas": self.replicas,
+                "seed": self.seed, "everywhere": len(every)}
 
     def shards_of(self, node: int) -> list[int]:
         """The shards placed on ``node``, in shard order."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -94,11 +94,12 @@ class Stager:
                  chain: TierChain, peers: dict[int, PeerClient], stop: threading.Event,
                  forward_timeout: float = _FORWARD_TIMEOUT,
                  sources: Mapping[int, ShardSource] | None = None,
-                 unreachable_after: float = 30.0) -> None:
+                 unreachable_after: float = 30.0, first: Collection[int] = ()) -> None:
         """``sources``: what to copy each peer's shards from (default: over its client;
         cluster/transport.py ``peer_sources`` gives the transport's). ``unreachable_after``:
         how long a shard's other holders may all be unreachable (still starting, a blip)
-        before this node takes them for dead and reads the origin itself."""
+        before this node takes them for dead and reads the origin itself. ``first``: the
+        shards staged before any other (``--replicate-all``'s, placed on every node)."""
         self.manifest = manifest
         self.holders = holders
         self.rank = rank
@@ -111,6 +112,9 @@ class Stager:
             sources = {n: PeerSource(c, f"node {n}") for n, c in peers.items()}
         self.sources = {n: _Counted(src, self._forwarded) for n, src in sources.items()}
         self.mine = [s for s, h in enumerate(holders) if rank in h]
+        self.first = frozenset(first)
+        self._first_left: set[int] = set()  # of ``first``, those not staged (nor refused) yet
+        self._reserved = 0  # the room they are counted in the tiers: kept for them
         self.stats = StagingStats(shards_assigned=len(self.mine),
                                   bytes_assigned=sum(manifest.shards[s].size for s in self.mine))
         self.done = threading.Event()
@@ -142,7 +146,15 @@ class Stager:
                          key=lambda s: self.holders[s][0] != self.rank)
         self._primaries -= held
         self.primary_done = not self._primaries
-        self._stage(pending)
+        # the shards asked on every node (the validation set) first, and their room kept for
+        # them until they are staged: staged with the rest, the train set's shards, copied
+        # from the origin while the validation set's came from peers, filled a small node's
+        # tiers and left it none of them. The others are staged meanwhile while the room
+        # allows (a holder that is late does not hold them up).
+        first = [s for s in pending if s in self.first]
+        self._first_left = set(first)
+        self._reserved = sum(self.chain.charge(s) for s in first)
+        self._stage([*first, *(s for s in pending if s not in self.first)])
 
     def _stage(self, pending: list[int]) -> None:
         """Round-robin over the pending shards, so that one slow primary (or a shard another
@@ -159,6 +171,9 @@ class Stager:
                 if self._stage_one(s, first_try[s], asked):
                     pending.remove(s)
                     progress = True
+                    if s in self._first_left:
+                        self._first_left.discard(s)
+                        self._reserved -= self.chain.charge(s)
                     self._primaries.discard(s)
                     self.primary_done = not self._primaries
             if progress:
@@ -172,6 +187,9 @@ class Stager:
         if self.chain.full:  # the tiers take no more: waiting on the peers for it is vain
             self.stats.no_room += 1
             return True
+        if self._reserved > 0 and shard not in self._first_left and \
+                self.chain.room_left() - self.chain.charge(shard) < self._reserved:
+            return False  # the room left is kept for the first shards until they are staged
         if self.holders[shard][0] == self.rank:
             return self._place(shard, None) != "elsewhere"
         # a holder that refuses this node's handshake will not give it the shard however

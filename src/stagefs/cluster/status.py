@@ -8,6 +8,7 @@ the node's runtime directory, as ``--json``'s ``reads`` sums this node's)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from stagefs.cluster.bootstrap import placed
 from stagefs.cluster.cmap import (
     MAP_NAME,
     ClusterMap,
@@ -36,8 +38,11 @@ from stagefs.tiers.status import (
     stall_records,
 )
 
-__all__ = ["checksum_failures", "cluster_status", "has_cluster", "print_cluster_status",
-           "rereplication_lines", "wait_for_cluster"]
+__all__ = ["checksum_failures", "cluster_status", "has_cluster", "placed_apart",
+           "print_cluster_status", "rereplication_lines", "said_unreadable", "unreadable",
+           "wait_for_cluster", "without_room"]
+
+log = logging.getLogger("stagefs.status")
 
 
 def has_cluster(runtime: str | None) -> bool:
@@ -61,15 +66,56 @@ def cluster_status(runtime: str | None, timeout: float = 3.0
         c = PeerClient(host, port, token, pack_id=pack_id, timeout=timeout,
                        connect_timeout=timeout, name=f"node {n}")
         try:
-            return c.status()
+            info = c.status()
         except SourceUnavailable:
             return None
         finally:
             c.close()
+        why = unreadable(info)
+        if why is not None:
+            said_unreadable(n, why)
+            return None
+        return info
 
     with ThreadPoolExecutor(max_workers=min(32, max(1, cmap.size))) as ex:
         nodes = list(ex.map(ask, enumerate(cmap.nodes)))
     return cmap, nodes
+
+
+_NUMBERS = {"staging": ("shards_held", "shards_assigned", "bytes_held", "bytes_assigned",
+                        "origin_bytes", "forwarded_bytes", "started", "finished",
+                        "checksum_failures"),
+            "server": ("bytes_served",), "": ("checksum_failures", "peers_unreachable")}
+
+
+def unreadable(info: object) -> str | None:
+    """Why a peer's STATUS cannot be read as a daemon's (what is missing, or of the wrong
+    kind), None if it can: the reports and ``stagefs status`` read it. One from a peer of
+    another stagefs, or not a daemon of this job, ended rank 0's daemon at its final report
+    (a KeyError) and ``stagefs status`` with a traceback."""
+    if not isinstance(info, dict):
+        return "not an object"
+    if not isinstance(info.get("state"), str) or not isinstance(info.get("tiers"), list):
+        return "no state or tiers"
+    for part, keys in _NUMBERS.items():
+        d = info.get(part) if part else info
+        if not isinstance(d, dict):
+            return f"no {part}"
+        for k in keys:
+            if not isinstance(d.get(k), int | float) or isinstance(d.get(k), bool):
+                return f"no number {(part + '.') if part else ''}{k}"
+    if not all(isinstance(t, dict) and isinstance(t.get("used"), int) for t in info["tiers"]):
+        return "a tier without its use"
+    r = info.get("rereplication")
+    if r is not None and not (isinstance(r, dict) and isinstance(r.get("dead"), list)):
+        return "a rereplication without its dead nodes"
+    return None
+
+
+def said_unreadable(node: int, why: str) -> None:
+    log.warning("node %d answered a STATUS this stagefs cannot read (%s): every node of a "
+                "job must run the same stagefs (and a daemon of this job at each address); "
+                "shown as unreachable", node, why)
 
 
 def _refusing(nodes: list[dict[str, Any] | None]) -> dict[int, str]:
@@ -94,7 +140,7 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None,
              f"{format_size(st['bytes_held'])} "
              f"({st['bytes_held'] / max(1, st['bytes_assigned']):.0%})")
     tiers = ", ".join(f"{format_size(t['used'])}/"
-                      f"{format_size(t['capacity']) if t['capacity'] else 'free'}"
+                      f"{'free' if t['capacity'] is None else format_size(t['capacity'])}"
                       for t in s["tiers"])
     srv = s["server"]
     # TCP: its peers' connections, not the one this status request came on
@@ -149,6 +195,32 @@ def rereplication_lines(nodes: list[dict[str, Any] | None], replicas: int = 1) -
     return out
 
 
+def without_room(nodes: list[dict[str, Any] | None], replicas: int) -> str | None:
+    """The shard copies placed on nodes whose tiers had no room for them (their staging
+    over): how many, on which nodes, and where their reads go; None if every node took its
+    share. Each node's own share ("3/11 shards") was all there was, and rank 0's summary
+    gave the origin bytes read as a share of the dataset, which made a cluster too small
+    for the dataset look thrifty (0.44x: the rest was never staged, and is read from the
+    origin every epoch)."""
+    short: dict[int, tuple[int, int]] = {}
+    for n, s in enumerate(nodes):
+        st = s["staging"] if s and s.get("staging_done") else None
+        if st and st.get("no_room"):
+            short[n] = (st["shards_assigned"] - st["shards_held"],
+                        st["bytes_assigned"] - st["bytes_held"])
+    if not short:
+        return None
+    copies = sum(c for c, _ in short.values())
+    where = ", ".join(f"node {n} ({c})" for n, (c, _) in sorted(short.items()))
+    cost = ("with --replicas 1 no other node holds them (a --replicate-all shard aside): "
+            "every read of them goes to the origin" if replicas == 1 else
+            "their reads go to their other holders, or the origin where none took them")
+    return (f"{copies} shard copies ({format_size(sum(b for _, b in short.values()))}) "
+            f"placed on nodes whose tiers had no room for them: {where}; {cost}. Give "
+            "those nodes' tiers more room, or the job more nodes (placement does not "
+            "weigh the nodes' room: docs/cluster.md)")
+
+
 def print_cluster_status(runtime: str | None, *, as_json: bool = False,
                          wait_staged: float | None = None) -> int:
     """Print the cluster's state; with ``wait_staged``, first wait (up to that many seconds)
@@ -180,6 +252,9 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
         for line in rereplication_lines(nodes, cmap.replicas):
             print(line)
+        roomless = without_room(nodes, cmap.replicas)
+        if roomless:
+            print(roomless)
         for line in read_lines(reads, "this node's processes: readers, the daemon"):
             print(line)
         for line in stall_lines(stalls):
@@ -193,12 +268,35 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
         print(f"node(s) {', '.join(map(str, refused))} refuse the others' handshake: "
               "every node of the job must use the same job token (the same --token-file, "
               "or under Slurm the same $STAGEFS_SECRET) and the same pack", file=sys.stderr)
+    for line in placed_apart(nodes):
+        print(line, file=sys.stderr)
     if wait_staged is not None:
         if not staged:
             print("not every node has staged yet", file=sys.stderr)
             return 1
         return 0  # staged: every node, but those found dead whose shards were copied again
     return 0 if not down else 1
+
+
+def placed_apart(nodes: list[dict[str, Any] | None]) -> list[str]:
+    """The nodes that place the shards with other settings than the others (a daemon
+    restarted with another --replicas, --seed or --replicate-all): a line for each group,
+    then what to do; none when they all agree."""
+    groups: dict[str, list[int]] = {}
+    said: dict[str, dict[str, Any]] = {}
+    for n, s in enumerate(nodes):
+        p = (s or {}).get("placement")
+        if isinstance(p, dict) and p.get("key"):
+            groups.setdefault(str(p["key"]), []).append(n)
+            said[str(p["key"])] = p
+    if len(groups) < 2:
+        return []
+    return [*(f"node(s) {', '.join(map(str, ns))} place the shards with {placed(said[k])}"
+              for k, ns in sorted(groups.items(), key=lambda g: -len(g[1]))),
+            "the nodes do not agree on who holds which shard (reads of the others' shards "
+            "go to a peer that does not hold them, or the origin): every daemon of a job "
+            "must be given the same --replicas, --seed and --replicate-all; restart the "
+            "odd ones with the others' arguments"]
 
 
 def _transport(nodes: list[dict[str, Any] | None]) -> str:

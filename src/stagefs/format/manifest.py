@@ -15,6 +15,7 @@ import mmap
 import operator
 import os
 import stat
+import struct
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from stagefs.format.validate import (
     parse_meta,
 )
 
-__all__ = ["Entry", "Manifest", "ManifestBuilder", "ShardInfo"]
+__all__ = ["Entry", "Manifest", "ManifestBuilder", "ShardInfo", "pack_id_at"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,3 +446,27 @@ class Manifest:
         idx = np.flatnonzero(kinds == 0)
         order = np.lexsort((self.arrays["offset"][idx], self.arrays["shard"][idx]))
         return (int(i) for i in idx[order])
+
+
+def pack_id_at(path: str) -> bytes | None:
+    """The pack id of the manifest at ``path`` as it is now, or None if there is none that
+    reads as one (no manifest: a pack being written again; a torn or foreign file). Only
+    the header and the metadata are read: for a reader that finds a shard of another pack
+    where its manifest names one, to tell a pack packed again under it (``tiers/origin.py``)
+    from a damaged one."""
+    try:
+        fd, info = open_read(path)  # a FIFO there is not waited on
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        magic, _version, _flags, meta_off, meta_len, _total, _sum = MANIFEST_HEADER.unpack(
+            os.pread(fd, MANIFEST_HEADER.size, 0))
+        if magic != MANIFEST_MAGIC or meta_len > info.st_size:
+            return None
+        return parse_meta(os.pread(fd, meta_len, meta_off), path, meta_off).pack_id
+    except (OSError, ValueError, struct.error):  # a FormatError is a ValueError
+        return None
+    finally:
+        os.close(fd)

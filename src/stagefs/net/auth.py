@@ -1,10 +1,15 @@
 """Job-token authentication: an HMAC challenge-response; the token never goes on the wire.
 
 On connect the server sends a fresh nonce Ns. The client answers with its own nonce Nc and
-``HMAC-SHA256(token, "stagefs-v1 client" || Ns || Nc)``; the server checks it and answers
-with ``HMAC-SHA256(token, "stagefs-v1 server" || Ns || Nc)``, which the client checks, so
-each side proves it holds the token and neither proof can be replayed on another
-connection (both nonces are fresh).
+``HMAC-SHA256(token, "stagefs-v2 client" || Ns || Nc || B)``; the server checks it and
+answers with ``HMAC-SHA256(token, "stagefs-v2 server" || Ns || Nc || B)``, which the client
+checks, so each side proves it holds the token and neither proof can be replayed on another
+connection (both nonces are fresh). ``B`` (``channel_binding``) is the connection's server
+end as each side sees it, the address and port the client connected to, so a proof is good
+only at the daemon it was made for: a process that takes the port of a dead node (or one
+taken before its daemon started) and passes a live daemon's CHALLENGE to a reader, and the
+reader's AUTH back, gets a proof for its own address that the daemon refuses (protocol
+version 1 had no ``B``, and that daemon took the relayed connection as proven).
 """
 
 from __future__ import annotations
@@ -12,15 +17,20 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
+import socket
 import stat
 
 from stagefs._fsutil import atomic_write, open_read, unreachable, user_name
 from stagefs.errors import ClusterError
 from stagefs.net.protocol import NONCE_SIZE
+from stagefs.net.sockio import host_port
 
 __all__ = [
+    "UNIX_BINDING",
+    "channel_binding",
     "client_proof",
     "job_token",
     "new_nonce",
@@ -43,16 +53,42 @@ def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_SIZE)
 
 
-def _mac(token: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(token, label + server_nonce + client_nonce, hashlib.sha256).digest()
+# the binding of the node fabric's Unix socket: its path is in a directory of mode 0700,
+# where no other user can listen in the daemon's place, so there is nothing to relay
+UNIX_BINDING = "unix"
 
 
-def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return _mac(token, b"stagefs-v1 client", server_nonce, client_nonce)
+def channel_binding(sock: socket.socket, accepted: bool) -> str:
+    """The server end of the connection ``sock`` as this side sees it, which both proofs
+    cover: ``accepted``: the server's accepted socket (its own address), else the client's
+    connected one (its peer's). The address as an IP literal (an IPv4-mapped IPv6 address
+    as its IPv4 one, an IPv6 zone left out: each node names its own interfaces), and the
+    port; ``UNIX_BINDING`` on a Unix socket. A connection forwarded between the two (a
+    relay, NAT, port forwarding) has two different ends, and its proofs fail."""
+    if sock.family == socket.AF_UNIX:
+        return UNIX_BINDING
+    addr = sock.getsockname() if accepted else sock.getpeername()
+    ip = ipaddress.ip_address(addr[0].partition("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return host_port(str(ip), addr[1])
 
 
-def server_proof(token: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return _mac(token, b"stagefs-v1 server", server_nonce, client_nonce)
+def _mac(token: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes,
+         binding: str) -> bytes:
+    return hmac.new(token, label + server_nonce + client_nonce + binding.encode(),
+                    hashlib.sha256).digest()
+
+
+def client_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, binding: str) -> bytes:
+    """The client's proof for the connection whose server end is ``binding``
+    (``channel_binding``)."""
+    return _mac(token, b"stagefs-v2 client", server_nonce, client_nonce, binding)
+
+
+def server_proof(token: bytes, server_nonce: bytes, client_nonce: bytes, binding: str) -> bytes:
+    """The server's proof for the connection whose server end is ``binding``."""
+    return _mac(token, b"stagefs-v2 server", server_nonce, client_nonce, binding)
 
 
 def verify(expected: bytes, got: bytes) -> bool:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from stagefs._malloc import tune_malloc
-from stagefs.errors import AuthenticationError, ProtocolError
+from stagefs.errors import AuthenticationError, ProtocolError, ProtocolVersionError
 from stagefs.net import auth
 from stagefs.net import protocol as P
 from stagefs.net.health import BACKOFF, PeerHealth
@@ -183,19 +183,28 @@ class PeerAuthenticationError(PeerUnavailable, AuthenticationError):
 
 class _Refusal(AuthenticationError):
     """The handshake failed on a misconfiguration: ``kind`` is ``TOKEN`` (the two sides
-    hold different job tokens) or ``PACK`` (the peer serves another pack)."""
+    hold different job tokens, or the connection is relayed), ``PACK`` (the peer serves
+    another pack) or ``VERSION`` (it speaks another protocol version)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
 
-TOKEN, PACK = "token", "pack"  # PeerClient.refused
+TOKEN, PACK, VERSION = "token", "pack", "version"  # PeerClient.refused
+# what a refused handshake means: the proofs cover the token and the address and port the
+# connection was made to, which both sides must see alike (docs/PROTOCOL.md)
+_WHY_REFUSED = ("another job token, or a connection through NAT or port forwarding, where "
+                "the daemon sees another address than the one connected to")
 _FIX = {
     TOKEN: "refused this node's job token: every node of the job must use the same token "
            "(the same --token-file for every daemon; without one under Slurm, the same "
-           "$STAGEFS_SECRET, by default ~/.config/stagefs/secret)",
+           "$STAGEFS_SECRET, by default ~/.config/stagefs/secret) and reach each daemon "
+           "at the address it listens on (not through NAT or port forwarding: the "
+           "handshake is bound to that address)",
     PACK: "serves another pack: every node of the job must serve the same ORIGIN",
+    VERSION: "speaks another protocol version: every node of the job must run the same "
+             "stagefs version",
 }
 
 
@@ -241,7 +250,8 @@ class PeerClient:
         # otherwise (the node daemon: a probe on another connection); None: ``timeout``
         self.patience: Patience | None = None
         self._reported: dict[int, float] = {}  # shard -> when its copy was reported bad
-        # the peer's refusal of our handshake while it lasts (TOKEN, PACK), else None
+        # the peer's refusal of our handshake while it lasts (TOKEN, PACK, VERSION),
+        # else None
         self.refused: str | None = None
         self._interrupted = False  # ``interrupt``: every call fails at once from now on
         self.stats = ClientStats()
@@ -477,7 +487,10 @@ class PeerClient:
             s.close()
 
     def _handshake(self, sock: socket.socket, dl: Deadline) -> None:
-        msg = recv_message(sock, 4096, deadline=dl)
+        try:
+            msg = recv_message(sock, 4096, deadline=dl)
+        except ProtocolVersionError as exc:
+            raise _Refusal(VERSION, f"{self.name}: {exc}") from None
         if isinstance(msg, P.Error):
             raise PeerUnavailable(f"{self.name}: refused: {msg.message}")
         if not isinstance(msg, P.Challenge):
@@ -485,16 +498,20 @@ class PeerClient:
         if self.pack_id is not None and msg.pack_id != self.pack_id:
             raise _Refusal(PACK, f"{self.name}: serves another dataset (pack id differs)")
         nc = auth.new_nonce()
-        send_message(sock, P.Auth(nc, auth.client_proof(self._token, msg.nonce, nc)), dl)
+        end = auth.channel_binding(sock, accepted=False)
+        send_message(sock, P.Auth(nc, auth.client_proof(self._token, msg.nonce, nc, end)), dl)
         reply = recv_message(sock, 4096, deadline=dl)
         if isinstance(reply, P.Error):
             if reply.code != P.E_AUTH:
                 raise PeerUnavailable(f"{self.name}: refused: {reply.message}")
-            raise _Refusal(TOKEN, f"{self.name}: {reply.message} (wrong job token?)")
+            raise _Refusal(TOKEN, f"{self.name}: {reply.message} (this node connected to "
+                           f"{end}: {_WHY_REFUSED})")
         if not isinstance(reply, P.AuthOk):
             raise ProtocolError(f"{self.name}: expected AUTH_OK, got {type(reply).__name__}")
-        if not auth.verify(auth.server_proof(self._token, msg.nonce, nc), reply.mac):
-            raise _Refusal(TOKEN, f"{self.name}: the server could not prove the job token")
+        if not auth.verify(auth.server_proof(self._token, msg.nonce, nc, end), reply.mac):
+            raise _Refusal(TOKEN, f"{self.name}: the server could not prove the job token "
+                           f"for a connection to {end} ({_WHY_REFUSED}, or another process "
+                           "listens there and relays another daemon's handshake)")
 
     def _take(self) -> tuple[socket.socket, bool]:
         """A connection (from the pool: True), or PeerUnavailable if the peer is suspect.

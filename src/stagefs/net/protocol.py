@@ -1,4 +1,4 @@
-"""The stagefs peer protocol, version 1: frames and messages, with no I/O (docs/PROTOCOL.md).
+"""The stagefs peer protocol, version 2: frames and messages, with no I/O (docs/PROTOCOL.md).
 
 A frame is a 12-byte header (magic ``SFSN``, version, message type, flags, payload length,
 all big-endian) followed by the payload. ``encode``/``encode_parts`` turn a message into
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from stagefs.errors import ProtocolError
+from stagefs.errors import ProtocolError, ProtocolVersionError
 
 __all__ = [
     "DATA_HEAD",
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 MAGIC = b"SFSN"
-VERSION = 1
+VERSION = 2  # 2: the handshake proofs cover the connection's server end (net/auth.py)
 HEADER = struct.Struct("!4sBBHI")  # magic, version, type, flags, payload length
 NONCE_SIZE = 32
 MAC_SIZE = 32
@@ -234,7 +234,7 @@ def parse_header(header: bytes | bytearray | memoryview, max_frame: int = MAX_FR
     if magic != MAGIC:
         raise ProtocolError(f"not a stagefs frame (magic {bytes(magic)!r})")
     if version != VERSION:
-        raise ProtocolError(
+        raise ProtocolVersionError(
             f"peer speaks protocol version {version}, this stagefs speaks {VERSION}: run the "
             "same stagefs version on every node"
         )

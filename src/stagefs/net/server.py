@@ -240,9 +240,14 @@ class HeldFiles:
     RECHECK = 0.05  # seconds between two looks at whether an open copy was deleted
 
     def __init__(self, manifest: Manifest, locate: Locate,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 damaged: Callable[[int], object] | None = None) -> None:
         self.sizes = [s.size for s in manifest.shards]
         self.locate = locate
+        # told of a copy of the wrong size (cut short, written past its end): served as not
+        # held, it is the daemon's to check, delete and place again (a CHECK); untold, its
+        # node went on relaying the shard, or sending its readers to the origin, for good
+        self.damaged = damaged
         self._fds: dict[int, int] = {}
         self._checked: dict[int, float] = {}
         self._gone: list[int] = []  # deleted copies' fds, closed with the others
@@ -287,6 +292,8 @@ class HeldFiles:
             return None
         if os.fstat(fd).st_size != self.sizes[shard]:
             os.close(fd)
+            if self.damaged is not None:
+                self.damaged(shard)
             return None
         with self._lock:
             old = self._fds.setdefault(shard, fd)
@@ -355,7 +362,8 @@ class AuthFailures:
             more = (f"; the next failures from {source} are summed up, in a line a minute "
                     "at most" if said + 1 == self.per_source else "")
             return (f"{where} did not prove the job token; refused (a node or a reader with "
-                    f"another token, or a stranger){more}")
+                    "another token or through NAT or port forwarding, a relay, or a "
+                    f"stranger){more}")
         if not self._quiet and not self._quiet_more:
             self._since = self.wall()
         if source in self._quiet or len(self._quiet) < self.sources:
@@ -418,7 +426,7 @@ class ShardServer:
         self.auth_failures = AuthFailures()  # what the log says of them (a test's clock)
         self._auth_timer: _Timer | None = None  # their summary to come
         self._sizes = [s.size for s in manifest.shards]
-        self._held = HeldFiles(manifest, locate)
+        self._held = HeldFiles(manifest, locate, damaged=check)
         self._lock = threading.Lock()
         self._authed: set[_Conn] = set()
         self._pending: dict[_Conn, None] = {}  # unauthenticated, oldest first
@@ -445,7 +453,12 @@ class ShardServer:
             tcp.bind((host, port))
         except OSError as exc:
             tcp.close()
-            raise ConfigError(f"cannot listen on {host_port(host, port)}: {exc.strerror}") from exc
+            taken = exc.errno == errno.EADDRINUSE  # another job's daemon, or another user's
+            raise ConfigError(
+                f"cannot listen on {host_port(host, port)}: {exc.strerror}"
+                + ("; another process listens there (a daemon of another job, or any "
+                   "program of another user: a port derived from the job id can be taken "
+                   "first): give the daemons another --port" if taken else "")) from exc
         self.address: tuple[str, int] = tcp.getsockname()[:2]
         self.unix_path = unix_path
         self._listeners = [_Listener(tcp, False)]
@@ -761,10 +774,12 @@ class ShardServer:
     def _auth(self, conn: _Conn, msg: P.Message) -> None:
         if not isinstance(msg, P.Auth):
             raise ProtocolError(f"expected AUTH, got {type(msg).__name__}")
-        if not auth.verify(auth.client_proof(self.token, conn.nonce, msg.nonce), msg.mac):
+        end = auth.channel_binding(conn.sock, accepted=True)
+        if not auth.verify(auth.client_proof(self.token, conn.nonce, msg.nonce, end), msg.mac):
             self.stats.auth_failures += 1
             self._auth_failed(conn)
-            self._fail(conn, P.E_AUTH, "job token not proven: refused")
+            self._fail(conn, P.E_AUTH, f"job token not proven for a connection to {end}: "
+                       "refused")
             return
         del self._pending[conn]
         self.stats.unauthenticated = len(self._pending)
@@ -783,7 +798,7 @@ class ShardServer:
             st.tcp_peers += 1
             st.tcp_peak = max(st.tcp_peak, st.tcp_peers)
         self._queue(conn, P.encode_parts(P.AuthOk(auth.server_proof(self.token, conn.nonce,
-                                                                     msg.nonce))))
+                                                                     msg.nonce, end))))
 
     def _auth_failed(self, conn: _Conn) -> None:
         """Log a failed handshake as ``AuthFailures`` says: its line, or a summary of the

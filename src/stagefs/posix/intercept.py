@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stagefs.errors import ConfigError, ReadOnlyError
+from stagefs.errors import ConfigError, FormatError, ReadOnlyError
 from stagefs.fileobj import WHOLE_READ_LIMIT, LargeFile, SmallFile, _RangeRaw
 from stagefs.format import KIND_FILE
 from stagefs.namespace import DirEntry
@@ -122,14 +122,16 @@ class _ServedRaw(_RangeRaw):
 
     def readinto(self, buf: Any) -> int:
         if self.fd is None:
-            return super().readinto(buf)
+            with _io_error(self.name):
+                return super().readinto(buf)
         n = os.preadv(self.fd, [buf], self._pos) if self._pos < self._size else 0
         self._pos += n
         return n
 
     def readall(self) -> bytes:
         if self.fd is None:
-            return super().readall()
+            with _io_error(self.name):
+                return super().readall()
         parts = []
         while self._pos < self._size:
             got = os.pread(self.fd, self._size - self._pos, self._pos)
@@ -146,7 +148,8 @@ class _LargeFile(_FdMixin, LargeFile):
     raw: _ServedRaw
 
     def _content(self) -> bytes:
-        return bytes(self._store.read_entry(self._entry, str(self.name)))
+        with _io_error(self.name):
+            return bytes(self._store.read_entry(self._entry, str(self.name)))
 
     def _library_fd(self, real_open: Callable[..., int], path: str) -> int:
         # a real descriptor on the file that holds it (mmap maps a tier's pages): no copy
@@ -185,6 +188,18 @@ class _ScandirIterator:
 
 def _rofs(path: Any) -> ReadOnlyError:
     return ReadOnlyError(os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path))
+
+
+@contextlib.contextmanager
+def _io_error(path: Any) -> Iterator[None]:
+    """A read of a file whose shard is damaged in the pack (cut short, another pack's: a
+    ``FormatError``, a ValueError) fails as an I/O error, EIO with the reason, as the
+    preload library and a FUSE mount answer it: a program's ``except OSError`` around its
+    reads catches it (a ChecksumError is an OSError already)."""
+    try:
+        yield
+    except FormatError as exc:
+        raise OSError(errno.EIO, str(exc), path) from exc
 
 
 class Interceptor:
@@ -263,7 +278,8 @@ class Interceptor:
                 raise _fix(exc, file) from None
             m = store.manifest
             if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
-                f: Any = _SmallFile(store.read_entry(e, r), name)
+                with _io_error(name):
+                    f: Any = _SmallFile(store.read_entry(e, r), name)
             else:
                 f = _LargeFile(_ServedRaw(store, e, name), buffering)
                 f._store, f._entry = store, e
@@ -354,7 +370,8 @@ class Interceptor:
             if ns.kind_of(e) != KIND_FILE or flags & os.O_DIRECTORY:
                 raise OSError(errno.ENOTSUP, "stagefs: os.open of a directory under an "
                               "intercepted path is not supported (use os.scandir)", path)
-            return _memfd(store.read_entry(e, r), r)
+            with _io_error(path):
+                return _memfd(store.read_entry(e, r), r)
 
         def listxattr(path: Any = None, *, follow_symlinks: bool = True) -> Any:
             r = None if path is None else rel(path)

@@ -76,9 +76,12 @@ def _check_streamed(origin: PackOrigin, shard: int, e: int, m: Manifest,
     return None
 
 
-def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list[Corrupt]]:
+def check_shard(directory: str, m: Manifest, shard: int, *, whole: bool = False
+                ) -> tuple[int, int, list[Corrupt]]:
     """Check every file of shard file ``shard`` in ``directory`` (a pack, or a tier's
-    copies: the same names) against the manifest ``m``: (files, bytes, the corrupt ones)."""
+    copies: the same names) against the manifest ``m``: (files, bytes, the corrupt ones).
+    ``whole``: a file of another size than the shard's is bad as a whole (a tier's copy
+    written past its end: its files are right, but no server serves it)."""
     origin = PackOrigin(directory, m, check_headers=True)
     a = m.arrays
     files = [int(e) for e in (a["shard"] == shard).nonzero()[0] if a["kind"][e] == KIND_FILE]
@@ -91,6 +94,8 @@ def check_shard(directory: str, m: Manifest, shard: int) -> tuple[int, int, list
     try:
         try:
             origin.fileno(shard)  # opens the shard and checks its header
+            if whole:
+                origin.diagnose(shard)  # and its size
         except _CANNOT_READ as exc:
             reason = _reason(exc, origin.path(shard))
             return len(files), 0, [Corrupt(os.fsdecode(m.path_of(e)), name, reason)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import functools
 import itertools
 import json
@@ -42,7 +43,7 @@ import numpy as np
 
 from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit, remove_any
 from stagefs.config import TierSpec, format_size
-from stagefs.errors import ConfigError, CorruptShardError
+from stagefs.errors import ConfigError, CorruptShardError, DescriptorLimitError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers import placer
@@ -62,7 +63,7 @@ from stagefs.tiers.fill import (
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.stream import Stream
-from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes
+from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes, memory_limit_problem
 
 __all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "TierChain", "TiersBusy"]
 
@@ -242,6 +243,9 @@ class TierChain:
                             "nothing; give it %s or more, or leave it out", t.name,
                             format_size(t.capacity), format_size(piece),
                             format_size(2 * t.block), format_size(2 * piece))
+            if t.kind == "memory" and (why := memory_limit_problem(
+                    t.root, t.capacity, t.used_bytes())):
+                log.warning("%s", why)
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another
@@ -443,7 +447,15 @@ class TierChain:
                     self._graveyard_fills.append(f)  # a reader may still be using it
             for t in self.tiers:
                 if not any(t is u for _, u in keep):
-                    opened = open_fill(t.path(shard), self._sizes[shard], ext, self._unusable)
+                    try:
+                        opened = open_fill(t.path(shard), self._sizes[shard], ext,
+                                           self._unusable)
+                    except OSError as exc:  # out of descriptors (ulimit -n), an I/O error
+                        # the copy there is not this process's to use, nor to make anew (a
+                        # new one replaces it): placement into the tier stops, reads go on
+                        if t.stopped is None:
+                            self._tier_failed(t, exc)
+                        continue
                     if opened is not None:
                         keep.append((opened, t))
             if keep:
@@ -927,6 +939,11 @@ class TierChain:
         return "full" if not f.res.all() else "failed"
 
     def _tier_failed(self, t: DirTier, exc: OSError) -> str:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # this process's, not the tier's
+            t.stopped = "open-file limit reached"
+            log.warning("%s; placement into it stopped, reads go on",
+                        DescriptorLimitError(t.name))
+            return "next"
         reason = "no space left on device" if exc.errno in NO_SPACE else str(exc)
         t.stopped = reason
         log.warning("%s: placement stopped (%s); reads go on", t.name, reason)
@@ -1004,6 +1021,12 @@ class TierChain:
         for s in held - self._route.keys():
             self._next_check.pop(s, None)  # seen landed: the next read looks at once
         return held
+
+    def charge(self, shard: int) -> int:
+        """What a whole copy of ``shard`` is counted in a tier's room (its pieces and its
+        copy, in the largest block of the tiers)."""
+        block = max((t.block for t in self.tiers), default=1)
+        return whole_charge(self._extents_of(shard), block)
 
     def room_left(self) -> float:
         """Bytes the tiers can still take (inf if one of them has no capacity set)."""

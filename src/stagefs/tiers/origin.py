@@ -11,7 +11,8 @@ from concurrent.futures import Executor
 from stagefs._fsutil import open_read
 from stagefs.config import env
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
-from stagefs.format import Manifest, ShardHeader
+from stagefs.format import MANIFEST_NAME, Manifest, ShardHeader
+from stagefs.format.manifest import pack_id_at
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import Gathered, OriginStats, SourceUnavailable, gather, pread_full
 
@@ -102,7 +103,8 @@ class PackOrigin:
         except FileNotFoundError:
             if not os.path.isdir(self.pack_dir):  # the whole origin went away
                 raise SourceUnavailable(f"{self.pack_dir} is gone") from None
-            raise NotFoundError(path, "shard file missing from the pack; re-pack") from None
+            raise NotFoundError(path, self._replaced() or "shard file missing from the pack; "
+                                "re-pack") from None
         except OSError as exc:
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
         self.stats.opens += 1
@@ -125,10 +127,27 @@ class PackOrigin:
         path = self.path(shard)
         size = self.manifest.shards[shard].size
         header = ShardHeader.decode(os.pread(fd, SHARD_HEADER.size, 0), path)
+        if header.pack_id != self.manifest.pack_id and (why := self._replaced()):
+            raise CorruptShardError(f"{path}: {why}")
         header.check(path, index=shard, pack_id=self.manifest.pack_id, file_size=size)
         if size_too and os.fstat(fd).st_size != size:
             raise CorruptShardError(f"{path}: shard is {os.fstat(fd).st_size} bytes, the "
                                     f"manifest says {size}: truncated or overwritten; copy the pack again or re-pack")
+
+    def _replaced(self) -> str | None:
+        """Why a shard is missing or another pack's, if the pack was packed again (``stagefs
+        pack --force``) since its manifest was read: the open manifest names the old pack's
+        shards, which are gone (read right until then: a shard opened before stays the old
+        one). None if the pack's manifest is still this one."""
+        now = pack_id_at(os.path.join(self.pack_dir, MANIFEST_NAME))
+        if now == self.manifest.pack_id:
+            return None
+        what = ("was packed again" if now is not None else
+                "has no manifest now (it is being packed again, or was removed)")
+        return (f"the pack {self.pack_dir} {what} since this process opened it: its shards "
+                "are no longer the ones its manifest named. Open the pack again (restart "
+                "the job) once it is complete; a pack that a job reads must not be packed "
+                "again under it")
 
     def diagnose(self, shard: int) -> None:
         """A read of ``shard`` was wrong: raise a CorruptShardError naming the cause if the

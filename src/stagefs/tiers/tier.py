@@ -25,7 +25,15 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, fields
 from typing import Any
 
-from stagefs._fsutil import login, open_own_file, open_read, private_makedirs, user_name
+from stagefs._fsutil import (
+    login,
+    movable_by_others,
+    open_own_file,
+    open_read,
+    private_makedirs,
+    user_name,
+)
+from stagefs._sysinfo import memory_limit_room
 from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
@@ -41,7 +49,8 @@ from stagefs.tiers.base import (
 
 log = logging.getLogger("stagefs")
 
-__all__ = ["DirTier", "Room", "TierStats", "fs_type", "prepare_tier_dir", "tier_dir_problem"]
+__all__ = ["DirTier", "Room", "TierStats", "fs_type", "memory_limit_problem", "prepare_tier_dir",
+           "tier_dir_problem", "tier_kind"]
 
 
 @dataclass
@@ -79,6 +88,12 @@ def fs_type(path: str) -> str:
     return kind
 
 
+def tier_kind(path: str) -> str:
+    """``memory`` for a tier on tmpfs or ramfs (its pages are the node's memory), else
+    ``disk``."""
+    return "memory" if fs_type(path) in ("tmpfs", "ramfs") else "disk"
+
+
 def _nearest_existing(path: str) -> str:
     """``path`` itself or its nearest ancestor that exists."""
     while not os.path.lexists(path):
@@ -94,8 +109,24 @@ def tier_dir_problem(path: str) -> str | None:
     directory right under it, a missing parent is most likely a typo (``/dev/shmm/t0``,
     ``/scrach/t1``): creating it would silently stage into a directory nobody meant,
     perhaps on the wrong file system, so it is an error naming it.
+
+    A tier another user made first (a directory of theirs, in a directory of theirs, or a
+    symlink of theirs: a predictable name on a shared ``/dev/shm``) is refused, naming them:
+    they could move this user's copies away, or swap in a directory where copies are
+    written into files of theirs.
     """
     path = os.path.abspath(path)
+    with contextlib.suppress(OSError):
+        link = os.lstat(path)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (0, os.getuid()):
+            return (f"tier {path} is a symlink (to {os.readlink(path)}) made by "
+                    f"{user_name(link.st_uid)}: copies would go wherever its maker points "
+                    "it; name a directory of your own")
+    why = movable_by_others(path if os.path.isdir(path) else os.path.dirname(path))
+    if why:
+        return (f"tier {path}: {why}: another user may move this user's copies there away "
+                "or put theirs in their place; name a tier directory of your own, in a "
+                "directory only you may change or a sticky one (/dev/shm)")
     if os.path.isdir(path):
         if _read_only(path):
             return (f"tier {path} is on a read-only file system; name a directory on a "
@@ -121,6 +152,37 @@ def tier_dir_problem(path: str) -> str | None:
         return (f"tier {path} does not exist and cannot be created: {base} is not "
                 "writable by this user; create it, or name a writable directory")
     return None
+
+
+def memory_limit_problem(path: str, capacity: int | None, held: int = 0,
+                         room: int | None = None) -> str | None:
+    """Why the memory tier ``path`` (tmpfs) may get the job killed: what it may still take
+    (its ``capacity`` less the ``held`` bytes already there, else its file system's free
+    space) is more than the job's memory limit leaves (``room``; default: its control
+    group's, ``memory_limit_room``). A memory tier's pages count against that limit and are
+    never given back: filling it past the limit killed the job (out of memory), with no word
+    of why. None if it fits, or no limit applies."""
+    room = memory_limit_room() if room is None else room
+    if room is None:
+        return None
+    if capacity is None:  # all the free space of its file system
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None
+        more = st.f_bavail * st.f_frsize
+        what = f"the free space of its file system ({format_size(more)}; no capacity given)"
+    else:
+        more = capacity - held
+        what = (f"its capacity ({format_size(capacity)})" if not held else
+                f"its capacity less what it holds ({format_size(more)})")
+    if more <= room:
+        return None
+    return (f"memory tier {path}: {what} is more than this job's memory limit leaves "
+            f"({format_size(room)}): a memory tier's pages count against that limit, and "
+            "filling it would get the job killed (out of memory); give it a capacity well "
+            f"under {format_size(held + room)} (the training needs memory too), or ask the "
+            "batch system for more memory (Slurm: --mem)")
 
 
 def _read_only(path: str) -> bool:
@@ -161,7 +223,7 @@ class Room:
 
     def __init__(self, folder: str, root: str) -> None:
         # by its real path: processes that name it by a symlink share its count
-        key = hashlib.sha1(os.path.realpath(root).encode()).hexdigest()[:16]
+        key = hashlib.sha1(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
         self.path = os.path.join(folder, f"room-{key}")
         self.root = root
 
@@ -214,15 +276,25 @@ class DirTier:
         prepare_tier_dir(self.root)
         self.pack_id = manifest.pack_id.hex()
         self.dir = os.path.join(self.root, self.pack_id)
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        owner = os.stat(self.dir).st_uid
+        with contextlib.suppress(FileExistsError):  # (what is there is judged below)
+            os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        s = os.lstat(self.dir)
+        owner = s.st_uid
+        if not stat.S_ISDIR(s.st_mode):  # made first by another user, in a shared tier
+            what = (f"a symlink to {os.readlink(self.dir)}" if stat.S_ISLNK(s.st_mode)
+                    else "not a directory")
+            raise ConfigError(
+                f"tier {self.root}: {self.dir}, where this dataset's copy goes, is {what}, "
+                f"made by {user_name(owner)}: copies are never placed through it; remove it "
+                f"if it is yours, or name a tier directory of your own, e.g. "
+                f"{os.path.join(self.root, login(os.getuid()))}")
         if owner != os.getuid():  # a tier root shared by users, each copy private to one
             raise ConfigError(
                 f"tier {self.root}: the copy of this dataset there, {self.dir}, belongs to "
                 f"{user_name(owner)}, and this user ({user_name(os.getuid())}) may not use "
                 f"it; name a tier directory of your own, e.g. "
                 f"{os.path.join(self.root, login(os.getuid()))}")
-        self.kind = "memory" if fs_type(self.root) in ("tmpfs", "ramfs") else "disk"
+        self.kind = tier_kind(self.root)
         # what its file system allocates at least: room is counted in these (fill.py)
         try:
             self.block = max(mmap.PAGESIZE, os.statvfs(self.root).f_frsize)
@@ -522,8 +594,12 @@ def dir_usage(root: str) -> tuple[int, int]:
     are not allocated yet (sparse partial copies, to be written). A directory this user
     cannot read (another user's, in a tier on a shared ``/dev/shm`` or scratch directory)
     is not ours to count: its bytes are not this job's to hold, and failing on it stopped
-    placement into the whole tier."""
+    placement into the whole tier. Nor is one it can read, or a file of another user: in a
+    tier shared by users, another user's readable directory of hard links to one file
+    counted that file's size once per link, and a few MiB of theirs filled this job's tier
+    of any capacity."""
     total = unwritten = 0
+    me = os.getuid()
 
     def add(st: os.stat_result) -> None:
         nonlocal total, unwritten
@@ -537,14 +613,19 @@ def dir_usage(root: str) -> tuple[int, int]:
         return 0, 0
     for d in top:
         try:
-            if d.is_dir(follow_symlinks=False):
+            s = d.stat(follow_symlinks=False)
+            if s.st_uid != me:
+                continue
+            if stat.S_ISDIR(s.st_mode):
                 with os.scandir(d.path) as it:
                     for f in it:
                         with contextlib.suppress(FileNotFoundError):
                             if f.is_file(follow_symlinks=False):
-                                add(f.stat(follow_symlinks=False))
-            elif d.is_file(follow_symlinks=False):
-                add(d.stat(follow_symlinks=False))
+                                fs = f.stat(follow_symlinks=False)
+                                if fs.st_uid == me:
+                                    add(fs)
+            elif stat.S_ISREG(s.st_mode):
+                add(s)
         except (FileNotFoundError, PermissionError):
             continue
     return total, unwritten

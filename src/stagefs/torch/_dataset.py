@@ -156,6 +156,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         kinds = m.arrays["kind"]
         # ImageFolder's classes: the sub-folders of root, symlinks to folders included
         class_dirs = [c for c in m.children(top) if ns.kind_of(c) == KIND_DIR]
+        class_dirs.sort(key=lambda c: os.fsdecode(m.name_of(c)))  # as str, as ImageFolder
         self.classes: list[str] = [os.fsdecode(m.name_of(c)) for c in class_dirs]
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         parts: list[npt.NDArray[np.int64]] = []
@@ -210,10 +211,15 @@ class FileDataset(torch.utils.data.Dataset[Any]):
                         rows.append((m.name_of(e), ns.follow(e, m.path_of(e)), True))
                     elif kind == KIND_DIR:
                         self._push_link(e, cur_path, above, stack)
-                rows.sort(key=lambda t: t[0])
+                rows.sort(key=lambda t: os.fsdecode(t[0]))
                 names = [t[0] for t in rows]
                 files = np.asarray([t[1] for t in rows], dtype=np.int64)
                 linked = {i: cur_path + b"/" + t[0] for i, t in enumerate(rows) if t[2]}
+            elif len(files) > 1 and not _utf8(m, r):
+                listed = [m.name_of(int(e)) for e in files]
+                order = sorted(range(len(listed)), key=lambda i: os.fsdecode(listed[i]))
+                names = [listed[i] for i in order]
+                files = files[order]
             stack.extend((int(e), cur_path + b"/" + m.name_of(int(e)), above | {int(e)})
                          for e in r.start + np.flatnonzero(k == KIND_DIR))
             if self.extensions and len(files):  # on the name listed (a link's own name)
@@ -226,7 +232,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
             if len(files) and cur_path != m.path_of(cur):  # a folder reached through a link
                 linked = {i: cur_path + b"/" + m.name_of(int(e)) for i, e in enumerate(files)}
             found.append((cur_path, files, linked))
-        found.sort(key=lambda t: t[0])
+        found.sort(key=lambda t: os.fsdecode(t[0]))
         out: list[npt.NDArray[np.int64]] = []
         links: dict[int, str] = {}
         at = 0
@@ -279,6 +285,12 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def sizes(self) -> npt.NDArray[np.int64]:
         """Each sample's size in bytes."""
         return np.asarray(self._manifest().arrays["size"][self.entries], dtype=np.int64)
+
+    def path_hashes(self) -> npt.NDArray[np.uint64]:
+        """Each sample's path hash (the manifest's xxh3_64 of the path its bytes are stored
+        under): which files the samples are, whatever their bytes (a Sampler's state
+        carries a digest of them)."""
+        return np.asarray(self._manifest().arrays["hash"][self.entries], dtype=np.uint64)
 
     # -- items -----------------------------------------------------------------------------
 
@@ -396,6 +408,22 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __repr__(self) -> str:
         return (f"<stagefs.torch.FileDataset {self.store.pack_dir!r} root={self.root!r}: "
                 f"{len(self.entries)} files, {len(self.classes)} classes>")
+
+
+def _utf8(m: Any, children: range) -> bool:
+    """Whether the paths of ``children`` are all UTF-8: then their order in the manifest (by
+    bytes) is their order as str, ImageFolder's (UTF-8 keeps the order of code points). A
+    byte that is not UTF-8 becomes a surrogate (U+DC80-U+DCFF) in a str, which sorts after
+    most characters: such a folder is sorted again by its names as str."""
+    off = m.arrays["path_off"]
+    block = m.strings[int(off[children.start]) : int(off[children.stop])].tobytes()
+    if block.isascii():
+        return True
+    try:
+        block.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _index(i: Any, n: int) -> int:

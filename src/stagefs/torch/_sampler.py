@@ -21,6 +21,7 @@ import torch.utils.data
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
 from stagefs.config import env_flag, parse_size
 from stagefs.errors import ConfigError
+from stagefs.format.checksum import checksum
 from stagefs.torch._dataset import EpochPlan, Upcoming
 from stagefs.torch._prefetch import Prefetcher, TierAhead
 
@@ -28,7 +29,7 @@ __all__ = ["Sampler"]
 
 _STATE_VERSION = 1
 _STATE_KEYS = ("version", "n", "seed", "epoch", "shuffle", "drop_last", "locality", "window",
-               "segments")
+               "segments")  # and "dataset", absent from a state saved before it was added
 DEFAULT_BUDGET = 256 * 2**20
 Holders = tuple[tuple[int, ...], ...]
 
@@ -204,6 +205,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         self.prefetcher: Prefetcher | None = None
         self.tier_ahead: TierAhead | None = None
         self._staged_plan: Plan | None = None  # the plan whose shards were staged
+        self._digest: str | None = None  # which files the samples are (_dataset_digest)
         # every rank's holdings, gathered through torch.distributed where every rank calls
         # (here and set_epoch), never by len(), local_fraction or state_dict, which a
         # training script may call on one rank alone (a collective there waited forever)
@@ -377,6 +379,9 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     def _start_prefetch(self, order: npt.NDArray[np.int64]) -> None:
         if not self.budget or self._shard_of is None:
+            drop = getattr(self._files, "_set_prefetcher", None)
+            if self.closed and drop is not None:  # an earlier Sampler's, in its order
+                drop(None)
             return
         self._stage(order)
         # the loop has started: from here the DataLoader's workers read their batches
@@ -450,8 +455,16 @@ class Sampler(torch.utils.data.Sampler[int]):
 
     def _tell_workers(self) -> None:
         """Give the dataset this epoch's order before the DataLoader starts its workers (they
-        inherit or unpickle it) so each worker can read its own next batches ahead."""
-        if self.budget and hasattr(self._files, "_set_upcoming") and not self._tiered():
+        inherit or unpickle it) so each worker can read its own next batches ahead. A
+        closed-mode Sampler takes back the plan an earlier Sampler of the dataset gave it:
+        with the same seed its workers read ahead in that order, the seed's, which the
+        rules forbid (another Sampler leaves it: a validation Subset's sampler would
+        take the training sampler's read-ahead away)."""
+        if not hasattr(self._files, "_set_upcoming"):
+            return
+        if self.closed:
+            self._files._set_upcoming(None)
+        elif self.budget and not self._tiered():
             plan = self.plan()
             # the next epochs start from their beginning with this world size and these
             # holders, a resumed epoch's too: a persistent worker follows them after it
@@ -491,10 +504,23 @@ class Sampler(torch.utils.data.Sampler[int]):
         return {
             "version": _STATE_VERSION, "n": self.n, "seed": self.seed, "epoch": self.epoch,
             "shuffle": self.shuffle, "drop_last": self.drop_last, "locality": self.locality,
-            "window": self.window,
+            "window": self.window, "dataset": self._dataset_digest(),
             "segments": [[s.world, s.consumed, None if s.holders is None
                           else [list(h) for h in s.holders]] for s in segs],
         }
+
+    def _dataset_digest(self) -> str | None:
+        """Which files the sampler's indices are, in their order: xxh3_64 of their path
+        hashes (the manifest's), through the Subsets (None for a dataset that is not a
+        stagefs one). The count alone let a state of another dataset of the same size, or
+        of a ``random_split`` without a fixed generator (another split each run), resume
+        silently: samples read twice and others never."""
+        if self._digest is None and self._files is not None:
+            hashes = self._files.path_hashes()
+            if self._index is not None:
+                hashes = hashes[self._index]
+            self._digest = f"{checksum(np.ascontiguousarray(hashes).tobytes()):016x}"
+        return self._digest
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume mid-epoch: the next iteration yields only what no rank consumed yet.
@@ -517,6 +543,17 @@ class Sampler(torch.utils.data.Sampler[int]):
                     getattr(self, key)):
                 raise ConfigError(f"sampler state has {key}={state[key]!r} but this sampler "
                                   f"has {getattr(self, key)!r}: it is another run's state")
+        if not isinstance(state.get("dataset"), (str, type(None))):
+            raise ConfigError(f"sampler state is damaged (dataset {_short(state['dataset'])}, "
+                              "not a digest): save it again with state_dict()")
+        here = self._dataset_digest()
+        if state.get("dataset") is not None and here is not None and state["dataset"] != here:
+            raise ConfigError(
+                f"sampler state is of another dataset: the same number of samples ({self.n}) "
+                f"but other files (dataset {state['dataset']!r}, this one {here!r}): resume "
+                "on the dataset it was saved with; a torch Subset from random_split differs "
+                "each run unless it is given a seeded generator (generator=torch.Generator()"
+                ".manual_seed(0))")
         epoch, segments = self._check_state(state)
         self.epoch = epoch
         self._segments = segments

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from stagefs._fsutil import atomic_write
 from stagefs._sampling import rank_world
@@ -40,14 +40,15 @@ class EpochStall:
 
     @property
     def stall(self) -> float:
-        """Share of the epoch spent waiting for data."""
-        return self.wait_s / self.total_s if self.total_s > 0 else 0.0
+        """Share of the epoch spent waiting for data (none in a pass without a batch: a
+        resumed epoch that had ended, whose one wait is the loader's end)."""
+        return self.wait_s / self.total_s if self.total_s > 0 and self.steps else 0.0
 
     @property
     def steady_stall(self) -> float:
         """The stall share without the first batch's wait."""
         rest = self.total_s - self.first_wait_s
-        return (self.wait_s - self.first_wait_s) / rest if rest > 0 else 0.0
+        return (self.wait_s - self.first_wait_s) / rest if rest > 0 and self.steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "stall": self.stall, "steady_stall": self.steady_stall}
@@ -56,6 +57,10 @@ class EpochStall:
         return (f"epoch {self.epoch}: {self.steps} steps, data stall {self.stall:.1%} "
                 f"({self.wait_s:.2f} s waiting, {self.step_s:.2f} s in steps; "
                 f"{self.steady_stall:.1%} after the first batch)")
+
+
+def _is_int(x: object) -> TypeGuard[int]:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _this_rank() -> int | None:
@@ -76,7 +81,8 @@ def _this_rank() -> int | None:
 class StallMeter(Generic[T]):
     """Iterate ``loader`` through this to measure the data stall of every epoch.
 
-    ``meter.epochs`` lists the finished epochs, ``meter.last`` the latest one. ``runtime``:
+    ``meter.epochs`` lists the finished epochs (each numbered as the loader's sampler
+    numbers it, a resumed run's too; else by pass), ``meter.last`` the latest one. ``runtime``:
     the directory to write ``stall-<pid>.json`` into; by default ``$STAGEFS_RUNTIME``, else
     the job's default runtime directory if a Store has made it; ``write=False`` writes none.
     ``rank``: recorded with the epochs; by default the rank torch.distributed or the
@@ -103,6 +109,9 @@ class StallMeter(Generic[T]):
         return len(self.loader)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[T]:
+        # the sampler's epoch (set_epoch, load_state_dict: a resumed run's), else the pass's
+        told = getattr(getattr(self.loader, "sampler", None), "epoch", None)
+        epoch: int = told if _is_int(told) else len(self.epochs)
         clock = self.clock
         wait = step = first = 0.0
         steps = 0
@@ -129,7 +138,7 @@ class StallMeter(Generic[T]):
         finally:  # also when the loop is left early
             if prev is not None:
                 step += clock() - prev
-            self._record(EpochStall(len(self.epochs), steps, wait, step, first))
+            self._record(EpochStall(epoch, steps, wait, step, first))
 
     def _record(self, e: EpochStall) -> None:
         self.epochs.append(e)
