@@ -25,6 +25,7 @@ def _daemon(stopped: bool) -> Daemon:
         d.stop.set()
     d.manifest = SimpleNamespace(shards=[SimpleNamespace(size=1000)] * 4)  # type: ignore[assignment]
     d._gather = lambda: [_node(1000), None, None, None]  # type: ignore[method-assign]
+    d.placement = SimpleNamespace(replicas=1)  # type: ignore[assignment]
     return d
 
 

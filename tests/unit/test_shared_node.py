@@ -8,7 +8,7 @@ to do, or works; never a traceback from deep inside, a lie, or another user's da
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +50,22 @@ def _own_runtime(world: Path) -> Path:
     d.mkdir()
     os.chown(d, NOBODY, NOBODY)
     return d
+
+
+def _stages_everything(runtime: Path, pack: Path, tier: str) -> Callable[[], None]:
+    """A child's work: stage every shard of ``pack`` into ``tier`` with the runtime
+    ``runtime``; an AssertionError unless every shard is held and no tier stopped."""
+
+    def stage() -> None:
+        os.environ["STAGEFS_RUNTIME"] = str(runtime)
+        with stagefs.open(pack, tiers=[tier]) as fs:
+            n = len(fs.manifest.shards)
+            fs.chain.stage(list(range(n)))
+            held, stopped = fs.held_shards(), [t.stopped for t in fs.chain.tiers]
+            if len(held) != n or any(stopped):
+                raise AssertionError(f"held {sorted(held)} of {n}; stopped: {stopped}")
+
+    return stage
 
 
 def test_a_dataset_in_another_users_private_directory_is_permission_denied(world: Path
@@ -101,16 +117,7 @@ def test_a_tier_shared_by_users_places_this_users_own_dataset(
         fs.chain.stage(list(range(len(fs.manifest.shards))))
     mine = _own_runtime(world)
 
-    def stage() -> None:
-        os.environ["STAGEFS_RUNTIME"] = str(mine / "rt")
-        with stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
-            n = len(fs.manifest.shards)
-            fs.chain.stage(list(range(n)))
-            held, stopped = fs.held_shards(), [t.stopped for t in fs.chain.tiers]
-            if len(held) != n or any(stopped):
-                raise AssertionError(f"held {sorted(held)} of {n}; stopped: {stopped}")
-
-    code, msg = as_nobody(stage)
+    code, msg = as_nobody(_stages_everything(mine / "rt", pack, f"{tier}:64MiB"))
     # before: "placement stopped ([Errno 13] Permission denied: '<tier>/<root's copy>')"
     assert code == 0, msg
 
@@ -309,15 +316,6 @@ def test_another_users_files_in_a_shared_tier_take_none_of_this_users_room(
     (tier / "top").write_bytes(os.urandom(2**20))  # and a file of theirs at the top
     mine = _own_runtime(world)
 
-    def stage() -> None:
-        os.environ["STAGEFS_RUNTIME"] = str(mine / "rt")
-        with stagefs.open(pack, tiers=[f"{tier}:8MiB"]) as fs:
-            n = len(fs.manifest.shards)
-            fs.chain.stage(list(range(n)))
-            held, stopped = fs.held_shards(), [t.stopped for t in fs.chain.tiers]
-            if len(held) != n or any(stopped):
-                raise AssertionError(f"held {sorted(held)} of {n}; stopped: {stopped}")
-
-    code, msg = as_nobody(stage)
+    code, msg = as_nobody(_stages_everything(mine / "rt", pack, f"{tier}:8MiB"))
     # before: their 65 MiB counted against this user's 8 MiB: nothing placed
     assert code == 0, msg
