@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from test_preload import plain, run
 
-import stagefs
-from conftest import random_bytes
+from conftest import pack_files, random_bytes
 from stagefs._native import preload_library
 from tiers_helpers import compile_c
 
@@ -141,13 +140,9 @@ int main(int argc, char **argv) {
 
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    src = tmp_path_factory.mktemp("descriptors") / "src"
-    for rel, data in FILES.items():
-        (src / rel).parent.mkdir(parents=True, exist_ok=True)
-        (src / rel).write_bytes(data)
-    pack = src.parent / "pack"
-    stagefs.pack(str(src), str(pack), progress=False)
-    return src, pack
+    base = tmp_path_factory.mktemp("descriptors")
+    pack = pack_files(base, "src", FILES)
+    return base / "src", pack
 
 
 @pytest.mark.parametrize("tiered", [False, True])
