@@ -3,12 +3,13 @@ runtime directory. ``stagefs.open`` and a Store's unpickling both come here."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from stagefs.config import TierSpec, env, parse_tier
-from stagefs.errors import ConfigError
+from stagefs.errors import ConfigError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.runtime import Runtime
 from stagefs.tiers.base import OriginStats
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from stagefs.store import Store
 
 __all__ = ["build_store", "resolve_tiers"]
+
+log = logging.getLogger("stagefs")
 
 TiersArg = Sequence[str | TierSpec] | str | None
 
@@ -49,7 +52,7 @@ def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike
 
     specs = resolve_tiers(tiers)
     is_pack = os.path.exists(os.path.join(path, MANIFEST_NAME))
-    rt = Runtime(runtime).open() if specs or not is_pack else None
+    rt = Runtime(runtime).open() if specs or not is_pack else _counting(runtime)
     sums: SumTable | None = None
     try:
         if is_pack:
@@ -77,8 +80,23 @@ def build_store(path: str, *, tiers: TiersArg = None, runtime: str | os.PathLike
             rt.unregister()
         raise
     reopen = None
-    if specs or not is_pack:
+    if rt is not None:  # (a spawned worker's copy counts for the job too)
         reopen = {"path": path, "tiers": specs, "verify": verify,
                   "runtime": os.fspath(runtime) if runtime is not None else None}
     return Store(path, verify=verify, manifest=manifest, origin=origin, chain=chain, sums=sums,
                  reopen=reopen, runtime=rt)
+
+
+def _counting(runtime: str | os.PathLike[str] | None) -> Runtime | None:
+    """The job's runtime for a pack read without tiers, where its reads are counted for
+    ``stagefs status``: the one named (``runtime``), or the job's if it has one already
+    (another of its stores has tiers, a cluster daemon, a FUSE mount with tiers); else
+    none, and nothing is made. Without it, a val set read beside a tiered train set (or a
+    mount, a ``stagefs run`` without ``--tier``) was missing from the job's counts. A
+    runtime that cannot be used is not an error for a read that needs none: uncounted."""
+    try:
+        rt = Runtime(runtime)
+        return rt.open() if runtime is not None or rt.exists() else None
+    except (StagefsError, OSError) as exc:
+        log.debug("reads not counted for stagefs status: %s", exc)
+        return None

@@ -93,6 +93,10 @@ class TierSpec:
 
     path: str
     capacity: int | None  # None: as much as the file system has free
+    # given as a share of the free space (50%): the percent; the tier takes it of its file
+    # system's free space and what it holds already (tiers/tier.py), so that its own data
+    # does not shrink the share when the tier is opened again (a restart, a later rank)
+    share: float | None = None
 
     def __repr__(self) -> str:
         cap = "free space" if self.capacity is None else format_size(self.capacity)
@@ -140,7 +144,8 @@ def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
                 f"tier {path}: capacity {format_size(capacity)} is larger than its device "
                 f"({format_size(usage.total)} in all); give a smaller size or a percentage"
             )
-    return TierSpec(path, capacity)
+    share = float(size.strip()[:-1]) if size.strip().endswith("%") else None
+    return TierSpec(path, capacity, share)
 
 
 def _is_size(text: str) -> bool:

@@ -71,8 +71,10 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     rows = [[t["path"], format_size(t["bytes_used"]), t["shards_held"], t["shards_filling"],
              t["placed"], format_size(t["filled_bytes"]), t["dropped"]] for t in st["tiers"]]
     if rows:
-        print(table(["tier", "used", "shards held", "filling", "placed", "filled by reads",
-                     "dropped"], rows))
+        # a partial copy is a shard held in part (a tier without room for all its pieces
+        # keeps it so), or one a fill has not finished: "filling" was said of both
+        print(table(["tier", "used", "shards held", "held in part", "placed",
+                     "filled by reads", "dropped"], rows))
     for line in read_lines(st, "every process of the job"):
         print(line)
     rows = [[o["origin"], o["opens"], o["stats"]] for o in st["origins"]]

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from stagefs.bench import runner, systems
-from stagefs.bench.base import Context
+from stagefs.bench.base import Context, write_index
 from stagefs.bench.report import write_report
 from stagefs.cli import main
 
@@ -329,13 +329,93 @@ def test_a_local_copy_that_does_not_fit_leaves_no_part_behind(
     traceback, then the bench ended on a bare "[Errno 28]". The part is removed."""
     ctx = Context(raw=str(tmp_path / "raw"), conv=str(tmp_path / "conv"),
                   local=str(tmp_path / "local"), index=str(tmp_path / "index"))
+    write_index(ctx.index, [("a/0.jpg", 100), ("a/1.jpg", 100)])
 
     def full(src: str, dest: str, **_: Any) -> None:
-        os.makedirs(dest)
-        Path(dest, "part").write_bytes(b"x" * 100)
+        Path(dest).write_bytes(b"x" * 100)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dest)
 
-    monkeypatch.setattr(systems.shutil, "copytree", full)
+    monkeypatch.setattr(systems.shutil, "copyfile", full)
     with pytest.raises(OSError):
         systems.PlainLocal().convert(ctx)
     assert not os.path.exists(ctx.scratch("plain-local"))
+
+
+def _tree(root: Path, files: int = 3) -> None:
+    (root / "a").mkdir(parents=True)
+    for k in range(files):
+        (root / "a" / f"f{k}.bin").write_bytes(bytes([k]) * (100 + k))
+
+
+def test_names_that_are_not_utf8_are_read_by_every_system(tmp_path: Path) -> None:
+    """A file name that is not UTF-8 ended the bench in a UnicodeEncodeError traceback
+    (the index of the files, then each epoch's checksum)."""
+    origin = tmp_path / "o"
+    _tree(origin)
+    with open(os.path.join(os.fsencode(origin), b"a", b"caf\xe9 x.bin"), "wb") as f:
+        f.write(b"y" * 50)
+    rc = main([*TINY, "--origin", str(origin), "--out", str(tmp_path / "r"),
+               "--systems", "plain-origin", "stagefs-native"])
+    res = _results(tmp_path / "r")
+    assert rc == 0, {n: s["errors"] for n, s in res["systems"].items()}
+    assert res["dataset"]["files"] == 4
+    for name, s in res["systems"].items():
+        assert s["all_samples_once"] and s["same_bytes"], name
+        assert [e["bytes"] for e in s["epochs"]] == [res["dataset"]["bytes"]], name
+
+
+def test_a_fifo_or_a_dangling_link_in_the_dataset_is_left_out_and_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A FIFO in the dataset: plain-origin's worker waited on it until the hour's timeout
+    (stagefs pack leaves it out); a symlink to nothing ended the bench on a bare ENOENT."""
+    origin = tmp_path / "o"
+    _tree(origin)
+    os.mkfifo(origin / "a" / "pipe")
+    os.symlink("nowhere", origin / "a" / "dead.bin")
+    cfg = runner.BenchConfig(origin=str(origin), epochs=1, runs=1, out=str(tmp_path / "r"),
+                             systems=["plain-origin", "plain-local", "stagefs-native"],
+                             drop_caches=False, timeout=60)
+    res = runner.run_bench(cfg)
+    assert "left out 2 name(s) that are not regular files" in capsys.readouterr().err
+    assert res["dataset"]["files"] == 3
+    for name, s in res["systems"].items():
+        assert not s["errors"] and s["all_samples_once"] and s["same_bytes"], (name, s)
+
+
+def test_torch_rows_on_a_tree_imagefolder_reads_otherwise_fail_saying_why(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file at the dataset's top and a symlink to a folder: FileDataset (ImageFolder's
+    ROOT/CLASS/FILE) reads another set of files, and the bench said the torch row and the
+    others "did not read every sample once with the same bytes", as if stagefs had served
+    wrong bytes."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    origin = tmp_path / "o"
+    _tree(origin)
+    (origin / "top.txt").write_bytes(b"top")
+    (origin / "b").mkdir()
+    os.symlink("../a", origin / "b" / "dirlink")
+    rc = main([*TINY, "--origin", str(origin), "--out", str(tmp_path / "r"),
+               "--systems", "stagefs-native", "stagefs-torch"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "did not read every sample once" not in err
+    assert "stagefs-torch failed: ConfigError: FileDataset reads ImageFolder's" in err
+    assert "top.txt" in err and "b/dirlink/f0.bin" in err
+    res = _results(tmp_path / "r")
+    assert res["systems"]["stagefs-native"]["same_bytes"]
+    assert res["systems"]["stagefs-torch"]["epochs"] == []
+
+
+def test_the_report_says_when_the_page_cache_was_not_dropped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The origin's limit was said read with the page cache dropped when it was not, and
+    the terminal never said the cold epochs were not cold."""
+    rc = main([*TINY, "--origin", str(tmp_path / "o"), "--out", str(tmp_path / "r"),
+               "--systems", "stagefs-native"])
+    assert rc == 0
+    assert "page cache NOT dropped (--no-drop-caches): a first epoch may read from memory" \
+        in capsys.readouterr().err
+    res = _results(tmp_path / "r")
+    assert not any(p["cold"] for p in res["origin_limit"])
+    table = (tmp_path / "r" / "table.md").read_text()
+    assert "page cache dropped)" not in table
+    assert "page cache NOT dropped, so the limit may be memory's" in table

@@ -140,3 +140,33 @@ def test_bar_chart_scales_to_the_fastest() -> None:
                                                                       0, 0, 0)]
     bars = [line.count("█") for line in bar_chart(plain, fast, width=40).splitlines()[1:]]
     assert bars == [4, 4, 4, 40]
+
+
+def test_a_demo_that_fails_leaves_no_empty_out(tmp_path: Path) -> None:
+    """An error after the chart's directory was made (here: --origin a pack) left it
+    behind, empty."""
+    src, pack, out = tmp_path / "src", tmp_path / "pack", tmp_path / "out"
+    build_sample_tree(src)
+    stagefs.pack(src, pack)
+    proc = run("--origin", pack, "--out", out, ok=False)
+    assert proc.returncode == 1 and "is a pack" in proc.stderr
+    assert not out.exists()
+
+
+def test_a_tier_too_small_for_the_dataset_is_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A /dev/shm too small for the dataset (a container's 64 MiB): stagefs read every
+    epoch from the origin, slower than plain files, under a text saying it reads a file
+    from the origin once and "then never again"."""
+    real = stagefs.open
+
+    def small(root: str, tiers: list[str], runtime: str) -> stagefs.Store:
+        return real(root, tiers=[f"{t}:64KiB" for t in tiers], runtime=runtime)
+
+    monkeypatch.setattr(stagefs, "open", small)
+    assert demo.run_demo(origin=str(tmp_path / "o"), size=2 * 2**20,
+                         out=str(tmp_path / "out")) == 0
+    text = capsys.readouterr().out
+    assert "Here the RAM tier could not hold the dataset" in text
+    assert "from the origin in epoch 3 too" in text

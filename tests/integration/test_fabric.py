@@ -842,3 +842,46 @@ def test_a_reader_back_on_its_daemon_closes_its_connections_to_peers(tmp_path: P
     finally:
         fs.close()
         c.close()
+
+
+def test_a_forked_child_lets_go_of_its_parent_s_connections(tmp_path: Path) -> None:
+    """A DataLoader worker forked from a reader opens its own connection to the node daemon
+    and closes its copies of the parent's (its descriptors only): the parent reads on on its
+    own, and its connection ends when the parent closes it, not when the last worker exits
+    (a child that only forgot them kept them open as long as it lived)."""
+    pack, _ = make_pack(str(tmp_path), files=30, shard_size="48KiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    path = str(tmp_path / "fabric.sock")
+    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
+                      unix_path=path).start()
+    client = PeerClient("", 0, token, unix=path, timeout=30.0)
+    want = Path(pack, m.shards[0].name).read_bytes()[:4096]
+    try:
+        assert client.read([(0, 0, 4096)]) == [want]
+        inherited = [(s.fileno(), os.fstat(s.fileno()).st_ino) for s in client._idle]
+        assert inherited
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child's outcome goes through the pipe
+            try:
+                ok = client.read([(0, 0, 4096)]) == [want]
+                kept = 0
+                for fd, ino in inherited:
+                    with contextlib.suppress(OSError):
+                        kept += os.fstat(fd).st_ino == ino
+                os.write(w, json.dumps({"ok": ok, "kept": kept}).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            got = json.loads(f.read() or "{}")
+        assert os.waitpid(pid, 0)[1] == 0
+        assert got == {"ok": True, "kept": 0}, got
+        # the parent's connection is whole: read on it, no new connection made
+        assert client.read([(0, 0, 4096)]) == [want]
+        assert client.stats.connects == 1 and client.stats.failures == 0
+    finally:
+        client.close()
+        srv.close()
+        m.close()

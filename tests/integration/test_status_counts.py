@@ -287,3 +287,78 @@ def test_an_empty_file_under_stagefs_run_is_a_sample_from_memory(tmp_path: Path)
     st = status(rt)
     assert (st["reads"], st["bytes"]) == (4, 10000), st
     assert st["holders"]["memory"] == {"reads": 2, "bytes": 0}, st
+
+
+def test_a_file_mapped_under_stagefs_run_counts_its_bytes(tmp_path: Path) -> None:
+    """`mmap` of staged files under `stagefs run` (what `np.load(mmap_mode="r")` does), their
+    shards whole in a tier: a sample and the bytes mapped each, from the tier, as a read of
+    them counts; the library checked those bytes and counted none of them."""
+    from stagefs._native import preload_library
+
+    if preload_library() is None:
+        pytest.skip("the preload library is not built (no C compiler at install)")
+    raw, rt, tier, at = tmp_path / "raw", tmp_path / "rt", tmp_path / "tier", tmp_path / "at"
+    files = {f"f{k}.bin": os.urandom(4096 * k + 1000 * k + 7) for k in range(1, 7)}
+    for name, data in files.items():
+        (raw / name).parent.mkdir(exist_ok=True)
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None,
+                 compress="none")
+    env = dict(os.environ, STAGEFS_RUNTIME=str(rt))
+    r = subprocess.run([sys.executable, "-m", "stagefs.cli", "stage", str(tmp_path / "pack"),
+                        "--tier", str(tier)], capture_output=True, timeout=120, env=env,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    mapper = ("import mmap, os, sys\n"
+              "for p in sys.argv[1:]:\n"
+              "    fd = os.open(p, os.O_RDONLY)\n"
+              "    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)\n"
+              "    sys.stdout.buffer.write(bytes(m)); m.close(); os.close(fd)\n")
+    names = sorted(files)
+    r = subprocess.run([sys.executable, "-m", "stagefs.cli", "run", "--dataset",
+                        str(tmp_path / "pack"), "--at", str(at), "--tier", str(tier), "--",
+                        sys.executable, "-c", mapper, *(str(at / n) for n in names)],
+                       capture_output=True, timeout=120, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"".join(files[n] for n in names)
+    st = status(rt)
+    total = sum(map(len, files.values()))
+    assert (st["reads"], st["bytes"]) == (len(files), total), st
+    held = st["holders"]
+    assert held["memory"]["bytes"] + held["disk"]["bytes"] == total, st
+
+
+def test_a_dataset_read_without_tiers_counts_for_the_job(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A val set read without tiers beside a train set with tiers (the job's runtime is
+    there): its samples are the job's too, apart by dataset, and a copy of its store (a
+    spawned DataLoader worker's) counts as well; they were not counted at all."""
+    import pickle
+
+    pack, files = dataset
+    rt = tmp_path / "rt"
+    raw = tmp_path / "val"
+    val = {f"v{k}.bin": os.urandom(100 + k) for k in range(10)}
+    for name, data in val.items():
+        raw.mkdir(exist_ok=True)
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "val.pack", jobs=1, progress=False, echo=lambda _m: None)
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(rt))
+    names = sorted(files)[:20]
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")]) as train, \
+            stagefs.open(tmp_path / "val.pack") as vs:
+        assert train.read_many(names) == [files[n] for n in names]
+        assert vs.read_many(sorted(val)) == [val[n] for n in sorted(val)]
+        copy = pickle.loads(pickle.dumps(vs))
+        try:
+            assert copy.read("v3.bin") == val["v3.bin"]
+        finally:
+            copy.close()
+        vid = vs.manifest.pack_id.hex()
+    st = status(rt)
+    want = sum(map(len, val.values())) + len(val["v3.bin"])
+    got = {d["pack_id"]: (d["reads"], d["bytes"]) for d in st["datasets"]}
+    assert got.get(vid) == (len(val) + 1, want), st
+    assert (st["reads"], st["bytes"]) == (len(names) + len(val) + 1,
+                                          sum(len(files[n]) for n in names) + want), st

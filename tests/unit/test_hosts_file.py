@@ -4,6 +4,7 @@ itself as two nodes and said it had staged a cluster of two on its own."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,44 @@ def test_an_ipv6_peer_is_named_in_brackets() -> None:
     assert host_port("::1", 7070) == "[::1]:7070"
     assert host_port("node1", 7070) == "node1:7070"
     assert PeerClient("fe80::1", 7070, b"t" * 32).name == "[fe80::1]:7070"
+
+
+def test_the_lines_that_reach_a_daemons_address_are_found_when_asked(tmp_path: Path) -> None:
+    # not looked up at start (the flood of every node asking for every name); asked by the
+    # daemon that cannot listen at its address, after the failure
+    p = tmp_path / "hosts"
+    p.write_text("10.0.0.1:7070\nnode2:7070\nnode1:7070\nnode1:7071\n")
+    boot = StaticBootstrap(read_hosts(str(p)), 2, _token(tmp_path), 7070,
+                           resolve=lambda host, port: frozenset())  # (as at start)
+    assert boot.reaching(2, look=_resolve) == [0]  # (not node1:7071: another port)
+    assert boot.reaching(1, look=_resolve) == []
+
+
+def test_a_daemon_whose_address_another_line_holds_is_told_the_hosts_file_names_it_twice(
+        tmp_path: Path) -> None:
+    # the hosts file names this node by its IP and by its host name: rank 1's daemon could
+    # not listen, and said "a daemon of another job, or any program of another user"
+    from conftest import pack_files
+    from stagefs.cluster.daemon import ServeOptions, serve
+
+    name = socket.gethostname()
+    try:
+        ip = socket.gethostbyname(name)
+    except OSError:
+        pytest.skip(f"this host's name {name!r} does not resolve")
+    with socket.socket() as held:  # rank 0's daemon, listening at the address
+        try:
+            held.bind((ip, 0))
+        except OSError:
+            pytest.skip(f"{name} resolves to {ip}, not an address of this host")
+        held.listen(1)
+        port = held.getsockname()[1]
+        hosts = tmp_path / "hosts"
+        hosts.write_text(f"{ip}:{port}\n{name}:{port}\n")
+        pack = pack_files(tmp_path, "pack", {"a": b"x" * 100})
+        o = ServeOptions(origin=str(pack), tiers=[str(tmp_path / "t1") + ":1MiB"],
+                         runtime=str(tmp_path / "rt1"), hosts=str(hosts), rank=1,
+                         token_file=_token(tmp_path))
+        with pytest.raises(ConfigError, match=rf"names one address twice: rank 0's "
+                           rf"{ip}:{port} reaches it"):
+            serve(o)

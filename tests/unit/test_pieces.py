@@ -670,3 +670,23 @@ def test_a_tier_passes_over_a_piece_larger_than_its_room_for_smaller_ones(
         tier = fs.status()["tiers"][0]
         assert tier["pieces"] >= 1 and 700_000 <= tier["bytes_used"] <= 1_300_000, tier
         assert fs.status()["holders"]["memory"]["reads"] >= 1
+
+
+def test_status_says_a_shard_held_in_part_is_not_filling(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A tier without room for every piece keeps shards in part for the job: `stagefs
+    status` called them "filling" after the epochs had ended, as if staging were under way
+    or left to resume."""
+    from stagefs.stage import print_status
+
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[f"{tmp_path / 'ram'}:{3 * 2**20}"]) as fs:
+        epoch(fs, files, 7)
+    assert print_status(str(runtime)) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| tier"))
+    assert "held in part" in header and "filling" not in header, header
+    row = next(line for line in out.splitlines() if str(tmp_path / "ram") in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[3]) >= 1  # the shard it holds pieces of

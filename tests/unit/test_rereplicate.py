@@ -231,3 +231,21 @@ def test_status_tells_peers_unreachable_now_from_failed_contacts_so_far() -> Non
         "0 (6 failed contacts)"
     assert _unreachable({"fabric": {"suspect_peers": [2, 3]}, "peers_unreachable": 9}) == \
         "2 (9 failed contacts)"
+
+
+def test_status_says_when_copies_of_the_dead_nodes_found_no_room() -> None:
+    """Takers whose tiers are full copy less than they were to: each said "N without room"
+    on its line, and status then read "re-replication done" with no word that the job has
+    fewer copies than asked of those shards."""
+    from stagefs.cluster.status import rereplication_lines
+
+    def node(no_room: int) -> dict[str, object]:
+        return {"rereplication": {
+            "dead": [1], "generation": 1, "isolated": False, "done": True,
+            "shards_to_copy": 6, "shards_copied": 6 - no_room, "shards_held_already": 0,
+            "from_peers_bytes": 0, "from_origin_bytes": 0, "no_room": no_room}}
+
+    lines = rereplication_lines([node(5), None, node(10), node(2)], 2)
+    assert lines[-1].startswith("17 shard copies of the dead nodes were not made again"), lines
+    assert "fewer than the 2 copies asked" in lines[-1]
+    assert not any("not made again" in x for x in rereplication_lines([node(0), None], 2))

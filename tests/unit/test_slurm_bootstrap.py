@@ -112,3 +112,39 @@ def test_slurm_bootstrap_hosts_port_and_token(tmp_path: Path,
     tok = tmp_path / "tok"
     auth.write_token(str(tok), b"t" * 32)
     assert SlurmBootstrap(step, str(tok), None).token() == b"t" * 32
+
+
+_BATCH = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NUM_NODES": "4", "SLURM_NNODES": "4",
+          "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "4"}
+
+
+@pytest.mark.parametrize("nodes, warned", [("4", True), ("1", False)])
+def test_a_daemon_in_the_batch_script_without_srun_is_told_it_serves_one_node(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        nodes: str, warned: bool) -> None:
+    # 'stagefs serve ... &' in a job script of several nodes, srun forgotten: a cluster of
+    # one on the batch node, said nowhere, while the other nodes' readers waited for a
+    # daemon until their connect timeout
+    from stagefs.cluster.bootstrap import SingleBootstrap
+    from stagefs.cluster.daemon import ServeOptions, _bootstrap
+
+    for k in list(os.environ):
+        if k.startswith(("SLURM_", "PMI_", "PMIX_", "OMPI_", "HYDI_", "MPI_")):
+            monkeypatch.delenv(k)
+    for k, v in {**_BATCH, "SLURM_JOB_NUM_NODES": nodes, "SLURM_NNODES": nodes}.items():
+        monkeypatch.setenv(k, v)
+    with caplog.at_level("WARNING", logger="stagefs.daemon"):
+        boot = _bootstrap(ServeOptions(origin=str(tmp_path), tiers=[str(tmp_path / "t")]))
+    assert isinstance(boot, SingleBootstrap)
+    said = [r.getMessage() for r in caplog.records if "outside an srun step" in r.getMessage()]
+    assert bool(said) == warned
+    if warned:
+        assert "Slurm job of 4 nodes" in said[0] and "srun --nodes=$SLURM_NNODES" in said[0]
+
+
+def test_slurm_batch_nodes_only_outside_a_step() -> None:
+    from stagefs.cluster.world import slurm_batch_nodes
+
+    assert slurm_batch_nodes(_BATCH) == 4
+    assert slurm_batch_nodes({**_BATCH, "SLURM_STEP_NODELIST": "c[1-4]"}) is None
+    assert slurm_batch_nodes({"SLURM_NNODES": "4"}) is None  # no job

@@ -493,3 +493,31 @@ def test_a_range_of_a_file_over_the_file_limit_reads_only_its_pieces(
             assert fs.read_entry(e, start=2 * PIECE + 1, length=10) == big[2 * PIECE + 1 :
                                                                            2 * PIECE + 11]
             assert fs.origin.stats.bytes_read == PIECE  # the piece that holds the range
+
+
+def test_a_tier_one_process_found_full_is_full_for_every_process(runtime: Path,
+                                                                  tmp_path: Path) -> None:
+    """Two processes of a node (two stores here), a tier of 1.5 MiB: the first reserves a
+    large file's first piece and finds no room for another whole piece: full. The second,
+    asked for a small shard's piece that would still fit, takes the tier as full too. It
+    reserved it: the first process, full, read that shard's files from the origin
+    unreserved while the second's copy streamed them (a 3 MiB tier, 46 MB read by three
+    processes: one run in four read some bytes twice in the first epoch)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "big.bin").write_bytes(random.Random(1).randbytes(3 * 2**20))
+    for k in range(5):
+        (raw / f"s{k}.bin").write_bytes(random.Random(2 + k).randbytes(20_000))
+    stagefs.pack(raw, tmp_path / "pack", shard_size="1MiB", compress="none", jobs=1,
+                 progress=False, echo=lambda _m: None)
+    tiers = [f"{tmp_path / 'tier'}:{3 * 2**19}"]
+    with stagefs.open(tmp_path / "pack", tiers=tiers) as a, \
+            stagefs.open(tmp_path / "pack", tiers=tiers) as b:
+        assert a.chain is not None and b.chain is not None
+        m = a.manifest
+        big, small = (int(m.shard[a.namespace.entry(p)]) for p in ("big.bin", "s0.bin"))
+        assert big != small
+        a.chain._reserve(big, range(a.chain._extents_of(big).pieces))
+        assert a.chain.full
+        assert b.chain._reserve(small, [0]) == {}
+        assert b.chain.full

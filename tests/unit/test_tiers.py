@@ -440,6 +440,36 @@ def test_a_tier_smaller_than_a_piece_is_warned_of(pack: Path, runtime: Path, tmp
     assert check_tier(f"{tmp_path / 'onepiece'}:1MiB")[0].status == "warn"
 
 
+def test_a_tier_given_as_a_share_keeps_its_capacity_when_opened_again(
+        pack: Path, files: dict[str, bytes], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier of 50% of its file system's free space: what it holds is no longer free, so a
+    store opened again with the tier kept (a job restarted, a rank that opens it later) took
+    50% of what was left, and held less than asked. The share is of the free space and what
+    the tier holds already."""
+    from stagefs.tiers.tier import dir_bytes
+
+    tier = tmp_path / "t"
+    size = 64 * 2**20
+    real = shutil.disk_usage
+
+    def usage(path: str) -> shutil._ntuple_diskusage:  # 64 MiB, holding the tier alone
+        used = dir_bytes(str(tier))
+        return real(path)._replace(total=size, used=used, free=size - used)
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    with stagefs.open(pack, tiers=[f"{tier}:50%"]) as fs:
+        assert fs.chain is not None
+        first = fs.chain.tiers[0].capacity
+        read_all(fs, files)
+        fs.chain.wait_idle(60)
+    assert first == size // 2
+    assert dir_bytes(str(tier)) > 0
+    with stagefs.open(pack, tiers=[f"{tier}:50%"]) as fs:
+        assert fs.chain is not None
+        assert fs.chain.tiers[0].capacity == first
+
+
 @pytest.mark.parametrize("chunk", [777, 4096])
 def test_placement_verifies_files_across_read_chunks(chunk: int, pack: Path,
                                                      files: dict[str, bytes], runtime: Path,

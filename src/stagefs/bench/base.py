@@ -4,12 +4,13 @@ and peers.py (other loaders); both build on this module, so neither imports the 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Context", "System"]
+__all__ = ["Context", "System", "write_index"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +20,7 @@ class Context:
     raw: str  # the raw dataset (on the origin)
     conv: str  # where conversions are written (next to the raw dataset: on the origin)
     local: str  # node-local scratch: local copies, caches, tiers
-    index: str  # a file of "relative path<TAB>size" lines, sorted, written by the runner
+    index: str  # the files' relative paths and sizes, sorted (write_index, by the runner)
     fuse_mount: str = ""  # the mount point of a running 'stagefs mount' (FUSE only)
 
     def out(self, system: str) -> str:
@@ -30,7 +31,14 @@ class Context:
 
     def files(self) -> list[str]:
         with open(self.index) as f:
-            return [line.split("\t", 1)[0] for line in f if line.strip()]
+            return [rel for rel, _ in json.load(f)]
+
+
+def write_index(path: str, rows: list[tuple[str, int]]) -> None:
+    """The index of ``Context.files``: JSON, so any name is one entry (a tab, a newline, and
+    bytes that are not UTF-8, which os.walk gives as surrogates, JSON escapes and restores)."""
+    with open(path, "w") as f:
+        json.dump(rows, f)
 
 
 class System(Protocol):

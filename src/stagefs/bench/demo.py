@@ -289,7 +289,14 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
               "directory\nlistings on the origin. Plain files read every byte every epoch; "
               "stagefs reads a file\nfrom the origin until it is "
               "in the RAM tier (the scan, the samples, the copy), then never\nagain, and "
-              "verifies the checksum of every sample it returns.\n")
+              "verifies the checksum of every sample it returns.")
+        missed = fast[-1].origin_bytes if len(fast) > 1 else 0
+        if missed:  # a tier too small (a container's 64 MiB /dev/shm): "never again" is not
+            print(f"Here the RAM tier could not hold the dataset ({format_size(total)}; "
+                  f"{format_size(shutil.disk_usage(scratch).free)} free in {scratch}): "
+                  f"stagefs read {format_size(missed)} from the origin in epoch "
+                  f"{fast[-1].epoch} too. Free memory there, or pass a smaller --size.")
+        print()
         print(bar_chart(plain, fast))
         print("\nC accelerator: " + ("active" if accelerated else accelerator()))
         os.makedirs(out, exist_ok=True)
@@ -301,6 +308,9 @@ def run_demo(origin: str | None = None, size: int | None = None, out: str = "sta
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if made:  # made for a chart that was not drawn (an error, Ctrl-C): not left empty
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
         if temp:
             shutil.rmtree(root, ignore_errors=True)
         elif partial and os.path.isdir(root) and os.listdir(root):

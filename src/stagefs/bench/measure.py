@@ -184,7 +184,7 @@ class Tally:
         keys = 0
         last = None
         for key, d in self.seen:
-            h.update(f"{key}\0{d:016x}\n".encode())
+            h.update(os.fsencode(f"{key}\0{d:016x}\n"))  # a name not UTF-8: its bytes
             if key != last:
                 keys += 1
                 last = key

@@ -94,7 +94,7 @@ class WebDatasetSystem(_Base):
         with wds.ShardWriter(os.path.join(dest, "shard-%06d.tar"), maxsize=SHARD_BYTES,
                              verbose=0) as sink:
             for i, (rel, data) in enumerate(_samples(ctx)):
-                sink.write({"__key__": f"{i:09d}", "bin": data, "path": rel.encode()})
+                sink.write({"__key__": f"{i:09d}", "bin": data, "path": os.fsencode(rel)})
         return dest
 
     def open(self, ctx: Context, run: int) -> None:
@@ -109,7 +109,7 @@ class WebDatasetSystem(_Base):
         ds = wds.WebDataset(self.urls, shardshuffle=100, seed=run * 1000 + epoch,
                             empty_check=False).shuffle(1000, seed=run * 1000 + epoch)
         for sample in ds:
-            yield sample["path"].decode(), sample["bin"]
+            yield os.fsdecode(sample["path"]), sample["bin"]
 
 
 class StreamingSystem(_Base):

@@ -141,8 +141,11 @@ def limit_table(results: dict[str, Any]) -> str:
     passes = results["origin_limit"]
     mb = {n: _median([p["mb_per_s"] for p in passes if p["streams"] == n]) for n in limits}
     best = max(limits.values())
+    # dropped only when every pass dropped it: else the limit may be the page cache's
+    cache = ("page cache dropped" if all(p.get("cold") for p in passes) else
+             "page cache NOT dropped, so the limit may be memory's, not the origin's")
     head = ("\nThe origin's sequential limit (the pack's shard files read whole, 4 MiB a "
-            "read, page cache dropped): " + ", ".join(
+            f"read, {cache}): " + ", ".join(
                 f"{n} stream{'s' if n > 1 else ''} {mb[n]:,.0f} MB/s = {limits[n]:,.0f} "
                 "samples/s" for n in limits) + ".\n\n")
     rows: list[list[object]] = []

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stagefs.bench.base import Context, System
+from stagefs.bench.base import Context, System, write_index
 from stagefs.bench.systems import all_systems, serve_fuse, stop_fuse
 from stagefs.config import format_size
 from stagefs.errors import ConfigError
@@ -168,25 +169,41 @@ def _peer_python(cfg: BenchConfig, systems: Sequence[System]) -> str:
     return given
 
 
-def _index(raw: str, path: str) -> tuple[int, int]:
+def _index(raw: str, path: str) -> tuple[int, int, list[str]]:
+    """Index the regular files under ``raw`` (as ``stagefs pack`` packs them); (files,
+    bytes, the other names: a FIFO, which a plain read would wait on forever, a socket, a
+    device, a symlink to nothing)."""
     rows: list[tuple[str, int]] = []
+    other: list[str] = []
     for d, dirs, files in os.walk(raw):
         dirs.sort()
         for name in files:
             full = os.path.join(d, name)
-            rows.append((os.path.relpath(full, raw), os.path.getsize(full)))
+            try:
+                info = os.stat(full)
+            except FileNotFoundError:  # a symlink to nothing (or removed since listed)
+                other.append(os.path.relpath(full, raw))
+                continue
+            if stat.S_ISREG(info.st_mode):
+                rows.append((os.path.relpath(full, raw), info.st_size))
+            else:
+                other.append(os.path.relpath(full, raw))
     rows.sort()
     if not rows:
         raise ConfigError(f"{raw}: no files to read (give --origin a directory with files)")
-    with open(path, "w") as f:
-        f.writelines(f"{rel}\t{size}\n" for rel, size in rows)
-    return len(rows), sum(s for _, s in rows)
+    write_index(path, rows)
+    return len(rows), sum(s for _, s in rows), sorted(other)
 
 
 def _du(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, fs in os.walk(path) for n in fs)
+    total = 0
+    for d, _, names in os.walk(path):
+        for n in names:
+            with contextlib.suppress(OSError):  # a symlink to nothing: no bytes
+                total += os.path.getsize(os.path.join(d, n))
+    return total
 
 
 def _local_default() -> str:
@@ -289,7 +306,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, raw: str,
          write_report: Any, peer_python: str | None = None,
          generated: bool = True) -> dict[str, Any]:
-    files, total = _index(raw, ctx.index)
+    files, total, other = _index(raw, ctx.index)
+    if other:
+        cfg.say(f"left out {len(other):,} name(s) that are not regular files (a FIFO, a "
+                f"socket, a device, a symlink to nothing), as stagefs pack does: "
+                + ", ".join(other[:5]) + (", ..." if len(other) > 5 else ""))
     # a dataset found at --origin is what it is: --dataset and --files shape a generated
     # one only, and the report must not call 300 JPEG-like files "npz"
     kind = cfg.dataset if generated else "existing"
@@ -343,6 +364,10 @@ def _run(cfg: BenchConfig, systems: list[System], ctx: Context, scratch: str, ra
     dropped = cfg.drop_caches and drop_caches()
     results["cold"] = ("page cache dropped" if dropped else "page cache NOT dropped ("
                        + ("not root" if cfg.drop_caches else "--no-drop-caches") + ")")
+    if not dropped:  # the terminal's table calls the first epochs cold: say what they are
+        cfg.say(f"{results['cold']}: a first epoch may read from memory, not the origin"
+                + (" (run as root to drop it before each cold epoch)" if cfg.drop_caches
+                   else ""))
     results["order"] = [s.name for s in active]
     pack = conversions.get("stagefs")
     if pack is not None and "error" not in pack:

@@ -26,6 +26,7 @@ import numpy as np
 
 from stagefs.bench.base import Context, System, _Base
 from stagefs.bench.peers import LitDataSystem, StreamingSystem, WebDatasetSystem
+from stagefs.errors import ConfigError
 
 __all__ = ["all_systems", "serve_fuse", "stop_fuse"]
 
@@ -70,7 +71,10 @@ class PlainLocal(_PlainReads):
         dest = ctx.scratch(self.name)
         shutil.rmtree(dest, ignore_errors=True)
         try:
-            shutil.copytree(ctx.raw, dest)
+            for rel in ctx.files():  # the files read (copytree failed on a FIFO, a dead link)
+                to = os.path.join(dest, rel)
+                os.makedirs(os.path.dirname(to), exist_ok=True)
+                shutil.copyfile(os.path.join(ctx.raw, rel), to)
         except BaseException:  # a --local too small: a part copy would fill it for the
             shutil.rmtree(dest, ignore_errors=True)  # others (and this error's report)
             raise
@@ -172,6 +176,23 @@ def _taken(fn: Callable[..., Any], **kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if k in params}
 
 
+def _covering(ds: Any, files: list[str]) -> Any:
+    """``ds`` if its samples are the dataset's files, else a ConfigError saying why: a
+    FileDataset takes ImageFolder's ROOT/CLASS/FILE, so it leaves out the files at the top
+    and reads again those a symlink to a folder leads to (its row would say it read wrong
+    bytes)."""
+    have = {ds.path_of(i) for i in range(len(ds))}
+    left, extra = [f for f in files if f not in have], sorted(have.difference(files))
+    if left or extra:
+        raise ConfigError(
+            "FileDataset reads ImageFolder's ROOT/CLASS/FILE (and follows symlinks to "
+            f"folders), so it would not read this dataset's files: {len(left):,} left out "
+            f"({', '.join(left[:3]) or '-'}), {len(extra):,} more ({', '.join(extra[:3]) or '-'}"
+            "); give --origin a tree of class folders, or leave the torch rows out with "
+            "--systems")
+    return ds
+
+
 class StagefsTorch(_StagefsBase):
     name, title = "stagefs-torch", "stagefs.torch + tier, DataLoader"
     settings = (f"as docs/torch.md shows: stagefs.open(pack, tiers=[node-local dir]), "
@@ -191,7 +212,7 @@ class StagefsTorch(_StagefsBase):
         from stagefs.torch import FileDataset, Sampler
 
         super().open(ctx, run)
-        self.ds = FileDataset(self.store, root="", target="path")
+        self.ds = _covering(FileDataset(self.store, root="", target="path"), self.files)
         # open mode whatever $STAGEFS_CLOSED says (stagefs-torch-closed is the closed
         # one); the keywords an older Sampler takes (bench_regress runs older checkouts)
         self.sampler = Sampler(self.ds, seed=run, **_taken(
@@ -228,7 +249,7 @@ class StagefsTorchClosed(StagefsTorch):
         from stagefs.torch import FileDataset, Sampler
 
         _StagefsBase.open(self, ctx, run)
-        self.ds = FileDataset(self.store, root="", target="path")
+        self.ds = _covering(FileDataset(self.store, root="", target="path"), self.files)
         self.sampler = Sampler(self.ds, seed=run, closed=True)
         self.loader = torch.utils.data.DataLoader(
             self.ds, batch_size=BATCH, sampler=self.sampler, num_workers=0,

@@ -293,6 +293,19 @@ class StaticBootstrap:
     def token(self) -> bytes:
         return self._token
 
+    def reaching(self, rank: int,
+                 look: Callable[[str, int], frozenset[tuple[str, int]]] | None = None
+                 ) -> list[int]:
+        """The other ranks whose lines reach ``rank``'s address (IP and port), their names
+        looked up now (``look``: the name service, unless given): asked by a daemon that
+        cannot listen at its address, which another line's daemon may hold (one node named
+        twice: a host name and its IP). One node asks, after a failure: not the flood of
+        every node asking at start."""
+        look = look or look_up
+        mine = look(*self.hosts[rank])
+        return [i for i, addr in enumerate(self.hosts)
+                if i != rank and addr[1] == self.hosts[rank][1] and look(*addr) & mine]
+
     def exchange(self, address: tuple[str, int]) -> list[tuple[str, int]]:
         return list(self.hosts)
 
@@ -311,6 +324,15 @@ class StaticBootstrap:
 
     def finalize(self) -> None:
         pass
+
+
+def look_up(host: str, port: int) -> frozenset[tuple[str, int]]:
+    """The addresses (IP, port) the name service gives ``host``; none if it gives none."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return frozenset()
+    return frozenset((str(a[4][0]).split("%", 1)[0], int(a[4][1])) for a in infos)
 
 
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost",

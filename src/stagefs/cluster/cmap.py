@@ -161,3 +161,24 @@ def daemon_ended(path: str) -> str | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def map_left(path: str, cmap: ClusterMap) -> str | None:
+    """Why the daemon that wrote ``cmap`` into runtime ``path`` will not answer: its process
+    is gone, its map left behind (killed: it removes the map when it stops); None while it
+    runs, or if the map does not say which process wrote it. Ask it only of a daemon that
+    did not answer: a live one answers, whoever has its pid now."""
+    if cmap.pid <= 0:
+        return None
+    try:
+        os.kill(cmap.pid, 0)
+    except ProcessLookupError:
+        return (f"this node's daemon (node {cmap.rank}, pid {cmap.pid}) has ended without "
+                f"removing its map from {path}: it was killed (SIGKILL: the OOM killer, "
+                "Slurm after KillWait, or mpiexec ending every rank when one of them died; "
+                "its output, the job's log, says which). This node's readers read the "
+                "peers directly, else the origin, until it runs again: restart the daemons "
+                "with the same arguments (each adopts what its tiers hold)")
+    except OSError:  # (another user's process: alive)
+        pass
+    return None

@@ -72,7 +72,15 @@ from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.status import said_unreadable, unreadable, without_room
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
-from stagefs.cluster.world import detect, read_hosts, runtime_default, slurm_step, under_mpi
+from stagefs.cluster.world import (
+    ONE_PER_NODE,
+    detect,
+    read_hosts,
+    runtime_default,
+    slurm_batch_nodes,
+    slurm_step,
+    under_mpi,
+)
 from stagefs.config import env_flag, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
@@ -81,6 +89,7 @@ from stagefs.net.hedge import HedgePolicy
 from stagefs.net.pipes import PipePool, pipe_descriptors, pool_pipes
 from stagefs.net.relay import Relay, RelayPeer
 from stagefs.net.server import ServerLimits, ShardServer, connection_room
+from stagefs.net.sockio import host_port
 from stagefs.runtime import Runtime, clean
 from stagefs.tiers.audit import check_shard
 from stagefs.tiers.base import SourceUnavailable
@@ -220,6 +229,15 @@ def _bootstrap(o: ServeOptions) -> Bootstrap:
     step = slurm_step() if o.mpi is None else None
     if step is not None:
         return SlurmBootstrap(step, o.token_file, o.port)
+    nodes = slurm_batch_nodes() if o.mpi is None else None
+    if nodes is not None and nodes > 1:
+        # (the batch script's own line, without srun: the other nodes get no daemon, and
+        # their readers wait for one until their connect timeout)
+        log.warning("this daemon runs in a Slurm job of %d nodes but outside an srun step "
+                    "(in the batch script itself): it serves this node alone, a cluster of "
+                    "one, and the job's other nodes get no daemon. Start one on every node: "
+                    "%s stagefs serve ... (docs/cluster.md, Slurm batch script)", nodes,
+                    ONE_PER_NODE)
     return SingleBootstrap(o.token_file)
 
 
@@ -341,10 +359,26 @@ class Daemon:
         self._limits = limits = dataclasses.replace(
             o.limits, fd_reserve=self.pipes.max_fds if self.pipes is not None else 0)
         self._checking: set[int] = set()  # shards whose copies are checked now: not served
-        self.server = ShardServer(self.manifest, self.token, self._locate, host, port,
-                                  limits=limits, status=self.status,
-                                  unix_path=self.fabric_path, relay=self.relay,
-                                  check=self._check_shard)
+        try:
+            self.server = ShardServer(self.manifest, self.token, self._locate, host, port,
+                                      limits=limits, status=self.status,
+                                      unix_path=self.fabric_path, relay=self.relay,
+                                      check=self._check_shard)
+        except ConfigError as exc:
+            boot = self.boot if isinstance(self.boot, StaticBootstrap) else None
+            cause = exc.__cause__
+            taken = isinstance(cause, OSError) and cause.errno == errno.EADDRINUSE
+            others = boot.reaching(self.rank) if boot is not None and taken else []
+            if boot is None or not others:
+                raise
+            # (not another job's: the hosts file names this node twice, under two names
+            # that are not looked up at start, and the other line's daemon listens here)
+            named = ", ".join(f"rank {i}'s {host_port(*boot.hosts[i])}" for i in others)
+            raise ConfigError(
+                f"{exc}. Here the hosts file names one address twice: {named} reaches it, "
+                f"as this daemon's {host_port(*boot.hosts[self.rank])} (rank {self.rank}) "
+                "does, and that daemon listens there: list each node once, by one name "
+                "(two daemons on one host: different ports, ADDR:PORT)") from None
         # CHECKs of copies readers found bad bytes in: one at a time, at most one a shard
         # every CHECK_EVERY seconds
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="stagefs-check")

@@ -23,6 +23,7 @@ from stagefs.cluster.cmap import (
     check_runtime_access,
     daemon_ended,
     load_runtime,
+    map_left,
 )
 from stagefs.cluster.world import runtime_default
 from stagefs.config import format_size
@@ -192,6 +193,13 @@ def rereplication_lines(nodes: list[dict[str, Any] | None], replicas: int = 1) -
             f"since the job began {format_size(r['from_peers_bytes'])} copied from peers, "
             f"{format_size(r['from_origin_bytes'])} from the origin"
             + (f", {r['no_room']} without room" if r["no_room"] else ""))
+    short = sum(int(s["rereplication"].get("no_room", 0)) for s in nodes
+                if s and s.get("rereplication") and not s["rereplication"]["isolated"])
+    if short:  # each node said it on its line, but not what it costs the job
+        out.append(f"{short} shard copies of the dead nodes were not made again: no room on "
+                   "the nodes that take them over; those shards have fewer than the "
+                   f"{replicas} copies asked (their reads go to the copies left, or the "
+                   "origin). Give the nodes' tiers more room, or the job more nodes")
     return out
 
 
@@ -226,13 +234,17 @@ def print_cluster_status(runtime: str | None, *, as_json: bool = False,
     """Print the cluster's state; with ``wait_staged``, first wait (up to that many seconds)
     until every node has staged. Exit code 0 if every node answered (and staged, if asked)."""
     deadline = time.monotonic() + (wait_staged or 0)
+    path = os.path.abspath(runtime) if runtime else runtime_default()
     while True:
         cmap, nodes = cluster_status(runtime)
+        mine = nodes[cmap.rank] if 0 <= cmap.rank < len(nodes) else None
+        gone = map_left(path, cmap) if mine is None else None
+        if gone is not None:  # (every node shown unreachable, --wait-staged waited it out)
+            raise ClusterError(gone)
         staged = all_staged(nodes)
         if wait_staged is None or staged or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
-    path = os.path.abspath(runtime) if runtime else runtime_default()
     reads = holder_summary(read_counts(os.path.join(path, "stats")))  # this node's processes
     stalls = stall_records(path)  # this node's training processes' (StallMeter)
     if as_json:

@@ -16,7 +16,8 @@ from stagefs.errors import ConfigError
 from stagefs.runtime import job_id
 
 __all__ = ["ONE_PER_NODE", "SlurmStep", "World", "detect", "expand_hostlist", "job_id",
-           "read_hosts", "runtime_default", "slurm_step", "under_mpi"]
+           "read_hosts", "runtime_default", "slurm_batch_nodes", "slurm_step",
+           "under_mpi"]
 
 # the srun options that start one task on each node of the job, whatever its #SBATCH
 # --ntasks-per-node (srun inherits the job's SLURM_NTASKS, which overrides --ntasks-per-node)
@@ -161,6 +162,20 @@ def slurm_step(env: Mapping[str, str] | None = None) -> SlurmStep | None:
             "several tasks a node, srun takes the job's task count and ignores "
             "--ntasks-per-node=1, with only a warning)")
     return SlurmStep(job, node, hosts)
+
+
+def slurm_batch_nodes(env: Mapping[str, str] | None = None) -> int | None:
+    """The node count of the Slurm job this process runs in outside any ``srun`` step (the
+    batch script itself, ``salloc``'s shell), or None: no Slurm job, or a step of it. A
+    daemon started there, not by ``srun``, serves its own node alone."""
+    env = os.environ if env is None else env
+    if not env.get("SLURM_JOB_ID") or env.get("SLURM_STEP_NODELIST"):
+        return None
+    for name in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        n = _int(env, name)
+        if n is not None:
+            return n
+    return None
 
 
 def read_hosts(path: str) -> list[tuple[str, int | None]]:

@@ -280,9 +280,13 @@ class PeerClient:
 
     def _check_fork(self) -> None:
         if self._fork != _fork[0]:  # forked: the parent's sockets are not ours to use
-            for s in self._idle:
+            # closed here, pooled or in use by a thread of the parent's: close(2) ends only
+            # this process's descriptor (the parent's connection goes on; no shutdown). A
+            # forked child that only forgot them kept them open for its life, and with them
+            # the parent's connections past the parent's close (a daemon's, a peer's)
+            for s in list(self._made):
                 with contextlib.suppress(OSError):
-                    s.detach()  # forget the fd without shutting the parent's connection
+                    s.close()
             self._reset()
 
     # -- health (net/health.py; a request waiting for a connection gives up when the peer

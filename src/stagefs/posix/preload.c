@@ -776,8 +776,8 @@ static int entry_path(uint32_t e, char *out, size_t size) {
  * (memory, disk, peer, origin) its reads (samples) and bytes, and the origin's own reads
  * (fetched). The library counts what it
  * reads itself: a sample per open of a staged file held in a tier or read from the origin's
- * shard, and the bytes each read returns. Files the helper serves are counted by the helper's
- * Store. Each count is an atomic add to shared memory: nothing is lost when a process ends
+ * shard, and the bytes each read returns or mmap maps. Files the helper serves are
+ * counted by the helper's Store. Each count is an atomic add to shared memory: nothing is lost when a process ends
  * or is killed. Made at the first count of each process (a forked child makes its own; an
  * exec'd program goes on in the file of its pid). */
 enum { C_SLOTS = 30, C_SIZE = 16 + 8 * C_SLOTS, H_MEMORY = 0, H_DISK = 1, H_ORIGIN = 3,
@@ -1600,6 +1600,9 @@ API void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
     size_t avail = pos < size ? (size_t)(size - pos) : 0, cover = len < avail ? len : avail;
     int v = vread(fd, &r, NULL, pos, cover);
     if (v == V_IO) return MAP_FAILED;
+    /* the bytes mapped were read and checked here, as a read's are: counted as a read's
+     * (uncounted, np.load(mmap_mode="r") of a file showed a sample of no bytes) */
+    if (v == V_OK) count_read(r.src, 0, cover);
     if (v == V_BAD) {
         if (replace_with_helper(fd, &r) < 0) return MAP_FAILED;
         return real_mmap(addr, len, prot, flags, fd, off);

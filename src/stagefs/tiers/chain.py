@@ -585,17 +585,32 @@ class TierChain:
                 held[p] = True
                 size = ext.charged(held, t.block) - before
             header = copy_charge(ext, t.block) if made else 0
+            small = PIECE_SIZE or self.manifest.piece_size
             try:
-                why = t.no_room(size + header)
+                need = size + header
+                why = t.no_room(need)
+                found = t.room.full() if why is None and t.room is not None else 0
+                if found:
+                    # another process of the node found no room there for ``found`` bytes:
+                    # full here too while they do not fit (no_room counts anew: copies
+                    # deleted from outside free it). A process that took it as full reads
+                    # the pieces no copy holds from the origin, unreserved; one that went on
+                    # reserving the smaller pieces still fitting streamed some of those
+                    # bytes again (a 3 MiB tier, 46 MB read by three processes)
+                    why = t.no_room(max(need, found))
+                    if why is None and t.room is not None:
+                        t.room.set_full(0)
                 if why is not None:
                     # a piece ends with the file its window ends in (up to a piece and a
                     # file; a large file's piece by piece): one larger than a piece is
                     # passed over while a piece still fits, and the tier takes the smaller
                     # ones after it, to within a piece of its capacity
-                    small = PIECE_SIZE or self.manifest.piece_size
                     if size > small and t.no_room(small + header) is None:
                         continue
                     t.stopped = why
+                    if why == "full" and t.room is not None:
+                        # for every process of the node (above)
+                        t.room.set_full(max(found, min(need, small + header)))
                     if why == "full" or t.capacity is None:  # what it was given: as asked
                         log.info("%s: %s; it takes no more pieces", t.name, why)
                         if why == "full":
@@ -635,6 +650,8 @@ class TierChain:
         is placed anew there."""
         if t.room is not None:
             t.room.add(n)
+            if n < 0 and t.room.full():
+                t.room.set_full(0)
         if n < 0:
             t.recounted = False  # full again later: counted anew once more (no_room)
         if n < 0 and t.stopped == "full":

@@ -18,6 +18,7 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
 import stat
 import threading
 from collections.abc import Callable, Sequence
@@ -50,7 +51,7 @@ from stagefs.tiers.base import (
 log = logging.getLogger("stagefs")
 
 __all__ = ["DirTier", "Room", "TierStats", "fs_type", "memory_limit_problem", "prepare_tier_dir",
-           "tier_dir_problem", "tier_kind"]
+           "share_capacity", "tier_dir_problem", "tier_kind"]
 
 
 @dataclass
@@ -216,10 +217,11 @@ def prepare_tier_dir(path: str) -> None:
 
 class Room:
     """Bytes a tier holds (whole copies and reserved pieces, of every dataset), counted in
-    one 8-byte file shared by the job's processes: ``<runtime>/claims/room-<hash of the
-    tier path>``. Read and changed only under the tiers' lock. Made, the first time a job
-    uses the tier, from what the tier directory holds (whole files, and the allocated bytes
-    of partial copies: a disk tier allocates each piece as it reserves it)."""
+    one file shared by the job's processes: ``<runtime>/claims/room-<hash of the tier
+    path>``, 8 bytes (then 8 more: the bytes a process found no room for, ``full``). Read
+    and changed only under the tiers' lock. Made, the first time a job uses the tier, from
+    what the tier directory holds (whole files, and the allocated bytes of partial copies:
+    a disk tier allocates each piece as it reserves it)."""
 
     def __init__(self, folder: str, root: str) -> None:
         # by its real path: processes that name it by a symlink share its count
@@ -256,6 +258,28 @@ class Room:
         self._write(value)
         return value
 
+    def full(self) -> int:
+        """The bytes a process of the job found no room for in the tier (``set_full``;
+        bytes 8-15 of the file), or 0. The caller holds the tiers' lock."""
+        try:
+            fd, info = open_read(self.path, os.O_NOFOLLOW)
+        except OSError:
+            return 0
+        try:
+            raw = os.pread(fd, 8, 8) if stat.S_ISREG(info.st_mode) else b""
+        finally:
+            os.close(fd)
+        return int.from_bytes(raw, "little") if len(raw) == 8 else 0
+
+    def set_full(self, need: int) -> None:
+        """Say, for every process of the job, that ``need`` bytes found no room in the tier
+        (0: room was freed since); the caller holds the tiers' lock."""
+        fd = open_own_file(self.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, max(0, need).to_bytes(8, "little"), 8)
+        finally:
+            os.close(fd)
+
     def _write(self, value: int) -> None:
         fd = open_own_file(self.path, os.O_WRONLY)
         try:
@@ -272,8 +296,9 @@ class DirTier:
     def __init__(self, spec: TierSpec, manifest: Manifest, room_dir: str | None = None) -> None:
         self.spec = spec
         self.root = spec.path
-        self.capacity = spec.capacity
         prepare_tier_dir(self.root)
+        self.capacity = spec.capacity if spec.share is None else share_capacity(self.root,
+                                                                                spec.share)
         self.pack_id = manifest.pack_id.hex()
         self.dir = os.path.join(self.root, self.pack_id)
         with contextlib.suppress(FileExistsError):  # (what is there is judged below)
@@ -580,6 +605,15 @@ class DirTier:
             self._fds.clear()
             self._retired.clear()
             self._maps.clear()  # each unmapped once no batch under way holds it
+
+
+def share_capacity(root: str, share: float) -> int:
+    """The capacity of a tier given as ``share`` percent of its file system's free space: of
+    the free space and what the tier directory holds already. Of the free space alone, a
+    tier opened again with its data in it (a job restarted with its tiers kept, a rank that
+    opens it later) got less room: 50% of a 64 MiB file system was 32 MiB, and 28 MiB once
+    the job had staged 8 MiB there."""
+    return int((shutil.disk_usage(root).free + dir_bytes(root)) * share / 100)
 
 
 def dir_bytes(root: str) -> int:
