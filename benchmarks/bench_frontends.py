@@ -10,6 +10,13 @@ dropped before each pass (root only; on a VM the host may still cache).
 
     python benchmarks/bench_frontends.py --files 10000 --pfs /tmp/pfs/frontends \
         --out benchmarks/results
+
+The FUSE mount is read two ways: ``open(path, "rb")``, whose ``isatty`` probe (Python <
+3.14) the kernel sends to the FUSE server as an ioctl, a round trip per file, and
+``open(path, "rb", buffering=0)``, with no probe (as Python 3.14's ``open`` for a regular
+file). ``--same-cpu N`` runs this process and every thread of the mount's server on CPU N
+alone: a round trip then needs no wake-up of another CPU (an inter-processor interrupt,
+costly on a virtual machine).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -42,6 +50,21 @@ def read_all(paths: list[str]) -> int:
     return n
 
 
+def read_all_unbuffered(paths: list[str]) -> int:
+    """``open(path, "rb", buffering=0)``: no ``isatty`` probe (what Python 3.14 does)."""
+    n = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            n += len(f.readall())
+    return n
+
+
+def pin(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` on ``cpu`` alone."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
 def stat_all(paths: list[str]) -> int:
     n = 0
     for p in paths:
@@ -58,6 +81,8 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold passes")
     ap.add_argument("--keep", action="store_true", help="keep the generated data")
+    ap.add_argument("--same-cpu", type=int, default=None, metavar="N",
+                    help="run this process and the mount's server on CPU N alone")
     a = ap.parse_args()
 
     raw, pack, mnt = (os.path.join(a.work, d) for d in ("raw", "pack", "mnt"))
@@ -84,7 +109,13 @@ def main() -> int:
     fuse_reason = fuse_available()
     os.makedirs(mnt, exist_ok=True)
     if fuse_reason is None and not is_mounted(mnt):
-        subprocess.run([sys.executable, "-m", "stagefs.cli", "mount", pack, mnt], check=True)
+        said = subprocess.run([sys.executable, "-m", "stagefs.cli", "mount", pack, mnt],
+                              check=True, capture_output=True, text=True).stdout
+        server = re.search(r"server pid (\d+)", said)
+        if a.same_cpu is not None and server:
+            pin(int(server.group(1)), a.same_cpu)
+    if a.same_cpu is not None:
+        os.sched_setaffinity(0, {a.same_cpu})
 
     def native() -> int:
         return sum(len(store.read(p)) for p in rels)
@@ -110,6 +141,8 @@ def main() -> int:
     }
     if fuse_reason is None:
         systems["FUSE mount (open/os.stat)"] = (plain(mnt, read_all), plain(mnt, stat_all))
+        systems["FUSE mount, open(buffering=0)"] = (plain(mnt, read_all_unbuffered),
+                                                    plain(mnt, stat_all))
     systems["plain files, local disk"] = (plain(raw, read_all), plain(raw, stat_all))
     if pfs:
         systems["plain files, test PFS"] = (plain(pfs, read_all), plain(pfs, stat_all))
@@ -170,7 +203,7 @@ def main() -> int:
     out = os.path.join(a.out, "frontends.json")
     with open(out, "w") as f:
         json.dump({"benchmark": "frontends", "files": n, "loadavg": [load0, os.getloadavg()], "mean_bytes": base["bytes"] / n,
-                   "runs": a.runs, "machine": platform.node(), "cpus": os.cpu_count(),
+                   "runs": a.runs, "same_cpu": a.same_cpu, "machine": platform.node(), "cpus": os.cpu_count(),
                    "command": " ".join(sys.argv), "results": results}, f, indent=2)
     print(f"\nsaved {out}")
     if not a.keep:
