@@ -13,6 +13,12 @@ holds every shard but shard 0. Each rank writes what it saw to ``WORKDIR/mpi{ran
 through it (PeerUnavailable within the deadline, the peer then suspect) and through a Store
 whose next holder is the origin (every file right); then lets it go on (SIGCONT), pings it
 (answering again, no longer suspect) and reads every file through MPI again.
+
+``late``: rank 0 stops rank 1 and gives up on its replies (a read of all its shards, a
+rendezvous-sized reply, and a ping); rank 1 goes on, answers them late, and its clock is
+moved past the replies' send timeout. Until what MPI held for those replies is let go on
+both ranks (or a bounded number of rounds passes), each rank reports what it still holds;
+then each reads every file of the other's shards through MPI.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -201,10 +208,79 @@ def hung(work: str) -> dict[str, Any]:
     return out
 
 
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def late(work: str) -> dict[str, Any]:
+    mpi = mpi_library("the MPI transport test")
+    comm = mpi.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pack = os.path.join(work, "pack")
+    with open(os.path.join(work, "expected.json")) as f:
+        expected: dict[str, str] = json.load(f)
+    m = Manifest(os.path.join(pack, MANIFEST_NAME))
+    chain = tier_chain(work, pack, m, rank)
+    for s in range(rank, len(m.shards), size):
+        assert chain.place(s) == "placed", s
+    skew = [0.0]  # rank 1's clock is moved on, past its replies' send timeout
+    limits = MpiLimits(timeout=1.0, probe_timeout=1.0, send_timeout=30.0)
+    transport = MpiTransport(comm, m, chain.locate, limits=limits,
+                             clock=lambda: time.monotonic() + skew[0]).start()
+    sources = peer_sources(transport, dict.fromkeys(n for n in range(size) if n != rank))
+    pids = comm.allgather(os.getpid())
+    comm.Barrier()
+    out: dict[str, Any] = {"rank": rank}
+    if rank == 0:
+        peer = transport.peers[1]
+        ranges = [(s, 0, m.shards[s].size) for s in range(1, len(m.shards), size)]
+        out["reply_bytes"] = sum(n for _, _, n in ranges)
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            while not _stopped(pids[1]):
+                time.sleep(0.01)
+            try:
+                peer.read(ranges)
+                out["first"] = "bytes"
+            except PeerUnavailable as exc:
+                out["first"] = str(exc)
+            out["ping_while_stopped"] = peer.probe()
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        while not peer.probe():  # answering again (it answered the read and ping before)
+            pass
+    comm.Barrier()
+    held: list[Any] = []
+    for _ in range(200):  # bounded: before, what was given up on was held for ever
+        if rank == 1:
+            skew[0] += limits.send_timeout + 1
+        unexpected = transport.comm.Iprobe(mpi.ANY_SOURCE, mpi.ANY_TAG)
+        held = comm.allgather([len(transport.abandoned), len(transport._sending),
+                               bool(unexpected)])
+        if all(h == [0, 0, False] for h in held):
+            break
+        time.sleep(0.05)
+    out["held"] = held
+    out["status"] = transport.status()
+    store = Store(pack, manifest=m, sources=lambda s: (sources[s % size],)
+                  if s % size != rank else ())
+    paths = [m.path_of(e).decode() for e in m.files()
+             if m.kind[e] == KIND_FILE and int(m.shard[e]) % size != rank]
+    out["files_after"] = len(paths)
+    out["bad_after"] = sum(xxh3_64_hexdigest(d) != expected[p]
+                           for p, d in zip(paths, store.read_many(paths), strict=True))
+    comm.Barrier()
+    transport.close()
+    chain.close()
+    return out
+
+
 if __name__ == "__main__":
     workdir = sys.argv[1]
+    modes = {"hung": hung, "late": late}
     try:
-        out = hung(workdir) if sys.argv[2:] == ["hung"] else main(workdir)
+        out = modes[sys.argv[2]](workdir) if sys.argv[2:] else main(workdir)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

@@ -89,6 +89,28 @@ def test_a_hung_peer_is_unavailable_and_comes_back(tmp_path: Path) -> None:
     assert res["bad_after"] == 0 and int(str(res["mpi_bytes_after"])) > 0  # through MPI again
 
 
+def test_replies_given_up_on_are_let_go_once_the_peer_answers(tmp_path: Path) -> None:
+    """A reader gives up on a stopped rank's replies (a read of 1.3 MB, a ping); the rank
+    goes on and answers late. MPICH cannot cancel a send: the serving rank's send of the
+    large reply waited for ever and its buffer was held for ever, and the reader's rank kept
+    the late messages in MPI's queue. Now the reader's rank takes and drops them, the
+    serving rank's sends complete, and neither holds anything for them; every byte read
+    after is right."""
+    r0, r1 = _ranks(tmp_path, 2, "late")
+    assert "no reply within" in str(r0["first"]) and r0["ping_while_stopped"] is False
+    assert int(str(r0["reply_bytes"])) > 2**20  # a rendezvous-sized reply, not an eager one
+    # [abandoned, sending, a message in MPI's queue] on each rank: nothing left
+    assert r0["held"] == [[0, 0, False], [0, 0, False]]
+    st0, st1 = r0["status"], r1["status"]
+    assert isinstance(st0, dict) and isinstance(st1, dict)
+    assert st0["abandoned_held"] == st0["abandoned_held_bytes"] == 0
+    assert st1["abandoned_held"] == st1["abandoned_held_bytes"] == 0
+    assert st0["server"]["late_replies"] >= 2  # the read's reply and the ping's
+    assert st1["server"]["requests"] >= 2
+    for r in (r0, r1):
+        assert int(str(r["files_after"])) > 0 and r["bad_after"] == 0
+
+
 def _mpi_daemons(work: str, n: int) -> tuple[str, subprocess.Popen[bytes]]:
     """``n`` daemons with ``--transport mpi`` and 2 copies of each shard, in one MPI job, of
     a pack of 120 files (its expected hashes written): (their log, the job)."""

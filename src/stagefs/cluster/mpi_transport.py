@@ -18,7 +18,10 @@ waits. The serving thread therefore probes without blocking and sleeps between p
 sleep doubling up to ``MpiLimits.idle_poll`` (2 ms) while nothing comes: an idle daemon
 makes about 500 probes a second, about 2% of one core measured here (a blocking probe: 100%),
 and the first request after a quiet spell waits up to 2 ms more. It polls without sleeping
-only while its replies are in flight. A
+only while its replies are in flight. A reply that comes after its reader gave up is
+received by the reader's rank's serving thread and dropped (MPI cannot cancel the send,
+which would hold the serving rank's buffer for good); what MPI may still use of requests
+given up on is held until MPI completes them (``abandoned_held`` in ``status``). A
 reader waits for its reply the same way, within a total deadline: a peer rank that died,
 hangs or answers nonsense is ``PeerUnavailable`` (net/client.py), the Store's next holder
 answers, and the peer is skipped until a ping in the background finds it answering again.
@@ -98,6 +101,7 @@ class MpiServerStats:
     malformed: int = 0
     bytes_served: int = 0
     abandoned: int = 0  # replies no reader took within send_timeout
+    late_replies: int = 0  # replies that came after this rank's reader gave up: dropped
     polls: int = 0  # probes that found no request
 
     def as_dict(self) -> dict[str, int]:
@@ -169,7 +173,10 @@ class MpiTransport:
         self._tag_lock = threading.Lock()
         self._sending: list[tuple[Any, bytearray, float]] = []  # request, buffer, deadline
         self._free: list[bytearray] = []  # reply buffers to reuse
-        self.abandoned: list[tuple[Any, Any]] = []  # requests MPI may still use, and buffers
+        # requests given up on that MPI may still use, each with the buffer it may use; the
+        # serving thread lets go of them once MPI has completed them (_release)
+        self.abandoned: list[tuple[list[Any], bytearray]] = []
+        self._held_lock = threading.Lock()
         self.peers: dict[int, MpiPeer] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="stagefs-mpi-serve",
@@ -202,11 +209,18 @@ class MpiTransport:
             while not self._stop.is_set():
                 if self._sending:
                     self._progress()
-                msg = self.comm.Improbe(mpi.ANY_SOURCE, REQ_TAG, status)
+                if self.abandoned:
+                    self._release()
+                # any tag: a request, or a reply its reader gave up on (a reader posts its
+                # receives before it asks, so no reply it still waits for comes here)
+                msg = self.comm.Improbe(mpi.ANY_SOURCE, mpi.ANY_TAG, status)
                 if msg is not None:
                     buf = bytearray(status.Get_count(mpi.BYTE))
-                    msg.Recv([buf, mpi.BYTE])
-                    self._answer(status.Get_source(), buf)
+                    if status.Get_tag() == REQ_TAG:
+                        msg.Recv([buf, mpi.BYTE])
+                        self._answer(status.Get_source(), buf)
+                    else:
+                        self._drop_late(msg, buf)
                     wait = 0.0
                 elif self._sending:
                     time.sleep(0)  # a reply is in flight: keep MPI progressing it
@@ -218,6 +232,14 @@ class MpiTransport:
             log.error("rank %d: the MPI serving thread stopped: %s", self.rank, exc)
         finally:
             self._drain(min(1.0, self.limits.send_timeout))
+
+    def _drop_late(self, msg: Any, buf: bytearray) -> None:
+        """Take a reply whose reader gave up (``MpiPeer._abandon``) off MPI's queue: until
+        it is received, MPICH keeps it (a small one in this rank's memory; a large one as
+        the serving rank's send, which never completes and cannot be cancelled). Received
+        without waiting, the serving rank may be stopped again: released once done."""
+        self.stats.late_replies += 1
+        self.hold([msg.Irecv([buf, self.mpi.BYTE])], buf)
 
     def _answer(self, source: int, buf: bytearray) -> None:
         self.stats.requests += 1
@@ -288,8 +310,10 @@ class MpiTransport:
                 if len(self._free) < 4 and len(buf) <= self.limits.max_reply + 2**20:
                     self._free.append(buf)
             elif now >= deadline:
+                # MPI may still read it (MPICH cannot cancel a send): held until the reader's
+                # rank drops it as a late reply (_drop_late), off the hot polling path
                 self.stats.abandoned += 1
-                self.abandoned.append((req, buf))  # MPI may still read it: keep it alive
+                self.hold([req], buf)
                 log.warning("rank %d: a reply was not taken within %g s; abandoned",
                             self.rank, self.limits.send_timeout)
             else:
@@ -301,12 +325,29 @@ class MpiTransport:
         while self._sending and self.clock() < end:
             self._progress()
             time.sleep(1e-3)
-        self.abandoned.extend((r, b) for r, b, _ in self._sending)
+        for r, b, _ in self._sending:
+            self.hold([r], b)
         self._sending = []
 
+    def hold(self, reqs: list[Any], buf: bytearray) -> None:
+        """Keep ``buf`` alive while MPI may still use it for ``reqs`` (given up on)."""
+        with self._held_lock:
+            self.abandoned.append((reqs, buf))
+
+    def _release(self) -> None:
+        """Let go of the abandoned requests MPI has completed (taken, received, or
+        cancelled), and of their buffers."""
+        with self._held_lock:
+            self.abandoned = [(reqs, buf) for reqs, buf in self.abandoned
+                              if not self.mpi.Request.Testall(reqs)]
+
     def status(self) -> dict[str, Any]:
+        with self._held_lock:
+            held = {id(b): len(b) for _, b in self.abandoned}
+            requests = sum(len(reqs) for reqs, _ in self.abandoned)
         return {"rank": self.rank, "size": self.size, "server": self.stats.as_dict(),
-                "peers": {n: p.stats.as_dict() for n, p in sorted(self.peers.items())}}
+                "peers": {n: p.stats.as_dict() for n, p in sorted(self.peers.items())},
+                "abandoned_held": requests, "abandoned_held_bytes": sum(held.values())}
 
     def close(self) -> None:
         self._stop.set()
@@ -442,10 +483,10 @@ class MpiPeer:
             self.stats.sent += len(batches)
             statuses = [mpi.Status() for _ in recvs]
             if not _wait(mpi, recvs + sends, statuses, t.clock, t.clock() + timeout):
-                self._abandon(recvs + sends, buf)
+                self._abandon(recvs, sends, buf)
                 raise self._failed(f"no reply within {timeout:g} s")
         except mpi.Exception as exc:
-            self._abandon(recvs + sends, buf)
+            self._abandon(recvs, sends, buf)
             raise self._failed(f"MPI error: {exc.Get_error_string()}") from exc
         pos = 0
         for b, n, st in zip(batches, sizes, statuses[: len(recvs)], strict=True):
@@ -474,16 +515,19 @@ class MpiPeer:
         self.stats.requests += 1
         self.stats.ranges += len(batch)
 
-    def _abandon(self, reqs: list[Any], buf: bytearray) -> None:
-        """Cancel what did not complete; what MPI may still write into keeps its buffer."""
-        pending = [r for r in reqs if r]
-        for r in pending:
-            with contextlib.suppress(Exception):
-                r.Cancel()
+    def _abandon(self, recvs: list[Any], sends: list[Any], buf: bytearray) -> None:
+        """Cancel the receives that did not complete (a reply that comes after is dropped
+        by this rank's serving thread); what MPI may still use (a receive under way, a
+        request not yet taken: sends cannot be cancelled) is held until it completes."""
+        for r in recvs:
+            if r:
+                with contextlib.suppress(Exception):
+                    r.Cancel()
+        pending = [r for r in recvs + sends if r]
         mpi = self.transport.mpi
         if pending and not _wait(mpi, pending, None, self.transport.clock,
                                  self.transport.clock() + 0.1):
-            self.transport.abandoned.append((pending, buf))
+            self.transport.hold(pending, buf)  # released once MPI completes them
             if getattr(_tls, "buf", None) is buf:
                 _tls.buf = None  # never reuse it
 
