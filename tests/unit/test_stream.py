@@ -521,3 +521,52 @@ def test_a_tier_one_process_found_full_is_full_for_every_process(runtime: Path,
         assert a.chain.full
         assert b.chain._reserve(small, [0]) == {}
         assert b.chain.full
+
+
+def test_a_slow_origin_is_streamed_in_short_runs(runtime: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sample reaches its reader when the stream's run it is in has been read: at a slow
+    origin the runs shrink to about RUN_S of the stream's measured rate (4 MiB at 2 MB/s
+    kept a sample 2 s), and each origin byte is still read once."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = random.Random(3)
+    files = {f"f{i:03d}": rng.randbytes(64 * 2**10) for i in range(160)}  # 10 MiB
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", shard_size="16MiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    clock = FakeClock()
+    rate = 2e6  # bytes/s of the origin, on the injected clock
+    sizes: list[int] = []
+    with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
+                      runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        stream = chain.stream
+        ctl = stream.controller
+        ctl.most = ctl.target = 1
+        monkeypatch.setattr(stream, "_clock", clock)
+        origin_type = type(chain.origin)
+        real_pread = origin_type.pread
+
+        def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+            if threading.current_thread().name.startswith("stagefs-stream"):
+                sizes.append(length)
+                clock.now += length / rate
+            return bytes(real_pread(self, shard, offset, length))
+
+        monkeypatch.setattr(origin_type, "pread", pread)
+        assert stream.run_bytes() == stream_mod.CHUNK  # no rate measured yet
+        fs.prefetch([0])
+        assert chain.wait_idle(60)
+        assert sizes[0] >= stream_mod.CHUNK - 64 * 2**10  # the first run: a CHUNK
+        later = sizes[1:]
+        run = max(stream_mod.MIN_RUN, int(rate * stream_mod.RUN_S))
+        assert run < stream_mod.CHUNK // 4
+        assert later and max(later) <= run  # then runs of RUN_S at 2 MB/s
+        assert stream.run_bytes() == run
+        assert fs.origin.stats.bytes_read == stored_total(tmp_path / "pack")
+        for name, data in files.items():
+            assert fs.read(name) == data
+        assert fs.origin.stats.bytes_read == stored_total(tmp_path / "pack")

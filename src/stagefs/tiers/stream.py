@@ -17,8 +17,9 @@ reads it itself. Either way each stored file is read from the origin once.
   reads: shard-local order). It reserves the shard's pieces in the tiers first (fill.py: in
   the first tier with room, as many as there is room for; the chain counts the room), then
   reads, copy by copy, the runs of files of the pieces reserved there that nobody holds,
-  ``CHUNK`` bytes a read, each file checked as it streams through (placer.py's check)
-  before its fill byte is set. A claim per shard (claims.py) keeps two processes from
+  ``CHUNK`` bytes a read at most (less where the stream is slow: a run takes about
+  ``RUN_S``, since its files reach their readers when it is read), each file checked as it
+  streams through (placer.py's check) before its fill byte is set. A claim per shard (claims.py) keeps two processes from
   streaming the same shard. Pieces no tier has room for are not streamed: their readers
   read them from the origin, once.
 - ``StreamSource``: the holder a read of a shard not whole in a tier asks after the partial
@@ -66,12 +67,19 @@ if TYPE_CHECKING:
     from stagefs.tiers.fill import Extents
     from stagefs.tiers.tier import DirTier
 
-__all__ = ["CHUNK", "FIRST_STREAMS", "GAIN", "MOST_STREAMS", "Controller", "Reservations", "Stream",
-           "StreamSource"]
+__all__ = ["CHUNK", "FIRST_STREAMS", "GAIN", "MIN_RUN", "MOST_STREAMS", "RUN_S", "Controller",
+           "Reservations", "Stream", "StreamSource"]
 
 log = logging.getLogger("stagefs.tiers")
 
-CHUNK = 4 * 2**20  # bytes per sequential origin read of a stream
+CHUNK = 4 * 2**20  # bytes per sequential origin read of a stream, at most
+# and a run of files is about RUN_S of the stream's measured rate, at least MIN_RUN: a
+# sample's bytes reach its reader when the run they are in is read (4 MiB at a slow
+# origin's 2 MB/s was 2 s), and an origin of 20 MB/s a stream or more is read CHUNK at a
+# time still (runs of 50 ms cost 3-4% of a cold epoch under an 800 Mbit cap: a run's own
+# work, about 1.5 ms, between two reads)
+RUN_S = 0.2
+MIN_RUN = 128 * 2**10
 MOST_STREAMS = 8  # shards streamed at once, at most
 FIRST_STREAMS = 4  # and at first (a parallel file system serves a few at least as fast as one)
 GAIN = 1.02  # another stream stays if the origin's throughput rose by this factor
@@ -530,7 +538,7 @@ class Stream:
         h = self.res.held(shard, fill)
         cursor = 0
         while h is not None and not self._closing and fill.linked() and not fill.filled_mine():
-            run = self.res.take_next(h, cursor, CHUNK)
+            run = self.res.take_next(h, cursor, self.run_bytes())
             if run is None:
                 if cursor:
                     cursor = 0  # once more from the start, for what others held then
@@ -557,10 +565,17 @@ class Stream:
         if fill.linked() and fill.complete():
             self.chain._finish(shard, fill, tier)
 
+    def run_bytes(self) -> int:
+        """The bytes of a stream's next run of files: ``RUN_S`` of its measured rate,
+        between ``MIN_RUN`` and ``CHUNK`` (``CHUNK`` until a rate is measured)."""
+        if not self._rate:
+            return CHUNK
+        return max(MIN_RUN, min(CHUNK, int(self._rate * RUN_S)))
+
     def _measure(self, shard: int, at: int, nbytes: int, seconds: float) -> None:
         """A stream read ``nbytes`` of the shard in ``seconds``, up to offset ``at``."""
         self._at[shard] = at
-        if seconds > 0 and nbytes >= CHUNK // 2:  # a short run says little of the rate
+        if seconds > 0 and nbytes >= MIN_RUN // 2:  # a short run says little of the rate
             rate = nbytes / seconds
             self._rate = rate if not self._rate else 0.75 * self._rate + 0.25 * rate
 
