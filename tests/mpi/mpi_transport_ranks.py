@@ -52,6 +52,24 @@ def tier_chain(work: str, pack: str, m: Manifest, rank: int) -> TierChain:
                      Runtime(rt).open(), origin_path=pack)
 
 
+def staged_rank(work: str) -> tuple[Any, Any, int, int, str, dict[str, str], Manifest,
+                                    TierChain]:
+    """This rank's start: MPI, the world, its rank and their number, the pack, the files'
+    expected digests, the manifest, and a tier chain holding the shards ``s % size ==
+    rank``."""
+    mpi = mpi_library("the MPI transport test")
+    comm = mpi.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pack = os.path.join(work, "pack")
+    with open(os.path.join(work, "expected.json")) as f:
+        expected: dict[str, str] = json.load(f)
+    m = Manifest(os.path.join(pack, MANIFEST_NAME))
+    chain = tier_chain(work, pack, m, rank)
+    for s in range(rank, len(m.shards), size):
+        assert chain.place(s) == "placed", s
+    return mpi, comm, rank, size, pack, expected, m, chain
+
+
 class PeerCase(HolderCase):
     """Rank ``peer`` (holding every shard but ``absent``) as a holder, through MPI."""
 
@@ -81,17 +99,8 @@ class PeerCase(HolderCase):
 
 
 def main(work: str) -> dict[str, Any]:
-    mpi = mpi_library("the MPI transport test")
-    comm = mpi.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    pack = os.path.join(work, "pack")
-    with open(os.path.join(work, "expected.json")) as f:
-        expected: dict[str, str] = json.load(f)
-    m = Manifest(os.path.join(pack, MANIFEST_NAME))
+    mpi, comm, rank, size, pack, expected, m, chain = staged_rank(work)
     nshards = len(m.shards)
-    chain = tier_chain(work, pack, m, rank)
-    for s in range(rank, nshards, size):
-        assert chain.place(s) == "placed", s
     transport = MpiTransport(comm, m, chain.locate).start()
     sources = peer_sources(transport, dict.fromkeys(n for n in range(size) if n != rank))
     comm.Barrier()
@@ -157,16 +166,7 @@ def main(work: str) -> dict[str, Any]:
 
 
 def hung(work: str) -> dict[str, Any]:
-    mpi = mpi_library("the MPI transport test")
-    comm = mpi.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    pack = os.path.join(work, "pack")
-    with open(os.path.join(work, "expected.json")) as f:
-        expected: dict[str, str] = json.load(f)
-    m = Manifest(os.path.join(pack, MANIFEST_NAME))
-    chain = tier_chain(work, pack, m, rank)
-    for s in range(rank, len(m.shards), size):
-        assert chain.place(s) == "placed", s
+    _mpi, comm, rank, size, pack, expected, m, chain = staged_rank(work)
     transport = MpiTransport(comm, m, chain.locate,
                              limits=MpiLimits(timeout=2.0, probe_timeout=2.0)).start()
     sources = peer_sources(transport, dict.fromkeys(n for n in range(size) if n != rank))
@@ -214,16 +214,7 @@ def _stopped(pid: int) -> bool:
 
 
 def late(work: str) -> dict[str, Any]:
-    mpi = mpi_library("the MPI transport test")
-    comm = mpi.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    pack = os.path.join(work, "pack")
-    with open(os.path.join(work, "expected.json")) as f:
-        expected: dict[str, str] = json.load(f)
-    m = Manifest(os.path.join(pack, MANIFEST_NAME))
-    chain = tier_chain(work, pack, m, rank)
-    for s in range(rank, len(m.shards), size):
-        assert chain.place(s) == "placed", s
+    mpi, comm, rank, size, pack, expected, m, chain = staged_rank(work)
     skew = [0.0]  # rank 1's clock is moved on, past its replies' send timeout
     limits = MpiLimits(timeout=1.0, probe_timeout=1.0, send_timeout=30.0)
     transport = MpiTransport(comm, m, chain.locate, limits=limits,
