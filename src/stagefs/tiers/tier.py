@@ -230,15 +230,7 @@ class Room:
         self.root = root
 
     def used(self) -> int:
-        try:  # without waiting: a FIFO left under its name would hold the tiers' lock
-            fd, info = open_read(self.path, os.O_NOFOLLOW)
-        except OSError:
-            raw = b""  # none yet, or a symlink: counted anew, and made a file (_write)
-        else:
-            try:
-                raw = os.pread(fd, 8, 0) if stat.S_ISREG(info.st_mode) else b""
-            finally:
-                os.close(fd)
+        raw = self._read(0)  # none yet, or not a file: counted anew, and made one (_write)
         if len(raw) == 8 and (value := int.from_bytes(raw, "little", signed=True)) >= 0:
             return value
         total, unwritten = dir_usage(self.root)
@@ -261,29 +253,29 @@ class Room:
     def full(self) -> int:
         """The bytes a process of the job found no room for in the tier (``set_full``;
         bytes 8-15 of the file), or 0. The caller holds the tiers' lock."""
-        try:
-            fd, info = open_read(self.path, os.O_NOFOLLOW)
-        except OSError:
-            return 0
-        try:
-            raw = os.pread(fd, 8, 8) if stat.S_ISREG(info.st_mode) else b""
-        finally:
-            os.close(fd)
+        raw = self._read(8)
         return int.from_bytes(raw, "little") if len(raw) == 8 else 0
 
     def set_full(self, need: int) -> None:
         """Say, for every process of the job, that ``need`` bytes found no room in the tier
         (0: room was freed since); the caller holds the tiers' lock."""
-        fd = open_own_file(self.path, os.O_WRONLY)
+        self._write(max(0, need), 8)
+
+    def _read(self, at: int) -> bytes:
+        """The 8 bytes at ``at`` of the file, or fewer (none yet, a symlink, not a file)."""
+        try:  # without waiting: a FIFO left under its name would hold the tiers' lock
+            fd, info = open_read(self.path, os.O_NOFOLLOW)
+        except OSError:
+            return b""
         try:
-            os.pwrite(fd, max(0, need).to_bytes(8, "little"), 8)
+            return os.pread(fd, 8, at) if stat.S_ISREG(info.st_mode) else b""
         finally:
             os.close(fd)
 
-    def _write(self, value: int) -> None:
+    def _write(self, value: int, at: int = 0) -> None:
         fd = open_own_file(self.path, os.O_WRONLY)
         try:
-            os.pwrite(fd, value.to_bytes(8, "little", signed=True), 0)
+            os.pwrite(fd, value.to_bytes(8, "little", signed=True), at)
         finally:
             os.close(fd)
 
