@@ -43,8 +43,8 @@ from typing import BinaryIO
 import filelock
 
 __all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "movable_by_others",
-           "open_own_file", "open_read", "private_makedirs", "remove_any", "unreachable",
-           "user_name", "worker_pool"]
+           "open_own_file", "open_read", "private_makedirs", "pwrite_all", "remove_any",
+           "unreachable", "user_name", "worker_pool"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -96,6 +96,14 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Writer, *,
             os.unlink(partial)
         raise
     return True
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, pos: int) -> None:
+    """Write all of ``data`` at ``pos`` (``os.pwrite`` may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, pos)
+        view, pos = view[n:], pos + n
 
 
 def open_read(path: str | bytes, flags: int = 0) -> tuple[int, os.stat_result]:

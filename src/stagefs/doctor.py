@@ -158,8 +158,15 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
                                 "stage there; name a writable directory with free space")]
         wrote, read = _probe(path, clock)
         total, free = _space(path)
-        over = memory_limit_problem(path, tier.capacity, dir_bytes(path)) \
+        held = dir_bytes(path)
+        over = memory_limit_problem(path, tier.capacity, held) \
             if tier_kind(path) == "memory" else None
+        if over is None and tier.capacity is not None and held > tier.capacity:
+            over = (f"it holds {format_size(held)} already, more than the "
+                    f"{format_size(tier.capacity)} it is given (copies kept from a run given "
+                    "more room, or other datasets'): they are read, nothing more is placed, "
+                    "nothing is removed; 'stagefs clean' of the job that placed them, or "
+                    "deleting what no job reads, frees the room")
     except OSError as exc:
         return [Finding(label, "error", f"cannot write in {path} ({exc.strerror}): stagefs "
                         "cannot stage there; name a writable directory with free space")]

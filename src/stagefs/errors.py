@@ -157,9 +157,11 @@ class ChecksumError(StagefsError, OSError):
 class OriginUnavailableError(StagefsError, OSError):
     """A shard not held locally cannot be read from the origin (moved, deleted, unmounted)."""
 
-    def __init__(self, origin: str, where: str, why: str) -> None:
+    def __init__(self, origin: str, where: str, why: str, *, denied: bool = False) -> None:
+        # denied: the origin's reason is a file's mode, and says what to do itself
         msg = (f"the origin {origin} cannot be read ({where}: {why}); shards held in the "
-               "tiers still read. Is the shared file system mounted and the dataset there?")
+               "tiers still read." + ("" if denied else " Is the shared file system mounted "
+                                      "and the dataset there?"))
         OSError.__init__(self, errno.EIO, msg, origin)
 
     def __str__(self) -> str:

@@ -249,7 +249,10 @@ def private_dir(path: str) -> None:
             "owner or the node's administrator"
         )
     if st.S_IMODE(s.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+        try:
+            os.chmod(path, 0o700)
+        except OSError as exc:  # a read-only file system: a bare OSError naming nothing to do
+            raise _cannot(path, "make it private (mode 0700)", exc) from exc
 
 
 class Runtime:

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -313,7 +313,7 @@ class Store:
         return self.read_entries(ents, plist)
 
     @_while_open
-    def read_entries(self, entries: Sequence[int] | npt.NDArray[np.integer[Any]],
+    def read_entries(self, entries: Iterable[int] | npt.NDArray[np.integer[Any]],
                      paths: Sequence[PathArg | None] | None = None, *,
                      count: bool = True) -> list[bytes]:
         """The verified bytes of many entries (``paths``: their names in errors), in the
@@ -333,6 +333,12 @@ class Store:
         samples are not counted as read (a read-ahead into the tiers, whose samples the
         workers read and count); the origin's reads are counted all the same.
         """
+        if isinstance(entries, (int, np.integer)):
+            raise TypeError(f"read_entries takes a list of entries, not one entry ({entries!r}):"
+                            " read_entry() reads one")
+        if not hasattr(entries, "__len__"):  # a generator
+            entries = list(entries)
+        entries = cast("Sequence[int] | npt.NDArray[np.integer[Any]]", entries)
         n = len(entries)
         if paths is not None and len(paths) != n:
             raise ValueError(f"read_entries: {len(paths)} paths for {n} entries (paths name "
@@ -357,6 +363,10 @@ class Store:
         sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]
         by = np.lexsort((off, sh))
         pick, sh, off = pick[by], sh[by], off[by]
+        # a file asked for again in the batch (sampling with replacement, a padded epoch) is
+        # read once, each repeat handed the same bytes: the origin read it 64 times in a
+        # batch of 64 repeats (the repeats of an entry are next to each other now)
+        again, pick, sh, off = _repeats(ents, pick, sh, off)
         order: list[int] = pick.tolist()  # positions in out, in the order of their bytes
         shards: list[int] = sh.tolist()
         offs: list[int] = off.tolist()
@@ -406,7 +416,20 @@ class Store:
                               (shards, offs, lens))
         else:
             read_local()
+        if again:
+            self._repeat(again, ents, out, count)
         return out
+
+    def _repeat(self, again: list[tuple[int, int]], ents: npt.NDArray[np.int64],
+                out: list[bytes], count: bool) -> None:
+        """Hand each repeat ``k`` of ``again`` (k, j) the bytes read for ``out[j]``: samples
+        the batch served again from its own memory, counted as such (``count_kept``)."""
+        for k, j in again:
+            out[k] = out[j]
+        if count:
+            rep = ents[[k for k, _ in again]]
+            a = self.manifest.arrays
+            self.count_kept(int(a["size"][rep].sum()), len(again), int(a["stored"][rep].sum()))
 
     def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
                      remote: list[_Unit], order: list[int], el: list[int],
@@ -627,6 +650,15 @@ class Store:
                             f"shape {raw.shape}: flatten it first")
         if raw.size == 0:
             return np.zeros(0, np.int64)
+        if raw.dtype.kind not in "iu" and not isinstance(entries, np.ndarray):
+            # whole numbers of mixed kinds (numpy's uint64 with an int) that numpy made
+            # floats of, or something else: each taken as read_entry takes it, the first
+            # that is not a whole number named
+            ints = [_entry_number(x) for x in entries]
+            try:
+                raw = np.asarray(ints, np.int64)
+            except OverflowError:  # beyond any manifest: named below
+                raw = np.asarray(ints, object)
         if raw.dtype.kind not in "iu" and (
                 raw.dtype.kind != "O" or not all(isinstance(x, int) for x in raw.flat)):
             raise TypeError(f"entries are whole numbers (manifest indices), not "
@@ -693,6 +725,7 @@ class Store:
             return b""
         tried: list[str] = []
         no_fds: SourceUnavailable | None = None  # a holder failed for want of a descriptor
+        denied = False  # the origin refused by a file's mode (its reason says what to do)
         holders = self._holders(shard)
         for src in holders:
             # before the check reads the sum: in place, another process may learn it meanwhile
@@ -705,6 +738,7 @@ class Store:
                 self._unavailable(src)
                 if _out_of_descriptors(exc):
                     no_fds = exc
+                denied |= src is self.origin and isinstance(exc.__cause__, PermissionError)
                 # the origin's reason in the error (a permission, a missing mount); a tier's
                 # or a stream's is that it does not hold the shard (yet)
                 tried.append(f"{src.name} (unavailable: {exc})" if src is self.origin
@@ -742,7 +776,8 @@ class Store:
         if all("(unavailable" in t for t in tried):
             if no_fds is not None:  # not the shared file system's fault: say what is
                 raise DescriptorLimitError(self._where(e)) from no_fds
-            raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried))
+            raise OriginUnavailableError(self._origin_name(), self._where(e), ", ".join(tried),
+                                         denied=denied)
         raise ChecksumError(self._show(e, path), f"{self._where(e)} via {', '.join(tried)}")
 
     def _whole(self, e: int, raw: bytes, trust: bool, digest: int | None = None) -> bytes:
@@ -840,8 +875,9 @@ class Store:
 
     def count_kept(self, nbytes: int, reads: int = 1, stored: int | None = None) -> None:
         """``reads`` samples of ``nbytes`` in all (``stored`` as stored) that a front end
-        served again from its own memory (the FUSE server's last files), or that need no
-        holder (empty files: the manifest, in memory, answers them): ``memory``'s."""
+        served again from its own memory (the FUSE server's last files, a batch's repeats of
+        a file), or that need no holder (empty files: the manifest, in memory, answers
+        them): ``memory``'s."""
         self.stats.reads += reads
         self.stats.bytes += nbytes
         if self._counts is not None:
@@ -1069,6 +1105,23 @@ def _entry_number(e: object) -> int:
         raise TypeError(f"an entry is a whole number (a manifest index), not "
                         f"{type(e).__name__} ({e!r}): look entries up with the Store"
                         ) from None
+
+
+def _repeats(ents: npt.NDArray[np.int64], pick: npt.NDArray[np.intp],
+             sh: npt.NDArray[Any], off: npt.NDArray[Any]
+             ) -> tuple[list[tuple[int, int]], npt.NDArray[np.intp], npt.NDArray[Any],
+                        npt.NDArray[Any]]:
+    """The positions ``pick`` of a batch (read_entries), sorted by shard and offset, with
+    their shards ``sh`` and offsets ``off``: the repeats of the entry just before, as
+    (position, position of its first ask), and the rest."""
+    e = ents[pick]
+    rep = e[1:] == e[:-1]
+    if not rep.any():
+        return [], pick, sh, off
+    first = np.concatenate(([True], ~rep))
+    src = np.maximum.accumulate(np.where(first, np.arange(len(pick)), 0))
+    again = list(zip(pick[~first].tolist(), pick[src[~first]].tolist(), strict=True))
+    return again, pick[first], sh[first], off[first]
 
 
 def waited(elapsed: float, nbytes: int) -> bool:

@@ -94,8 +94,9 @@ def test_outputs_exist(bench: tuple[dict, Path]) -> None:  # type: ignore[type-a
             assert all(key in e for e in s["epochs"]), (name, key)
     # the cold epochs are held against the origin's sequential limit, one and several streams
     assert sorted({p["streams"] for p in results["origin_limit"]}) == [1, 6]
+    assert sorted(p["kept"] for p in results["origin_limit"] if p["run"] == 0) == [0, 0, 1]
     assert all(p["bytes"] > 0 for p in results["origin_limit"])
-    assert "The origin's sequential limit" in table
+    assert "The origin's sequential limit" in table and "| / 6 streams kept |" in table
     # plain reads from the origin open every file there; a pack opens a few shards
     sysd = results["systems"]
     assert all(e["origin_opens"] >= FILES for e in sysd["plain-origin"]["epochs"])

@@ -125,3 +125,38 @@ def test_closed_mode_takes_no_read_ahead_an_earlier_sampler_left(pack: Path,
         # none of the closed loop's samples was asked of the earlier read-ahead
         assert earlier.prefetcher.stats.hits + earlier.prefetcher.stats.misses == served
         earlier.close()
+
+
+def test_closed_mode_is_said_and_overriding_the_switch_is_warned(
+        pack: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """An auditor's STAGEFS_CLOSED=1 overridden by a script's closed=False ran open mode
+    without a word; a closed Sampler said nothing a log could show."""
+    monkeypatch.setenv("STAGEFS_CLOSED", "yes")
+    with stagefs.open(pack) as fs, caplog.at_level("INFO", logger="stagefs"):
+        ds = FileDataset(fs, root="train", target=None)
+        opened = Sampler(ds, seed=1, prefetch="1MiB", closed=False)
+        assert not opened.closed
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any("STAGEFS_CLOSED=yes" in m and "closed=False" in m and "open mode" in m
+                   for m in warned), warned
+        for closed, how in ((None, "STAGEFS_CLOSED=yes"), (True, "closed=True")):
+            caplog.clear()
+            s = Sampler(ds, seed=1, prefetch="1MiB", closed=closed)
+            said = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+            assert s.closed and any("closed mode" in m and how in m and "prefetch='1MiB' is "
+                                    "ignored" in m for m in said), said
+        monkeypatch.setenv("STAGEFS_CLOSED", "0")
+        caplog.clear()
+        Sampler(ds, seed=1, closed=False)
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_closed_mode_checks_the_prefetch_it_ignores(pack: Path) -> None:
+    """A prefetch typo that open mode refuses was taken silently in closed mode: the script
+    failed only once the switch was off."""
+    with stagefs.open(pack) as fs:
+        ds = FileDataset(fs, root="train", target=None)
+        for bad in ("lots", -5, 1.5):
+            with pytest.raises(ConfigError, match="prefetch"):
+                Sampler(ds, prefetch=bad, closed=True)
+        assert Sampler(ds, prefetch="1MiB", closed=True).budget == 0

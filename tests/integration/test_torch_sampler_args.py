@@ -72,3 +72,26 @@ def test_a_numpy_prefetch_budget_is_a_budget(ds: FileDataset) -> None:
     s = Sampler(ds, prefetch=np.int64(100_000), rank=0, world_size=1)
     assert s.budget == 100_000 and isinstance(s.budget, int)
     s.close()
+
+
+@pytest.mark.parametrize(("kw", "named"), [
+    ({"closed": "false"}, "closed"),
+    ({"closed": "0"}, "closed"),
+    ({"shuffle": "False"}, "shuffle"),
+    ({"drop_last": "no"}, "drop_last"),
+    ({"locality": "off"}, "locality"),
+    ({"shuffle": 2}, "shuffle"),
+])
+def test_switches_given_as_strings_are_refused_by_name(ds: FileDataset, kw: dict[str, Any],
+                                                       named: str) -> None:
+    """A switch read from a config file or a command line as a string was taken as true:
+    closed="false" ran closed mode, shuffle="False" shuffled."""
+    with pytest.raises(TypeError, match=named):
+        Sampler(ds, **kw)
+
+
+def test_switches_from_numpy_or_torch_or_as_0_and_1_are_taken(ds: FileDataset) -> None:
+    s = Sampler(ds, shuffle=np.bool_(False), drop_last=1, closed=torch.tensor(0), rank=0,
+                world_size=1)
+    assert (s.shuffle, s.drop_last, s.closed) == (False, True, False)
+    assert list(s) == list(range(len(ds)))

@@ -73,13 +73,14 @@ def test_a_batch_from_two_tiers_is_one_call_to_each(dataset: tuple[Path, dict[st
         nonempty = [p for p in batch if files[p]]
         shards = {_shard_of(fs, p) for p in nonempty}
         assert shards & in_memory and shards & on_disk  # several shards, in both tiers
+        distinct = set(nonempty)  # a repeat is read once (its bytes handed to each ask)
         for kind, held in (("memory", in_memory), ("disk", on_disk)):
-            assert spies[kind].calls == [sum(_shard_of(fs, p) in held for p in nonempty)]
+            assert spies[kind].calls == [sum(_shard_of(fs, p) in held for p in distinct)]
         assert alone.calls == [] and mapped.calls == []  # no file read alone; memory: mapped
-        assert _holders(fs) == {  # an empty file: a sample from memory (the manifest's)
-            "memory": sum(_shard_of(fs, p) in in_memory for p in nonempty)
-            + len(batch) - len(nonempty),
-            "disk": sum(_shard_of(fs, p) in on_disk for p in nonempty), "peer": 0, "origin": 0}
+        assert _holders(fs) == {  # an empty file or a repeat: a sample from memory
+            "memory": sum(_shard_of(fs, p) in in_memory for p in distinct)
+            + len(batch) - len(distinct),
+            "disk": sum(_shard_of(fs, p) in on_disk for p in distinct), "peer": 0, "origin": 0}
         # the same through read_entries (entries known: no path looked up), and read
         ents = np.array([fs.namespace.file_entry(p) for p in batch])
         assert fs.read_entries(ents) == want
@@ -259,3 +260,28 @@ def test_a_batch_from_a_tier_and_the_origin(dataset: tuple[Path, dict[str, bytes
         got = _holders(fs)
         assert got["memory"] == len(here) + sum(1 for p in batch if not files[p])
         assert got["origin"] == sum(1 for p in batch if files[p]) - len(here)
+
+
+def test_a_file_repeated_in_a_batch_is_read_once(dataset: tuple[Path, dict[str, bytes]],
+                                                 runtime: Path) -> None:
+    """Sampling with replacement names a file several times in a batch: it is read from the
+    origin once, each repeat gets its bytes, and every sample is counted (a repeat as
+    served from memory, as it is)."""
+    pack, files = dataset
+    names = [p for p in sorted(files) if files[p]]
+    rng = random.Random(4)
+    few = rng.sample(names, 3)
+    batch = [few[0]] * 64 + [rng.choice(few) for _ in range(30)]
+    with stagefs.open(pack) as fs:
+        for p in few:
+            fs.read(p)
+        alone = fs.origin.stats.as_dict()
+    with stagefs.open(pack) as fs:
+        got = fs.read_many(batch)
+        assert got == [files[p] for p in batch]
+        once = fs.origin.stats.as_dict()
+        assert (once["reads"], once["bytes_read"]) <= (alone["reads"], alone["bytes_read"])
+        assert fs.stats.reads == len(batch)
+        assert fs.stats.bytes == sum(len(files[p]) for p in batch)
+        ents = [fs.namespace.file_entry(p) for p in batch]
+        assert fs.read_entries(np.array(ents, np.int32)) == [files[p] for p in batch]

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from stagefs.bench import fuse_serve, worker
-from stagefs.bench.limit import read_files
+from stagefs.bench.limit import origin_limit, read_files
 from stagefs.bench.measure import OriginCounter, Proc, Tally
 from stagefs.bench.report import limit_table, summarize, summary_table, write_report
 from stagefs.cli import main
@@ -123,6 +123,45 @@ def test_the_cold_epoch_is_held_against_the_origins_sequential_limit() -> None:
     assert "1 stream 200 MB/s = 2,000 samples/s, 6 streams 400 MB/s = 4,000 samples/s" in text
     assert "| x      |          1,000 |       0.50 |        0.25 |   0.25 |" in text
     assert limit_table(_results([_epoch(0, 1, 1)])) == ""  # no limit measured: no table
+
+
+def test_the_kept_pass_is_shown_beside_the_limit_and_not_taken_as_the_best() -> None:
+    results = _results([_epoch(0, r, 9) for r in (900, 1100, 1000)])
+    results["origin_limit"] = [
+        {"streams": n, "kept": kept, "samples_per_s": v, "mb_per_s": v / 10, "run": 0}
+        for n, kept, v in ((1, False, 2000), (6, False, 4000), (6, True, 1250))]
+    text = limit_table(results)
+    assert ("6 streams that also write what they read into node-local storage (the least a "
+            "loader that keeps the data does): 125 MB/s = 1,250 samples/s") in text
+    assert "| / 1 stream | / 6 streams | / 6 streams kept | / best |" in text
+    assert "|          1,000 |       0.50 |        0.25 |             0.80 |   0.25 |" in text
+
+
+def test_the_kept_pass_writes_every_byte_it_reads_and_leaves_nothing(tmp_path: Path) -> None:
+    """The kept pass's copies hold the bytes read (written as read, at their offsets, by
+    several streams), and origin_limit removes them after the pass."""
+    import stagefs
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(40):
+        (src / f"f{k}").write_bytes(os.urandom(k * 997 + (5 * 2**20 if k == 3 else 0)))
+    pack = tmp_path / "pack"
+    stagefs.pack(str(src), str(pack), shard_size=2**20, progress=False)
+    shards = sorted(str(p) for p in pack.glob("*.sfs"))
+    assert len(shards) > 2
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    _, nbytes = read_files(shards, 3, str(keep))
+    assert nbytes == sum(os.path.getsize(p) for p in shards)
+    for i, p in enumerate(shards):
+        assert (keep / f"{i:06d}").read_bytes() == Path(p).read_bytes()
+    local = tmp_path / "local"
+    local.mkdir()
+    passes = origin_limit(str(pack), 40, lambda: False, keep=str(local))
+    assert [(p["streams"], p["kept"]) for p in passes] == [(1, False), (6, False), (6, True)]
+    assert all(p["bytes"] == nbytes for p in passes)
+    assert not list(local.iterdir())
 
 
 def test_the_limit_reads_every_byte_with_any_number_of_streams(tmp_path: Path) -> None:

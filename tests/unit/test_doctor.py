@@ -80,3 +80,31 @@ def test_a_memory_tier_over_the_job_s_memory_limit_is_a_warning_with_what_to_giv
     room[0] = None  # no limit applies
     [free] = check_tier(f"{tmp_path / 't3'}:64MiB")
     assert free.status == "ok", free
+
+
+def test_a_tier_holding_more_than_it_is_given_is_a_warning(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A tier filled by a run given more room, then named with less (to free the disk for
+    checkpoints): it keeps every copy and reads them, places nothing more. The doctor called
+    it ok; it now says what it holds against what it is given, and how to free the room."""
+    import os
+
+    import stagefs
+
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(80):
+        (src / f"f{k}").write_bytes(os.urandom(50_000))
+    stagefs.pack(str(src), str(tmp_path / "pack"), shard_size=2**20, progress=False)
+    tier = tmp_path / "tier"
+    with stagefs.open(str(tmp_path / "pack"), tiers=[f"{tier}:64MiB"]) as fs:
+        fs.read_many([f"f{k}" for k in range(80)])
+        fs.status()  # the reads placed their shards (the stream ends with the epoch)
+    [fits] = check_tier(f"{tier}:64MiB")
+    assert fits.status == "ok", fits
+    [over] = check_tier(f"{tier}:2MiB")
+    assert over.status == "warn", over
+    assert "more than the 2.0 MiB it is given" in over.meaning
+    assert "stagefs clean" in over.meaning

@@ -73,3 +73,35 @@ def test_reads_past_the_end_and_at_odd_offsets(pack: tuple[Path, bytes]) -> None
             n = rng.choice([1, 4095, 4097, MiB - 1, MiB, MiB + 1, 3 * MiB])
             assert ops.read("/big.bin", n, off, 0) == data[off : off + n]
         assert ops.read("/big.bin", MiB, len(data), 0) == b""
+
+
+def test_many_large_files_read_at_once_read_each_piece_once(tmp_path: Path) -> None:
+    """24 large files read at once (xargs -P 24 md5sum, DataLoader workers), their READs
+    interleaved and each as the kernel sends it for a sequential read: each piece read and
+    counted once, each file one sample. Only the last 16 files' reads were followed: each
+    READ of the others found its file let go of and read its pieces again (a piece 1.5-4
+    times, a file up to 4 samples)."""
+    from stagefs.posix import fuse
+
+    rng = random.Random(9)
+    files = {f"f{i:02d}.bin": rng.randbytes(5 * MiB + 1000 * i) for i in range(24)}
+    (tmp_path / "raw").mkdir()
+    for name, data in files.items():
+        (tmp_path / "raw" / name).write_bytes(data)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack") as store:
+        ops = _ops(store)
+        order = {name: _kernel_order(len(data)) for name, data in files.items()}
+        got: dict[str, dict[int, bytes]] = {name: {} for name in files}
+        for step in range(max(map(len, order.values()))):
+            for name, reads in order.items():
+                if step < len(reads):
+                    off, n = reads[step]
+                    got[name][off] = ops.read(f"/{name}", n, off, 0)
+        for name, data in files.items():
+            assert b"".join(got[name][k] for k in sorted(got[name])) == data
+        assert store.stats.reads == len(files)
+        assert store.stats.bytes == sum(map(len, files.values()))
+        held = sum(r.held() for r in ops._readers.values())
+        assert held <= fuse._PIECES_HELD + 2 * store.manifest.piece_size  # + the last READ's

@@ -37,7 +37,7 @@ def test_large_compressed_files_read_whole_are_not_all_kept() -> None:
     try:
         for e in range(24):
             for offset in range(0, 32 * MiB, 8 * MiB):  # the kernel's READs of it
-                assert len(whole.read(e, f"/a{e}.npy", offset == 0)) == 32 * MiB
+                assert len(whole.read(e, f"/a{e}.npy", offset, 8 * MiB)) == 32 * MiB
         held, _peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -51,12 +51,12 @@ def test_the_file_being_read_is_kept_whatever_its_size() -> None:
     store = _Store([8 * MiB, 8 * MiB])
     whole = fuse.Whole(store, fuse.Served(2), keep_bytes=4 * MiB)
     for offset in range(0, 8 * MiB, MiB):
-        whole.read(0, "/big", offset == 0)
+        whole.read(0, "/big", offset, MiB)
     assert store.reads == 1
     for offset in range(0, 8 * MiB, MiB):
-        whole.read(1, "/big2", offset == 0)
+        whole.read(1, "/big2", offset, MiB)
     assert store.reads == 2
-    whole.read(0, "/big", False)  # let go of for the last one: read again
+    whole.read(0, "/big", MiB, MiB)  # let go of for the last one: read again
     assert store.reads == 3
 
 
@@ -65,8 +65,39 @@ def test_at_most_keep_files_are_kept(keep: int) -> None:
     store = _Store([100] * 6)
     whole = fuse.Whole(store, fuse.Served(6), keep=keep)
     for e in range(6):
-        whole.read(e, f"/f{e}", True)
-    whole.read(5, "/f5", False)
+        whole.read(e, f"/f{e}", 0, 100)
+    whole.read(5, "/f5", 50, 50)
     assert store.reads == 6
-    whole.read(0, "/f0", False)
+    whole.read(0, "/f0", 50, 50)
     assert store.reads == 7
+
+
+def test_a_file_the_kernel_is_still_reading_outlasts_other_files() -> None:
+    """A file whose READs come over time (a program reading it in pieces, or read-ahead
+    answered late) is kept while other readers' files pass through: its next READ is
+    served from what was read, not read (and counted) again. Let go of by count alone,
+    64 other files read between two of its READs made a 3 MiB file read twice."""
+    store = _Store([3 * MiB] + [1000] * 100)
+    whole = fuse.Whole(store, fuse.Served(101), keep=4)
+    whole.read(0, "/big", 0, 4096)
+    for e in range(1, 101):  # other files, each asked for whole
+        whole.read(e, f"/f{e}", 0, 4096)
+    whole.read(0, "/big", 2 * MiB, MiB)
+    assert store.reads == 101
+    whole.read(0, "/big", 4096, 2 * MiB - 4096)  # now asked for whole
+    for e in range(1, 6):
+        whole.read(e, f"/f{e}", 0, 4096)  # read again: the program's next pass
+    whole.read(0, "/big", 3 * MiB - 4096, 4096)  # let go of once asked for whole
+    assert store.reads == 101 + 5 + 1
+
+
+def test_files_never_asked_for_whole_are_bounded() -> None:
+    """A program that reads only the start of each file (its header) leaves each
+    file kept not asked for whole: they are let go of past ``keep * 4`` files."""
+    store = _Store([MiB] * 40)
+    whole = fuse.Whole(store, fuse.Served(40), keep=2)
+    for e in range(40):
+        whole.read(e, f"/h{e}", 0, 4096)
+    assert len(whole._files) == 2 * fuse._UNASKED_SHARE
+    whole.read(0, "/h0", 4096, 4096)  # the first, let go of: read again
+    assert store.reads == 41

@@ -277,3 +277,28 @@ def test_a_full_runtime_file_system_is_named_with_what_to_do(
     [shm] = check_shm()
     assert shm.status == "warn" and "runtime directory" in shm.meaning
     assert "STAGEFS_RUNTIME" in shm.meaning
+
+
+def test_a_runtime_directory_on_a_read_only_file_system_is_named_with_what_to_do(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime directory that exists, not private yet, on a file system mounted read-only
+    (STAGEFS_RUNTIME pointed at a shared directory): ``stagefs.open`` with tiers and every
+    command that opens the runtime failed with a bare ``OSError: [Errno 30] Read-only file
+    system`` from making it private. It names the directory and what to do."""
+    import errno
+
+    from stagefs import runtime as runtime_mod
+    from stagefs.errors import ConfigError
+
+    def read_only(path: str, *_a: object, **_k: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    rt = Runtime(tmp_path / "rt")
+    os.makedirs(rt.path, mode=0o755)
+    os.chmod(rt.path, 0o755)
+    monkeypatch.setattr(runtime_mod.os, "chmod", read_only)
+    with pytest.raises(ConfigError) as got:
+        rt.open()
+    said = str(got.value)
+    assert f"runtime directory {rt.path}: cannot make it private" in said
+    assert "Read-only file system" in said and "STAGEFS_RUNTIME" in said

@@ -16,6 +16,7 @@ import pytest
 import stagefs
 from conftest import as_nobody, build_sample_tree, world_dir
 from stagefs.errors import ConfigError
+from stagefs.format import KIND_FILE
 from stagefs.runtime import Runtime, clean
 
 NOBODY = 65534
@@ -319,3 +320,29 @@ def test_another_users_files_in_a_shared_tier_take_none_of_this_users_room(
     code, msg = as_nobody(_stages_everything(mine / "rt", pack, f"{tier}:8MiB"))
     # before: their 65 MiB counted against this user's 8 MiB: nothing placed
     assert code == 0, msg
+
+
+def test_a_shard_another_user_made_unreadable_says_so_and_what_to_do(world: Path) -> None:
+    """One shard of a readable pack made unreadable by its owner (``chmod 000``) while a job
+    of another user reads it cold: the read names the shard, says that its mode keeps this
+    user out and how the owner makes the pack readable. Before, only "Permission denied",
+    then "Is the shared file system mounted and the dataset there?"."""
+    pack = _pack(world)
+    mine = _own_runtime(world)
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        shard = m.shards[-1].name
+        victim = next(os.fsdecode(m.path_of(e)) for e in range(len(m.size))
+                      if m.kind[e] == KIND_FILE and int(m.shard[e]) == len(m.shards) - 1)
+    os.chmod(pack / shard, 0)
+
+    def reader() -> None:
+        os.environ["STAGEFS_RUNTIME"] = str(mine / "rt")
+        with stagefs.open(pack, tiers=[f"{mine / 'tier'}:64MiB"]) as fs:
+            fs.read(victim)
+
+    code, msg = as_nobody(reader)
+    assert code == 1 and msg.startswith("OriginUnavailableError"), msg
+    assert str(pack / shard) in msg and "not readable by nobody" in msg, msg
+    assert f"chmod -R a+rX {pack}" in msg, msg
+    assert "Is the shared file system mounted" not in msg, msg  # not its cause

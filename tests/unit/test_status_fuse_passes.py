@@ -2,7 +2,9 @@
 called as libfuse calls them, without a mount: a program's next pass over a file whose
 pieces the server still keeps (the kernel let go of its pages, or the program reads with
 O_DIRECT) is a sample and its bytes, from this process's memory, as for a small file kept;
-it was not counted at all (`stagefs status` showed nothing of a 5 MiB file read again)."""
+it was not counted at all (`stagefs status` showed nothing of a 5 MiB file read again).
+And a file read whole (``Whole``) whose READs come over time is one sample, however many
+other files are read between them."""
 
 from __future__ import annotations
 
@@ -60,3 +62,32 @@ def test_each_pass_over_a_kept_large_file_is_counted_once(
     st = job_status(Runtime(str(rt)))
     assert (st["reads"], st["bytes"]) == (3, 3 * len(data)), st
     assert st["holders"]["memory"] == {"reads": 2, "bytes": 2 * len(data)}, st
+
+
+def test_a_small_file_read_in_pieces_between_other_files_is_one_sample(
+        tmp_path: Path) -> None:
+    """A 3 MiB file (read whole) the kernel asks for in READs spread over time (a program
+    reading it in pieces, or read-ahead answered late by a busy server), other readers'
+    files read between them: one sample, its bytes once. The server let go of it after 64
+    other files and read it whole again for its next READ (from the origin where no tier
+    held it), counting a second sample."""
+    rnd = random.Random(7)
+    big = rnd.randbytes(3 * MiB + 5)
+    small = [rnd.randbytes(1000 + i) for i in range(80)]
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "big.bin").write_bytes(big)
+    for i, b in enumerate(small):
+        (tmp_path / "raw" / f"s{i:03d}.bin").write_bytes(b)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / "tier")],
+                      runtime=str(tmp_path / "rt")) as store:
+        ops = _ops(store)
+        assert ops.read("/big.bin", 4096, 0, 0) == big[:4096]
+        for i, b in enumerate(small):
+            assert ops.read(f"/s{i:03d}.bin", 4096, 0, 0) == b
+        assert ops.read("/big.bin", MiB, 2 * MiB, 0) == big[2 * MiB : 3 * MiB]
+        assert ops.read("/big.bin", 2 * MiB, MiB, 0) == big[MiB : 3 * MiB]
+        assert ops.read("/big.bin", MiB, 1 << 62, 0) == b""  # O_DIRECT far past the end
+        reads, nbytes = store.stats.reads, store.stats.bytes
+    assert (reads, nbytes) == (81, len(big) + sum(map(len, small)))

@@ -179,6 +179,24 @@ def test_read_entries_refuses_entries_not_in_the_manifest(busy_store: stagefs.St
         busy_store.read_entry(float(e))  # type: ignore[arg-type]
 
 
+def test_read_entries_takes_whole_numbers_of_any_kind(busy_store: stagefs.Store) -> None:
+    """numpy makes floats of numpy's uint64 next to an int: such entries were refused as
+    floats, and a list holding None was refused naming its first, good, entry."""
+    es = [e for e in range(len(busy_store.manifest)) if busy_store.namespace.isfile(
+        busy_store.manifest.path_of(e))][:3]
+    want = [busy_store.read_entry(e) for e in es]
+    assert busy_store.read_entries([np.uint64(es[0]), es[1], np.int8(es[2])]) == want
+    assert busy_store.read_entries(e for e in es) == want  # as read_many takes paths
+    with pytest.raises(IndexError, match="not in this pack's manifest"):
+        busy_store.read_entries([np.uint64(es[0]), 2**63])
+    for bad, shown in ((None, "None"), (float(es[1]), repr(float(es[1]))), ("d0", "'d0'")):
+        with pytest.raises(TypeError, match="whole number") as info:
+            busy_store.read_entries([np.uint64(es[0]), bad])
+        assert shown in str(info.value)
+    with pytest.raises(TypeError, match="read_entry"):
+        busy_store.read_entries(np.int64(es[0]))  # type: ignore[arg-type]
+
+
 def test_a_closed_store_says_so(busy: tuple[Path, dict[str, bytes]]) -> None:
     """After close, a read raised "operation forbidden on released memoryview object"."""
     fs = stagefs.open(busy[0])

@@ -4,6 +4,7 @@ the rest themselves; across the processes of a node every origin byte is read on
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import random
@@ -570,3 +571,172 @@ def test_a_slow_origin_is_streamed_in_short_runs(runtime: Path, tmp_path: Path,
         for name, data in files.items():
             assert fs.read(name) == data
         assert fs.origin.stats.bytes_read == stored_total(tmp_path / "pack")
+
+
+def test_a_file_wrong_at_the_origin_costs_the_stream_only_that_file(
+        runtime: Path, tmp_path: Path) -> None:
+    """A byte flipped in one file at the origin: that file is a ChecksumError, never placed;
+    the good files read in the same run are checked and placed, and the stream goes on with
+    the rest of the shard. Before, the stream stopped at the bad file and threw the run
+    away: its readers read the rest of the shard again, one small read each."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = random.Random(4)
+    files = {f"f{i:03d}": rng.randbytes(rng.randint(1000, 30000)) for i in range(120)}
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    pack = tmp_path / "pack"
+    stagefs.pack(raw, pack, shard_size="16MiB", compress="none", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        by_offset = sorted((int(m.offset[fs.namespace.file_entry(n)]), n) for n in files)
+        shard = pack / m.shards[0].name
+    bad_at, bad = by_offset[len(by_offset) // 3]
+    with open(shard, "r+b") as f:  # one byte of a file a third into the shard
+        f.seek(bad_at + 7)
+        b = f.read(1)
+        f.seek(bad_at + 7)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 1
+        fs.prefetch([0])
+        assert chain.wait_idle(60)
+        assert fs.origin.stats.bytes_read == stored_total(pack)  # the stream read it all
+        assert chain.corrupt == 1
+        for name, data in files.items():
+            if name != bad:
+                assert fs.read(name) == data
+        assert fs.origin.stats.bytes_read == stored_total(pack)  # every good file placed
+        with pytest.raises(stagefs.ChecksumError, match=bad):
+            fs.read(bad)
+        assert 0 not in fs.held_shards()  # a shard with a bad file is never whole
+
+
+def test_a_wait_on_this_process_s_own_stalled_read_blames_the_origin_not_a_stopped_process(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The origin stalls under this process's own stream (a shared file system in recovery):
+    a read waiting for the stream gives up after HOLDER_WAIT_S and reads the origin itself,
+    and the log says the origin is slow. Before, with no other process in the job, it said
+    a reader held the bytes and asked to `kill -CONT` a stopped process of the job."""
+    pack, files = dataset
+    entered, release = threading.Event(), threading.Event()
+    monkeypatch.setattr(stream_mod, "HOLDER_WAIT_S", 0.0)  # the wait runs out at once
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        origin_type = type(chain.origin)
+        real_pread = origin_type.pread
+
+        def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+            if threading.current_thread().name.startswith("stagefs-stream"):
+                entered.set()
+                assert release.wait(60)  # the stalled read
+            return bytes(real_pread(self, shard, offset, length))
+
+        monkeypatch.setattr(origin_type, "pread", pread)
+        m = fs.manifest
+        entry = {p: fs.namespace.file_entry(p) for p in files if files[p]}
+        last = max(entry, key=lambda p: (int(m.shard[entry[p]]) == 0, int(m.offset[entry[p]])))
+        fs.prefetch([0])
+        assert entered.wait(60)
+        try:
+            with caplog.at_level("WARNING", logger="stagefs.tiers"):
+                assert fs.read(last) == files[last]  # from the origin, by the reader
+        finally:
+            release.set()
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "this process's own read of the origin" in said and str(pack) in said
+        assert "kill -CONT" not in said
+
+
+def test_a_shard_cut_short_at_the_origin_keeps_the_files_before_the_cut(
+        runtime: Path, tmp_path: Path) -> None:
+    """A shard truncated at the origin (copied again under a running job): the stream's
+    read comes up short; the whole files it did get are checked and placed, and only the
+    files from the cut on are errors naming the shard. Before, the read's bytes were let go
+    and the first file of the read was marked bad: the files before the cut were read again
+    from the origin, one small read each."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = random.Random(6)
+    files = {f"f{i:03d}": rng.randbytes(rng.randint(1000, 30000)) for i in range(120)}
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    pack = tmp_path / "pack"
+    stagefs.pack(raw, pack, shard_size="16MiB", compress="none", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    with stagefs.open(pack) as fs:
+        m = fs.manifest
+        ends = {n: int(m.offset[fs.namespace.file_entry(n)]) + len(files[n]) for n in files}
+        shard = pack / m.shards[0].name
+    cut = sorted(ends.values())[len(ends) * 2 // 3] - 5  # inside a file two thirds in
+    os.truncate(shard, cut)
+    before = {n for n, end in ends.items() if end <= cut}
+    assert 40 < len(before) < len(files)
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 1
+        fs.prefetch([0])
+        assert chain.wait_idle(60)
+        streamed = fs.origin.stats.bytes_read
+        assert 0 < streamed <= cut
+        for name in sorted(before):
+            assert fs.read(name) == files[name]
+        assert fs.origin.stats.bytes_read == streamed  # each came in the stream's read
+        for name in sorted(set(files) - before):
+            with pytest.raises(stagefs.errors.CorruptShardError, match="truncated"):
+                fs.read(name)
+
+
+def test_a_stream_read_that_fails_once_is_read_again_not_left_to_the_readers(
+        runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shared file system's read fails now and then (EIO while a server fails over): the
+    stream reads that run once more and the shard is placed whole, each byte read once; a
+    single failed read stopped the shard's stream for the rest of the job, its files left to
+    the readers' small reads. A read that fails twice in a row still stops it."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    rng = random.Random(5)
+    files = {f"f{i:03d}": rng.randbytes(64 * 2**10) for i in range(160)}  # 10 MiB
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", shard_size="16MiB", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    monkeypatch.setattr(stream_mod, "RETRY_S", 0.01, raising=False)
+    for fails in (1, 2):
+        with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / f"tier{fails}")],
+                          runtime=runtime / str(fails)) as fs:
+            chain = fs.chain
+            assert chain is not None
+            chain.stream.controller.most = chain.stream.controller.target = 1
+            origin_type = type(chain.origin)
+            real_pread = origin_type.pread
+            calls = [0]
+
+            def pread(self: Any, shard: int, offset: int, length: int, fails: int = fails,
+                      calls: list[int] = calls, real_pread: Any = real_pread) -> bytes:
+                if threading.current_thread().name.startswith("stagefs-stream"):
+                    calls[0] += 1
+                    if 2 <= calls[0] < 2 + fails:  # the second run's read, fails times
+                        raise OSError(errno.EIO, "Input/output error")
+                return bytes(real_pread(self, shard, offset, length))
+
+            monkeypatch.setattr(origin_type, "pread", pread)
+            fs.prefetch([0])
+            assert chain.wait_idle(60)
+            monkeypatch.undo()
+            monkeypatch.setattr(stream_mod, "RETRY_S", 0.01, raising=False)
+            if fails == 1:
+                assert chain._find(0) and 0 not in chain._failed  # placed whole
+                assert fs.origin.stats.bytes_read == stored_total(tmp_path / "pack")
+            else:
+                assert 0 in chain._failed and not chain._find(0)
+            for name, data in files.items():
+                assert fs.read(name) == data

@@ -136,3 +136,31 @@ def test_a_tier_whose_path_is_not_utf8_holds_data(one_large: Path, runtime: Path
         assert fs.read("big.bin") == random_bytes(6 * MiB, 1)
         assert set(fs.held_shards()) == {0}
     assert dir_bytes(tier) >= 6 * MiB
+
+
+def test_a_tier_opened_with_less_capacity_than_it_holds_says_so(
+        tmp_path: Path, runtime: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A job restarted on its tiers with a smaller capacity (the disk wanted back for
+    checkpoints) keeps every copy and reads them (nothing is evicted), but said nothing:
+    a tier given 2 MiB held 6 MiB. A warning names the tier, what it holds and the
+    capacity, once; a tier within its capacity says nothing."""
+    files = {f"f{i}.bin": random_bytes(200_000, i) for i in range(30)}
+    pack = pack_files(tmp_path, "data", files)
+    tier = tmp_path / "disk"
+    with stagefs.open(pack, tiers=[f"{tier}:8MiB"]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        held = fs.chain.tiers[0].used_bytes()
+    assert held > 5 * MiB
+    with caplog.at_level(logging.WARNING, logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tier}:8MiB"]) as fs:
+        pass
+    assert not [r for r in caplog.records if "more than the" in r.getMessage()]
+    for _ in range(2):  # a second process of the job: not said again
+        with caplog.at_level(logging.WARNING, logger="stagefs"), \
+                stagefs.open(pack, tiers=[f"{tier}:2MiB"]) as fs:
+            assert all(fs.read(p) == d for p, d in files.items())
+            assert fs.chain is not None and fs.chain.tiers[0].used_bytes() == held
+    said = [r.getMessage() for r in caplog.records if "more than the" in r.getMessage()]
+    assert len(said) == 1
+    assert str(tier) in said[0] and "2.0 MiB" in said[0] and "stagefs clean" in said[0]

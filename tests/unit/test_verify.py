@@ -153,8 +153,8 @@ def test_verify_names_a_shard_it_may_not_read(verify_pack_dir: Path, tmp_path: P
         _refuse_open(monkeypatch, victim, errno.EACCES)
     report = verify_pack(str(pack), jobs=1, progress=False)
     assert sorted(c.path for c in report.corrupt) == _files_of(pack, 2)
-    assert all(c.reason == f"the shard cannot be read: {victim}: Permission denied"
-               for c in report.corrupt), report.corrupt
+    assert all(c.reason.startswith(f"the shard cannot be read: {victim}: Permission denied")
+               and f"chmod -R a+rX {pack}" in c.reason for c in report.corrupt), report.corrupt
 
 
 def _refuse_open(monkeypatch: pytest.MonkeyPatch, path: str, code: int) -> None:

@@ -1,29 +1,49 @@
 """The origin's sequential limit: how fast the link reads the pack's shard files from the
 origin, in large sequential reads, with one stream and with several at once (page cache
 dropped before each pass when the runner can). A cold epoch cannot beat it: its samples/s
-is held against ``files / seconds`` of the best pass (docs/benchmarks.md)."""
+is held against ``files / seconds`` of the best pass (docs/benchmarks.md).
+
+And one pass more, of ``KEPT`` streams that also write what they read into node-local
+storage (where the bench puts its tiers): the least any loader that keeps the data for the
+next epochs must do with each byte. Where the node's CPUs, not the link, set the limit (a
+file system's client and servers on the same few cores), it is the nearer reference; it
+does not replace the others."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["READ", "STREAMS", "origin_limit", "read_files"]
+from stagefs._fsutil import pwrite_all
+
+__all__ = ["KEPT", "READ", "STREAMS", "label", "origin_limit", "read_files"]
 
 READ = 4 * 2**20  # bytes per read: the size the stream reads (tiers/stream.py CHUNK)
 STREAMS = (1, 6)  # passes: one stream, then this many files read at once
+KEPT = 6  # streams of the pass that also keeps what it reads
 
 
-def read_files(paths: Sequence[str], streams: int) -> tuple[float, int]:
+def label(p: dict[str, Any]) -> str:
+    """A pass's name in the report: "1 stream", "6 streams", "6 streams kept"."""
+    n = p["streams"]
+    return f"{n} stream{'s' if n > 1 else ''}" + (" kept" if p.get("kept") else "")
+
+
+def read_files(paths: Sequence[str], streams: int,
+               keep: str | None = None) -> tuple[float, int]:
     """Read every file whole, ``streams`` at a time, READ bytes a call; (seconds, bytes).
+    ``keep``: a directory each file is also written into as it is read (``NNNNNN``, its
+    place in ``paths``; the caller removes them).
 
     Ctrl-C (or any exception in the caller's thread) stops the readers at their next read
     and waits for them: they read the whole pack otherwise, minutes on a slow link, before
     the process could end, or failed with tracebacks once the run removed the pack."""
-    todo = list(paths)
+    todo = list(enumerate(paths))
     lock = threading.Lock()
     total = [0]
     stop = threading.Event()
@@ -36,14 +56,22 @@ def read_files(paths: Sequence[str], streams: int) -> tuple[float, int]:
                 with lock:
                     if not todo:
                         return
-                    path = todo.pop(0)
+                    i, path = todo.pop(0)
                 fd = os.open(path, os.O_RDONLY)
+                out = -1
                 try:
+                    if keep is not None:
+                        out = os.open(os.path.join(keep, f"{i:06d}"),
+                                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                     n = 0
                     while not stop.is_set() and (k := os.readv(fd, [buf])):
+                        if out >= 0:
+                            pwrite_all(out, memoryview(buf)[:k], n)
                         n += k
                 finally:
                     os.close(fd)
+                    if out >= 0:
+                        os.close(out)
                 with lock:
                     total[0] += n
         finally:
@@ -67,9 +95,12 @@ def read_files(paths: Sequence[str], streams: int) -> tuple[float, int]:
 
 
 def origin_limit(pack_dir: str, files: int, drop: Callable[[], bool],
-                 streams: Sequence[int] = STREAMS) -> list[dict[str, Any]]:
+                 streams: Sequence[int] = STREAMS,
+                 keep: str | None = None) -> list[dict[str, Any]]:
     """One pass per stream count over the pack's shard files: seconds, MB/s, and the
-    samples/s an epoch would reach if it moved its bytes at that speed."""
+    samples/s an epoch would reach if it moved its bytes at that speed; with ``keep`` (a
+    node-local directory), a pass of ``KEPT`` streams writing what they read under it
+    (removed after the pass)."""
     from stagefs.format import MANIFEST_NAME, Manifest
 
     m = Manifest(os.path.join(pack_dir, MANIFEST_NAME))
@@ -78,10 +109,15 @@ def origin_limit(pack_dir: str, files: int, drop: Callable[[], bool],
     finally:
         m.close()
     out = []
-    for n in streams:
+    for n, kept in [(n, False) for n in streams] + ([(KEPT, True)] if keep else []):
         cold = drop()
-        seconds, nbytes = read_files(paths, n)
-        out.append({"streams": n, "seconds": seconds, "bytes": nbytes, "cold": cold,
-                    "mb_per_s": nbytes / seconds / 1e6 if seconds else 0.0,
+        where = tempfile.mkdtemp(prefix="limit-kept-", dir=keep) if kept else None
+        try:
+            seconds, nbytes = read_files(paths, n, where)
+        finally:
+            if where is not None:
+                shutil.rmtree(where, ignore_errors=True)
+        out.append({"streams": n, "kept": kept, "seconds": seconds, "bytes": nbytes,
+                    "cold": cold, "mb_per_s": nbytes / seconds / 1e6 if seconds else 0.0,
                     "samples_per_s": files / seconds if seconds else 0.0})
     return out

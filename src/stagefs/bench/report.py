@@ -126,28 +126,39 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_settings(results)}\n")
 
 
-def origin_limit(results: dict[str, Any]) -> dict[int, float]:
-    """Median samples/s of the origin's sequential limit, per stream count."""
+def origin_limit(results: dict[str, Any]) -> dict[str, float]:
+    """Median samples/s of the origin's sequential limit, per pass ("1 stream", "6 streams",
+    "6 streams kept": bench/limit.py's ``label``)."""
+    from stagefs.bench.limit import label
+
     passes = results.get("origin_limit") or []
-    return {n: _median([p["samples_per_s"] for p in passes if p["streams"] == n])
-            for n in sorted({p["streams"] for p in passes})}
+    labels = sorted({label(p) for p in passes},
+                    key=lambda k: (k.endswith("kept"), int(k.split()[0])))
+    return {k: _median([p["samples_per_s"] for p in passes if label(p) == k]) for k in labels}
 
 
 def limit_table(results: dict[str, Any]) -> str:
     """Each system's cold epoch against the origin's sequential limit (bench/limit.py)."""
+    from stagefs.bench.limit import label
+
     limits = origin_limit(results)
     if not limits:
         return ""
     passes = results["origin_limit"]
-    mb = {n: _median([p["mb_per_s"] for p in passes if p["streams"] == n]) for n in limits}
-    best = max(limits.values())
+    mb = {k: _median([p["mb_per_s"] for p in passes if label(p) == k]) for k in limits}
+    best = max(v for k, v in limits.items() if not k.endswith("kept"))
     # dropped only when every pass dropped it: else the limit may be the page cache's
     cache = ("page cache dropped" if all(p.get("cold") for p in passes) else
              "page cache NOT dropped, so the limit may be memory's, not the origin's")
+    read = [k for k in limits if not k.endswith("kept")]
+    kept = [k for k in limits if k.endswith("kept")]
     head = ("\nThe origin's sequential limit (the pack's shard files read whole, 4 MiB a "
             f"read, {cache}): " + ", ".join(
-                f"{n} stream{'s' if n > 1 else ''} {mb[n]:,.0f} MB/s = {limits[n]:,.0f} "
-                "samples/s" for n in limits) + ".\n\n")
+                f"{k} {mb[k]:,.0f} MB/s = {limits[k]:,.0f} samples/s" for k in read) + "."
+            + "".join(f" Read by {k.split()[0]} streams that also write what they read into "
+                      f"node-local storage (the least a loader that keeps the data does): "
+                      f"{mb[k]:,.0f} MB/s = {limits[k]:,.0f} samples/s ({k})." for k in kept)
+            + "\n\n")
     rows: list[list[object]] = []
     for name, m in summarize(results).items():
         if "error" in m or not results["systems"][name].get("on_origin", True):
@@ -156,8 +167,7 @@ def limit_table(results: dict[str, Any]) -> str:
         row: list[object] = [name, _fmt(cold)]
         row += [_fmt(cold / v, 2) if v else "-" for v in limits.values()]
         rows.append([*row, _fmt(cold / best, 2) if best else "-"])
-    headers = (["system", "cold samples/s"]
-               + [f"/ {n} stream{'s' if n > 1 else ''}" for n in limits] + ["/ best"])
+    headers = ["system", "cold samples/s"] + [f"/ {k}" for k in limits] + ["/ best"]
     return head + table(headers, rows) + "\n"
 
 

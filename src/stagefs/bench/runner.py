@@ -399,13 +399,15 @@ def _runs(cfg: BenchConfig, worker: _Worker, active: list[System], ctx: Context,
     for run in range(cfg.runs):
         results["runs_started"] = run + 1
         if pack is not None and "origin_limit" in results:  # the link's sequential limit
-            from stagefs.bench.limit import origin_limit
+            from stagefs.bench.limit import label, origin_limit
 
-            passes = origin_limit(pack["dir"], files, lambda: cfg.drop_caches and drop_caches())
+            # the kept pass writes where the tiers are: node-local scratch
+            passes = origin_limit(pack["dir"], files, lambda: cfg.drop_caches and drop_caches(),
+                                  keep=ctx.local)
             results["origin_limit"].extend({**p, "run": run} for p in passes)
             cfg.say("origin limit: " + ", ".join(
-                f"{p['streams']} stream{'s' if p['streams'] > 1 else ''} {p['mb_per_s']:,.0f} "
-                f"MB/s ({p['samples_per_s']:,.0f} samples/s)" for p in passes))
+                f"{label(p)} {p['mb_per_s']:,.0f} MB/s ({p['samples_per_s']:,.0f} samples/s)"
+                for p in passes))
         order = active[run % len(active):] + active[:run % len(active)] if active else []
         for s in order:
             cfg.say(f"run {run + 1}/{cfg.runs}: {s.name}")

@@ -9,6 +9,7 @@ dict of all paths. docs/FORMAT.md specifies the layout byte by byte.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import mmap
@@ -267,6 +268,30 @@ class ManifestBuilder:
         return buf
 
 
+def _map(fd: int, size: int, path: str) -> mmap.mmap | bytes:
+    """The manifest's bytes, mapped. A file system that refuses a shared mapping (ENODEV: a
+    FUSE mount with ``direct_io``) may still map it privately, read-only (the same pages,
+    never written); one that maps nothing has it read into this process's memory (each
+    process then holds a copy of its own)."""
+    for how in ({"access": mmap.ACCESS_READ}, {"flags": mmap.MAP_PRIVATE, "prot": mmap.PROT_READ}):
+        try:
+            return mmap.mmap(fd, 0, **how)
+        except OSError as exc:
+            if exc.errno not in (errno.ENODEV, errno.EINVAL, errno.EACCES):
+                raise
+    chunks, got = [], 0
+    while got < size:
+        chunk = os.pread(fd, size - got, got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    if got != size:
+        raise CorruptManifestError(f"{path}: {got} bytes read of the manifest's {size} (the "
+                                   "file shrank while it was read?); copy the pack again")
+    return b"".join(chunks)
+
+
 class Manifest:
     """A read-only, memory-mapped manifest. Scalar access goes through memoryviews (fast for
     one entry), vector access through numpy views (``.arrays``) of the same pages.
@@ -296,7 +321,7 @@ class Manifest:
             if size < MANIFEST_HEADER.size:
                 raise CorruptManifestError(f"{path}: truncated manifest ({size} bytes); "
                                            "copy the pack again or re-pack it")
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            self._mm: mmap.mmap | bytes = _map(fd, size, path)
         finally:
             os.close(fd)
         self._buf = memoryview(self._mm)
@@ -400,8 +425,9 @@ class Manifest:
         if hasattr(self, "_buf"):
             self._buf.release()
         # numpy views made elsewhere may still pin the map; it is unmapped when they go
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        if isinstance(self._mm, mmap.mmap):
+            with contextlib.suppress(BufferError):
+                self._mm.close()
 
     def __len__(self) -> int:
         return self.n

@@ -83,7 +83,15 @@ _RECENT_FILES = 64  # files read whole kept while the kernel reads them (Whole)
 # bytes of them kept: a compressed file of any size is read whole (its stored bytes are not
 # its content), and 64 of them kept held 64 files' worth (826 MB for 24 arrays of 32 MB)
 _RECENT_BYTES = 256 << 20
-_OPEN_READERS = 16  # large files whose last pieces read are kept (Pieces)
+# and files the kernel has not asked for whole yet are kept among this many times as many
+_UNASKED_SHARE = 4
+_PAGE = 4096  # what Whole tracks the READs of a file by
+# large files whose reads are followed (Pieces: the program's passes, the last pieces read),
+# and the bytes of pieces kept across them (16 files' worth): 16 files followed, 24 read at
+# once (xargs -P 24 md5sum, DataLoader workers) read each piece 1.5-4 times and counted a
+# file up to 4 samples
+_OPEN_READERS = 256
+_PIECES_HELD = 16 * (8 << 20)
 # bytes of pieces kept per large file (at least two pieces): the kernel's READs of it come
 # unaligned and out of order, up to a few MiB apart (4 MiB kept still read pieces again)
 _PIECES_KEPT = 8 << 20
@@ -319,10 +327,13 @@ class Pusher:
     Only raw files (a compressed file's stored bytes are not its content) up to
     ``WHOLE_READ_LIMIT``, only files the kernel knows (a listed directory's, or found by
     path: looking up the handle makes the kernel know it), and at most ``budget`` bytes a
-    mount (``PUSH_SHARE`` of the memory available at mount, within the job's control-group
-    limit: the page cache is the kernel's
-    to evict, and a dataset larger than memory is not pushed whole). A backlog over
-    ``BACKLOG`` bytes (the kernel slower than the streams) is dropped, not kept.
+    mount (``push_budget``: ``PUSH_SHARE`` of the memory available at mount, within the
+    job's control-group limit, less what its memory tiers will still take: the page cache
+    is the kernel's to evict, and a dataset larger than memory is not pushed whole). A backlog over
+    ``BACKLOG`` bytes, or over what the budget has left to push (the kernel slower than
+    the streams), is dropped, not kept: the streams' reads it holds are this process's
+    memory until pushed, and past the budget would never be pushed (under a job's memory
+    limit, a budget of 100 MB still let 256 MB of them wait here).
     ``STAGEFS_FUSE_PUSH=0`` turns it off. A kernel that refuses (no file handles on this
     mount, no notify) turns it off for the mount with one log line; a file the kernel has
     forgotten meanwhile is skipped.
@@ -349,7 +360,8 @@ class Pusher:
         """A stream's listener (``Stream.arrived``): queue them, return at once."""
         size = sum(len(r[1]) for r in runs)
         with self._lock:
-            if self.off is not None or self._queued + size > self.BACKLOG:
+            if self.off is not None or \
+                    self._queued + size > min(self.BACKLOG, self.budget - self.bytes):
                 self.skipped += len(entries)
                 return
             self._queued += size
@@ -436,6 +448,30 @@ class Pusher:
             self.served.pushed(e)
 
 
+def push_budget(store: Any) -> int:
+    """The bytes a mount pushes at most: ``PUSH_SHARE`` of the memory available at mount,
+    less what the store's memory tiers will still take of this dataset (their pages are
+    memory too, charged to the same job: a budget taken before they filled had the kernel
+    evict pushed pages, whose files were then read and counted again)."""
+    from stagefs.tiers.tier import dir_bytes
+
+    left = int(store.manifest.arrays["stored"].sum())
+    coming = 0
+    for t in getattr(store.chain, "tiers", ()):
+        if t.kind != "memory":
+            continue
+        if t.capacity is not None:
+            room = t.capacity - t.used_bytes()
+        else:
+            try:
+                v = os.statvfs(t.root)
+            except OSError:
+                continue
+            room = v.f_bavail * v.f_frsize
+        coming += max(0, min(room, left - dir_bytes(t.dir)))
+    return int(max(0, memory_available() - coming) * PUSH_SHARE)
+
+
 def _pusher(store: Any, mountpoint: str, served: Served) -> Pusher | None:
     """A Pusher for this mount, once the session runs (called in INIT); None where pushing
     is off, the store has no cold pipeline, or libfuse lacks the call."""
@@ -457,8 +493,7 @@ def _pusher(store: Any, mountpoint: str, served: Served) -> Pusher | None:
     session = get_session(ctypes.c_void_p(ctx.contents.fuse))
     if not session:
         return None
-    p = Pusher(store, mountpoint, notify, session, int(memory_available() * PUSH_SHARE),
-               served)
+    p = Pusher(store, mountpoint, notify, session, push_budget(store), served)
     chain.stream.arrived = p.arrived
     return p
 
@@ -480,7 +515,13 @@ class Whole:
     At most ``keep`` files and ``keep_bytes`` bytes are kept, but always the file read
     last: a compressed file is read whole whatever its size, and a byte bound keeps a
     dataset of large compressed arrays from holding 64 of them in this process (the one
-    being read stays, or each of its READs would read it whole again)."""
+    being read stays, or each of its READs would read it whole again). The ``keep``
+    files let go of are the oldest the kernel has asked for whole since they were read;
+    one it has not (its READs come over time: a program reading it in pieces, read-ahead
+    answered late by a busy server) stays while it is among the last ``keep * 4`` files
+    and within ``keep_bytes``. Let go of by count alone, a file of 1-4 MiB whose last READ
+    came after other readers' 64 files was read whole again, from the origin when no tier
+    held it, and counted as a second sample."""
 
     def __init__(self, store: Any, served: Served, keep: int = _RECENT_FILES,
                  keep_bytes: int = _RECENT_BYTES) -> None:
@@ -490,26 +531,34 @@ class Whole:
         self._lock = threading.Lock()
 
     def _trim(self) -> None:
-        """Drop the oldest files read (not one being read, not the last one) while more
-        than ``keep`` files or ``keep_bytes`` bytes are kept; under the lock."""
+        """Drop the oldest files read (not one being read, not the last one; first those
+        the kernel has asked for whole) while more than ``keep`` files or ``keep_bytes``
+        bytes are kept; under the lock."""
         while len(self._files) > 1 and (len(self._files) > self.keep
                                         or self._bytes > self.keep_bytes):
-            old = next((x for x, v in itertools.islice(self._files.items(),
-                                                        len(self._files) - 1)
-                        if v.data.done()), None)
+            done = [x for x, v in itertools.islice(self._files.items(), len(self._files) - 1)
+                    if v.data.done()]
+            old = next((x for x in done if self._files[x].asked_whole()), None)
+            if old is None and (self._bytes > self.keep_bytes
+                                or len(self._files) > self.keep * _UNASKED_SHARE):
+                old = done[0] if done else None
             if old is None:
                 break
             self._bytes -= self._files.pop(old).size
 
-    def read(self, e: int, path: str, start: bool) -> bytes:
-        """File ``e``'s bytes for a READ (``start``: one from the start of the file)."""
+    def read(self, e: int, path: str, offset: int, size: int) -> bytes:
+        """File ``e``'s bytes for a READ of ``size`` bytes at ``offset``."""
+        start = offset == 0
         with self._lock:
             k = self._files.pop(e, None)
             mine = k is None
             if k is None:
                 k = _Kept()
             again = start and k.started  # a read from the start served before
+            if again:
+                k.asked = 0  # the program's next pass: kept until it has asked for all
             k.started |= start
+            k.ask(offset, size)
             self._files[e] = k
             self._trim()
         if not mine:
@@ -582,6 +631,24 @@ class Pieces:
             pos += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def held(self) -> int:
+        """The bytes of the pieces kept that were read."""
+        with self._lock:
+            return self.piece * sum(1 for f in self._pieces.values() if f.done())
+
+    def shed(self, nbytes: int) -> int:
+        """Let go of the oldest pieces read (not one being read) until ``nbytes`` bytes of
+        them are gone or none is left; the bytes let go of."""
+        gone = 0
+        with self._lock:
+            for k in [k for k, f in self._pieces.items() if f.done()]:
+                if gone >= nbytes:
+                    break
+                del self._pieces[k]
+                self._counted.pop(k, None)
+                gone += self.piece
+        return gone
+
     def _get(self, k: int) -> bytes:
         with self._lock:
             f = self._pieces.pop(k, None)
@@ -615,12 +682,24 @@ class Pieces:
 
 
 class _Kept:
-    __slots__ = ("data", "size", "started")
+    __slots__ = ("asked", "data", "size", "started")
 
     def __init__(self) -> None:
         self.data: Future[bytes] = Future()
         self.size = 0  # its bytes, once read (counted in Whole's bytes kept)
         self.started = False  # a READ from the start of the file was served
+        self.asked = 0  # the pages (bit k: bytes k * _PAGE on) READs asked for in this pass
+
+    def ask(self, offset: int, size: int) -> None:
+        """A READ of ``size`` bytes at ``offset`` (within the file) asked for these pages."""
+        if size > 0:
+            lo, hi = offset // _PAGE, -(-(offset + size) // _PAGE)
+            self.asked |= ((1 << (hi - lo)) - 1) << lo
+
+    def asked_whole(self) -> bool:
+        """Whether READs asked for every page of the file (once read: its size known)."""
+        full = (1 << -(-self.size // _PAGE)) - 1
+        return self.asked & full == full
 
 
 class Failures:
@@ -822,13 +901,16 @@ def _operations(store: Any, mountpoint: str) -> Any:
             e = ns.file_entry(path)  # a name not in the dataset: ENOENT
             try:  # the data: EIO whatever fails (Failures)
                 if m.codec[e] or m.size[e] <= WHOLE_READ_LIMIT:
-                    return self._whole.read(e, path, offset == 0)[offset : offset + size]
+                    size = max(0, min(size, int(m.size[e]) - offset))  # within the file
+                    return self._whole.read(e, path, offset, size)[offset : offset + size]
                 return self._large(e, path).read(offset, size)
             except Exception as exc:
                 raise self.failures.unreadable(e, path, exc) from None
 
         def _large(self, e: int, path: str) -> Pieces:
-            """The pieces of a large file read lately, kept while it is in use."""
+            """The pieces of a large file read lately, kept while it is in use: the last
+            ``_OPEN_READERS`` files followed, and ``_PIECES_HELD`` bytes of pieces kept
+            across them (the least recently read files' let go of first)."""
             with self._lock:
                 h = self._readers.pop(e, None)
                 if h is None:
@@ -836,6 +918,13 @@ def _operations(store: Any, mountpoint: str) -> Any:
                 self._readers[e] = h  # most recent last
                 while len(self._readers) > _OPEN_READERS:
                     del self._readers[next(iter(self._readers))]
+                if len(self._readers) * _PIECES_KEPT > _PIECES_HELD:  # may hold more
+                    held = sum(r.held() for r in self._readers.values())
+                    for r in itertools.islice(self._readers.values(),
+                                              len(self._readers) - 1):
+                        if held <= _PIECES_HELD:
+                            break
+                        held -= r.shed(held - _PIECES_HELD)
             return h
 
         @_guarded

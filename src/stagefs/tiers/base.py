@@ -11,6 +11,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from xxhash import xxh3_64_intdigest
 
+from stagefs.errors import CorruptShardError
+
 try:
     from stagefs._speedups import gather as _c_gather  # type: ignore[import-not-found]
 except ImportError:  # not built: the Python loop below, same results
@@ -19,7 +21,7 @@ except ImportError:  # not built: the Python loop below, same results
 # in Python that copy is a SIGBUS, which kills the process: without it, tiers never map.
 MAPPINGS_GUARDED = _c_gather is not None
 
-__all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "SourceUnavailable", "gather",
+__all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead", "SourceUnavailable", "gather",
            "pread_full"]
 
 
@@ -128,6 +130,16 @@ class SourceUnavailable(Exception):
 
     Internal to the read path: callers of the Store never see it.
     """
+
+
+class ShortRead(CorruptShardError):
+    """A shard file ended inside a range its manifest puts in it (truncated, or overwritten
+    by a shorter one): ``got`` is what it still held of the range, whose whole files a copy
+    may check and keep instead of reading them again."""
+
+    def __init__(self, message: str, got: bytes) -> None:
+        super().__init__(message)
+        self.got = got
 
 
 class DamagedCopy(SourceUnavailable):

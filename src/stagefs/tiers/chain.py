@@ -200,6 +200,26 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
                     _sizes_named(old))
 
 
+def _say_over_capacity(t: DirTier) -> None:
+    """``t`` holds more than its capacity (kept from a run given more room, or other
+    datasets' copies): say so, once for the job and capacity. Nothing is evicted, so a job
+    restarted with a smaller capacity (to free the disk for checkpoints) kept every copy
+    and went on reading them, with no word that the tier was over what it was given."""
+    if t.capacity is None:
+        return
+    used = t.used_bytes()
+    if used <= t.capacity:
+        return
+    if t.room is not None and not _first_to_say(f"{t.room.path}.over-{t.capacity}"):
+        return  # said once for the job: not again by each DataLoader worker
+    log.warning("%s holds %s, more than the %s it was given (%s of it this dataset's, in "
+                "%s): what it holds is kept and read, nothing more is placed there, and "
+                "nothing is removed to bring it down; to free the room, 'stagefs clean' "
+                "(of the job that placed the copies) or delete the directories no job "
+                "reads any more", t.name, format_size(used), format_size(t.capacity),
+                format_size(dir_bytes(t.dir)), t.dir)
+
+
 def _first_to_say(marker: str) -> bool:
     """Is this the job's first process to say what ``marker`` stands for? (The marker file
     is made once, beside the tier's room counter in the runtime's claims.)"""
@@ -246,6 +266,7 @@ class TierChain:
             if t.kind == "memory" and (why := memory_limit_problem(
                     t.root, t.capacity, t.used_bytes())):
                 log.warning("%s", why)
+            _say_over_capacity(t)
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another

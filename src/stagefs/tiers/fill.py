@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stagefs._fsutil import open_own_file
+from stagefs._fsutil import open_own_file, pwrite_all
 from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
@@ -107,9 +107,11 @@ class Extents:
         pstart = np.append(np.flatnonzero(new), len(offs)).astype(np.int64)
         return cls(offs, ends, ents, part, tiles, piece, pstart)
 
-    def whole(self, lo: int, hi: int) -> npt.NDArray[np.int64]:
-        """The entries of extents lo..hi-1 that are whole files."""
-        return self.entries[lo:hi][self.part[lo:hi] < 0]
+    def whole(self, lo: int, hi: int, keep: npt.NDArray[np.bool_] | None = None
+              ) -> npt.NDArray[np.int64]:
+        """The entries of extents lo..hi-1 that are whole files (of those ``keep`` marks)."""
+        files = self.part[lo:hi] < 0
+        return self.entries[lo:hi][files if keep is None else files & keep]
 
     def one_file(self, lo: int, hi: int) -> bool:
         """Are extents lo..hi-1 (some) pieces of one file?"""
@@ -354,11 +356,7 @@ class ShardFill:
         lo, hi = self.ext.inside(offset, offset + len(data))
         if hi <= lo or self.bits[lo:hi].all():
             return 0
-        view = memoryview(data)
-        pos = offset
-        while view:
-            n = os.pwrite(self.fd, view, pos)
-            view, pos = view[n:], pos + n
+        pwrite_all(self.fd, data, offset)
         new = int(hi - lo - np.count_nonzero(self.bits[lo:hi]))
         self.bits[lo:hi] = 1
         return new

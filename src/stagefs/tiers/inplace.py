@@ -140,7 +140,7 @@ class InPlaceOrigin:
             pieces = [self._read_file(e, start, n) for e, start, n, _ in parts]
         for (_, _, n, pos), data in zip(parts, pieces, strict=True):
             out[pos : pos + n] = data
-        self.stats.read(sum(p[2] for p in parts))
+        self.stats.read(sum(p[2] for p in parts), len(parts))  # a read of each file
         return bytes(out)
 
     def _read_file(self, e: int, start: int, n: int) -> bytes:

@@ -8,13 +8,20 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
-from stagefs._fsutil import open_read
+from stagefs._fsutil import open_read, user_name
 from stagefs.config import env
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
 from stagefs.format import MANIFEST_NAME, Manifest, ShardHeader
 from stagefs.format.manifest import pack_id_at
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import Gathered, OriginStats, SourceUnavailable, gather, pread_full
+from stagefs.tiers.base import (
+    Gathered,
+    OriginStats,
+    ShortRead,
+    SourceUnavailable,
+    gather,
+    pread_full,
+)
 
 __all__ = ["PackOrigin"]
 
@@ -105,6 +112,11 @@ class PackOrigin:
                 raise SourceUnavailable(f"{self.pack_dir} is gone") from None
             raise NotFoundError(path, self._replaced() or "shard file missing from the pack; "
                                 "re-pack") from None
+        except PermissionError as exc:  # not a mount gone: the file's mode (chmod, another user)
+            raise SourceUnavailable(
+                f"{path}: {exc.strerror}: the shard file is not readable by "
+                f"{user_name(os.getuid())}; its owner can make the pack readable (chmod -R "
+                f"a+rX {self.pack_dir})") from exc
         except OSError as exc:
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
         self.stats.opens += 1
@@ -172,11 +184,13 @@ class PackOrigin:
             if offset + length > self.manifest.shards[shard].size:
                 raise SourceUnavailable(f"{self.path(shard)}: no range [{offset}, "
                                         f"{offset + length}) in the shard")
-            self.diagnose(shard)
-            raise CorruptShardError(
-                f"{self.path(shard)}: short read at offset {offset} ({len(data)} of {length} "
-                "bytes): the shard is truncated; copy the pack again or re-pack"
-            )
+            why = (f"{self.path(shard)}: short read at offset {offset} ({len(data)} of "
+                   f"{length} bytes): the shard is truncated; copy the pack again or re-pack")
+            try:
+                self.diagnose(shard)
+            except CorruptShardError as exc:  # the cause, named
+                why = str(exc)
+            raise ShortRead(why, data)
         return data
 
     def gather_many(self, ranges: Sequence[tuple[int, int, int]], slow_s: float = -1.0,

@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from stagefs._fsutil import pwrite_all
 from stagefs.errors import CorruptShardError
 from stagefs.format import KIND_FILE, Manifest, ShardHeader
 from stagefs.format.codecs import decode
@@ -68,10 +69,13 @@ file's raw content; k >= 0: of its k-th checksum piece (fill.Extents)."""
 class _Verifier:
     """Feeds the bytes of a shard, in order, through one hasher per extent (a stored file,
     or one checksum piece of a large raw file: fill.Extents) of extents lo..hi-1;
-    ``done(i)`` is called for extent i once it passed."""
+    ``done(i)`` is called for extent i once it passed. An extent that fails raises its
+    CorruptShardError, or, with ``failed``, is handed to ``failed(i, error)`` and the
+    extents after it are checked on (their bytes were read with it)."""
 
     def __init__(self, m: Manifest, ext: Extents, lo: int, hi: int, check: Check,
-                 where: str, done: Callable[[int], None] | None = None) -> None:
+                 where: str, done: Callable[[int], None] | None = None,
+                 failed: Callable[[int, CorruptShardError], None] | None = None) -> None:
         self.items = [(int(ext.entries[i]), int(ext.offs[i]), int(ext.ends[i]), int(ext.part[i]))
                       for i in range(lo, hi)]
         self.lo = lo
@@ -80,6 +84,7 @@ class _Verifier:
         self.check = check
         self.where = where
         self.done = done
+        self.failed = failed
         self.hasher = xxhash.xxh3_64()
         self.buf: list[bytes] = []
 
@@ -101,15 +106,22 @@ class _Verifier:
                     self.hasher.update(piece)
             if stop > end:
                 return  # continues in the next chunk
-            if codec:
-                raw = decode(codec, b"".join(self.buf), int(m.size[e]), self.where)
-                self.buf.clear()
-                self.check(e, part, xxhash.xxh3_64_intdigest(raw))
+            try:
+                if codec:
+                    raw = decode(codec, b"".join(self.buf), int(m.size[e]), self.where)
+                    self.check(e, part, xxhash.xxh3_64_intdigest(raw))
+                else:
+                    self.check(e, part, self.hasher.intdigest())
+            except CorruptShardError as exc:
+                if self.failed is None:
+                    raise
+                self.failed(self.lo + self.i, exc)
             else:
-                self.check(e, part, self.hasher.intdigest())
+                if self.done is not None:
+                    self.done(self.lo + self.i)
+            finally:
+                self.buf.clear()
                 self.hasher.reset()
-            if self.done is not None:
-                self.done(self.lo + self.i)
             self.i += 1
 
     def finish(self) -> None:
@@ -176,7 +188,7 @@ def fill_gaps(
 
     streaming: _Verifier | None = None
     for pos, data in _read_ahead(read, next_piece, pace, stop):
-        _pwrite_all(fill.fd, data, pos)
+        pwrite_all(fill.fd, data, pos)
         end = pos + len(data)
         lo, hi = ext.inside(pos, end)
         if hi > lo:
@@ -214,13 +226,15 @@ def extents_ok(m: Manifest, ext: Extents, lo: int, hi: int, data: bytes, check: 
 
 
 def _run_verifier(fill: ShardFill, lo: int, hi: int, m: Manifest, check: Check,
-                  where: str) -> _Verifier:
-    """A verifier for extents lo..hi-1 that sets each one's fill byte once it is right."""
+                  where: str, failed: Callable[[int, CorruptShardError], None] | None = None
+                  ) -> _Verifier:
+    """A verifier for extents lo..hi-1 that sets each one's fill byte once it is right
+    (``failed``: as _Verifier's)."""
 
     def checked(i: int) -> None:
         fill.mark(i, i + 1)
 
-    return _Verifier(m, fill.ext, lo, hi, check, where, checked)
+    return _Verifier(m, fill.ext, lo, hi, check, where, checked, failed)
 
 
 def finish_copy(fill: ShardFill, index: int, pack_id: bytes, size: int) -> None:
@@ -278,8 +292,3 @@ def _read_ahead(read: Callable[[int, int], bytes],
                 fut.cancel()
 
 
-def _pwrite_all(fd: int, data: bytes, pos: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, pos)
-        view, pos = view[n:], pos + n

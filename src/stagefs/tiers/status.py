@@ -372,14 +372,15 @@ def job_status(rt: Runtime) -> dict[str, Any]:
 
 def stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
     """The data-stall table of ``stall_records`` for ``stagefs status`` (none: no lines)."""
-    rows = [[r.get("rank"), r.get("pid"), r.get("epoch"), r.get("steps"),
+    rows = [[r.get("rank"), r.get("pid"), r.get("epoch"), r.get("mode") or "-", r.get("steps"),
              f"{r.get('wait_s', 0):.1f}", f"{r.get('step_s', 0):.1f}",
              f"{100 * r.get('stall', 0):.1f}%", f"{100 * r.get('steady_stall', 0):.1f}%"]
             for r in stalls]
     if not rows:
         return []
+    # mode: the stagefs Sampler's, closed (MLPerf Storage CLOSED rules) or open; - for another
     return ["data stall (time each step waited for data), per training process and epoch:",
-            table(["rank", "pid", "epoch", "steps", "waited s", "step s", "stall",
+            table(["rank", "pid", "epoch", "mode", "steps", "waited s", "step s", "stall",
                    "stall after 1st batch"], rows)]
 
 
@@ -405,7 +406,8 @@ def stall_records(runtime: str) -> list[dict[str, Any]]:
                 continue
             row = {"pid": rec.get("pid"), "rank": rec.get("rank"), **ep}
             if all(isinstance(row.get(k), int) or row.get(k) is None for k in _STALL_IDS) and \
-                    all(isinstance(row.get(k, 0), int | float) for k in _STALL_FIGURES):
+                    all(isinstance(row.get(k, 0), int | float) for k in _STALL_FIGURES) and \
+                    row.get("mode") in (None, "open", "closed"):
                 rows.append(row)
     rows.sort(key=lambda r: (r.get("rank") or 0, r.get("pid") or 0, r.get("epoch") or 0))
     return rows

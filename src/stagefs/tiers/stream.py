@@ -19,9 +19,14 @@ reads it itself. Either way each stored file is read from the origin once.
   reads, copy by copy, the runs of files of the pieces reserved there that nobody holds,
   ``CHUNK`` bytes a read at most (less where the stream is slow: a run takes about
   ``RUN_S``, since its files reach their readers when it is read), each file checked as it
-  streams through (placer.py's check) before its fill byte is set. A claim per shard (claims.py) keeps two processes from
-  streaming the same shard. Pieces no tier has room for are not streamed: their readers
-  read them from the origin, once.
+  streams through (placer.py's check) before its fill byte is set; a read that fails
+  (EIO: not a check) is tried once more after ``RETRY_S``, then the shard is left to its
+  readers. A file that fails its
+  check at the origin is never placed (its readers get its ChecksumError, and the shard is
+  never whole in a tier); the files read with it, and the rest of the shard, stream on. A
+  shard cut short at the origin keeps the whole files its short read brought. A claim per
+  shard (claims.py) keeps two processes from streaming the same shard. Pieces no tier has
+  room for are not streamed: their readers read them from the origin, once.
 - ``StreamSource``: the holder a read of a shard not whole in a tier asks after the partial
   copies of the tiers (chain.py lists them first). A file already in the copy holding its
   piece is read from it; a file a stream (or another reader) holds is waited for, and so
@@ -53,10 +58,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from stagefs._fsutil import pwrite_all
 from stagefs.errors import CorruptShardError, StagefsError
-from stagefs.tiers.base import DamagedCopy, SourceUnavailable
+from stagefs.tiers.base import DamagedCopy, ShortRead, SourceUnavailable
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
-from stagefs.tiers.placer import _pwrite_all, _run_verifier
+from stagefs.tiers.placer import _run_verifier, _Verifier
 
 # a listener of streamed files: the manifest entries of the whole files among them, and the
 # checked runs of the shard read for them (offset in the shard, bytes)
@@ -85,6 +91,7 @@ FIRST_STREAMS = 4  # and at first (a parallel file system serves a few at least 
 GAIN = 1.02  # another stream stays if the origin's throughput rose by this factor
 WINDOW_S = 0.5  # throughput is measured over windows this long
 STREAM_WAIT_S = 1.0  # a read waits for a stream that brings its bytes within this long
+RETRY_S = 0.5  # a stream's read that failed is tried once more after this pause
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 FILE_LIMIT = 64 * 2**20  # and one file up to this size, whole, for any range of it
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
@@ -537,6 +544,7 @@ class Stream:
         if every piece of the shard is in it."""
         h = self.res.held(shard, fill)
         cursor = 0
+        retried = False  # the run after a failed read is read once more before giving up
         while h is not None and not self._closing and fill.linked() and not fill.filled_mine():
             run = self.res.take_next(h, cursor, self.run_bytes())
             if run is None:
@@ -552,12 +560,22 @@ class Stream:
             try:
                 self._copy(shard, fill, tier, h, *run, bulk=True)
             except (OSError, StagefsError, SourceUnavailable) as exc:
-                log.warning("shard %d (%s): streaming stopped: %s", shard,
-                            self.chain.manifest.shards[shard].name, exc)
-                self.chain._failed.add(shard)
-                return
+                name = self.chain.manifest.shards[shard].name
+                if retried or isinstance(exc, CorruptShardError) or not fill.linked():
+                    log.warning("shard %d (%s): streaming stopped: %s", shard, name, exc)
+                    self.chain._failed.add(shard)
+                    return
+                # a shared file system's reads fail now and then (a server failing over):
+                # once more after a pause, else the shard's files were left to its readers'
+                # small reads for the rest of the job
+                log.info("shard %d (%s): %s; read again in %g s", shard, name, exc, RETRY_S)
+                retried = True
+                with self._cond:
+                    self._cond.wait(RETRY_S)
+                continue
             finally:
                 self.res.release(h, *run)
+            retried = False
             cursor = run[1]
             self._measure(shard, int(fill.ext.ends[cursor - 1]), int(fill.ext.ends[cursor - 1])
                           - int(fill.ext.offs[run[0]]), self._clock() - t0)
@@ -583,13 +601,21 @@ class Stream:
               *, bulk: bool) -> bytes | None:
         """Read files lo..hi-1 (reserved by the caller) from the origin, write them into the
         partial copy, check each (setting its fill byte); the bytes read if in one read.
-        A file that fails its check is marked bad here and raises CorruptShardError."""
+        A file that fails its check is marked bad here and the files read with it are
+        checked and placed on; then the first such file raises CorruptShardError, but for a
+        stream (``bulk``), which logs it and goes on with the shard."""
         chain = self.chain
         ext = fill.ext
         a, b = int(ext.offs[lo]), int(ext.ends[hi - 1])
         check = chain._checker(chain.origin)
+        bad: list[CorruptShardError] = []
+
+        def failed(i: int, exc: CorruptShardError) -> None:
+            h.bad[i] = True
+            bad.append(exc)
+
         verifier = _run_verifier(fill, lo, hi, chain.manifest, check,
-                                 f"shard {shard} from {chain.origin.name}")
+                                 f"shard {shard} from {chain.origin.name}", failed)
         data: bytes | None = None
         arrived = self.arrived if bulk else None
         runs: list[tuple[int, bytes]] = []
@@ -597,36 +623,54 @@ class Stream:
         try:
             while pos < b:
                 n = min(CHUNK, b - pos) if bulk else b - pos
-                data = chain.origin.pread(shard, pos, n)
+                try:
+                    data = chain.origin.pread(shard, pos, n)
+                except ShortRead as exc:  # truncated: the whole files before the cut stay
+                    self._place(shard, fill, tier, verifier, pos, exc.got)
+                    raise
                 if arrived is not None:
                     runs.append((pos, data))
-                try:
-                    _pwrite_all(fill.fd, data, pos)
-                except OSError as exc:
-                    chain._drop_fill(shard, tier, again=False)
-                    chain._tier_failed(tier, exc)
-                    raise SourceUnavailable(f"{tier.name}: {exc}") from exc
-                verifier.feed(pos, data)
+                self._place(shard, fill, tier, verifier, pos, data)
                 pos += n
             verifier.finish()
-        except CorruptShardError:
+        except CorruptShardError:  # a short read: the shard is truncated
             chain.corrupt += 1
-            k = verifier.i  # the file being checked when it failed
+            k = verifier.i  # the file the shard ends in
             h.bad[lo + k] = True
             raise
         finally:
             with self._cond:
                 self._cond.notify_all()
-        tier.stats.filled += hi - lo
-        tier.stats.filled_bytes += b - a
+        good = ~h.bad[lo:hi]
+        tier.stats.filled += int(good.sum())
+        tier.stats.filled_bytes += b - a - int((ext.ends[lo:hi] - ext.offs[lo:hi])[~good].sum())
         if fill.complete():
             chain._finish(shard, fill, tier)
         if arrived is not None:
-            try:
-                arrived(fill.ext.whole(lo, hi), runs)
+            try:  # the files that passed their check
+                arrived(ext.whole(lo, hi, good), runs)
             except Exception:  # a listener's failure is not the stream's
                 log.exception("the listener of streamed files failed")
+        if bad:
+            chain.corrupt += len(bad)
+            if not bulk:
+                raise bad[0]
+            for why in bad:
+                log.warning("shard %d (%s): %s; the rest of the shard streams on", shard,
+                            chain.manifest.shards[shard].name, why)
         return data if pos - a == len(data or b"") else None
+
+    def _place(self, shard: int, fill: ShardFill, tier: DirTier, verifier: _Verifier,
+               pos: int, data: bytes) -> None:
+        """Write bytes read from the origin at ``pos`` into the partial copy and check them
+        (each file's fill byte is set once it passed)."""
+        try:
+            pwrite_all(fill.fd, data, pos)
+        except OSError as exc:
+            self.chain._drop_fill(shard, tier, again=False)
+            self.chain._tier_failed(tier, exc)
+            raise SourceUnavailable(f"{tier.name}: {exc}") from exc
+        verifier.feed(pos, data)
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -767,10 +811,20 @@ class Stream:
                 # every other reader of the node) for as long as the holder stayed stopped
                 if not self._stuck:
                     self._stuck = True
-                    log.warning("shard %d: bytes [%d, %d) held by a reader that has not "
-                                "brought them in %g s (a process of this job stopped? kill "
-                                "-CONT it, or end it): read from the origin until holders "
-                                "go on", shard, offset, end, HOLDER_WAIT_S)
+                    at = self._at.get(shard)
+                    if h.busy[lo:hi].any() or (at is not None and offset > at):
+                        # this process's own read of the origin (its stream's, or another
+                        # thread's) is under way: no process is stopped, the origin is slow
+                        log.warning("shard %d: bytes [%d, %d) not brought in %g s by this "
+                                    "process's own read of the origin %s, which is under way "
+                                    "(the shared file system is slow or stalled): read from "
+                                    "the origin until reads come in again", shard, offset,
+                                    end, HOLDER_WAIT_S, self.chain.origin_path)
+                    else:
+                        log.warning("shard %d: bytes [%d, %d) held by a reader that has not "
+                                    "brought them in %g s (a process of this job stopped? "
+                                    "kill -CONT it, or end it): read from the origin until "
+                                    "holders go on", shard, offset, end, HOLDER_WAIT_S)
                 raise SourceUnavailable("held by a reader that does not go on")
             with self._cond:
                 self._cond.wait(delay)

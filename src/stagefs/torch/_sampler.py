@@ -7,6 +7,7 @@ and keeps the resumable state.
 
 from __future__ import annotations
 
+import logging
 import operator
 import os
 import time
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.utils.data
 
 from stagefs._sampling import Plan, Segment, first_use, local_fraction, rank_world
-from stagefs.config import env_flag, parse_size
+from stagefs.config import env, env_flag, parse_size
 from stagefs.errors import ConfigError
 from stagefs.format.checksum import checksum
 from stagefs.torch._dataset import EpochPlan, Upcoming
@@ -32,6 +33,7 @@ _STATE_KEYS = ("version", "n", "seed", "epoch", "shuffle", "drop_last", "localit
                "segments")  # and "dataset", absent from a state saved before it was added
 DEFAULT_BUDGET = 256 * 2**20
 Holders = tuple[tuple[int, ...], ...]
+log = logging.getLogger("stagefs")
 
 
 def closed_mode() -> bool:
@@ -107,6 +109,22 @@ def _whole(x: object, what: str) -> int:
         raise TypeError(f"{what} is a whole number, not {type(x).__name__} ({x!r})") from None
 
 
+def _flag(x: object, what: str) -> bool:
+    """``x`` as a bool: True or False (numpy's too, or 0 and 1); a string is refused by
+    name, not taken as true: ``"false"`` or ``"0"`` from a config file or a command line ran
+    the other mode (``closed``) or shuffled (``shuffle``) without a word."""
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    try:
+        whole = operator.index(x)  # type: ignore[arg-type]
+    except TypeError:
+        whole = None
+    if whole in (0, 1):
+        return bool(whole)
+    raise TypeError(f"{what} is True or False, not {type(x).__name__} ({_short(x)})"
+                    + (": a string is not read as a switch" if isinstance(x, str) else ""))
+
+
 def _short(x: object) -> str:
     text = repr(x)
     return text if len(text) <= 200 else text[:200] + "..."
@@ -143,7 +161,8 @@ class Sampler(torch.utils.data.Sampler[int]):
     ``closed=True`` (default: ``$STAGEFS_CLOSED=1``), for MLPerf Storage's CLOSED division:
     nothing the storage does is informed by the seed. ``prefetch`` is ignored (no staging in
     the order of first use, no read-ahead of samples) and ``locality`` is refused; the
-    store's tiers still stream each shard once it is first read, in shard order.
+    store's tiers still stream each shard once it is first read, in shard order. The mode is
+    logged (INFO); ``closed=False`` with ``$STAGEFS_CLOSED=1`` runs open mode, with a warning.
     """
 
     def __init__(
@@ -163,15 +182,23 @@ class Sampler(torch.utils.data.Sampler[int]):
         closed: bool | None = None,
     ) -> None:
         self.dataset = dataset
-        self.closed = closed_mode() if closed is None else bool(closed)
+        self.closed = closed_mode() if closed is None else _flag(closed, "Sampler's closed")
+        if closed is not None and not self.closed and closed_mode():
+            # the auditor's switch, overridden by the script: said, never silently open
+            log.warning("STAGEFS_CLOSED=%s, but this Sampler was made with closed=False: it runs "
+                        "in open mode (staging and read-ahead in the seed's order, locality), "
+                        "not under MLPerf Storage CLOSED rules; drop closed=False for closed "
+                        "mode", env("closed"))
+        locality = _flag(locality, "Sampler's locality")
         if self.closed and locality:
             raise ConfigError("locality=True orders samples by what the nodes hold: not "
                               "allowed under closed=True ($STAGEFS_CLOSED=1, MLPerf Storage "
                               "CLOSED rules); drop locality=True, or run without closed mode")
         self.n = len(dataset)
-        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.shuffle = _flag(shuffle, "Sampler's shuffle")
+        self.drop_last = _flag(drop_last, "Sampler's drop_last")
         self.seed = _whole(seed, "Sampler's seed")  # a float or a string is not truncated
-        self.locality, self.window = bool(locality), _whole(window, "Sampler's window")
+        self.locality, self.window = locality, _whole(window, "Sampler's window")
         if self.window < 1:
             raise ConfigError(f"window={window}: a window is a number of shards, at least 1")
         self.rank, self.world_size = _rank_world(rank, world_size)
@@ -179,7 +206,13 @@ class Sampler(torch.utils.data.Sampler[int]):
         if held_by is not None and len(held_by) != self.world_size:
             raise ConfigError(f"held_by has {len(held_by)} entries for {self.world_size} ranks")
         self._held_by = held_by
-        self.budget = 0 if self.closed else self._budget(prefetch)  # closed: no read-ahead
+        budget = self._budget(prefetch)  # checked in closed mode too: a typo is one there
+        self.budget = 0 if self.closed else budget  # closed: no read-ahead
+        if self.closed:
+            log.info("Sampler in closed mode (MLPerf Storage CLOSED rules, %s): nothing the "
+                     "storage does is informed by the seed%s",
+                     "closed=True" if closed else f"STAGEFS_CLOSED={env('closed')}",
+                     f"; prefetch={prefetch!r} is ignored" if budget else "")
         self.prefetch_threads = prefetch_threads  # None: by the store (_ahead_threads)
         # the FileDataset read (the dataset, or the one under its Subsets) and the map
         # from the sampler's indices to its own: the order is dealt over ``dataset`` and

@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeGuard, TypeVar
 from stagefs._fsutil import atomic_write
 from stagefs._sampling import rank_world
 from stagefs.runtime import Runtime
+from stagefs.torch._sampler import Sampler
 
 __all__ = ["EpochStall", "StallMeter"]
 
@@ -33,6 +34,9 @@ class EpochStall:
     wait_s: float  # time spent waiting for batches, the first one included
     step_s: float  # time spent in the loop body, between batches
     first_wait_s: float  # the wait for the first batch (worker start-up, first reads)
+    # the loader's stagefs Sampler's mode as the pass started: "closed" (MLPerf Storage
+    # CLOSED rules), "open", or None (another sampler); for an audit of which mode ran
+    mode: str | None = None
 
     @property
     def total_s(self) -> float:
@@ -110,8 +114,11 @@ class StallMeter(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         # the sampler's epoch (set_epoch, load_state_dict: a resumed run's), else the pass's
-        told = getattr(getattr(self.loader, "sampler", None), "epoch", None)
+        sampler = getattr(self.loader, "sampler", None)
+        told = getattr(sampler, "epoch", None)
         epoch: int = told if _is_int(told) else len(self.epochs)
+        closed = getattr(sampler, "closed", None) if isinstance(sampler, Sampler) else None
+        mode = None if closed is None else "closed" if closed else "open"
         clock = self.clock
         wait = step = first = 0.0
         steps = 0
@@ -138,7 +145,7 @@ class StallMeter(Generic[T]):
         finally:  # also when the loop is left early
             if prev is not None:
                 step += clock() - prev
-            self._record(EpochStall(epoch, steps, wait, step, first))
+            self._record(EpochStall(epoch, steps, wait, step, first, mode))
 
     def _record(self, e: EpochStall) -> None:
         self.epochs.append(e)
