@@ -194,33 +194,46 @@ def quiet_streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+def _stalled_streams(monkeypatch: pytest.MonkeyPatch, fs: Any, readers: list[str] | None = None
+                     ) -> tuple[threading.Event, threading.Event]:
+    """The origin's reads in stream threads stall until ``release`` is set (``entered``: one
+    has begun); the names of the other threads that read it go to ``readers``."""
+    entered, release = threading.Event(), threading.Event()
+    origin_type = type(fs.chain.origin)
+    real_pread = origin_type.pread
+
+    def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+        name = threading.current_thread().name
+        if name.startswith("stagefs-stream"):
+            entered.set()
+            assert release.wait(60)  # the stalled read
+        elif readers is not None:
+            readers.append(name)
+        return bytes(real_pread(self, shard, offset, length))
+
+    monkeypatch.setattr(origin_type, "pread", pread)
+    return entered, release
+
+
+def _last_of_shard0(fs: Any, files: dict[str, bytes]) -> str:
+    """The non-empty file of shard 0 stored last in it."""
+    m = fs.manifest
+    entry = {p: fs.namespace.file_entry(p) for p in files if files[p]}
+    return max(entry, key=lambda p: (int(m.shard[entry[p]]) == 0, int(m.offset[entry[p]])))
+
+
 def test_a_read_waits_for_the_stream_on_its_shard_rather_than_reading_itself(
         dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A read of a file the stream on its shard is about to reach waits for it: the origin
     sees only the stream's large reads, none of the reader's own."""
     pack, files = dataset
-    entered, release = threading.Event(), threading.Event()
     readers: list[str] = []
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
         chain = fs.chain
         assert chain is not None
-        origin_type = type(chain.origin)
-        real_pread = origin_type.pread
-
-        def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
-            name = threading.current_thread().name
-            if name.startswith("stagefs-stream"):
-                entered.set()
-                assert release.wait(60)
-            else:
-                readers.append(name)
-            return bytes(real_pread(self, shard, offset, length))
-
-        monkeypatch.setattr(origin_type, "pread", pread)
-        m = fs.manifest
-        entry = {p: fs.namespace.file_entry(p) for p in files if files[p]}
-        last = max(entry, key=lambda p: (int(m.shard[entry[p]]) == 0, int(m.offset[entry[p]])))
+        entered, release = _stalled_streams(monkeypatch, fs, readers)
+        last = _last_of_shard0(fs, files)
         fs.prefetch([0])  # the stream takes shard 0 and blocks in its first read
         assert entered.wait(60)
         waiting = threading.Event()
@@ -524,19 +537,36 @@ def test_a_tier_one_process_found_full_is_full_for_every_process(runtime: Path,
         assert b.chain.full
 
 
+def _packed(tmp_path: Path, files: dict[str, bytes], **kw: Any) -> Path:
+    """``files`` written under tmp_path/raw and packed into tmp_path/pack (16 MiB shards)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for name, data in files.items():
+        (raw / name).write_bytes(data)
+    stagefs.pack(raw, tmp_path / "pack", shard_size="16MiB", jobs=1, progress=False,
+                 echo=lambda _m: None, **kw)
+    return tmp_path / "pack"
+
+
+def _streamed_by_one(fs: Any) -> Any:
+    """Shard 0 of ``fs`` streamed by one stream until the streams are idle; the chain."""
+    chain = fs.chain
+    assert chain is not None
+    ctl = chain.stream.controller
+    ctl.most = ctl.target = 1
+    fs.prefetch([0])
+    assert chain.wait_idle(60)
+    return chain
+
+
 def test_a_slow_origin_is_streamed_in_short_runs(runtime: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A sample reaches its reader when the stream's run it is in has been read: at a slow
     origin the runs shrink to about RUN_S of the stream's measured rate (4 MiB at 2 MB/s
     kept a sample 2 s), and each origin byte is still read once."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
     rng = random.Random(3)
     files = {f"f{i:03d}": rng.randbytes(64 * 2**10) for i in range(160)}  # 10 MiB
-    for name, data in files.items():
-        (raw / name).write_bytes(data)
-    stagefs.pack(raw, tmp_path / "pack", shard_size="16MiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    _packed(tmp_path, files)
     clock = FakeClock()
     rate = 2e6  # bytes/s of the origin, on the injected clock
     sizes: list[int] = []
@@ -579,15 +609,9 @@ def test_a_file_wrong_at_the_origin_costs_the_stream_only_that_file(
     the good files read in the same run are checked and placed, and the stream goes on with
     the rest of the shard. Before, the stream stopped at the bad file and threw the run
     away: its readers read the rest of the shard again, one small read each."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
     rng = random.Random(4)
     files = {f"f{i:03d}": rng.randbytes(rng.randint(1000, 30000)) for i in range(120)}
-    for name, data in files.items():
-        (raw / name).write_bytes(data)
-    pack = tmp_path / "pack"
-    stagefs.pack(raw, pack, shard_size="16MiB", compress="none", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    pack = _packed(tmp_path, files, compress="none")
     with stagefs.open(pack) as fs:
         m = fs.manifest
         by_offset = sorted((int(m.offset[fs.namespace.file_entry(n)]), n) for n in files)
@@ -599,12 +623,7 @@ def test_a_file_wrong_at_the_origin_costs_the_stream_only_that_file(
         f.seek(bad_at + 7)
         f.write(bytes([b[0] ^ 0xFF]))
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        chain = fs.chain
-        assert chain is not None
-        ctl = chain.stream.controller
-        ctl.most = ctl.target = 1
-        fs.prefetch([0])
-        assert chain.wait_idle(60)
+        chain = _streamed_by_one(fs)
         assert fs.origin.stats.bytes_read == stored_total(pack)  # the stream read it all
         assert chain.corrupt == 1
         for name, data in files.items():
@@ -624,24 +643,10 @@ def test_a_wait_on_this_process_s_own_stalled_read_blames_the_origin_not_a_stopp
     and the log says the origin is slow. Before, with no other process in the job, it said
     a reader held the bytes and asked to `kill -CONT` a stopped process of the job."""
     pack, files = dataset
-    entered, release = threading.Event(), threading.Event()
     monkeypatch.setattr(stream_mod, "HOLDER_WAIT_S", 0.0)  # the wait runs out at once
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        chain = fs.chain
-        assert chain is not None
-        origin_type = type(chain.origin)
-        real_pread = origin_type.pread
-
-        def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
-            if threading.current_thread().name.startswith("stagefs-stream"):
-                entered.set()
-                assert release.wait(60)  # the stalled read
-            return bytes(real_pread(self, shard, offset, length))
-
-        monkeypatch.setattr(origin_type, "pread", pread)
-        m = fs.manifest
-        entry = {p: fs.namespace.file_entry(p) for p in files if files[p]}
-        last = max(entry, key=lambda p: (int(m.shard[entry[p]]) == 0, int(m.offset[entry[p]])))
+        entered, release = _stalled_streams(monkeypatch, fs)
+        last = _last_of_shard0(fs, files)
         fs.prefetch([0])
         assert entered.wait(60)
         try:
@@ -661,15 +666,9 @@ def test_a_shard_cut_short_at_the_origin_keeps_the_files_before_the_cut(
     files from the cut on are errors naming the shard. Before, the read's bytes were let go
     and the first file of the read was marked bad: the files before the cut were read again
     from the origin, one small read each."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
     rng = random.Random(6)
     files = {f"f{i:03d}": rng.randbytes(rng.randint(1000, 30000)) for i in range(120)}
-    for name, data in files.items():
-        (raw / name).write_bytes(data)
-    pack = tmp_path / "pack"
-    stagefs.pack(raw, pack, shard_size="16MiB", compress="none", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    pack = _packed(tmp_path, files, compress="none")
     with stagefs.open(pack) as fs:
         m = fs.manifest
         ends = {n: int(m.offset[fs.namespace.file_entry(n)]) + len(files[n]) for n in files}
@@ -679,12 +678,7 @@ def test_a_shard_cut_short_at_the_origin_keeps_the_files_before_the_cut(
     before = {n for n, end in ends.items() if end <= cut}
     assert 40 < len(before) < len(files)
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        chain = fs.chain
-        assert chain is not None
-        ctl = chain.stream.controller
-        ctl.most = ctl.target = 1
-        fs.prefetch([0])
-        assert chain.wait_idle(60)
+        _streamed_by_one(fs)
         streamed = fs.origin.stats.bytes_read
         assert 0 < streamed <= cut
         for name in sorted(before):
@@ -701,14 +695,9 @@ def test_a_stream_read_that_fails_once_is_read_again_not_left_to_the_readers(
     stream reads that run once more and the shard is placed whole, each byte read once; a
     single failed read stopped the shard's stream for the rest of the job, its files left to
     the readers' small reads. A read that fails twice in a row still stops it."""
-    raw = tmp_path / "raw"
-    raw.mkdir()
     rng = random.Random(5)
     files = {f"f{i:03d}": rng.randbytes(64 * 2**10) for i in range(160)}  # 10 MiB
-    for name, data in files.items():
-        (raw / name).write_bytes(data)
-    stagefs.pack(raw, tmp_path / "pack", shard_size="16MiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    _packed(tmp_path, files)
     monkeypatch.setattr(stream_mod, "RETRY_S", 0.01, raising=False)
     for fails in (1, 2):
         with stagefs.open(tmp_path / "pack", tiers=[str(tmp_path / f"tier{fails}")],
