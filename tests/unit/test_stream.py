@@ -729,3 +729,27 @@ def test_a_stream_read_that_fails_once_is_read_again_not_left_to_the_readers(
                 assert 0 in chain._failed and not chain._find(0)
             for name, data in files.items():
                 assert fs.read(name) == data
+
+
+def test_a_later_prefetch_orders_the_queue_and_a_waiting_read_stays_first(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A prefetch is the latest plan: a second Sampler in the process (a new seed, or the
+    closed mode after an open one) streamed in the first one's order until that queue
+    drained, its shards already queued being skipped. Shards a read waits for stay first;
+    those an earlier plan queued and this one does not name go after it."""
+    pack, _files = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        n = len(fs.manifest.shards)
+        assert n >= 4
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 0  # no stream thread takes from the queue: it is looked at
+        fs.prefetch(range(1, n))
+        assert chain.stream.queued() == list(range(1, n))
+        chain._enqueue([0], urgent=True)  # a read waits for shard 0, queued by no plan
+        assert chain.stream.queued() == list(range(n))
+        fs.prefetch([3, 1, 0])
+        assert chain.stream.queued() == [0, 3, 1, 2, *range(4, n)]
+        fs.prefetch(reversed(range(n)))
+        assert chain.stream.queued() == [0, *reversed(range(1, n))]

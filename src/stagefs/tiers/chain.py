@@ -826,10 +826,13 @@ class TierChain:
         with self._cond:
             new = [s for s in shards if s not in self._queued and s not in self._route
                    and s not in self._failed]
-            if not new:
+            # a prefetch is the latest plan: what it names still waiting in the stream's
+            # queue moves to its place in it (Stream.enqueue)
+            plan = new if urgent else [s for s in shards if s in self._queued or s in new]
+            if not plan:
                 return
             self._queued.update(new)
-        self.stream.enqueue(new, urgent=urgent)
+        self.stream.enqueue(plan, urgent=urgent)
 
     def place(self, shard: int, progress: Callable[[int], None] | None = None,
               source: ShardSource | None = None) -> str:

@@ -13,8 +13,8 @@ reads it itself. Either way each stored file is read from the origin once.
   (``F_OFD_SETLK``) on the file's byte in the shard's ``NAME.fill`` map. A process that ends
   drops its locks with it, so a file a dead reader held is simply free again.
 - ``Stream``: the threads. Each streams one shard at a time from the queue (the sampler's
-  order of first use when it gave one with ``Store.prefetch``, else the order of the first
-  reads: shard-local order). It reserves the shard's pieces in the tiers first (fill.py: in
+  order of first use when it gave one with ``Store.prefetch``, the latest such order
+  first, else the order of the first reads: shard-local order). It reserves the shard's pieces in the tiers first (fill.py: in
   the first tier with room, as many as there is room for; the chain counts the room), then
   reads, copy by copy, the runs of files of the pieces reserved there that nobody holds,
   ``CHUNK`` bytes a read at most (less where the stream is slow: a run takes about
@@ -421,6 +421,7 @@ class Stream:
         self.controller = Controller(self._clock, most=self._most)
         self._cond = threading.Condition()
         self._queue: deque[int] = deque()
+        self._urgent: set[int] = set()  # queued shards a read waits for
         self._threads: list[threading.Thread] = []
         self._running = 0
         self._at: dict[int, int] = {}  # shard -> offset its stream (one a node) has reached
@@ -433,15 +434,24 @@ class Stream:
 
     def enqueue(self, shards: Iterable[int], *, urgent: bool) -> None:
         """Stream these shards, in this order: first (a read waits for one of them) or
-        after those queued (a prefetch: the order the sampler will need them in)."""
+        after those a read waits for (a prefetch: the order the sampler will need them in).
+        A prefetch's order is the latest plan: the shards it names that are queued already
+        move to their place in it, ahead of those an earlier plan queued and this one does
+        not name (a second Sampler in the process, a new seed, streamed in the first one's
+        order until that queue drained)."""
         with self._cond:
             if self._closing:
                 return
             new = list(shards)
             if urgent:
                 self._queue.extendleft(reversed(new))
+                self._urgent.update(new)
             else:
-                self._queue.extend(new)
+                plan = set(new)
+                self._queue = deque([s for s in self._queue if s in self._urgent]
+                                    + [s for s in new if s not in self._urgent]
+                                    + [s for s in self._queue
+                                       if s not in self._urgent and s not in plan])
             self._grow()
             self._cond.notify_all()
 
@@ -452,6 +462,7 @@ class Stream:
     def clear(self) -> None:
         with self._cond:
             self._queue.clear()
+            self._urgent.clear()
 
     def idle(self) -> bool:
         with self._cond:
@@ -475,6 +486,7 @@ class Stream:
                 if self._closing:
                     return
                 shard = self._queue.popleft()
+                self._urgent.discard(shard)
                 self._running += 1
             try:
                 self._stream_shard(shard)
