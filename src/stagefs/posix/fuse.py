@@ -637,11 +637,13 @@ class Pieces:
             return self.piece * sum(1 for f in self._pieces.values() if f.done())
 
     def shed(self, nbytes: int) -> int:
-        """Let go of the oldest pieces read (not one being read) until ``nbytes`` bytes of
-        them are gone or none is left; the bytes let go of."""
+        """Let go of the oldest pieces read (not one being read, not the one read last: the
+        kernel's next READ of the file may start inside it, and found it gone it read it
+        again, a piece 0 counted as a second sample) until ``nbytes`` bytes of them are gone
+        or none is left; the bytes let go of."""
         gone = 0
         with self._lock:
-            for k in [k for k, f in self._pieces.items() if f.done()]:
+            for k in [k for k, f in list(self._pieces.items())[:-1] if f.done()]:
                 if gone >= nbytes:
                     break
                 del self._pieces[k]
