@@ -38,6 +38,15 @@ def pack(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
     return base / "pack", data
 
 
+def _packed(tmp_path: Path, files: dict[str, bytes]) -> None:
+    """``files`` written under tmp_path/raw and packed into tmp_path/pack."""
+    (tmp_path / "raw").mkdir()
+    for name, data in files.items():
+        (tmp_path / "raw" / name).write_bytes(data)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
+                 echo=lambda _m: None)
+
+
 def _kernel_order(size: int, start: int = 7 * 128 * 1024) -> list[tuple[int, int]]:
     """READs as the kernel's read-ahead sent them for ``sha256sum`` of a large file: the
     first ones small, then 1 MiB requests at ``start`` + k MiB (across two pieces each),
@@ -85,11 +94,7 @@ def test_many_large_files_read_at_once_read_each_piece_once(tmp_path: Path) -> N
 
     rng = random.Random(9)
     files = {f"f{i:02d}.bin": rng.randbytes(5 * MiB + 1000 * i) for i in range(24)}
-    (tmp_path / "raw").mkdir()
-    for name, data in files.items():
-        (tmp_path / "raw" / name).write_bytes(data)
-    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    _packed(tmp_path, files)
     with stagefs.open(tmp_path / "pack") as store:
         ops = _ops(store)
         order = {name: _kernel_order(len(data)) for name, data in files.items()}
@@ -117,11 +122,7 @@ def test_a_file_read_on_from_inside_its_last_piece_keeps_it_when_pieces_are_shed
 
     rng = random.Random(11)
     files = {f"f{i}.bin": rng.randbytes(5 * MiB + 999 * i) for i in range(3)}
-    (tmp_path / "raw").mkdir()
-    for name, data in files.items():
-        (tmp_path / "raw" / name).write_bytes(data)
-    stagefs.pack(tmp_path / "raw", tmp_path / "pack", jobs=1, progress=False,
-                 echo=lambda _m: None)
+    _packed(tmp_path, files)
     monkeypatch.setattr(fuse, "_PIECES_HELD", 2 * MiB)  # less than a piece a file
     with stagefs.open(tmp_path / "pack") as store:
         ops = _ops(store)
