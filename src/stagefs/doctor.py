@@ -25,7 +25,13 @@ from stagefs._table import table
 from stagefs.config import env, format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format.spec import PIECE
-from stagefs.tiers.tier import dir_bytes, memory_limit_problem, tier_dir_problem, tier_kind
+from stagefs.tiers.tier import (
+    dir_bytes,
+    memory_limit_problem,
+    over_capacity,
+    tier_dir_problem,
+    tier_kind,
+)
 
 __all__ = ["Finding", "check_node", "check_tier", "render"]
 
@@ -161,12 +167,8 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
         held = dir_bytes(path)
         over = memory_limit_problem(path, tier.capacity, held) \
             if tier_kind(path) == "memory" else None
-        if over is None and tier.capacity is not None and held > tier.capacity:
-            over = (f"it holds {format_size(held)} already, more than the "
-                    f"{format_size(tier.capacity)} it is given (copies kept from a run given "
-                    "more room, or other datasets'): they are read, nothing more is placed, "
-                    "nothing is removed; 'stagefs clean' of the job that placed them, or "
-                    "deleting what no job reads, frees the room")
+        if over is None and (why := over_capacity(held, tier.capacity)):
+            over = f"{path} {why}"
     except OSError as exc:
         return [Finding(label, "error", f"cannot write in {path} ({exc.strerror}): stagefs "
                         "cannot stage there; name a writable directory with free space")]

@@ -273,7 +273,9 @@ def _map(fd: int, size: int, path: str) -> mmap.mmap | bytes:
     FUSE mount with ``direct_io``) may still map it privately, read-only (the same pages,
     never written); one that maps nothing has it read into this process's memory (each
     process then holds a copy of its own)."""
-    for how in ({"access": mmap.ACCESS_READ}, {"flags": mmap.MAP_PRIVATE, "prot": mmap.PROT_READ}):
+    shared, private = {"access": mmap.ACCESS_READ}, {"flags": mmap.MAP_PRIVATE,
+                                                      "prot": mmap.PROT_READ}
+    for how in (shared, private):
         try:
             return mmap.mmap(fd, 0, **how)
         except OSError as exc:

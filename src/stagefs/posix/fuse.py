@@ -329,11 +329,11 @@ class Pusher:
     path: looking up the handle makes the kernel know it), and at most ``budget`` bytes a
     mount (``push_budget``: ``PUSH_SHARE`` of the memory available at mount, within the
     job's control-group limit, less what its memory tiers will still take: the page cache
-    is the kernel's to evict, and a dataset larger than memory is not pushed whole). A backlog over
-    ``BACKLOG`` bytes, or over what the budget has left to push (the kernel slower than
-    the streams), is dropped, not kept: the streams' reads it holds are this process's
-    memory until pushed, and past the budget would never be pushed (under a job's memory
-    limit, a budget of 100 MB still let 256 MB of them wait here).
+    is the kernel's to evict, and a dataset larger than memory is not pushed whole). A
+    backlog over ``BACKLOG`` bytes, or over what the budget has left to push (the kernel
+    slower than the streams), is dropped, not kept: the streams' reads it holds are this
+    process's memory until pushed, and past the budget would never be pushed (under a job's
+    memory limit, a budget of 100 MB still let 256 MB of them wait here).
     ``STAGEFS_FUSE_PUSH=0`` turns it off. A kernel that refuses (no file handles on this
     mount, no notify) turns it off for the mount with one log line; a file the kernel has
     forgotten meanwhile is skipped.

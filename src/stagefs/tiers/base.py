@@ -21,8 +21,8 @@ except ImportError:  # not built: the Python loop below, same results
 # in Python that copy is a SIGBUS, which kills the process: without it, tiers never map.
 MAPPINGS_GUARDED = _c_gather is not None
 
-__all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead", "SourceUnavailable", "gather",
-           "pread_full"]
+__all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
+           "SourceUnavailable", "gather", "pread_full"]
 
 
 _MAX_ONE_READ = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read

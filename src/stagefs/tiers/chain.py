@@ -63,7 +63,7 @@ from stagefs.tiers.fill import (
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.stream import Stream
-from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes, memory_limit_problem
+from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes, memory_limit_problem, over_capacity
 
 __all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "TierChain", "TiersBusy"]
 
@@ -205,18 +205,12 @@ def _say_over_capacity(t: DirTier) -> None:
     datasets' copies): say so, once for the job and capacity. Nothing is evicted, so a job
     restarted with a smaller capacity (to free the disk for checkpoints) kept every copy
     and went on reading them, with no word that the tier was over what it was given."""
-    if t.capacity is None:
-        return
-    used = t.used_bytes()
-    if used <= t.capacity:
+    why = over_capacity(t.used_bytes(), t.capacity)
+    if why is None:
         return
     if t.room is not None and not _first_to_say(f"{t.room.path}.over-{t.capacity}"):
         return  # said once for the job: not again by each DataLoader worker
-    log.warning("%s holds %s, more than the %s it was given (%s of it this dataset's, in "
-                "%s): what it holds is kept and read, nothing more is placed there, and "
-                "nothing is removed to bring it down; to free the room, 'stagefs clean' "
-                "(of the job that placed the copies) or delete the directories no job "
-                "reads any more", t.name, format_size(used), format_size(t.capacity),
+    log.warning("%s %s (%s of it this dataset's, in %s)", t.name, why,
                 format_size(dir_bytes(t.dir)), t.dir)
 
 
@@ -826,12 +820,12 @@ class TierChain:
         with self._cond:
             new = [s for s in shards if s not in self._queued and s not in self._route
                    and s not in self._failed]
+            self._queued.update(new)
             # a prefetch is the latest plan: what it names still waiting in the stream's
             # queue moves to its place in it (Stream.enqueue)
-            plan = new if urgent else [s for s in shards if s in self._queued or s in new]
+            plan = new if urgent else [s for s in shards if s in self._queued]
             if not plan:
                 return
-            self._queued.update(new)
         self.stream.enqueue(plan, urgent=urgent)
 
     def place(self, shard: int, progress: Callable[[int], None] | None = None,

@@ -14,19 +14,19 @@ reads it itself. Either way each stored file is read from the origin once.
   drops its locks with it, so a file a dead reader held is simply free again.
 - ``Stream``: the threads. Each streams one shard at a time from the queue (the sampler's
   order of first use when it gave one with ``Store.prefetch``, the latest such order
-  first, else the order of the first reads: shard-local order). It reserves the shard's pieces in the tiers first (fill.py: in
-  the first tier with room, as many as there is room for; the chain counts the room), then
-  reads, copy by copy, the runs of files of the pieces reserved there that nobody holds,
-  ``CHUNK`` bytes a read at most (less where the stream is slow: a run takes about
-  ``RUN_S``, since its files reach their readers when it is read), each file checked as it
-  streams through (placer.py's check) before its fill byte is set; a read that fails
-  (EIO: not a check) is tried once more after ``RETRY_S``, then the shard is left to its
-  readers. A file that fails its
-  check at the origin is never placed (its readers get its ChecksumError, and the shard is
-  never whole in a tier); the files read with it, and the rest of the shard, stream on. A
-  shard cut short at the origin keeps the whole files its short read brought. A claim per
-  shard (claims.py) keeps two processes from streaming the same shard. Pieces no tier has
-  room for are not streamed: their readers read them from the origin, once.
+  first, else the order of the first reads: shard-local order). It reserves the shard's
+  pieces in the tiers first (fill.py: in the first tier with room, as many as there is
+  room for; the chain counts the room), then reads, copy by copy, the runs of files of the
+  pieces reserved there that nobody holds, ``CHUNK`` bytes a read at most (less where the
+  stream is slow: a run takes about ``RUN_S``, since its files reach their readers when it
+  is read), each file checked as it streams through (placer.py's check) before its fill
+  byte is set; a read that fails (EIO: not a check) is tried once more after ``RETRY_S``,
+  then the shard is left to its readers. A file that fails its check at the origin is
+  never placed (its readers get its ChecksumError, and the shard is never whole in a
+  tier); the files read with it, and the rest of the shard, stream on. A shard cut short
+  at the origin keeps the whole files its short read brought. A claim per shard
+  (claims.py) keeps two processes from streaming the same shard. Pieces no tier has room
+  for are not streamed: their readers read them from the origin, once.
 - ``StreamSource``: the holder a read of a shard not whole in a tier asks after the partial
   copies of the tiers (chain.py lists them first). A file already in the copy holding its
   piece is read from it; a file a stream (or another reader) holds is waited for, and so

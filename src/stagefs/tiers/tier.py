@@ -50,8 +50,8 @@ from stagefs.tiers.base import (
 
 log = logging.getLogger("stagefs")
 
-__all__ = ["DirTier", "Room", "TierStats", "fs_type", "memory_limit_problem", "prepare_tier_dir",
-           "share_capacity", "tier_dir_problem", "tier_kind"]
+__all__ = ["DirTier", "Room", "TierStats", "fs_type", "memory_limit_problem", "over_capacity",
+           "prepare_tier_dir", "share_capacity", "tier_dir_problem", "tier_kind"]
 
 
 @dataclass
@@ -153,6 +153,18 @@ def tier_dir_problem(path: str) -> str | None:
         return (f"tier {path} does not exist and cannot be created: {base} is not "
                 "writable by this user; create it, or name a writable directory")
     return None
+
+
+def over_capacity(held: int, capacity: int | None) -> str | None:
+    """What a tier holding ``held`` bytes, more than the ``capacity`` it is given, does and
+    how its room is freed (a run given more room placed them, or other datasets did);
+    None if it holds no more. Said by a store that opens it and by ``stagefs doctor``."""
+    if capacity is None or held <= capacity:
+        return None
+    return (f"holds {format_size(held)}, more than the {format_size(capacity)} it is given: "
+            "what it holds is kept and read, nothing more is placed there, and nothing is "
+            "removed to bring it down; to free the room, 'stagefs clean' (of the job that "
+            "placed the copies) or delete the directories no job reads any more")
 
 
 def memory_limit_problem(path: str, capacity: int | None, held: int = 0,
