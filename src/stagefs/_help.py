@@ -14,8 +14,8 @@ __all__ = ["COMMANDS", "EXIT_STATUS", "Formatter", "bash_completion", "commands"
            "markdown"]
 
 _STORE = ("STAGEFS_TIERS", "STAGEFS_RUNTIME", "STAGEFS_JOB", "STAGEFS_READ_THREADS",
-          "STAGEFS_ORIGIN_READAHEAD", "STAGEFS_SPEEDUPS", "STAGEFS_MALLOC_TUNE",
-          "STAGEFS_TIER_MAP")
+          "STAGEFS_ORIGIN_READAHEAD", "STAGEFS_ORIGIN_DIRECT", "STAGEFS_SPEEDUPS",
+          "STAGEFS_MALLOC_TUNE", "STAGEFS_TIER_MAP")
 _CONNECT = ("STAGEFS_CONNECT_TIMEOUT", "STAGEFS_PEER_TIMEOUT")
 _JOB = ("STAGEFS_RUNTIME", "STAGEFS_JOB")
 
@@ -70,7 +70,8 @@ COMMANDS: dict[str, tuple[tuple[str, ...], tuple[str, ...], bool]] = {
                "--tier /nvme/$USER/data:80% --interface ib0",
                "stagefs serve --new-token tok && stagefs serve /shared/imagenet.pack "
                "--hosts hosts --rank 0 --token-file tok --tier /dev/shm/$USER/data:50%"),
-              (*_JOB, "STAGEFS_INTERFACE", "STAGEFS_ORIGIN_READAHEAD", "STAGEFS_SPEEDUPS",
+              (*_JOB, "STAGEFS_INTERFACE", "STAGEFS_ORIGIN_READAHEAD", "STAGEFS_ORIGIN_DIRECT",
+               "STAGEFS_SPEEDUPS",
                "STAGEFS_MALLOC_TUNE", "STAGEFS_RELAY_PIPES"), True),
     "clean": (("stagefs clean", "stagefs clean --job train-7",
                "stagefs clean --all --force   # every job of yours on this node"),

@@ -196,6 +196,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "closed=False runs open mode, and warns"),
     EnvVar("STAGEFS_ORIGIN_READAHEAD", "off",
            "'kernel' leaves the kernel's readahead on for shards read from the origin"),
+    EnvVar("STAGEFS_ORIGIN_DIRECT", "1",
+           "0: the streams' large reads of the origin go through the page cache (by default "
+           "they bypass it with O_DIRECT where the file system allows: the tier holds them)"),
     EnvVar("STAGEFS_SPEEDUPS", "1", "0 turns the C accelerator off (for comparison)"),
     EnvVar("STAGEFS_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are"),
     EnvVar("STAGEFS_TIER_MAP", "1",

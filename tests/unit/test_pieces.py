@@ -8,8 +8,10 @@ import contextlib
 import itertools
 import os
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -80,15 +82,27 @@ def test_later_epochs_read_what_does_not_fit(dataset: tuple[Path, dict[str, byte
         assert fs.chain is not None
         assert fs.chain.origin is fs.origin
         spans: list[tuple[int, int, int]] = []
-        pread = fs.origin.pread
+        pread, through = fs.origin.pread, fs.origin.pread_through
 
-        def counted(shard: int, offset: int, length: int) -> bytes:
-            spans.append((shard, offset, offset + length))
-            return pread(shard, offset, length)
+        inside = threading.local()  # pread_through may hand a read to pread: once
 
-        monkeypatch.setattr(fs.origin, "pread", counted)
+        def counting(read: Any) -> Any:
+            def counted(shard: int, offset: int, length: int) -> bytes:
+                if getattr(inside, "read", False):
+                    return read(shard, offset, length)
+                spans.append((shard, offset, offset + length))
+                inside.read = True
+                try:
+                    return read(shard, offset, length)
+                finally:
+                    inside.read = False
+            return counted
+
+        monkeypatch.setattr(fs.origin, "pread", counting(pread))
+        monkeypatch.setattr(fs.origin, "pread_through", counting(through))  # the streams'
         epoch(fs, files, 1)
         monkeypatch.setattr(fs.origin, "pread", pread)
+        monkeypatch.setattr(fs.origin, "pread_through", through)
         # the first epoch reads each byte once: no two origin reads overlap (a read racing
         # a stream that makes its shard whole once went to the origin for bytes the tier
         # had); the streams' runs take the padding between files too, nothing more

@@ -212,6 +212,7 @@ def _stalled_streams(monkeypatch: pytest.MonkeyPatch, fs: Any, readers: list[str
         return bytes(real_pread(self, shard, offset, length))
 
     monkeypatch.setattr(origin_type, "pread", pread)
+    monkeypatch.setattr(origin_type, "pread_through", pread)  # the streams' reads
     return entered, release
 
 
@@ -588,6 +589,7 @@ def test_a_slow_origin_is_streamed_in_short_runs(runtime: Path, tmp_path: Path,
             return bytes(real_pread(self, shard, offset, length))
 
         monkeypatch.setattr(origin_type, "pread", pread)
+        monkeypatch.setattr(origin_type, "pread_through", pread)  # the streams' reads
         assert stream.run_bytes() == stream_mod.CHUNK  # no rate measured yet
         fs.prefetch([0])
         assert chain.wait_idle(60)
@@ -718,6 +720,7 @@ def test_a_stream_read_that_fails_once_is_read_again_not_left_to_the_readers(
                 return bytes(real_pread(self, shard, offset, length))
 
             monkeypatch.setattr(origin_type, "pread", pread)
+            monkeypatch.setattr(origin_type, "pread_through", pread)  # the streams' reads
             fs.prefetch([0])
             assert chain.wait_idle(60)
             monkeypatch.undo()

@@ -22,7 +22,7 @@ except ImportError:  # not built: the Python loop below, same results
 MAPPINGS_GUARDED = _c_gather is not None
 
 __all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
-           "SourceUnavailable", "gather", "pread_full"]
+           "SourceUnavailable", "gather", "pread_full", "through"]
 
 
 _MAX_ONE_READ = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read
@@ -161,6 +161,13 @@ class ShardSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def through(src: ShardSource) -> Callable[[int, int, int], bytes]:
+    """How to read ``src`` for bytes bound for a tier (a stream's, the placer's): its
+    ``pread_through`` where it has one (the origin: past the page cache, which would hold a
+    second copy of them), else its ``pread``."""
+    return getattr(src, "pread_through", src.pread)
 
 
 PreadMany = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]

@@ -47,7 +47,7 @@ from stagefs.errors import ConfigError, CorruptShardError, DescriptorLimitError
 from stagefs.format import Manifest
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers import placer
-from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full
+from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full, through
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import (
     FILL_SUFFIX,
@@ -941,7 +941,8 @@ class TierChain:
         origin = src is self.origin
         name = self.manifest.shards[shard].name
         try:
-            fill_gaps(f, read=lambda off, n: src.pread(shard, off, n), m=self.manifest,
+            read = through(src)
+            fill_gaps(f, read=lambda off, n: read(shard, off, n), m=self.manifest,
                       check=self._checker(src), where=f"shard {shard} from {src.name}",
                       progress=progress, stop=lambda: self._closing, pace=self._pace)
         except CopyAborted:

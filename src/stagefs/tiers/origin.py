@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
+import mmap
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from stagefs._fsutil import open_read, user_name
-from stagefs.config import env
+from stagefs.config import env, env_flag
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
 from stagefs.format import MANIFEST_NAME, Manifest, ShardHeader
 from stagefs.format.manifest import pack_id_at
@@ -24,6 +27,8 @@ from stagefs.tiers.base import (
 )
 
 __all__ = ["PackOrigin"]
+
+log = logging.getLogger("stagefs.tiers")
 
 
 def _reads_are_random(fd: int) -> None:
@@ -51,6 +56,7 @@ def _readahead() -> str:
 
 
 BULK_READ = 1 << 20  # a read this large is a stream's or the placer's: its own descriptor
+ALIGN = 4096  # what a read that bypasses the page cache (O_DIRECT) aligns its range and buffer to
 
 
 class PackOrigin:
@@ -70,6 +76,16 @@ class PackOrigin:
     needed and marked sequential: the kernel then reads ahead while the stream checks and
     writes the chunk it has (one stream on the test PFS: 365 MB/s against 315 MB/s with the
     random hint, medians of 5), and the samples' descriptor keeps its random hint.
+
+    ``pread_through``, the read of a stream or the placer whose bytes go into a tier, goes
+    through a third descriptor opened with ``O_DIRECT`` (``STAGEFS_ORIGIN_DIRECT=0``: the
+    second one): the bytes pass the page cache by, where they were a second copy of what
+    the tier holds, and the kernel's work per byte (allocating and filling the page cache,
+    copying from it) is not done. A cold epoch through a memory tier on the test PFS: 0.75-
+    0.82 CPU-s in the reading process against 0.87-0.99, at the same bytes per second the
+    link gave six streams either way (decision 0005, "Reading the origin"). A file system
+    that refuses ``O_DIRECT`` (the open or a read fails with EINVAL) is read through the
+    page cache.
     """
 
     name = "origin"
@@ -82,31 +98,37 @@ class PackOrigin:
         self.stats = OriginStats()
         self._fds: dict[int, int] = {}
         self._bulk_fds: dict[int, int] = {}
+        self._direct_fds: dict[int, int] = {}
+        self._direct = env_flag("origin_direct")
+        # per shard, the bytes [at, next page) a read through the cache by-pass brought
+        # beyond its range: the next stream read of the shard starts there (no page read twice)
+        self._tails: dict[int, tuple[int, bytes]] = {}
+        self._bufs = threading.local()
         self._lock = threading.Lock()
 
     def path(self, shard: int) -> str:
         return os.path.join(self.pack_dir, self.manifest.shards[shard].name)
 
-    def _fd(self, shard: int, bulk: bool = False) -> int:
-        fds = self._bulk_fds if bulk else self._fds
+    def _fd(self, shard: int, bulk: bool = False, direct: bool = False) -> int:
+        fds = self._direct_fds if direct else self._bulk_fds if bulk else self._fds
         fd = fds.get(shard)
         if fd is not None:
             return fd
         with self._lock:
             fd = fds.get(shard)
             if fd is None:
-                fd = self._open(shard, bulk)
+                fd = self._open(shard, bulk, direct)
                 fds[shard] = fd
         return fd
 
-    def _open(self, shard: int, bulk: bool = False) -> int:
+    def _open(self, shard: int, bulk: bool = False, direct: bool = False) -> int:
         if not 0 <= shard < len(self.manifest.shards):
             raise SourceUnavailable(f"{self.pack_dir}: no shard {shard} in this pack")
         path = self.path(shard)
         try:
             # a FIFO named as a shard (a crafted pack) fails its reads (ESPIPE) instead of
             # hanging the open for a writer
-            fd, _ = open_read(path)
+            fd, _ = open_read(path, os.O_DIRECT if direct else 0)
         except FileNotFoundError:
             if not os.path.isdir(self.pack_dir):  # the whole origin went away
                 raise SourceUnavailable(f"{self.pack_dir} is gone") from None
@@ -118,9 +140,13 @@ class PackOrigin:
                 f"{user_name(os.getuid())}; its owner can make the pack readable (chmod -R "
                 f"a+rX {self.pack_dir})") from exc
         except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                raise  # no O_DIRECT here: pread_through reads through the page cache
             raise SourceUnavailable(f"{path}: {exc.strerror}") from exc
         self.stats.opens += 1
-        if bulk:
+        if direct:
+            pass  # no page cache: no read-ahead to hint
+        elif bulk:
             with contextlib.suppress(OSError, AttributeError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         elif self._random:
@@ -180,6 +206,78 @@ class PackOrigin:
         except OSError as exc:
             raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
         self.stats.read(len(data))
+        return self._whole(shard, offset, length, data)
+
+    def pread_through(self, shard: int, offset: int, length: int) -> bytes:
+        """``pread`` for a large read whose bytes go into a tier (a stream's, the placer's):
+        past the page cache where the file system allows (the class's doc)."""
+        tail = self._tails.get(shard)
+        if not self._direct or (length < BULK_READ and (tail is None or tail[0] != offset)):
+            return self.pread(shard, offset, length)
+        try:
+            fd = self._fd(shard, direct=True)
+            data = self._read_direct(shard, fd, offset, length)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
+            # this file system takes no O_DIRECT (or not at this alignment): the page cache
+            log.debug("%s: no reads past the page cache (%s): read through it",
+                      self.pack_dir, exc.strerror)
+            self._direct = False
+            return self.pread(shard, offset, length)
+        # counted as pread counts: the bytes asked for (a file system moves whole pages
+        # either way; the part of a page past a stream's read is not asked for again)
+        self.stats.read(len(data))
+        return self._whole(shard, offset, length, data)
+
+    def _read_direct(self, shard: int, fd: int, offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) of the shard (fewer if it ends first) read with
+        ``O_DIRECT`` in whole pages into this thread's aligned buffer. The part of the last
+        page beyond the range is kept for the next read of the shard if it starts there (a
+        stream reads a shard in order): no page is read twice."""
+        tail = self._tails.pop(shard, None)
+        head = b""
+        if tail is not None and tail[0] == offset:
+            if len(tail[1]) >= length:  # all of it came with the read before
+                self._tails[shard] = (offset + length, tail[1][length:])
+                return tail[1][:length]
+            head = tail[1]
+        start = offset + len(head)
+        a = start - start % ALIGN
+        end = offset + length
+        b = -(-end // ALIGN) * ALIGN
+        buf = self._buffer(b - a)
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < b - a:
+                n = os.preadv(fd, [view[got : b - a]], a + got)
+                if n <= 0:
+                    break
+                got += n
+            lo = start - a
+            body = bytes(view[lo : max(lo, min(got, end - a))])
+            if got > end - a:
+                if len(self._tails) >= 64:  # streams stopped mid-shard: a bound, not a leak
+                    self._tails.clear()
+                self._tails[shard] = (end, bytes(view[end - a : got]))
+        finally:
+            view.release()
+        return head + body if head else body
+
+    def _buffer(self, n: int) -> mmap.mmap:
+        """This thread's page-aligned buffer of ``n`` bytes at least."""
+        buf: mmap.mmap | None = getattr(self._bufs, "buf", None)
+        if buf is None or len(buf) < n:
+            if buf is not None:
+                buf.close()
+            buf = mmap.mmap(-1, max(n, 4 * BULK_READ + 2 * ALIGN))
+            self._bufs.buf = buf
+        return buf
+
+    def _whole(self, shard: int, offset: int, length: int, data: bytes) -> bytes:
+        """``data``, read at ``offset`` for ``length`` bytes, if whole; else the error that
+        says why it is short (the range is not in the shard, or the shard is cut short)."""
         if len(data) != length:
             if offset + length > self.manifest.shards[shard].size:
                 raise SourceUnavailable(f"{self.path(shard)}: no range [{offset}, "
@@ -229,6 +327,8 @@ class PackOrigin:
     def reset_after_fork(self) -> None:
         """In a forked child: count afresh (the fds stay valid)."""
         self._lock = threading.Lock()
+        self._bufs = threading.local()
+        self._tails = {}
         self.stats = OriginStats(sink=self.stats.sink)  # the job's counters: its own file
 
     def fileno(self, shard: int) -> int:
@@ -236,7 +336,7 @@ class PackOrigin:
 
     def close(self) -> None:
         with self._lock:
-            for fds in (self._fds, self._bulk_fds):
+            for fds in (self._fds, self._bulk_fds, self._direct_fds):
                 for fd in fds.values():
                     os.close(fd)
                 fds.clear()

@@ -60,7 +60,7 @@ import numpy.typing as npt
 
 from stagefs._fsutil import pwrite_all
 from stagefs.errors import CorruptShardError, StagefsError
-from stagefs.tiers.base import DamagedCopy, ShortRead, SourceUnavailable
+from stagefs.tiers.base import DamagedCopy, ShortRead, SourceUnavailable, through
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
 from stagefs.tiers.placer import _run_verifier, _Verifier
 
@@ -631,12 +631,13 @@ class Stream:
         data: bytes | None = None
         arrived = self.arrived if bulk else None
         runs: list[tuple[int, bytes]] = []
+        read = through(chain.origin)
         pos = a
         try:
             while pos < b:
                 n = min(CHUNK, b - pos) if bulk else b - pos
                 try:
-                    data = chain.origin.pread(shard, pos, n)
+                    data = read(shard, pos, n)
                 except ShortRead as exc:  # truncated: the whole files before the cut stay
                     self._place(shard, fill, tier, verifier, pos, exc.got)
                     raise
