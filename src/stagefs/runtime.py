@@ -10,7 +10,8 @@ the user. It must be node-local: claims hold process ids, which mean nothing els
 Layout::
 
     <runtime>/procs/<pid>@<host>           a lease: one live process using the job
-    <runtime>/claims/<pack id>.<shard>     a shard being placed, and by whom (pid, start time)
+    <runtime>/claims/<pack id>.<shard>     a shard being placed, and by whom (pid, start time),
+                                           and how far its stream has come
     <runtime>/stats/<pid>.<pack id>.<n>.json   the counters of one open store of a process
     <runtime>/tiers/<pack id>.json         the tier directories a dataset was placed into
     <runtime>/inplace/<key>/               cached manifests of in-place datasets

@@ -76,6 +76,16 @@ log = logging.getLogger("stagefs")
 _STORES: weakref.WeakSet[Store] = weakref.WeakSet()
 
 
+class _Tally(list[tuple[str, int, int, int]]):
+    """A batch's samples (holder, samples, bytes, stored bytes), counted once the whole batch
+    has been read (``read_entries``): a batch that raises delivered nothing to its caller,
+    and ``stagefs status`` must not say its samples were read. Its reader threads append
+    to it (one ``append`` each: atomic)."""
+
+    def __bool__(self) -> bool:
+        return True  # counting (``count``), however few samples it holds yet
+
+
 def _after_fork_in_child() -> None:
     """A lock another thread held at the fork stays held in the child: make new ones. The
     origin of a store without tiers too (the tier chain resets its own): its lock, and its
@@ -315,7 +325,7 @@ class Store:
     @_while_open
     def read_entries(self, entries: Iterable[int] | npt.NDArray[np.integer[Any]],
                      paths: Sequence[PathArg | None] | None = None, *,
-                     count: bool = True) -> list[bytes]:
+                     count: bool | _Tally = True) -> list[bytes]:
         """The verified bytes of many entries (``paths``: their names in errors), in the
         order asked: what ``read_entry`` gives each, at a lower cost per sample.
 
@@ -331,8 +341,17 @@ class Store:
         Whatever a holder cannot give, or gives wrong, is read again by ``read_entry``: every
         holder in turn, counted and logged as a read alone would be. ``count=False``: the
         samples are not counted as read (a read-ahead into the tiers, whose samples the
-        workers read and count); the origin's reads are counted all the same.
+        workers read and count); the origin's reads are counted all the same. The samples
+        are counted once the batch has returned: a batch that raises (a file no holder has
+        good bytes for) delivered nothing, and counts no sample (its reads of the origin,
+        its checksum failures, are counted).
         """
+        if count is True:  # the samples counted once every one of them was read
+            tally = _Tally()
+            got = self.read_entries(entries, paths, count=tally)
+            for holder, reads, nbytes, stored in tally:
+                self._add(holder, reads, nbytes, stored)
+            return got
         if isinstance(entries, (int, np.integer)):
             raise TypeError(f"read_entries takes a list of entries, not one entry ({entries!r}):"
                             " read_entry() reads one")
@@ -357,7 +376,8 @@ class Store:
         pick = np.flatnonzero(sized)
         if count and len(pick) < n:
             # empty files: samples of no bytes the manifest answers (count_kept)
-            self.count_kept(0, int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))))
+            self.count_kept(0, int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))),
+                            into=count)
         if not len(pick):
             return out
         sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]
@@ -421,7 +441,7 @@ class Store:
         return out
 
     def _repeat(self, again: list[tuple[int, int]], ents: npt.NDArray[np.int64],
-                out: list[bytes], count: bool) -> None:
+                out: list[bytes], count: bool | _Tally) -> None:
         """Hand each repeat ``k`` of ``again`` (k, j) the bytes read for ``out[j]``: samples
         the batch served again from its own memory, counted as such (``count_kept``)."""
         for k, j in again:
@@ -429,12 +449,13 @@ class Store:
         if count:
             rep = ents[[k for k, _ in again]]
             a = self.manifest.arrays
-            self.count_kept(int(a["size"][rep].sum()), len(again), int(a["stored"][rep].sum()))
+            self.count_kept(int(a["size"][rep].sum()), len(again), int(a["stored"][rep].sum()),
+                            into=count)
 
     def _read_remote(self, batches: dict[int, tuple[ShardSource, PreadMany, list[_Unit]]],
                      remote: list[_Unit], order: list[int], el: list[int],
                      names: Sequence[PathArg | None], out: list[bytes],
-                     read_local: Callable[[], None] | None, count: bool = True,
+                     read_local: Callable[[], None] | None, count: bool | _Tally = True,
                      direct: list[_Unit] | None = None,
                      where: tuple[list[int], list[int], list[int]] | None = None) -> None:
         """Read the runs of files that no local tier holds (read_entries): each peer's in
@@ -539,7 +560,7 @@ class Store:
 
     def _gather_units(self, units: list[_Unit], where: Any, threads: bool, order: list[int],
                       el: list[int], names: Sequence[PathArg | None], out: list[bytes],
-                      count: bool) -> tuple[tuple[int, int], list[_Unit]]:
+                      count: bool | _Tally) -> tuple[tuple[int, int], list[_Unit]]:
         """Read the origin's runs ``units`` (read_entries) with one call (``gather_many``),
         in this thread, each file checked and counted as ``_take`` does; with ``threads``,
         the reads stop after the first that waited (a file system's latency, not the page
@@ -606,7 +627,8 @@ class Store:
 
     def _take(self, src: ShardSource | None, run: Sequence[int], el: list[int],
               names: Sequence[PathArg | None], got: Sequence[bytes | None],
-              out: list[bytes], count: bool = True, sums: Sequence[int] | None = None
+              out: list[bytes], count: bool | _Tally = True,
+              sums: Sequence[int] | None = None
               ) -> None:
         """``got[i]`` is what ``src`` gave for the file at ``out[run[i]]`` (None: nothing;
         ``sums[i]``: its checksum taken as it was read, if it was: ``gather``):
@@ -636,7 +658,7 @@ class Store:
         if count and len(again) < len(run):
             counted = (lambda: [(int(self._offset[el[k]]), int(self._stored[el[k]]))
                                 for k in run if k not in again]) if len(run) > 1 else None
-            self._count(src, len(run) - len(again), nbytes, stored, counted)
+            self._count(src, len(run) - len(again), nbytes, stored, counted, count)
         for k in again:
             out[k] = self.read_entry(el[k], names[k], count=count)
 
@@ -676,13 +698,15 @@ class Store:
 
     @_while_open
     def read_entry(self, e: int, path: PathArg | None = None, start: int = 0,
-                   length: int = -1, *, count: bool = True, sample: int | None = None
+                   length: int = -1, *, count: bool | _Tally = True,
+                   sample: int | None = None
                    ) -> bytes:
         """The verified bytes of entry ``e``: the whole file, or ``length`` bytes from
         ``start`` (to the end if ``length`` is negative). ``count=False``: not counted in
         the read counters (a sample a front end counted already, ``count_delivered``).
         ``sample``: the samples it counts (a file object counts one for all its reads);
-        by default one for a read from the start of the file.
+        by default one for a read from the start of the file. (``count``: a batch's
+        ``_Tally``, to be counted once the batch has returned: ``read_entries``.)
 
         The one read path: each holder of the shard in turn (the tiers, then the origin)
         until one returns bytes that pass the checksum: the file's for a whole file, the
@@ -721,7 +745,7 @@ class Store:
             offset, stored = offset + lo, hi - lo
         elif size == 0:
             if count:  # a sample of no bytes the manifest answers
-                self.count_kept(0, 1 if sample is None else sample)
+                self.count_kept(0, 1 if sample is None else sample, into=count)
             return b""
         tried: list[str] = []
         no_fds: SourceUnavailable | None = None  # a holder failed for want of a descriptor
@@ -765,7 +789,7 @@ class Store:
                 continue
             if count:  # a sample per file read: a range counts one if it starts the file
                 self._count(src, int(start == 0) if sample is None else sample, len(data),
-                            len(raw))
+                            len(raw), into=count)
             if src is self.origin and self._from_origin is not None and (
                     sums is not None or stored == self._stored[e]):
                 # the whole file, or the checked pieces of a range: into the tiers
@@ -846,16 +870,16 @@ class Store:
             raise CorruptShardError(f"{self._show(e, path)}: {why}") from why
 
     def _count(self, src: ShardSource | None, reads: int, nbytes: int, stored: int,
-               files: Callable[[], Sequence[tuple[int, int]]] | None = None) -> None:
+               files: Callable[[], Sequence[tuple[int, int]]] | None = None,
+               into: bool | _Tally = True) -> None:
         """``reads`` samples (``nbytes`` bytes; ``stored`` as stored) came from ``src``:
         this process's counts, and the job's by holder (memory or disk tier, peer, origin).
         ``files``: where in the shard each sample's stored bytes are, when ``reads`` files
         of one run were read at once (asked only if they came from several holders: each
-        sample to the holder of most of its bytes)."""
-        stats = self.stats
-        stats.reads += reads
-        stats.bytes += nbytes
+        sample to the holder of most of its bytes). ``into``: a batch's ``_Tally``, which
+        keeps them until the batch has returned (``_add``)."""
         if self._counts is None:
+            self._add("origin", reads, nbytes, stored, into)  # (this process's stats only)
             return
         served_by = getattr(src, "served_by", None)  # the stream: the holders of its read
         split = (served_by() if served_by is not None else None) or [
@@ -870,18 +894,29 @@ class Store:
             n = left_n if last else nbytes * part // max(stored, 1)
             m = left_s if last else part
             got = (reads if k == 0 else 0) if samples is None else samples.get(holder, 0)
-            self._counts.add(holder if holder in HOLDERS else "peer", got, n, m)
+            self._add(holder if holder in HOLDERS else "peer", got, n, m, into)
             left_n, left_s = left_n - n, left_s - m
 
-    def count_kept(self, nbytes: int, reads: int = 1, stored: int | None = None) -> None:
-        """``reads`` samples of ``nbytes`` in all (``stored`` as stored) that a front end
-        served again from its own memory (the FUSE server's last files, a batch's repeats of
-        a file), or that need no holder (empty files: the manifest, in memory, answers
-        them): ``memory``'s."""
+    def _add(self, holder: str, reads: int, nbytes: int, stored: int,
+             into: bool | _Tally = True) -> None:
+        """Count ``reads`` samples of ``nbytes`` (``stored`` as stored) served by ``holder``:
+        in this process's stats and the job's counters, or in ``into``, a batch's tally
+        (``read_entries`` adds it here once the batch has returned)."""
+        if isinstance(into, _Tally):
+            into.append((holder, reads, nbytes, stored))
+            return
         self.stats.reads += reads
         self.stats.bytes += nbytes
         if self._counts is not None:
-            self._counts.add("memory", reads, nbytes, nbytes if stored is None else stored)
+            self._counts.add(holder, reads, nbytes, stored)
+
+    def count_kept(self, nbytes: int, reads: int = 1, stored: int | None = None, *,
+                   into: bool | _Tally = True) -> None:
+        """``reads`` samples of ``nbytes`` in all (``stored`` as stored) that a front end
+        served again from its own memory (the FUSE server's last files, a batch's repeats of
+        a file), or that need no holder (empty files: the manifest, in memory, answers
+        them): ``memory``'s. ``into``: as ``_count``'s."""
+        self._add("memory", reads, nbytes, nbytes if stored is None else stored, into)
 
     def count_delivered(self, nbytes: int) -> None:
         """One sample of ``nbytes`` that a front end delivered without a read through this

@@ -285,3 +285,42 @@ def test_a_file_repeated_in_a_batch_is_read_once(dataset: tuple[Path, dict[str, 
         assert fs.stats.bytes == sum(len(files[p]) for p in batch)
         ents = [fs.namespace.file_entry(p) for p in batch]
         assert fs.read_entries(np.array(ents, np.int32)) == [files[p] for p in batch]
+
+
+def test_a_batch_that_raises_counts_no_sample(tmp_path: Path, runtime: Path) -> None:
+    """One file no holder has good bytes for fails the whole batch: its caller got nothing,
+    so no sample of it is counted as read (its good files, its empty file, its repeats);
+    the origin's reads it made and the checksum failure are counted. The same batch
+    without the bad file then counts every sample."""
+    from stagefs.tiers.status import read_counts
+
+    pack, files = packed_tree(tmp_path, n=60)
+    names = [p for p in sorted(files) if files[p]]
+    empty = [p for p in sorted(files) if not files[p]]
+    with stagefs.open(pack, runtime=runtime) as fs:
+        m = fs.manifest
+        victim = next(p for p in names[len(names) // 2 :] if len(files[p]) > 100
+                      and int(m.codec[fs.namespace.file_entry(p)]) == 0)
+        e = fs.namespace.file_entry(victim)
+        with open(pack / m.shards[int(m.shard[e])].name, "r+b") as f:
+            f.seek(int(m.offset[e]) + 50)
+            b = f.read(1)
+            f.seek(int(m.offset[e]) + 50)
+            f.write(bytes([b[0] ^ 0xFF]))
+        good = [p for p in names if p != victim]
+        batch = [*empty[:1], *good, good[0], victim]
+        for read in (lambda: fs.read_many(batch),
+                     lambda: fs.read_entries([fs.namespace.file_entry(p) for p in batch])):
+            with pytest.raises(stagefs.ChecksumError, match=victim):
+                read()
+            assert fs.stats.reads == fs.stats.bytes == 0
+        counts = read_counts(str(runtime / "stats"))
+        assert sum(counts[f"{h}_reads"] for h in ("memory", "disk", "peer", "origin")) == 0
+        assert counts["fetched_bytes"] > 0  # what was read of the origin still counts
+        assert counts["checksum_failures"] == 2
+        ok = [*empty[:1], *good, good[0]]
+        assert fs.read_many(ok) == [files[p] for p in ok]
+        assert fs.stats.reads == len(ok)
+        assert fs.stats.bytes == sum(len(files[p]) for p in ok)
+        counts = read_counts(str(runtime / "stats"))
+        assert counts["origin_reads"] + counts["memory_reads"] == len(ok)

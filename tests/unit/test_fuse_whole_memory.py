@@ -20,14 +20,20 @@ class _Store:
 
     def __init__(self, sizes: list[int]) -> None:
         self.sizes, self.reads = sizes, 0
+        self.samples = self.nbytes = 0  # what the read counters were told
         self.manifest: Any = type("M", (), {"stored": sizes})()
 
-    def read_entry(self, e: int, path: str, count: bool = True) -> bytes:
+    def read_entry(self, e: int, path: str, count: bool = True,
+                   sample: int | None = None) -> bytes:
         self.reads += 1
+        if count:
+            self.samples += 1 if sample is None else sample
+            self.nbytes += self.sizes[e]
         return bytes(self.sizes[e])  # calloc'd: traced, never touched
 
-    def count_kept(self, n: int, stored: int) -> None:
-        pass
+    def count_kept(self, n: int, reads: int = 1, stored: int | None = None) -> None:
+        self.samples += reads
+        self.nbytes += n
 
 
 def test_large_compressed_files_read_whole_are_not_all_kept() -> None:
@@ -101,3 +107,38 @@ def test_files_never_asked_for_whole_are_bounded() -> None:
     assert len(whole._files) == 2 * fuse._UNASKED_SHARE
     whole.read(0, "/h0", 4096, 4096)  # the first, let go of: read again
     assert store.reads == 41
+
+
+def test_a_file_read_again_further_in_is_one_sample() -> None:
+    """A program reads the start of a 2 MiB file, 64 other files pass through (other
+    DataLoader workers), then it reads the rest: the server let go of the file and reads it
+    again, its bytes counted twice (read twice) but one sample, not two (a warm epoch said
+    more samples than files read). Its next pass, from the start while it is kept, is a
+    sample (it was not counted at all: no READ from its start had come in that copy)."""
+    store = _Store([2 * MiB] + [1000] * 80)
+    whole = fuse.Whole(store, fuse.Served(81), keep=4, keep_bytes=MiB)
+    whole.read(0, "/big", 0, MiB)
+    for e in range(1, 81):
+        whole.read(e, f"/f{e}", 0, 4096)
+    assert (store.reads, store.samples) == (81, 81)
+    whole.read(0, "/big", MiB, MiB)  # the rest of the same read of it
+    assert store.reads == 82
+    assert store.samples == 81
+    assert store.nbytes == 2 * (2 * MiB) + 80 * 1000
+    whole.read(0, "/big", 0, MiB)  # the program's next pass
+    whole.read(0, "/big", MiB, MiB)
+    assert store.reads == 82
+    assert store.samples == 82
+    whole.read(0, "/big", 0, MiB)  # and the one after: counted as kept, bytes and all
+    assert store.samples == 83
+    assert store.nbytes == 2 * (2 * MiB) + 80 * 1000 + 2 * MiB
+
+
+def test_a_file_s_first_read_further_in_is_its_sample() -> None:
+    """Read-ahead's READ further into a file can come before the READ from its start: a
+    file not read before is one sample whichever comes first, as before."""
+    store = _Store([2 * MiB])
+    whole = fuse.Whole(store, fuse.Served(1))
+    whole.read(0, "/big", MiB, MiB)
+    whole.read(0, "/big", 0, MiB)
+    assert (store.reads, store.samples, store.nbytes) == (1, 1, 2 * MiB)

@@ -571,14 +571,18 @@ def test_a_copy_cut_short_or_without_its_map_is_placed_anew(
             os.unlink(t.path(partial[0]) + ".fill")
         # this process reads on: what it meets damaged it drops and places anew (the pieces
         # the copy held come over once more, in the epoch that places them)
-        epoch(fs, files, 32)
-        epoch(fs, files, 33)
-        fourth = epoch(fs, files, 36)
         # within 5% of D - C, and the room a tier leaves when the next piece does not fit
         # (under a piece: 4% of this small dataset's D - C); its pages hold the padding
         # between aligned files too (2.4% of C here)
         slack = 0.05 * (d - cap) + fs.manifest.piece_size
-        assert abs(fourth - (d - cap)) <= slack, (fourth, d - cap)
+        # the copy is placed anew in one of the next epochs (which one depends on when the
+        # stream of its shard runs: the process reads the deleted copy's pieces through
+        # its open descriptor until then), and from the epoch after, D - C again
+        later = [epoch(fs, files, seed) for seed in (32, 33, 36)]
+        while abs(later[-1] - (d - cap)) > slack and len(later) < 6:
+            later.append(epoch(fs, files, 40 + len(later)))
+        assert abs(later[-1] - (d - cap)) <= slack, (later, d - cap)
+        assert sum(b - (d - cap) > slack for b in later) <= 1, later  # placed anew once
         assert t.used_bytes() <= cap and dir_bytes(t.root) <= cap
     with stagefs.open(pack, tiers=[tier]) as fs:  # and the next process
         assert fs.chain is not None

@@ -200,3 +200,31 @@ def test_a_memory_tier_over_the_job_s_memory_limit_is_warned_of_when_the_store_o
         if warned:
             assert f"memory tier {tier}" in said[0] and "leaves (1.0 MiB)" in said[0]
             assert "--mem" in said[0]
+
+
+def test_a_tier_directory_removed_mid_epoch(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``rm -rf`` of the tier directory while the job reads: the reads go on, right; the
+    tier's used bytes were its room counter's, the copies it held before (what the node
+    daemon's ``stagefs status`` shows too), and its stop reason and warning the raw errno
+    of one partial copy's path. Now it holds nothing, and one warning says the directory
+    was removed."""
+    import shutil
+
+    pack, files = dataset
+    tier = tmp_path / "t0"
+    names = sorted(files)
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        for p in names[: len(names) // 3]:
+            assert fs.read(p) == files[p]
+        assert fs.status()["tiers"][0]["bytes_used"] > 0
+        shutil.rmtree(tier)
+        epoch(fs, files, 5)
+        assert fs.read_many(names) == [files[p] for p in names]
+        [t] = fs.status()["tiers"]
+    assert t["bytes_used"] == 0
+    assert t["stopped"] is not None and "removed" in t["stopped"] and str(tier) in t["stopped"]
+    said = [r.getMessage() for r in caplog.records if "placement stopped" in r.getMessage()]
+    assert len(said) == 1 and "Errno" not in said[0], said

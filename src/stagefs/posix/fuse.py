@@ -305,6 +305,11 @@ class Served:
             if self._state[e] == 1:
                 self._state[e] = 3
 
+    def read_before(self, e: int) -> bool:
+        """Whether a READ of file ``e`` was served (and counted) before."""
+        with self._lock:
+            return self._state[e] == 2
+
     def read(self, e: int) -> bool:
         """For a READ: whether to count it (not while its push, which counts it, is under
         way)."""
@@ -521,7 +526,16 @@ class Whole:
     answered late by a busy server) stays while it is among the last ``keep * 4`` files
     and within ``keep_bytes``. Let go of by count alone, a file of 1-4 MiB whose last READ
     came after other readers' 64 files was read whole again, from the origin when no tier
-    held it, and counted as a second sample."""
+    held it, and counted as a second sample.
+
+    A file read before through a READ, let go of here, that a READ further into it asks
+    for again (the program reading it slowly while others read 64 files, or the kernel
+    letting go of its pages mid-read) is read whole again: its bytes are counted, not a
+    sample (the program's read of it was counted at its start). Counted as a sample, a
+    warm epoch said more samples than files read, and the program's next pass from the
+    start, finding the file kept with no READ from its start, was not counted at all. A
+    READ from the start that comes while such a file is kept counts the sample then (the
+    next pass, or the same pass's first READ, come after the one further in)."""
 
     def __init__(self, store: Any, served: Served, keep: int = _RECENT_FILES,
                  keep_bytes: int = _RECENT_BYTES) -> None:
@@ -555,9 +569,14 @@ class Whole:
             if k is None:
                 k = _Kept()
             again = start and k.started  # a read from the start served before
+            owed = start and k.owed and not again  # read again further in, not counted
             if again:
                 k.asked = 0  # the program's next pass: kept until it has asked for all
             k.started |= start
+            k.owed &= not start
+            # read again from further in: the bytes, not a sample (see above)
+            sample = 0 if mine and not start and self.served.read_before(e) else None
+            k.owed |= sample == 0
             k.ask(offset, size)
             self._files[e] = k
             self._trim()
@@ -565,9 +584,12 @@ class Whole:
             kept = k.data.result()  # another READ's read of it, or its error
             if again:
                 self.store.count_kept(len(kept), stored=int(self.store.manifest.stored[e]))
+            elif owed:  # its bytes were counted when it was read again
+                self.store.count_kept(0, stored=0)
             return kept
         try:
-            data: bytes = self.store.read_entry(e, path, count=self.served.read(e))
+            data: bytes = self.store.read_entry(e, path, count=self.served.read(e),
+                                                sample=sample)
         except BaseException as exc:
             with self._lock:
                 if self._files.get(e) is k:  # the next READ tries again
@@ -684,12 +706,13 @@ class Pieces:
 
 
 class _Kept:
-    __slots__ = ("asked", "data", "size", "started")
+    __slots__ = ("asked", "data", "owed", "size", "started")
 
     def __init__(self) -> None:
         self.data: Future[bytes] = Future()
         self.size = 0  # its bytes, once read (counted in Whole's bytes kept)
         self.started = False  # a READ from the start of the file was served
+        self.owed = False  # read again from further in: its sample not counted yet
         self.asked = 0  # the pages (bit k: bytes k * _PAGE on) READs asked for in this pass
 
     def ask(self, offset: int, size: int) -> None:

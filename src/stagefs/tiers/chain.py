@@ -63,7 +63,7 @@ from stagefs.tiers.fill import (
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.stream import Stream
-from stagefs.tiers.tier import NO_SPACE, DirTier, dir_bytes, memory_limit_problem, over_capacity
+from stagefs.tiers.tier import DirTier, dir_bytes, memory_limit_problem, over_capacity
 
 __all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "TierChain", "TiersBusy"]
 
@@ -332,6 +332,13 @@ class TierChain:
                     # complete but never made whole: the process that filled it last ended
                     # first (a DataLoader worker leaves with os._exit, its stream mid-copy)
                     return self._route[shard]
+            if self.claims.let_go(shard) and shard not in self._failed:
+                # the process that streamed it ended mid-shard (killed, or closed): its
+                # pieces not in yet stream from here (tiers full or not: they are
+                # reserved), not in the readers' small reads for the rest of the epoch
+                with self._cond:
+                    self._queued.add(shard)
+                self.stream.enqueue([shard], urgent=True)
         elif shard not in self._fills:
             # a partial copy another process started: looked for on every miss (a failed
             # open() per tier when there is none, against a read from the origin; a process
@@ -980,9 +987,10 @@ class TierChain:
             log.warning("%s; placement into it stopped, reads go on",
                         DescriptorLimitError(t.name))
             return "next"
-        reason = "no space left on device" if exc.errno in NO_SPACE else str(exc)
+        reason = t.failure(exc)
+        if t.stopped != reason:  # said once, not at every copy of the tier that fails
+            log.warning("%s: placement stopped (%s); reads go on", t.name, reason)
         t.stopped = reason
-        log.warning("%s: placement stopped (%s); reads go on", t.name, reason)
         return "next"
 
     def _checker(self, src: ShardSource) -> placer.Check:

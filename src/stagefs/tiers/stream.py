@@ -542,10 +542,16 @@ class Stream:
     def coming(self, shard: int, offset: int) -> bool:
         """Whether a stream of this process will bring the shard's bytes at ``offset``
         within ``STREAM_WAIT_S``: it is on the shard, reading it in offset order, and is
-        that close to the offset at the rate its reads have run at."""
+        that close to the offset at the rate its reads have run at; or the stream another
+        process of the node runs on it (its claim's), by what it published after its last
+        run (a file behind it is not coming: that stream passed over it)."""
         at = self._at.get(shard)
         if at is None:
-            return False
+            there = self.chain.claims.progress(shard, STREAM_WAIT_S)
+            if there is None:
+                return False
+            at, rate = there
+            return at <= offset and rate > 0 and (offset - at) / rate <= STREAM_WAIT_S
         if offset <= at or not self._rate:  # behind it (held by a reader), or no rate yet
             return True
         return (offset - at) / self._rate <= STREAM_WAIT_S
@@ -608,6 +614,7 @@ class Stream:
         if seconds > 0 and nbytes >= MIN_RUN // 2:  # a short run says little of the rate
             rate = nbytes / seconds
             self._rate = rate if not self._rate else 0.75 * self._rate + 0.25 * rate
+        self.chain.claims.publish(shard, at, self._rate)  # for the node's other readers
 
     def _copy(self, shard: int, fill: ShardFill, tier: DirTier, h: _Held, lo: int, hi: int,
               *, bulk: bool) -> bytes | None:

@@ -411,11 +411,28 @@ class DirTier:
 
     def used_bytes(self) -> int:
         """Bytes of data the tier holds (every dataset): its room counter if it has one,
-        else the bytes allocated in its directory."""
+        else the bytes allocated in its directory; none once its directory is gone
+        (removed while the job ran: the counter still counts the copies it held)."""
+        if not self.present():
+            return 0
         if self.room is not None:
             with contextlib.suppress(OSError):
                 return self.room.used()
         return dir_bytes(self.root)
+
+    def present(self) -> bool:
+        """Whether the tier's directory is still there (not removed while the job ran)."""
+        return os.path.isdir(self.root)
+
+    def failure(self, exc: OSError) -> str:
+        """Why placement into the tier stopped, for ``exc`` met writing a copy: what a user
+        can act on, not the errno of one of its files."""
+        if exc.errno in NO_SPACE:
+            return "no space left on device"
+        if exc.errno == errno.ENOENT and not self.present():
+            return (f"its directory {self.root} was removed while the job ran; the reads "
+                    "its copies would have served go to the origin")
+        return str(exc)
 
     def no_room(self, size: int) -> str | None:
         """Why ``size`` more bytes do not fit (the caller holds the tiers' lock): ``"full"``
