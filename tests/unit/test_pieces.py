@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import stagefs
-from conftest import flip_byte, random_bytes
+from conftest import flip_byte, pack_files, random_bytes
 from stagefs.tiers.tier import dir_bytes
 
 SAMPLE = 100_000
@@ -29,13 +29,7 @@ N = 480  # 48 MB of incompressible samples, in 6 shards of 8 MiB (8 pieces of 1 
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     base = tmp_path_factory.mktemp("pieces")
     files = {f"d{i % 7}/s{i:04d}.jpg": random_bytes(SAMPLE + i, i) for i in range(N)}
-    for rel, data in files.items():
-        p = base / "raw" / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    stagefs.pack(base / "raw", base / "pack", shard_size="8MiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
-    return base / "pack", files
+    return pack_files(base, "raw", files), files
 
 
 def epoch(fs: stagefs.Store, files: dict[str, bytes], seed: int) -> int:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import random_bytes
+from conftest import pack_files, random_bytes
 from stagefs.tiers import stream as stream_mod
 from stagefs.tiers.claims import Claims
 
@@ -63,13 +63,7 @@ print("closed", flush=True)
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, bytes]]:
     base = tmp_path_factory.mktemp("takeover")
     files = {f"d{i % 5}/s{i:04d}.jpg": random_bytes(SAMPLE + 7 * i, i) for i in range(N)}
-    for rel, data in files.items():
-        p = base / "raw" / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data)
-    stagefs.pack(base / "raw", base / "pack", shard_size="8MiB", jobs=1, progress=False,
-                 echo=lambda _m: None)
-    return base / "pack", files
+    return pack_files(base, "raw", files), files
 
 
 def _until(what: str, ok: Callable[[], bool], timeout: float = 60.0) -> None:
