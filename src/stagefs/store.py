@@ -346,12 +346,18 @@ class Store:
         good bytes for) delivered nothing, and counts no sample (its reads of the origin,
         its checksum failures, are counted).
         """
-        if count is True:  # the samples counted once every one of them was read
-            tally = _Tally()
-            got = self.read_entries(entries, paths, count=tally)
-            for holder, reads, nbytes, stored in tally:
-                self._add(holder, reads, nbytes, stored)
-            return got
+        if count is not True:
+            return self._read_entries(entries, paths, count)
+        tally = _Tally()  # the samples counted once every one of them was read
+        got = self._read_entries(entries, paths, tally)
+        for holder, reads, nbytes, stored in tally:
+            self._add(holder, reads, nbytes, stored)
+        return got
+
+    def _read_entries(self, entries: Iterable[int] | npt.NDArray[np.integer[Any]],
+                      paths: Sequence[PathArg | None] | None, count: bool | _Tally
+                      ) -> list[bytes]:
+        """``read_entries``, its samples counted in ``count`` (a batch's tally) or not."""
         if isinstance(entries, (int, np.integer)):
             raise TypeError(f"read_entries takes a list of entries, not one entry ({entries!r}):"
                             " read_entry() reads one")
