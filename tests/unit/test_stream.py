@@ -756,3 +756,84 @@ def test_a_later_prefetch_orders_the_queue_and_a_waiting_read_stays_first(
         assert chain.stream.queued() == [0, 3, 1, 2, *range(4, n)]
         fs.prefetch(reversed(range(n)))
         assert chain.stream.queued() == [0, *reversed(range(1, n))]
+
+
+def _a_file_of(fs: Any, files: dict[str, bytes], shard: int, k: int = 0) -> str:
+    """The ``k``-th non-empty file stored in ``shard``."""
+    m = fs.manifest
+    mine = sorted(p for p in files if files[p]
+                  and int(m.shard[fs.namespace.file_entry(p)]) == shard)
+    return mine[k]
+
+
+def test_reads_that_miss_in_a_second_shard_queue_every_shard(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """With no plan (no prefetch: a FUSE mount's reader, the preload library's), reads in one
+    shard queue that shard alone; a read that misses in a second one queues every other
+    shard after the two, in shard order from it: each stream has a shard from the start,
+    not only once a read first reaches it."""
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        n = len(fs.manifest.shards)
+        assert n >= 5
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 0  # no stream thread takes from the queue: it is looked at
+        for k in range(2):
+            p = _a_file_of(fs, files, 1, k)
+            assert fs.read(p) == files[p]
+        assert chain.stream.queued() == [1]
+        p = _a_file_of(fs, files, 3)
+        assert fs.read(p) == files[p]
+        assert chain.stream.queued() == [3, 1, 4, *range(5, n), 0, 2]
+
+
+def test_a_plan_given_queues_no_other_shard(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A prefetch is the plan (the sampler's order, or a training subset's shards): reads
+    in other shards then queue those shards, and nothing more."""
+    pack, files = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 0
+        fs.prefetch([2])
+        for shard in (0, 3):
+            p = _a_file_of(fs, files, shard)
+            assert fs.read(p) == files[p]
+        assert sorted(chain.stream.queued()) == [0, 2, 3]
+
+
+def test_a_stream_reserves_its_first_pieces_reads_then_reserves_the_rest(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream begins reading once the pieces of its shard's first ``RESERVE_FIRST`` bytes
+    are reserved, and reserves the rest after its first read; the shard ends whole in the
+    tier, each origin byte read once."""
+    pack, files = dataset
+    from stagefs.tiers import chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 8 * 1024)  # pieces of the 48 KiB shards
+    monkeypatch.setattr(stream_mod, "RESERVE_FIRST", 1)  # the first piece alone
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        pieces = chain._extents_of(0).pieces
+        assert pieces >= 3
+        entered, release = _stalled_streams(monkeypatch, fs)
+        fs.prefetch([0])
+        assert entered.wait(60)  # the stream's first read, stalled
+        try:
+            [(fill, _tier)] = chain._fills[0]
+            assert int(fill.res.sum()) == 1
+        finally:
+            release.set()
+        assert chain.wait_idle(60)
+        assert fs.held_shards() == {0}
+        assert fs.origin.stats.bytes_read == fs.manifest.shards[0].size - \
+            chain._extents_of(0).offs[0]
+        for p in files:
+            if files[p] and int(fs.manifest.shard[fs.namespace.file_entry(p)]) == 0:
+                assert fs.read(p) == files[p]

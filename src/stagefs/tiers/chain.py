@@ -280,6 +280,9 @@ class TierChain:
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
         self._queued: set[int] = set()
+        # the first shard a read missed, until a plan (prefetch, or _plan_rest's) is made
+        self._first_miss: int | None = None
+        self._planned = False
         self._failed: set[int] = set()
         self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
         self._unusable: set[str] = set()  # partial copies _look found cut short or without a map
@@ -348,6 +351,7 @@ class TierChain:
             self._clear_unusable(shard)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
+            self._plan_rest(shard)
         copies = self._fills.get(shard)
         if not copies and shard in self._route:
             # made whole meanwhile by a stream thread (_finish routes it, then lets the
@@ -431,8 +435,9 @@ class TierChain:
                 return f, t
         return None
 
-    def _copies_to_fill(self, shard: int) -> list[Copy] | None:
-        """Every piece of the shard reserved (where room allows, in piece order), and the
+    def _copies_to_fill(self, shard: int, first: int | None = None) -> list[Copy] | None:
+        """Every piece of the shard reserved (where room allows, in piece order), or its
+        ``first`` pieces (a stream reserves the rest as it goes), and the
         partial copies holding them, in tier order: what a stream or ``place`` copies into.
         None if its files do not tile it (it is not placed); [] if it is whole or no tier
         has room for any piece of it. The caller holds the shard's claim."""
@@ -443,7 +448,8 @@ class TierChain:
             log.warning("shard %d not placed: its files do not tile it", shard)
             return None
         self._look(shard)
-        todo = [p for p in range(ext.pieces) if self._owner(shard, p) is None]
+        last = ext.pieces if first is None else min(first, ext.pieces)
+        todo = [p for p in range(last) if self._owner(shard, p) is None]
         if (todo or shard not in self._fills) and not self.full:
             self._reserve(shard, todo)
         if self._find(shard):
@@ -486,6 +492,21 @@ class TierChain:
             else:
                 self._fills.pop(shard, None)
         return gone
+
+    def room_for(self, nbytes: int) -> bool:
+        """Have the tiers room for ``nbytes`` more, as their counters and file systems say
+        now? (No lock: a hint for how a stream reserves, not a reservation.)"""
+        free = 0
+        for t in self.tiers:
+            if t.stopped is not None:
+                continue
+            with contextlib.suppress(OSError):
+                st = os.statvfs(t.root)
+                left = st.f_bavail * st.f_frsize
+                if t.capacity is not None:
+                    left = min(left, t.capacity - t.used_bytes())
+                free += max(0, left)
+        return free >= nbytes
 
     def _reserve(self, shard: int, pieces: Sequence[int]) -> dict[int, Copy]:
         """The copy holding each of these pieces: where one holds it already, else reserved
@@ -819,7 +840,26 @@ class TierChain:
 
         A prefetch announces reads (an epoch starts): the copy gives them the first turn."""
         self.activity.touch()
+        self._planned = True
         self._enqueue([int(s) for s in shards], urgent=False)
+
+    def _plan_rest(self, shard: int) -> None:
+        """With no plan given (``prefetch``), reads that miss in a second shard mean a pass
+        over the dataset: every other shard queues too, after those reads wait for, in shard
+        order from this one (wrapping round), so each stream has a shard from the start,
+        not only once a read first reaches it. A program that reads one file at a time, in
+        an order it tells nobody (a FUSE mount's, the preload library's), waited on one
+        shard's stream while the others had no shard yet: the fourth stream started after a
+        third of a cold epoch, and the last shards streamed alone at its end. Reads within
+        one shard (one file, or a shard's files in order) queue no other."""
+        if self._planned:
+            return
+        if self._first_miss is None or self._first_miss == shard:
+            self._first_miss = shard
+            return
+        self._planned = True
+        n = len(self._sizes)
+        self._enqueue([(shard + k) % n for k in range(1, n)], urgent=False)
 
     def _enqueue(self, shards: list[int], *, urgent: bool) -> None:
         if self.full or self._closing:

@@ -129,6 +129,11 @@ class Extents:
         """The bytes [a, b) of piece ``p`` in the shard."""
         return int(self.offs[self.pstart[p]]), int(self.ends[self.pstart[p + 1] - 1])
 
+    def piece_at(self, offset: int) -> int:
+        """The first piece that starts at or after ``offset`` (``pieces`` if none does)."""
+        starts = self.offs[self.pstart[:-1]]
+        return int(np.searchsorted(starts, offset, "left"))
+
     def at(self, offset: int) -> int:
         """The extent starting at ``offset`` (-1 if none does)."""
         k = int(np.searchsorted(self.offs, offset))
