@@ -4,6 +4,7 @@ the rest themselves; across the processes of a node every origin byte is read on
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import multiprocessing
 import os
@@ -734,6 +735,17 @@ def test_a_stream_read_that_fails_once_is_read_again_not_left_to_the_readers(
                 assert fs.read(name) == data
 
 
+@contextlib.contextmanager
+def _queue_only(pack: Path, tmp_path: Path, runtime: Path) -> Iterator[tuple[Any, Any]]:
+    """A store with a tier whose streams take nothing from their queue: it is looked at."""
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 0
+        yield fs, chain
+
+
 def test_a_later_prefetch_orders_the_queue_and_a_waiting_read_stays_first(
         dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
     """A prefetch is the latest plan: a second Sampler in the process (a new seed, or the
@@ -741,13 +753,9 @@ def test_a_later_prefetch_orders_the_queue_and_a_waiting_read_stays_first(
     drained, its shards already queued being skipped. Shards a read waits for stay first;
     those an earlier plan queued and this one does not name go after it."""
     pack, _files = dataset
-    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        chain = fs.chain
-        assert chain is not None
+    with _queue_only(pack, tmp_path, runtime) as (fs, chain):
         n = len(fs.manifest.shards)
         assert n >= 4
-        ctl = chain.stream.controller
-        ctl.most = ctl.target = 0  # no stream thread takes from the queue: it is looked at
         fs.prefetch(range(1, n))
         assert chain.stream.queued() == list(range(1, n))
         chain._enqueue([0], urgent=True)  # a read waits for shard 0, queued by no plan
@@ -773,13 +781,9 @@ def test_reads_that_miss_in_a_second_shard_queue_every_shard(
     shard after the two, in shard order from it: each stream has a shard from the start,
     not only once a read first reaches it."""
     pack, files = dataset
-    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        chain = fs.chain
-        assert chain is not None
+    with _queue_only(pack, tmp_path, runtime) as (fs, chain):
         n = len(fs.manifest.shards)
         assert n >= 5
-        ctl = chain.stream.controller
-        ctl.most = ctl.target = 0  # no stream thread takes from the queue: it is looked at
         for k in range(2):
             p = _a_file_of(fs, files, 1, k)
             assert fs.read(p) == files[p]
@@ -794,11 +798,7 @@ def test_a_plan_given_queues_no_other_shard(
     """A prefetch is the plan (the sampler's order, or a training subset's shards): reads
     in other shards then queue those shards, and nothing more."""
     pack, files = dataset
-    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
-        chain = fs.chain
-        assert chain is not None
-        ctl = chain.stream.controller
-        ctl.most = ctl.target = 0
+    with _queue_only(pack, tmp_path, runtime) as (fs, chain):
         fs.prefetch([2])
         for shard in (0, 3):
             p = _a_file_of(fs, files, shard)
