@@ -192,7 +192,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("STAGEFS_CLOSED", "0",
            "1: MLPerf Storage CLOSED rules: nothing is informed by the shuffle seed (the "
            "Sampler's clairvoyant prefetch, staging order and locality are off; the tiers "
-           "stream shards in the order reads first ask for them); a Sampler given "
+           "stream shards as reads first ask for them, then the rest of the directory read "
+           "in shard order); a Sampler given "
            "closed=False runs open mode, and warns"),
     EnvVar("STAGEFS_ORIGIN_READAHEAD", "off",
            "'kernel' leaves the kernel's readahead on for shards read from the origin"),

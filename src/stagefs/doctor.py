@@ -103,15 +103,17 @@ def _speed(nbytes: int, seconds: float) -> str:
     return f"{nbytes / max(seconds, 1e-9) / 2**20:,.0f} MiB/s"
 
 
-def _probe(path: str, clock: Callable[[], float]) -> tuple[float, float]:
-    """Seconds to write PROBE_BYTES (fsync'd) in ``path``, then to read them back."""
+def _probe(path: str, clock: Callable[[], float], nbytes: int = PROBE_BYTES
+           ) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` (whole MiB, fsync'd) in ``path``, then to read them
+    back."""
     name = os.path.join(path, f".stagefs-doctor-{os.getpid()}")
     block = os.urandom(1 << 20)
     try:
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             t0 = clock()
-            for _ in range(PROBE_BYTES // len(block)):
+            for _ in range(nbytes // len(block)):
                 os.write(fd, block)
             os.fsync(fd)
             wrote = clock() - t0
@@ -162,9 +164,21 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
                 return [Finding(label, "error", f"{path} cannot be created in "
                                 f"{os.path.dirname(made[-1])} ({exc.strerror}): stagefs cannot "
                                 "stage there; name a writable directory with free space")]
-        wrote, read = _probe(path, clock)
         total, free = _space(path)
+        # the probe takes at most half of what the tier may use: on a file system with a
+        # few MiB free, a tier a store fills piece by piece was called unusable when the
+        # 32 MiB probe met ENOSPC
+        room = free if tier.capacity is None else min(free, tier.capacity)
         held = dir_bytes(path)
+        if room < least:
+            keeps = f"it keeps the {format_size(held)} it holds and places nothing more" \
+                if held else "it holds little or nothing"
+            return [Finding(label, "warn", f"{path}'s file system has {format_size(free)} "
+                            f"free: less than one piece of placement ({format_size(PIECE)} "
+                            f"as packed by default) and its copy's header: {keeps}; free "
+                            "some space there, or name another directory")]
+        probe = max(1 << 20, min(PROBE_BYTES, room // 2) >> 20 << 20)
+        wrote, read = _probe(path, clock, probe)
         over = memory_limit_problem(path, tier.capacity, held) \
             if tier_kind(path) == "memory" else None
         if over is None and (why := over_capacity(held, tier.capacity)):
@@ -181,8 +195,8 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
     if over:
         return [Finding(label, "warn", f"{new}{over}")]
     return [Finding(label, "ok", f"{new}{format_size(free)} free of {format_size(total)}; "
-                    f"write {_speed(PROBE_BYTES, wrote)}, read {_speed(PROBE_BYTES, read)} "
-                    f"({format_size(PROBE_BYTES)} probe)")]
+                    f"write {_speed(probe, wrote)}, read {_speed(probe, read)} "
+                    f"({format_size(probe)} probe)")]
 
 
 def _missing_dirs(path: str) -> list[str]:

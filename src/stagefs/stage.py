@@ -25,26 +25,23 @@ __all__ = ["print_status", "stage_with_progress"]
 def stage_with_progress(fs: Store, *, progress: bool | None = None
                         ) -> tuple[dict[str, int], float, int]:
     """Place every shard of ``fs`` not held yet; shards already held are skipped (so an
-    interrupted stage resumes). Returns (outcome counts, seconds, bytes copied)."""
+    interrupted stage resumes). Returns (outcome counts, seconds, bytes copied: read from
+    the origin, not the pieces a partial copy held already, which the bar counts as done)."""
     chain = fs.chain
     if chain is None:
         raise ConfigError("no tiers to stage into: pass --tier DIR[:SIZE] or set STAGEFS_TIERS")
     sizes = [s.size for s in fs.manifest.shards]
     held = fs.held_shards()
     todo = [i for i in range(len(sizes)) if i not in held]
-    copied = [0]
+    read_before = fs.origin.stats.bytes_read
     t0 = time.perf_counter()
     with tqdm(total=sum(sizes), initial=sum(sizes[i] for i in held), unit="B",
               unit_scale=True, unit_divisor=1024, desc="staging", smoothing=0.1,
               disable=None if progress is None else not progress) as bar:
-        def advance(n: int) -> None:
-            copied[0] += n
-            bar.update(n)
-
-        counts = chain.stage(todo, progress=advance)
+        counts = chain.stage(todo, progress=bar.update)
     if held:
         counts["held"] = counts.get("held", 0) + len(held)
-    return counts, time.perf_counter() - t0, copied[0]
+    return counts, time.perf_counter() - t0, fs.origin.stats.bytes_read - read_before
 
 
 def print_status(runtime: str | None, *, as_json: bool = False) -> int:

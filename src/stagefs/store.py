@@ -220,6 +220,11 @@ class Store:
         self._policy: Holders | None = policy if policy is not None else chain
         self._holders = sources or (self._policy.holders if self._policy is not None
                                     else self._origin_holders)
+        # the same, told the file read: the tiers' plan made with no prefetch covers the
+        # directory the reads share (TierChain._plan_rest)
+        self._holders_of: Callable[[int, int], Sequence[ShardSource]] = (
+            chain.holders if chain is not None and sources is None and self._policy is chain
+            else functools.partial(_untold, self._holders))
         # the tiers fill as origin reads pass (tiers/fill.py)
         self._from_origin = chain.from_origin if chain is not None else None
         self._sums = sums  # in place: checksums learnt as shards are placed
@@ -407,10 +412,10 @@ class Store:
         remote: list[_Unit] = []
         direct: list[_Unit] = []  # the origin's, read with gather_many while they do not wait
         origin = self.origin
-        holders = self._holders
+        holders = self._holders_of
         for g in range(len(cuts) - 1):
             i, end = cuts[g], cuts[g + 1]
-            hs = holders(shards[i])
+            hs = holders(shards[i], el[order[i]])
             gather_many = getattr(hs[0], "gather_many", None)
             if gather_many is not None and getattr(hs[0], "local", False):
                 local.setdefault(id(hs[0]), (hs[0], gather_many, []))[2].extend(range(i, end))
@@ -756,7 +761,7 @@ class Store:
         tried: list[str] = []
         no_fds: SourceUnavailable | None = None  # a holder failed for want of a descriptor
         denied = False  # the origin refused by a file's mode (its reason says what to do)
-        holders = self._holders(shard)
+        holders = self._holders_of(shard, e)
         for src in holders:
             # before the check reads the sum: in place, another process may learn it meanwhile
             trust = self._trust(src, e)
@@ -1172,6 +1177,12 @@ def waited(elapsed: float, nbytes: int) -> bool:
     read, took the test PFS's 0.76 ms random reads for the page cache: a partial-capacity
     epoch read its origin files one after the other, at half the rate of 8 at once."""
     return elapsed > SLOW_READ_S + nbytes / COPY_RATE
+
+
+def _untold(holders: Callable[[int], Sequence[ShardSource]], shard: int,
+            _entry: int) -> Sequence[ShardSource]:
+    """``holders(shard)``, for holders not told which file is read (a cluster, the origin)."""
+    return holders(shard)
 
 
 def _first_up(hs: Sequence[ShardSource]) -> ShardSource:

@@ -4,6 +4,9 @@ tier that does not exist yet: said usable only where a store could make it."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,3 +111,41 @@ def test_a_tier_holding_more_than_it_is_given_is_a_warning(tmp_path: Path,
     assert over.status == "warn", over
     assert "more than the 2.0 MiB it is given" in over.meaning
     assert "stagefs clean" in over.meaning
+
+
+@pytest.fixture
+def nearly_full_fs(tmp_path: Path) -> Iterator[Path]:
+    """A file system of 12 MiB (a tmpfs) with 6 MiB of it taken: skipped only where this
+    process cannot mount one."""
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here to make a small file system with")
+    where = tmp_path / "small_fs"
+    where.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12M", "tmpfs", str(where)],
+                       capture_output=True, text=True, timeout=30, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a 12 MiB tmpfs here (root is needed): {r.stderr.strip()}")
+    try:
+        (where / "filler").write_bytes(bytes(6 << 20))
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], timeout=30, check=False)
+
+
+def test_a_tier_on_a_nearly_full_file_system_is_probed_within_its_room(
+        nearly_full_fs: Path) -> None:
+    """A tier on a file system with a few MiB free holds pieces (a store places them one
+    by one): the doctor's 32 MiB probe met ENOSPC and called it unusable (an error, exit
+    1). The probe now takes at most half of the tier's room; a file system with less than
+    a piece free is a warning that says what the tier will hold, never an error."""
+    for spec, probe in ((f"{nearly_full_fs / 't'}:4MiB", "2.0 MiB probe"),
+                        (f"{nearly_full_fs / 'u'}", "3.0 MiB probe")):
+        [finding] = check_tier(spec)
+        assert finding.status == "ok", finding
+        assert "6.0 MiB free" in finding.meaning and probe in finding.meaning
+    with open(nearly_full_fs / "filler", "ab") as f:
+        f.write(bytes((6 << 20) - (512 << 10)))  # 512 KiB left: less than a piece
+    [finding] = check_tier(f"{nearly_full_fs / 'v'}")
+    assert finding.status == "warn", finding
+    assert "512.0 KiB free" in finding.meaning and "holds little or nothing" in finding.meaning
+    assert sorted(p.name for p in nearly_full_fs.iterdir()) == ["filler"]  # left as it was

@@ -777,9 +777,10 @@ def _a_file_of(fs: Any, files: dict[str, bytes], shard: int, k: int = 0) -> str:
 def test_reads_that_miss_in_a_second_shard_queue_every_shard(
         dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
     """With no plan (no prefetch: a FUSE mount's reader, the preload library's), reads in one
-    shard queue that shard alone; a read that misses in a second one queues every other
-    shard after the two, in shard order from it: each stream has a shard from the start,
-    not only once a read first reaches it."""
+    shard queue that shard alone; a read that misses in a second one (here in another
+    directory at the top: the whole dataset) queues every other shard after the two, in
+    shard order from it: each stream has a shard from the start, not only once a read
+    first reaches it."""
     pack, files = dataset
     with _queue_only(pack, tmp_path, runtime) as (fs, chain):
         n = len(fs.manifest.shards)
@@ -791,6 +792,46 @@ def test_reads_that_miss_in_a_second_shard_queue_every_shard(
         p = _a_file_of(fs, files, 3)
         assert fs.read(p) == files[p]
         assert chain.stream.queued() == [3, 1, 4, *range(5, n), 0, 2]
+
+
+def test_reads_of_one_directory_queue_its_shards_and_a_read_outside_widens_the_plan(
+        runtime: Path, tmp_path: Path) -> None:
+    """With no plan, reads that miss in a second shard queue the shards of the directory
+    their files share, not the whole dataset: a job that reads only its validation
+    directory (through a mount, or ``fs.read``) streamed every training shard too. A miss
+    outside the directory widens the plan to the one holding both, and queues the shards
+    that adds, after those queued already."""
+    rng = random.Random(7)
+    files = {f"{top}/c{i % 3}/f{i:03d}": rng.randbytes(rng.randint(1000, 6000))
+             for top, count in (("train", 90), ("val", 30)) for i in range(count)}
+    for name in files:
+        (tmp_path / "raw" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "raw" / name).write_bytes(files[name])
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="24KiB", jobs=1,
+                 progress=False, echo=lambda _m: None)
+    with _queue_only(tmp_path / "pack", tmp_path, runtime) as (fs, chain):
+        m = fs.manifest
+
+        def shards_of(top: str) -> list[int]:
+            return sorted({int(m.shard[fs.namespace.file_entry(p)]) for p in files
+                           if p.startswith(top)})
+
+        val, train = shards_of("val/"), shards_of("train/")
+        assert len(val) >= 3 and len(set(train) - set(val)) >= 3
+        first, second = (next(p for p in files if p.startswith("val/")
+                              and int(m.shard[fs.namespace.file_entry(p)]) == s)
+                         for s in (val[-1], val[0]))
+        for p in (first, second):
+            assert fs.read(p) == files[p]
+        assert sorted(chain.stream.queued()) == val
+        assert sorted(chain.stream.queued()[:2]) == [val[0], val[-1]]  # the reads' first
+        p = next(p for p in files if p.startswith("train/")
+                 and int(m.shard[fs.namespace.file_entry(p)]) not in val)
+        assert fs.read(p) == files[p]
+        queued = chain.stream.queued()
+        assert sorted(queued) == list(range(len(m.shards)))
+        assert queued[0] == int(m.shard[fs.namespace.file_entry(p)])  # a read waits for it
+        assert sorted(queued[1:1 + len(val)]) == val  # then the directory's, as before
 
 
 def test_a_plan_given_queues_no_other_shard(

@@ -244,6 +244,23 @@ def test_stage_status_clean(raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
     assert got.out == "" and f"no stagefs runtime at {rt}" in got.err
 
 
+
+def test_stage_again_into_a_tier_holding_a_shard_in_part_copies_nothing(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A tier smaller than a shard holds its pieces of it; staging again reads nothing from
+    the origin, and said it copied the pieces held already (the bar's progress)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for k in range(40):
+        (src / f"f{k:02d}").write_bytes(os.urandom(60_000))
+    stagefs.pack(str(src), str(tmp_path / "pack"), progress=False, echo=lambda _m: None)
+    rt, tier = str(tmp_path / "rt"), f"{tmp_path / 'tier'}:1536KiB"
+    args = ["stage", str(tmp_path / "pack"), "--tier", tier, "--runtime", rt, "--no-progress"]
+    assert main(args) == 0
+    assert "(1.0 MiB copied" in capsys.readouterr().out  # the one piece it has room for
+    assert main(args) == 0
+    assert "(0 B copied" in capsys.readouterr().out
+
 def test_stage_without_tiers_is_a_clear_error(raw: tuple[Path, dict[str, bytes]],
                                               tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch,

@@ -44,7 +44,7 @@ import numpy as np
 from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit, remove_any
 from stagefs.config import TierSpec, format_size
 from stagefs.errors import ConfigError, CorruptShardError, DescriptorLimitError
-from stagefs.format import Manifest
+from stagefs.format import KIND_FILE, Manifest
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers import placer
 from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full, through
@@ -280,8 +280,10 @@ class TierChain:
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
         self._queued: set[int] = set()
-        # the first shard a read missed, until a plan (prefetch, or _plan_rest's) is made
-        self._first_miss: int | None = None
+        # the first shard a read missed and its file's directory, until a plan (prefetch, or
+        # _plan_rest's) is made; then the directory _plan_rest's plan covers (0: the root)
+        self._first_miss: tuple[int, int] | None = None
+        self._scope: int | None = None
         self._planned = False
         self._failed: set[int] = set()
         self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
@@ -313,13 +315,14 @@ class TierChain:
 
     # -- the read path ----------------------------------------------------------------------
 
-    def holders(self, shard: int) -> tuple[ShardSource, ...]:
+    def holders(self, shard: int, entry: int = -1) -> tuple[ShardSource, ...]:
+        """``entry``: the file read, if told (its directory scopes ``_plan_rest``'s plan)."""
         route = self._route.get(shard)
         if route is not None:
             return route
-        return self._miss(shard)
+        return self._miss(shard, entry)
 
-    def _miss(self, shard: int) -> tuple[ShardSource, ...]:
+    def _miss(self, shard: int, entry: int) -> tuple[ShardSource, ...]:
         self.activity.touch()  # a read may go to the origin now: place() gives way
         now = time.monotonic()
         if now >= self._next_check.get(shard, 0.0):
@@ -351,7 +354,7 @@ class TierChain:
             self._clear_unusable(shard)
         if shard not in self._queued and not self.full:
             self._enqueue([shard], urgent=True)
-            self._plan_rest(shard)
+            self._plan_rest(shard, entry)
         copies = self._fills.get(shard)
         if not copies and shard in self._route:
             # made whole meanwhile by a stream thread (_finish routes it, then lets the
@@ -843,23 +846,70 @@ class TierChain:
         self._planned = True
         self._enqueue([int(s) for s in shards], urgent=False)
 
-    def _plan_rest(self, shard: int) -> None:
+    def _plan_rest(self, shard: int, entry: int) -> None:
         """With no plan given (``prefetch``), reads that miss in a second shard mean a pass
-        over the dataset: every other shard queues too, after those reads wait for, in shard
-        order from this one (wrapping round), so each stream has a shard from the start,
-        not only once a read first reaches it. A program that reads one file at a time, in
-        an order it tells nobody (a FUSE mount's, the preload library's), waited on one
-        shard's stream while the others had no shard yet: the fourth stream started after a
-        third of a cold epoch, and the last shards streamed alone at its end. Reads within
-        one shard (one file, or a shard's files in order) queue no other."""
+        over the directory their files share: every other shard holding files under it
+        queues too, after those reads wait for, in shard order from this one (wrapping
+        round), so each stream has a shard from the start, not only once a read first
+        reaches it. A program that reads one file at a time, in an order it tells nobody (a
+        FUSE mount's, the preload library's), waited on one shard's stream while the others
+        had no shard yet: the fourth stream started after a third of a cold epoch, and the
+        last shards streamed alone at its end. Reads within one shard (one file, or a
+        shard's files in order) queue no other. A later miss in a shard the plan left out
+        widens it to the directory holding both, and queues the shards that adds: a job
+        that reads only its validation directory no longer streams the training shards it
+        never reads (3 of 15 shards read, the origin read for all 15: 6x the bytes). A read
+        that does not name its file (``entry`` -1) stands for the whole dataset."""
         if self._planned:
             return
-        if self._first_miss is None or self._first_miss == shard:
-            self._first_miss = shard
-            return
-        self._planned = True
+        parent = self.manifest.parent
+        d = int(parent[entry]) if 0 <= entry < len(parent) else 0
+        if self._scope is None:
+            if self._first_miss is None or self._first_miss[0] == shard:
+                self._first_miss = (shard, d)
+                return
+            d = self._common_dir(self._first_miss[1], d)
+        else:
+            d = self._common_dir(self._scope, d)
+            if d == self._scope:
+                return
+        under = self._shards_under(d)
+        # widened: the plan's shards still queued stay ahead of those it adds
+        before = self._shards_under(self._scope) if self._scope is not None else under & False
+        self._scope = d
+        self._planned = d == 0  # the whole dataset: nothing left to widen to
         n = len(self._sizes)
-        self._enqueue([(shard + k) % n for k in range(1, n)], urgent=False)
+        order = [(shard + k) % n for k in range(1, n)]
+        self._enqueue([s for s in order if before[s]]
+                      + [s for s in order if under[s] and not before[s]], urgent=False)
+
+    def _common_dir(self, a: int, b: int) -> int:
+        """The deepest directory holding directories ``a`` and ``b`` (entries)."""
+        parent = self.manifest.parent
+        up = {a}
+        while a:  # a manifest's parents come before their children: the walk ends at 0
+            a = int(parent[a])
+            up.add(a)
+        while b not in up:
+            b = int(parent[b])
+        return b
+
+    def _shards_under(self, d: int) -> np.ndarray:
+        """By shard: whether it holds a file under directory ``d`` (an entry)."""
+        a = self.manifest.arrays
+        under = np.zeros(len(self._sizes), dtype=bool)
+        files = np.flatnonzero((a["kind"] == KIND_FILE) & (a["stored"] > 0))
+        if d:
+            up = a["parent"][files].astype(np.int64)
+            inside = up == d
+            live = up > d  # an ancestor comes before its descendants: below d, never d
+            while live.any():
+                up[live] = a["parent"][up[live]]
+                inside |= up == d
+                live &= up > d
+            files = files[inside]
+        under[a["shard"][files]] = True
+        return under
 
     def _enqueue(self, shards: list[int], *, urgent: bool) -> None:
         if self.full or self._closing:

@@ -14,8 +14,9 @@ reads it itself. Either way each stored file is read from the origin once.
   drops its locks with it, so a file a dead reader held is simply free again.
 - ``Stream``: the threads. Each streams one shard at a time from the queue (the sampler's
   order of first use when it gave one with ``Store.prefetch``, the latest such order
-  first, else the order of the first reads, and once reads missed in a second shard every
-  other shard after them, in shard order: ``TierChain._plan_rest``). It reserves the
+  first, else the order of the first reads, and once reads missed in a second shard the
+  other shards of the directory read after them, in shard order:
+  ``TierChain._plan_rest``). It reserves the
   shard's pieces in the tiers (fill.py: in the first tier with room, as many as there is
   room for; the chain counts the room), those of its first ``RESERVE_FIRST`` bytes before
   its first read and the rest after it (``_Ahead``), then reads, copy by copy, the runs of files of the
