@@ -878,3 +878,64 @@ def test_a_stream_reserves_its_first_pieces_reads_then_reserves_the_rest(
         for p in files:
             if files[p] and int(fs.manifest.shard[fs.namespace.file_entry(p)]) == 0:
                 assert fs.read(p) == files[p]
+
+
+def test_the_shard_streamed_first_is_held_whole_when_later_streams_find_no_room(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reads missed in one shard first (its stream alone: it reserves its first pieces, and
+    reads), then the plan queued the others, whose streams found no room in the tiers for
+    every shard streaming and reserved theirs whole before reading: they took the room the
+    first shard's rest needed, and the shard that came first was held in part (its first
+    pieces), the later ones whole. Now a stream that reserves its shard whole first lets
+    the streams under way reserve the rest of theirs: the first shard is held whole."""
+    pack, files = dataset
+    from stagefs.tiers import chain as chain_mod
+    from stagefs.tiers.fill import whole_charge
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 8 * 1024)  # pieces of the 48 KiB shards
+    monkeypatch.setattr(stream_mod, "RESERVE_FIRST", 1)  # the first piece alone
+    with stagefs.open(pack, tiers=[str(tmp_path / "probe")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        block = chain.tiers[0].block
+        room = sum(whole_charge(chain._extents_of(s), block) for s in (0, 1)) + block
+        n = len(fs.manifest.shards)
+        assert n >= 4
+        origin_type = type(fs.origin)
+    stalled: set[str] = set()
+    release = threading.Event()
+    real_pread = origin_type.pread
+
+    def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+        name = threading.current_thread().name
+        if name.startswith("stagefs-stream"):
+            stalled.add(name)
+            assert release.wait(60)  # every stream's reads wait here
+        return bytes(real_pread(self, shard, offset, length))
+
+    monkeypatch.setattr(origin_type, "pread", pread)
+    monkeypatch.setattr(origin_type, "pread_through", pread)
+    with stagefs.open(pack, tiers=[f"{tmp_path / 'tier'}:{room}"], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        stream = chain.stream
+        try:
+            fs.prefetch([0])  # the first shard's stream, alone: it reserves its first piece
+            while not stalled:
+                with stream._cond:
+                    stream._cond.wait(0.01)
+            [(fill, _tier)] = chain._fills[0]
+            assert int(fill.res.sum()) == 1
+            fs.prefetch(range(n))  # then the others, several streams at once
+            while stream.queued() or len(stalled) < stream._running:
+                with stream._cond:
+                    stream._cond.wait(0.01)
+        finally:
+            release.set()
+        assert chain.wait_idle(60)
+        assert stream.started[0] == 0
+        assert 0 in fs.held_shards()
+        for p in files:
+            if files[p] and int(fs.manifest.shard[fs.namespace.file_entry(p)]) == 0:
+                assert fs.read(p) == files[p]

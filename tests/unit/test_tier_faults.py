@@ -229,3 +229,35 @@ def test_a_tier_directory_removed_mid_epoch(
     assert t["stopped"] is not None and "removed" in t["stopped"] and str(tier) in t["stopped"]
     said = [r.getMessage() for r in caplog.records if "placement stopped" in r.getMessage()]
     assert len(said) == 1 and "Errno" not in said[0], said
+
+
+def test_a_tier_s_contents_removed_mid_epoch(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``rm -rf TIER/*`` while the job reads (a cleanup of /dev/shm that leaves the tier's
+    root): the reads go on, right; the tier's stop reason and warning were the raw errno of
+    one partial copy's path and it went on counting the copies that were gone as used (its
+    room counter's). Now it holds nothing, and one warning names the directory removed."""
+    import shutil
+
+    pack, files = dataset
+    tier = tmp_path / "t0"
+    names = sorted(files)
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        sub = tier / fs.manifest.pack_id.hex()  # this dataset's copies
+        for p in names[: len(names) // 3]:
+            assert fs.read(p) == files[p]
+        assert fs.status()["tiers"][0]["bytes_used"] > 0
+        while any(tier.iterdir()):  # the streams make and rename copies meanwhile
+            for d in tier.iterdir():
+                shutil.rmtree(d, ignore_errors=True)
+        epoch(fs, files, 5)
+        assert fs.read_many(names) == [files[p] for p in names]
+        [t] = fs.status()["tiers"]
+    assert tier.is_dir()
+    assert t["bytes_used"] == 0
+    assert t["stopped"] is not None and "removed" in t["stopped"]
+    assert str(sub) in t["stopped"]
+    said = [r.getMessage() for r in caplog.records if "placement stopped" in r.getMessage()]
+    assert len(said) == 1 and "Errno" not in said[0], said

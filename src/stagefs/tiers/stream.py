@@ -122,12 +122,18 @@ class _Ahead:
     1.2 s, the four the controller added later at 0.64, 0.74, 0.80 and 0.95 s). Reserved as
     it goes, a few pieces at a time, the readers ahead of it reserved most pieces
     themselves, one lock each, and the epoch took 5% more CPU. Where the tiers have no room
-    for every shard streaming now, a stream reserves its shard whole first, as before: the
-    shards streamed first are held whole, not a part of each."""
+    for every shard streaming now, a stream reserves its shard whole first, as before, once
+    it has reserved the rest of the shards whose streams began before it
+    (``Stream._reserve_rest``): the shards streamed first are held whole, not a part of
+    each. (The stream of the shard whose reads missed first began alone; the streams of the
+    plan that queued the others a moment later reserved their shards whole before its first
+    read was done, and it was held in part, those after it whole.) ``lock``: the rest is
+    reserved once, by its stream or by another stream, and ``done`` only once it is."""
 
     def __init__(self, ext: Extents) -> None:
         self.ext = ext
         self.next = min(ext.pieces, max(1, ext.piece_at(RESERVE_FIRST)))
+        self.lock = threading.Lock()
 
     def done(self) -> bool:
         return self.next >= self.ext.pieces
@@ -452,6 +458,7 @@ class Stream:
         self._threads: list[threading.Thread] = []
         self._running = 0
         self._at: dict[int, int] = {}  # shard -> offset its stream (one a node) has reached
+        self._ahead: dict[int, _Ahead] = {}  # shard -> its stream's reservations, in start order
         self._rate = 0.0  # bytes/s of one stream's reads, as last measured
         self._closing = False
         self._stuck = False  # a wait for another holder's files ran out (HOLDER_WAIT_S)
@@ -551,9 +558,13 @@ class Stream:
             ahead = _Ahead(chain._extents_of(shard))
             with self._cond:
                 streaming = self._running  # this one too
+                before = list(self._ahead.items())  # the streams under way, in start order
+                self._ahead[shard] = ahead
             if not chain.room_for(streaming * self.chain._sizes[shard]):
                 # room for a part of the shards streaming now: each reserves all its pieces
-                # before its first read, so the first to come are whole (not each a part)
+                # before its first read, so the first to come are whole (not each a part),
+                # after those that began before it reserved theirs (_Ahead)
+                self._reserve_rest(before)
                 ahead.next = ahead.ext.pieces
             copies = chain._copies_to_fill(shard, ahead.next)
             if not copies and not ahead.done() and not chain.full:
@@ -581,6 +592,8 @@ class Stream:
                     self._at.pop(shard, None)
                     self._cond.notify_all()
         finally:
+            with self._cond:
+                self._ahead.pop(shard, None)
             chain.claims.release(shard)
 
     def coming(self, shard: int, offset: int) -> bool:
@@ -652,17 +665,34 @@ class Stream:
         if fill.linked() and fill.complete():
             self.chain._finish(shard, fill, tier)
 
-    def _reserve_ahead(self, shard: int, ahead: _Ahead, *, now: bool = False) -> None:
+    def _reserve_ahead(self, shard: int, ahead: _Ahead, *, now: bool = False,
+                       whole: bool = False) -> None:
         """Once the stream has read its first run (or ``now``), reserve the rest of the
         shard's pieces: in the first tier with room, each (chain._reserve), but those a
-        reader or another process reserved meanwhile."""
+        reader or another process reserved meanwhile. ``whole``: its first pieces too
+        (another stream's shard whose stream may not have reserved them yet:
+        ``_reserve_rest``)."""
         if ahead.done() or not (now or self._at.get(shard, 0)):
             return
         chain = self.chain
-        todo = [p for p in range(ahead.next, ahead.ext.pieces) if chain._owner(shard, p) is None]
-        ahead.next = ahead.ext.pieces
-        if todo and not chain.full:
-            chain._reserve(shard, todo)
+        with ahead.lock:  # (another stream may reserve it: _reserve_rest)
+            if ahead.done():
+                return
+            todo = [p for p in range(0 if whole else ahead.next, ahead.ext.pieces)
+                    if chain._owner(shard, p) is None]
+            if todo and not chain.full:
+                chain._reserve(shard, todo)
+            ahead.next = ahead.ext.pieces
+
+    def _reserve_rest(self, before: list[tuple[int, _Ahead]]) -> None:
+        """Reserve the shards of the streams that began before this one (``before``, in
+        the order they began) whole: a stream about to reserve its shard whole, the tiers
+        short of room for every shard streaming (``_Ahead``)."""
+        for s, a in before:
+            with self._cond:
+                if self._ahead.get(s) is not a:  # that stream has ended meanwhile
+                    continue
+            self._reserve_ahead(s, a, now=True, whole=True)
 
     def run_bytes(self) -> int:
         """The bytes of a stream's next run of files: ``RUN_S`` of its measured rate,

@@ -411,8 +411,8 @@ class DirTier:
 
     def used_bytes(self) -> int:
         """Bytes of data the tier holds (every dataset): its room counter if it has one,
-        else the bytes allocated in its directory; none once its directory is gone
-        (removed while the job ran: the counter still counts the copies it held)."""
+        else the bytes allocated in its directory; none once this dataset's directory is
+        gone (removed while the job ran: the counter still counts the copies it held)."""
         if not self.present():
             return 0
         if self.room is not None:
@@ -421,8 +421,10 @@ class DirTier:
         return dir_bytes(self.root)
 
     def present(self) -> bool:
-        """Whether the tier's directory is still there (not removed while the job ran)."""
-        return os.path.isdir(self.root)
+        """Whether this dataset's directory in the tier is still there: not removed while
+        the job ran, with the tier's (``rm -rf TIER``) or alone (``rm -rf TIER/*``, the
+        tier's root left: its copies gone just the same)."""
+        return os.path.isdir(self.dir)
 
     def failure(self, exc: OSError) -> str:
         """Why placement into the tier stopped, for ``exc`` met writing a copy: what a user
@@ -430,7 +432,8 @@ class DirTier:
         if exc.errno in NO_SPACE:
             return "no space left on device"
         if exc.errno == errno.ENOENT and not self.present():
-            return (f"its directory {self.root} was removed while the job ran; the reads "
+            gone = self.dir if os.path.isdir(self.root) else self.root
+            return (f"its directory {gone} was removed while the job ran; the reads "
                     "its copies would have served go to the origin")
         return str(exc)
 
