@@ -847,6 +847,15 @@ def test_a_plan_given_queues_no_other_shard(
         assert sorted(chain.stream.queued()) == [0, 2, 3]
 
 
+def _first_piece_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 8 KiB (the 48 KiB shards hold several), a stream's first reservation the
+    first piece alone."""
+    from stagefs.tiers import chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 8 * 1024)
+    monkeypatch.setattr(stream_mod, "RESERVE_FIRST", 1)
+
+
 def test_a_stream_reserves_its_first_pieces_reads_then_reserves_the_rest(
         dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -854,10 +863,7 @@ def test_a_stream_reserves_its_first_pieces_reads_then_reserves_the_rest(
     are reserved, and reserves the rest after its first read; the shard ends whole in the
     tier, each origin byte read once."""
     pack, files = dataset
-    from stagefs.tiers import chain as chain_mod
-
-    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 8 * 1024)  # pieces of the 48 KiB shards
-    monkeypatch.setattr(stream_mod, "RESERVE_FIRST", 1)  # the first piece alone
+    _first_piece_alone(monkeypatch)
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
         chain = fs.chain
         assert chain is not None
@@ -890,11 +896,9 @@ def test_the_shard_streamed_first_is_held_whole_when_later_streams_find_no_room(
     pieces), the later ones whole. Now a stream that reserves its shard whole first lets
     the streams under way reserve the rest of theirs: the first shard is held whole."""
     pack, files = dataset
-    from stagefs.tiers import chain as chain_mod
     from stagefs.tiers.fill import whole_charge
 
-    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 8 * 1024)  # pieces of the 48 KiB shards
-    monkeypatch.setattr(stream_mod, "RESERVE_FIRST", 1)  # the first piece alone
+    _first_piece_alone(monkeypatch)
     with stagefs.open(pack, tiers=[str(tmp_path / "probe")], runtime=runtime) as fs:
         chain = fs.chain
         assert chain is not None
