@@ -15,6 +15,9 @@ processes under a fill map and renamed by their own protocol (tiers/fill.py).
 out of it: on a node shared by several users, "no such file" for a dataset another user
 keeps private (or a tier copy of theirs) sends the user looking for a typo.
 
+``InUse`` counts the threads using descriptors that a close lets go of, so that they are
+closed once the last of those threads is done, never under one of them.
+
 ``worker_pool`` is a process pool whose workers end with the process that made it, so
 that a command killed with SIGKILL (``kill -9``, the OOM killer, ``scancel``) leaves none of
 them behind.
@@ -37,12 +40,13 @@ import shutil
 import signal
 import stat
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "atomic_write", "file_lock", "login", "movable_by_others",
+__all__ = ["PARTIAL_SUFFIX", "InUse", "atomic_write", "file_lock", "login", "movable_by_others",
            "open_own_file", "open_read", "private_makedirs", "pwrite_all", "remove_any",
            "unreachable", "user_name", "worker_pool"]
 
@@ -104,6 +108,71 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, pos: int) -> None:
     while view:
         n = os.pwrite(fd, view, pos)
         view, pos = view[n:], pos + n
+
+
+class InUse:
+    """The threads using something that closing lets go of (descriptors, mappings):
+    ``close(release)`` runs ``release`` at once if no thread is, else as the last of them
+    leaves. A descriptor closed while another thread read or wrote through it got the number
+    of the next file opened, and that thread read, or wrote, the wrong file: shard bytes
+    written into whatever the program opened meanwhile.
+
+    ``enter`` before each use (False once closing: the caller says it is closed), ``leave``
+    after it, in a ``finally``."""
+
+    __slots__ = ("_lock", "_n", "_release", "closed")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._n = 0
+        self._release: Callable[[], object] | None = None
+        self.closed = False
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.closed:
+                return False
+            self._n += 1
+        return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._n -= 1
+            if self._n or self._release is None:
+                return
+            release, self._release = self._release, None
+        try:
+            release()
+        except Exception:  # the last user's own call succeeded: not its error
+            logging.getLogger("stagefs").exception("letting go after the last reader failed")
+
+    @contextlib.contextmanager
+    def use(self, closed: Callable[[], BaseException]) -> Iterator[None]:
+        """``enter`` and ``leave`` around a block; ``closed()`` is raised if closing."""
+        if not self.enter():
+            raise closed()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the threads using it were the parent's (a lock one of them
+        held stays held here). What they would have let go of stays held in the child."""
+        self._lock = threading.Lock()
+        self._n = 0
+        self._release = None
+
+    def close(self, release: Callable[[], object]) -> None:
+        """Let go (``release``) now, or once the threads using it are done (once)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._n:
+                self._release = release
+                return
+        release()
 
 
 def open_read(path: str | bytes, flags: int = 0) -> tuple[int, os.stat_result]:

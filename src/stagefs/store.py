@@ -24,7 +24,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from stagefs._fsutil import unreachable
+from stagefs._fsutil import InUse, unreachable
 from stagefs._malloc import tune_malloc
 from stagefs.config import TierSpec, absolute, env
 from stagefs.errors import (
@@ -93,6 +93,8 @@ def _after_fork_in_child() -> None:
     for store in list(_STORES):
         store._lock = threading.Lock()
         has = store.__dict__
+        if "_users" in has:
+            store._users.reset_after_fork()
         reset = getattr(has.get("origin"), "reset_after_fork", None) \
             if has.get("chain") is None else None
         if reset is not None:
@@ -168,15 +170,25 @@ def _while_open(method: Callable[Concatenate[Store, _P], _R]
                 ) -> Callable[Concatenate[Store, _P], _R]:
     """A read that was under way in another thread when the Store was closed raises the
     closed Store's error, not whatever it met of what close() let go of (a released
-    manifest view, a KeyError of its arrays, a reader pool shut down)."""
+    manifest view, a KeyError of its arrays, a reader pool shut down). What close() lets go
+    of waits for the reads under way (``InUse``): a descriptor closed under one was the next
+    file's, and the read read that file, or the tiers' stream wrote shard bytes into it."""
 
     @functools.wraps(method)
     def call(self: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        users = self._users
+        if not users.enter():
+            _closed_store(self.pack_dir, self._opened_with())
         try:
-            return method(self, *args, **kwargs)
+            out = method(self, *args, **kwargs)
         except Exception as exc:
             self._raise_if_closed(exc)
             raise
+        finally:
+            users.leave()
+        if self._closed:  # closed under it: as a read that met what close() let go of
+            _closed_store(self.pack_dir, self._opened_with())
+        return out
 
     return call
 
@@ -248,6 +260,7 @@ class Store:
         tune_malloc()
         self.stats = ReadStats()
         self._closed = False
+        self._users = InUse()  # the reads under way: close() lets go after the last
         self._lock = threading.Lock()
         self.read_threads = _read_threads()
         # the parts a batch from the page cache or a memory tier is read in at once (gather)
@@ -1071,6 +1084,10 @@ class Store:
                 setattr(self, name, closed)
         if pool is not None and pool[0] == os.getpid():
             pool[1].shutdown(wait=wait)
+        self._users.close(self._release)
+
+    def _release(self) -> None:
+        """What close() lets go of, once no read is under way."""
         if self._policy is not None:
             self._policy.close()
         if self._runtime is not None:

@@ -4,7 +4,9 @@ reader pool shut down, whatever close() let go of first."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,85 @@ def test_a_closed_store_is_not_pickled_to_be_reopened(pack: Path) -> None:
     fs.close()
     with pytest.raises(ValueError, match=r"closed Store .* open the dataset again"):
         pickle.dumps(fs)
+
+
+def test_a_read_under_way_keeps_the_tier_copy_open_until_it_is_done(
+        pack: Path, tmp_path: Path) -> None:
+    """A reader reading a piece of the origin itself into the tier's partial copy when
+    another thread closes the Store: close() let go of the copy's descriptor at once, the
+    program opened files meanwhile, one took its number, and the read wrote the shard's
+    bytes into that file. The copy is let go of once the read is done; the files opened
+    meanwhile get nothing."""
+    fs = stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=str(tmp_path / "rt"))
+    assert fs.chain is not None
+    ctl = fs.chain.stream.controller
+    ctl.most = ctl.target = 0  # no stream: the reader reads its pieces itself
+    entered, go = threading.Event(), threading.Event()
+    origin = fs.chain.origin
+    for name in ("pread", "pread_through"):
+        real = getattr(origin, name)
+
+        def held(shard: int, offset: int, length: int, real: Any = real) -> Any:
+            if threading.current_thread().name == "reader":
+                entered.set()
+                go.wait(30)
+            return real(shard, offset, length)
+
+        setattr(origin, name, held)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            fs.read("d1/f007.bin")
+        except BaseException as exc:
+            errors.append(exc)
+
+    reader = threading.Thread(target=read, name="reader")
+    reader.start()
+    assert entered.wait(30)
+    fs.close()
+    opened = [os.open(tmp_path / f"other{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(40)]
+    try:
+        go.set()
+        reader.join(30)
+        assert not reader.is_alive()
+        assert [os.fstat(fd).st_size for fd in opened] == [0] * 40
+    finally:
+        for fd in opened:
+            os.close(fd)
+    assert len(errors) == 1 and "closed Store" in str(errors[0])
+    # let go of once the read was done: no descriptor of the tier is left open
+    assert not [fd for fd in os.listdir("/proc/self/fd")
+                if str(tmp_path / "tier") in _target(fd)]
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def test_a_partial_copy_closed_under_a_writer_is_let_go_of_after_it(
+        pack: Path, tmp_path: Path) -> None:
+    """A stream thread still writing a partial copy when the tiers close (its join timed
+    out): the copy's descriptor stays that copy's until the write is done; a write after
+    the close is refused, not made through a number another file took."""
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")],
+                      runtime=str(tmp_path / "rt")) as fs:
+        assert fs.chain is not None
+        ctl = fs.chain.stream.controller
+        ctl.most = ctl.target = 0
+        assert fs.read("d1/f007.bin") == FILES["d1/f007.bin"]  # read into a partial copy
+        [(fill, _)] = next(iter(fs.chain._fills.values()))
+        with fill.descriptor() as fd:
+            inode = os.fstat(fd).st_ino
+            fill.close()
+            other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT, 0o600)
+            assert other != fd and os.fstat(fd).st_ino == inode
+        with pytest.raises(OSError):
+            os.fstat(fd)  # let go of as the writer left
+        with pytest.raises(ValueError, match="closed"):
+            fill.put(4096, b"x" * 10)
+        assert os.fstat(other).st_size == 0
+        os.close(other)

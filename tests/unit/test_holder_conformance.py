@@ -163,7 +163,7 @@ class FillSourceCase(_PackCase):
         self.holder: ShardSource = self.chain._fill_src[id(self.chain.tiers[0])]
 
     def corrupt(self, shard: int, offset: int, value: int) -> None:
-        os.pwrite(self.chain._fills[shard][0][0].fd, bytes([value]), offset)
+        self.chain._fills[shard][0][0].put(offset, bytes([value]))
 
     def close(self) -> None:
         self.chain.close()

@@ -702,3 +702,47 @@ def test_status_says_a_shard_held_in_part_is_not_filling(
     row = next(line for line in out.splitlines() if str(tmp_path / "ram") in line)
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[3]) >= 1  # the shard it holds pieces of
+
+
+def test_pieces_reserved_together_are_counted_as_one_by_one_in_one_allocation_a_run(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream reserves its shard's pieces in a few calls: the pieces that all fit in the
+    first tier are allocated once for each run of consecutive ones and its room counted
+    once, to the byte what reserving them one by one counts; the same pieces are reserved."""
+    from stagefs.tiers import fill as fill_mod
+
+    pack, _files = dataset
+    calls: list[tuple[int, int]] = []
+    real = fill_mod._reserve
+
+    def counted(fd: int, offset: int, length: int) -> None:
+        calls.append((offset, length))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(fill_mod, "_reserve", counted)
+    picked = [0, 1, 2, 5, 6]
+    held = {}
+    for how in ("together", "one by one"):
+        tier = tmp_path / how.replace(" ", "-")
+        with stagefs.open(pack, tiers=[str(tier)], runtime=runtime / how[:3]) as fs:
+            chain = fs.chain
+            assert chain is not None
+            ctl = chain.stream.controller
+            ctl.most = ctl.target = 0
+            assert chain._extents_of(1).pieces > max(picked)
+            del calls[:]
+            if how == "together":
+                got = chain._reserve(1, picked)
+                assert len(calls) == 2  # runs 0-2 and 5-6
+            else:
+                got = {}
+                for p in picked:
+                    got.update(chain._reserve(1, [p]))
+                assert len(calls) == len(picked)
+            assert sorted(got) == picked
+            [(f, t)] = chain._fills[1]
+            assert t.room is not None
+            held[how] = (np.flatnonzero(f.res).tolist(), t.room.used(), t.stats.pieces)
+    assert held["together"] == held["one by one"]
+    assert held["together"][0] == picked

@@ -59,6 +59,7 @@ from stagefs.tiers.fill import (
     create_fill,
     open_fill,
     remove_fill,
+    runs_of,
     whole_charge,
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
@@ -531,6 +532,7 @@ class TierChain:
                         self._leftover(t, shard)
                 if not self._extents_of(shard).pieces and shard not in self._fills:
                     self._reserve_one(shard, None)  # no file with bytes: the header alone
+                pieces = self._reserve_all(shard, pieces, out)
                 for p in pieces:
                     got = self._owner(shard, p) or self._reserve_one(shard, p)
                     if got is None:
@@ -546,6 +548,58 @@ class TierChain:
                     self._tier_failed(t, exc)
             self._set_full()
         return out
+
+    def _reserve_all(self, shard: int, pieces: Sequence[int], out: dict[int, Copy]
+                     ) -> Sequence[int]:
+        """Reserve the pieces no copy holds in the first tier taking pieces, in one count of
+        its room and one allocation for each run of consecutive pieces, if they all fit
+        there (as ``_reserve_one`` would one after the other: it counts the room and makes
+        an allocation for each, 0.5 ms a piece, a quarter of the CPU a cold epoch's streams
+        used); those held go into ``out``. Returns the pieces left to reserve one by one
+        (all of them where they do not all fit: ``_reserve_one`` says why, and goes on in
+        the next tier). The caller holds both locks."""
+        todo = []
+        for p in pieces:
+            got = self._owner(shard, p)
+            if got is None:
+                todo.append(p)
+            else:
+                out[p] = got
+        t = next((t for t in self.tiers if t.stopped is None), None)
+        if len(todo) < 2 or t is None:
+            return todo
+        ext = self._extents_of(shard)
+        f = self._copy_in(shard, t)
+        held = np.zeros(ext.pieces, bool) if f is None else f.res.astype(bool)
+        before = ext.charged(held, t.block)
+        held[todo] = True
+        size = ext.charged(held, t.block) - before
+        header = copy_charge(ext, t.block) if f is None else 0
+        if t.no_room(size + header) is not None or (t.room is not None and t.room.full()):
+            return todo  # one by one: the pieces that still fit, and why the rest do not
+        runs = runs_of(np.sort(np.asarray(todo, np.int64)))
+        done: list[int] = []
+        try:
+            if f is None:
+                f = create_fill(t.path(shard), self._sizes[shard], ext, shard,
+                                self.manifest.pack_id)
+                self._fills.setdefault(shard, []).append((f, t))
+                self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
+                self._room(t, header)
+            for p, q in runs:
+                f.reserve(p, q)
+                done.extend(range(p, q))
+        except OSError:  # (ENOSPC under the count: _reserve_one meets it again, and says so)
+            pass
+        if done:
+            assert f is not None
+            if len(done) < len(todo):
+                size = ext.charged(f.res.astype(bool), t.block) - before
+            self._room(t, size)
+            t.stats.pieces += len(done)
+            for p in done:
+                out[p] = (f, t)
+        return [p for p in todo if p not in out]
 
     def _whole_in(self, t: DirTier, shard: int) -> bool:
         """Is the shard whole in ``t``? A file under its name whose size is wrong (cut
@@ -763,8 +817,12 @@ class TierChain:
                 # frees)
         except TiersBusy:
             return False
-        fd = os.dup(f.fd)
-        if not t.adopt(shard, fd):
+        try:
+            with f.descriptor() as held:
+                fd = os.dup(held)
+        except (OSError, ValueError):  # closing: the tier opens the copy when it reads it
+            fd = -1
+        if fd >= 0 and not t.adopt(shard, fd):
             os.close(fd)
         # routed before the partial copy is let go: a read between the two would find
         # neither, and (the tiers full) go to the origin for bytes a tier holds
@@ -813,7 +871,8 @@ class TierChain:
             return True
         start, end = int(f.ext.offs[lo]), int(f.ext.ends[hi - 1])
         try:
-            data = pread_full(f.fd, end - start, start)
+            with f.descriptor() as fd:
+                data = pread_full(fd, end - start, start)
         except OSError:
             return False
         src = self._fill_src[id(tier)]
@@ -1299,6 +1358,11 @@ class TierChain:
         self.stream.after_fork()
         self.misses = self.corrupt = 0
         self.claims.reset_after_fork()
+        for copies in self._fills.values():
+            for f, _ in copies:
+                f.reset_after_fork()
+        for f in self._graveyard_fills:
+            f.reset_after_fork()
         for t in self.tiers:
             t.reset_after_fork()
         reset = getattr(self.origin, "reset_after_fork", None)

@@ -45,13 +45,13 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from stagefs._fsutil import open_own_file, pwrite_all
+from stagefs._fsutil import InUse, open_own_file, pwrite_all
 from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
@@ -281,6 +281,16 @@ def map_size(ext: Extents) -> int:
     return len(ext) + ext.pieces
 
 
+def runs_of(idx: npt.NDArray[np.int64] | Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted indices -> runs [a, b) of consecutive ones."""
+    if not len(idx):
+        return []
+    cut = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate([[0], cut])
+    stops = np.concatenate([cut, [len(idx)]])
+    return [(int(idx[s]), int(idx[e - 1]) + 1) for s, e in zip(starts, stops, strict=True)]
+
+
 def copy_charge(ext: Extents, block: int) -> int:
     """What a partial copy is counted before any piece: the block of its header and the
     blocks of its fill map."""
@@ -297,7 +307,8 @@ class ShardFill:
 
     def __init__(self, final: str, fd: int, fill_fd: int, ext: Extents) -> None:
         self.final = final
-        self.fd = fd
+        self._fd = fd
+        self._use = InUse()  # closed once no thread reads or writes through ``_fd``
         self.ext = ext
         st = os.fstat(fd)
         self.ino = (st.st_dev, st.st_ino)
@@ -314,14 +325,27 @@ class ShardFill:
         """Is piece ``p`` reserved in this copy?"""
         return bool(self.res[p])
 
-    def reserve(self, p: int) -> None:
-        """Reserve piece ``p`` here (the caller holds the tiers' lock and counts its room,
-        ``Extents.charged``): its bytes are allocated now, so a full file system shows up
-        here (ENOSPC), before any byte is written, and the room the tier's file system
-        reports is true."""
-        a, b = self.ext.span(p)
-        _reserve(self.fd, a, b - a)
-        self.res[p] = 1
+    def reserve(self, p: int, q: int | None = None) -> None:
+        """Reserve piece ``p`` here (pieces ``p`` to ``q - 1``, given ``q``: one allocation;
+        the caller holds the tiers' lock and counts their room, ``Extents.charged``): their
+        bytes are allocated now, so a full file system shows up here (ENOSPC), before any
+        byte is written, and the room the tier's file system reports is true."""
+        q = p + 1 if q is None else q
+        a, b = self.ext.span(p)[0], self.ext.span(q - 1)[1]
+        with self.descriptor() as fd:
+            _reserve(fd, a, b - a)
+        self.res[p:q] = 1
+
+    @contextlib.contextmanager
+    def descriptor(self) -> Iterator[int]:
+        """The copy's descriptor, not closed until the caller is done with it (ValueError
+        once this handle is closed)."""
+        if not self._use.enter():
+            raise ValueError(f"{self.partial}: closed")
+        try:
+            yield self._fd
+        finally:
+            self._use.leave()
 
     def reserved_bytes(self, block: int) -> int:
         """What the pieces reserved in this copy are counted (``Extents.charged``)."""
@@ -347,13 +371,25 @@ class ShardFill:
     def pread(self, offset: int, length: int) -> bytes:
         if not self.covered(offset, offset + length):
             raise SourceUnavailable("not filled yet")
+        if not self._use.enter():
+            raise SourceUnavailable(f"{self.partial}: closed")
         try:
-            data = pread_full(self.fd, length, offset)
+            data = pread_full(self._fd, length, offset)
         except OSError as exc:
             raise SourceUnavailable(f"{self.partial}: {exc.strerror}") from exc
+        finally:
+            self._use.leave()
         if len(data) != length:
             raise DamagedCopy(f"{self.partial}: short read (cut short?)")
         return data
+
+    def reset_after_fork(self) -> None:
+        self._use.reset_after_fork()
+
+    def put(self, offset: int, data: bytes | memoryview) -> None:
+        """Write bytes at ``offset``, marking nothing (their checks mark the files)."""
+        with self.descriptor() as fd:
+            pwrite_all(fd, data, offset)
 
     def write(self, offset: int, data: bytes | memoryview) -> int:
         """Write verified bytes at ``offset``; mark the files they hold whole. Returns the
@@ -361,7 +397,8 @@ class ShardFill:
         lo, hi = self.ext.inside(offset, offset + len(data))
         if hi <= lo or self.bits[lo:hi].all():
             return 0
-        pwrite_all(self.fd, data, offset)
+        with self.descriptor() as fd:
+            pwrite_all(fd, data, offset)
         new = int(hi - lo - np.count_nonzero(self.bits[lo:hi]))
         self.bits[lo:hi] = 1
         return new
@@ -394,12 +431,17 @@ class ShardFill:
         return (st.st_dev, st.st_ino) == self.ino and os.path.exists(self.final + FILL_SUFFIX)
 
     def close(self) -> None:
+        """Let go of the copy: at once, or as the last thread reading or writing it is done
+        (``InUse``)."""
+        self._use.close(self._release)
+
+    def _release(self) -> None:
         self.bits = self.res = np.ones(0, np.uint8)
         if self._mm is not None:
             with contextlib.suppress(BufferError):
                 self._mm.close()
         with contextlib.suppress(OSError):
-            os.close(self.fd)
+            os.close(self._fd)
 
 
 def open_fill(final: str, size: int, ext: Extents,

@@ -22,7 +22,6 @@ import numpy as np
 import numpy.typing as npt
 import xxhash
 
-from stagefs._fsutil import pwrite_all
 from stagefs.errors import CorruptShardError
 from stagefs.format import KIND_FILE, Manifest, ShardHeader
 from stagefs.format.codecs import decode
@@ -188,7 +187,7 @@ def fill_gaps(
 
     streaming: _Verifier | None = None
     for pos, data in _read_ahead(read, next_piece, pace, stop):
-        pwrite_all(fill.fd, data, pos)
+        fill.put(pos, data)
         end = pos + len(data)
         lo, hi = ext.inside(pos, end)
         if hi > lo:
@@ -240,10 +239,11 @@ def _run_verifier(fill: ShardFill, lo: int, hi: int, m: Manifest, check: Check,
 def finish_copy(fill: ShardFill, index: int, pack_id: bytes, size: int) -> None:
     """Check a complete partial copy (size, header) and rename it to its final name."""
     partial = fill.partial
-    got = os.fstat(fill.fd).st_size
-    if got != size:
-        raise CorruptShardError(f"{partial}: {got} bytes written, expected {size}")
-    header = ShardHeader.decode(os.pread(fill.fd, SHARD_HEADER.size, 0), partial)
+    with fill.descriptor() as fd:
+        got = os.fstat(fd).st_size
+        if got != size:
+            raise CorruptShardError(f"{partial}: {got} bytes written, expected {size}")
+        header = ShardHeader.decode(os.pread(fd, SHARD_HEADER.size, 0), partial)
     header.check(partial, index=index, pack_id=pack_id, file_size=size)
     os.rename(partial, fill.final)
     with contextlib.suppress(FileNotFoundError):

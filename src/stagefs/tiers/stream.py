@@ -61,10 +61,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from stagefs._fsutil import pwrite_all
 from stagefs.errors import CorruptShardError, StagefsError
 from stagefs.tiers.base import DamagedCopy, ShortRead, SourceUnavailable, through
-from stagefs.tiers.fill import FILL_SUFFIX, ShardFill
+from stagefs.tiers.fill import FILL_SUFFIX, ShardFill, runs_of
 from stagefs.tiers.placer import _run_verifier, _Verifier
 
 # a listener of streamed files: the manifest entries of the whole files among them, and the
@@ -259,7 +258,7 @@ class Reservations:
                 return []
             if h.busy[missing].any() or h.bad[missing].any():
                 return None
-            runs = _runs(missing)
+            runs = runs_of(missing)
             done: list[tuple[int, int]] = []
             for a, b in runs:
                 if not _ofd_lock(h.fd, fcntl.F_WRLCK, a, b - a):
@@ -320,7 +319,7 @@ class Reservations:
             missing = np.flatnonzero(bits[lo:hi] == 0) + lo
             if h.busy[missing].any():
                 return True
-            for a, b in _runs(missing):
+            for a, b in runs_of(missing):
                 if not _ofd_lock(h.fd, fcntl.F_WRLCK, a, b - a):
                     return True
                 _ofd_lock(h.fd, fcntl.F_UNLCK, a, b - a)
@@ -355,16 +354,6 @@ def _own_read(a: int, b: int, one_file: bool, offset: int, end: int) -> bool:
     beyond = (b - a) - (end - offset)  # bytes read that were not asked for
     return a <= offset and end <= b and (beyond <= DIRECT_LIMIT
                                          or (one_file and b - a <= FILE_LIMIT))
-
-
-def _runs(idx: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
-    """Sorted indices -> runs [a, b) of consecutive ones."""
-    if not len(idx):
-        return []
-    cut = np.flatnonzero(np.diff(idx) != 1) + 1
-    starts = np.concatenate([[0], cut])
-    stops = np.concatenate([cut, [len(idx)]])
-    return [(int(idx[s]), int(idx[e - 1]) + 1) for s, e in zip(starts, stops, strict=True)]
 
 
 class StreamSource:
@@ -778,7 +767,7 @@ class Stream:
         """Write bytes read from the origin at ``pos`` into the partial copy and check them
         (each file's fill byte is set once it passed)."""
         try:
-            pwrite_all(fill.fd, data, pos)
+            fill.put(pos, data)
         except OSError as exc:
             self.chain._drop_fill(shard, tier, again=False)
             self.chain._tier_failed(tier, exc)
