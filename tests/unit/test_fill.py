@@ -538,3 +538,23 @@ def test_a_piece_is_never_reserved_in_two_tiers(pack: Path, files: dict[str, byt
         assert got_b[1] is b.chain.tiers[0]  # a's copy, in mem too
         assert got_b[0].ino == got_a[0].ino
         assert leftovers(disk) == []  # no second copy
+
+
+def test_the_activity_map_is_written_when_it_is_made(tmp_path: Path) -> None:
+    """The readers' activity map (a small mapped file in the runtime dir) has its blocks when
+    it is made: sparse, the first stamp through the mapping once /dev/shm was full (filled
+    by another program after the store opened) was a SIGBUS that killed the reader. A map
+    another process made (and stamped) keeps its stamps."""
+    from stagefs.tiers.fill import Activity
+
+    path = str(tmp_path / "x.activity")
+    a = Activity(path, clock=lambda: 7)
+    size = 8 * Activity.SLOTS
+    st = os.stat(path)
+    assert st.st_size == size and st.st_blocks * 512 >= size
+    a.touch()
+    a.close()
+    b = Activity(path, clock=lambda: 9)
+    assert b.readers(5e-9) == 1  # the stamp of the first, 2 ns before
+    assert os.stat(path).st_size == size
+    b.close()

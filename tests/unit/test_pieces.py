@@ -746,3 +746,69 @@ def test_pieces_reserved_together_are_counted_as_one_by_one_in_one_allocation_a_
             held[how] = (np.flatnonzero(f.res).tolist(), t.room.used(), t.stats.pieces)
     assert held["together"] == held["one by one"]
     assert held["together"][0] == picked
+
+
+def test_a_first_tier_that_cannot_allocate_a_batch_keeps_no_copy_of_the_shard(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first tier's file system refuses every allocation (a quota, EDQUOT, that its free
+    space does not show): the pieces asked for together go to the next tier, and the first
+    keeps no copy of the shard made for them (nor counts one), as reserving them one by one
+    leaves it; `stagefs status` says it holds nothing in part."""
+    import errno
+    import json
+
+    from stagefs.stage import print_status
+    from stagefs.tiers import fill as fill_mod
+
+    pack, _files = dataset
+    real = fill_mod._reserve
+    first = tmp_path / "quota"
+
+    def over_quota(fd: int, offset: int, length: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(first)):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(fill_mod, "_reserve", over_quota)
+    with stagefs.open(pack, tiers=[str(first), str(tmp_path / "disk")]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 0
+        picked = [0, 1, 2, 5]
+        got = chain._reserve(1, picked)
+        quota, disk = chain.tiers
+        assert sorted(got) == picked and all(t is disk for _, t in got.values())
+        assert quota.stopped is not None
+        assert [t for _, t in chain._fills[1]] == [disk]
+        assert os.listdir(quota.dir) == []
+        assert quota.room is not None and quota.room.used() == 0
+    assert print_status(str(runtime), as_json=True) == 0
+    rows = {t["path"]: t for t in json.loads(capsys.readouterr().out)["tiers"]}
+    assert rows[str(first)]["shards_filling"] == 0, rows
+
+
+def test_a_partial_copy_s_fill_map_is_allocated_when_it_is_made(
+        tmp_path: Path, runtime: Path) -> None:
+    """The fill map of a partial copy has its blocks when the copy is made, as its header's
+    block does (both counted in ``copy_charge``): a page of it first touched through the
+    mapping once the tier's file system was full (a tmpfs other programs filled after the
+    copy was made; 20,000 files in one shard) was a SIGBUS that killed the reader."""
+    from stagefs.tiers.fill import FILL_SUFFIX, map_size
+
+    files = {f"f{i:05d}.txt": random_bytes(50, i) for i in range(10_000)}
+    pack = pack_files(tmp_path, "tiny", files)
+    with stagefs.open(pack, tiers=[str(tmp_path / "ram")]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        ctl = chain.stream.controller
+        ctl.most = ctl.target = 0
+        ext = chain._extents_of(0)
+        assert map_size(ext) > 2 * 4096  # pages after the first: set as the files fill
+        assert chain._reserve(0, [0])
+        [(f, t)] = chain._fills[0]
+        st = os.stat(t.path(0) + FILL_SUFFIX)
+        assert st.st_size == map_size(ext)
+        assert st.st_blocks * 512 >= map_size(ext)
+        assert f.res[0] and not f.bits.any()

@@ -293,6 +293,9 @@ class TierChain:
         self.corrupt = 0  # files that failed their checksum while copied into a tier
         self.full = not self.tiers
         self._closing = False
+        # a Store reads through it and closes it (at exit too: store.py) once the reads
+        # under way are done; the exit hook below closes only the others (a node daemon's)
+        self.closed_by_store = False
         self._init_threading()
         raise_fd_limit()  # one fd per held shard (tiers) and per opened shard (origin)
         _CHAINS.add(self)
@@ -579,18 +582,16 @@ class TierChain:
             return todo  # one by one: the pieces that still fit, and why the rest do not
         runs = runs_of(np.sort(np.asarray(todo, np.int64)))
         done: list[int] = []
+        made = f is None
         try:
             if f is None:
-                f = create_fill(t.path(shard), self._sizes[shard], ext, shard,
-                                self.manifest.pack_id)
-                self._fills.setdefault(shard, []).append((f, t))
-                self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
-                self._room(t, header)
+                f = self._make_copy(shard, t, header)
             for p, q in runs:
                 f.reserve(p, q)
                 done.extend(range(p, q))
         except OSError:  # (ENOSPC under the count: _reserve_one meets it again, and says so)
-            pass
+            if made and f is not None and not done:
+                self._unmake_copy(shard, t, header)
         if done:
             assert f is not None
             if len(done) < len(todo):
@@ -723,18 +724,12 @@ class TierChain:
                                     format_size(t.capacity))
                     continue
                 if f is None:
-                    f = create_fill(t.path(shard), self._sizes[shard], ext, shard,
-                                    self.manifest.pack_id)
-                    self._fills.setdefault(shard, []).append((f, t))
-                    self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
-                    self._room(t, header)
+                    f = self._make_copy(shard, t, header)
                 if p is not None:
                     f.reserve(p)
             except OSError as exc:
-                if made and f is not None:  # a copy with no piece: not left behind
-                    remove_fill(f.final)
-                    self._room(t, -header)
-                    self._forget_fill(shard, t)
+                if made and f is not None:
+                    self._unmake_copy(shard, t, header)
                 self._tier_failed(t, exc)
                 continue
             self._room(t, size)
@@ -743,6 +738,24 @@ class TierChain:
         if all(t.stopped is not None for t in self.tiers):
             self._set_full()
         return None
+
+    def _make_copy(self, shard: int, t: DirTier, header: int) -> ShardFill:
+        """Create the shard's partial copy in ``t``, no piece reserved, and count its
+        ``header`` (copy_charge); the caller holds both locks."""
+        f = create_fill(t.path(shard), self._sizes[shard], self._extents_of(shard), shard,
+                        self.manifest.pack_id)
+        self._fills.setdefault(shard, []).append((f, t))
+        self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
+        self._room(t, header)
+        return f
+
+    def _unmake_copy(self, shard: int, t: DirTier, header: int) -> None:
+        """Delete the copy ``_make_copy`` made when none of its pieces could be reserved
+        (ENOSPC, EDQUOT): a copy with no piece is not left behind (``stagefs status`` would
+        count the shard held in part there), nor its header counted."""
+        remove_fill(t.path(shard))
+        self._room(t, -header)
+        self._forget_fill(shard, t)
 
     def _room(self, t: DirTier, n: int) -> None:
         """Count ``n`` more bytes held in ``t`` (the caller holds the tiers' lock). Bytes
@@ -1393,9 +1406,15 @@ def _after_fork_in_child() -> None:
 
 
 def _close_all() -> None:
+    """At exit. A chain a Store reads through is its Store's to close: closed here, its
+    copies and descriptors were let go of under the reads a daemon thread still had under
+    way (store.py closes the Stores first); its counters are written all the same."""
     for chain in list(_CHAINS):
         with contextlib.suppress(Exception):
-            chain.close()
+            if not chain.closed_by_store:
+                chain.close()
+            elif not chain._closing:
+                chain.flush_stats()
 
 
 def _flush_all() -> None:

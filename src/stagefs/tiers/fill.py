@@ -231,8 +231,10 @@ class Activity:
         size = 8 * self.SLOTS
         fd = open_own_file(path)  # (a directory or a FIFO a damaged runtime left: made anew)
         try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
+            have = os.fstat(fd).st_size
+            if have < size:  # written, not sparse: on a full /dev/shm, ENOSPC here, where
+                # the first stamp through the mapping was a SIGBUS that killed the reader
+                pwrite_all(fd, bytes(size - have), have)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -488,7 +490,10 @@ def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes)
         header = ShardHeader(index, pack_id, size - SHARD_HEADER.size).encode()
         os.pwrite(fd, header, 0)
         ffd = os.open(fmap, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        os.ftruncate(ffd, map_size(ext))
+        # its pages written now (counted in copy_charge): a page of the map first touched
+        # through the mapping once the tier's file system is full (a tmpfs other programs
+        # filled) is a SIGBUS that kills the process, where a write is ENOSPC here
+        pwrite_all(ffd, bytes(map_size(ext)), 0)
         fill = ShardFill(final, fd, ffd, ext)
     except BaseException:
         if fd >= 0:
