@@ -72,7 +72,9 @@ def normalize(path: PathArg) -> bytes:
 
 
 class DirEntry:
-    """What ``Namespace.scandir`` yields; the same methods as ``os.DirEntry``."""
+    """What ``Namespace.scandir`` yields; the same methods as ``os.DirEntry``. One asked
+    after its Store was closed (a listing kept past a ``with``) says so (``closed``), not
+    what it met of the manifest let go of."""
 
     __slots__ = ("_e", "_ns", "name", "path")
 
@@ -83,20 +85,36 @@ class DirEntry:
         return self._e + 1
 
     def is_dir(self, *, follow_symlinks: bool = True) -> bool:
-        return self._ns.kind_of(self._e, follow_symlinks) == KIND_DIR
+        try:
+            return self._ns.kind_of(self._e, follow_symlinks) == KIND_DIR
+        except Exception as exc:
+            self._ns.raise_if_closed(exc)
+            raise
 
     def is_file(self, *, follow_symlinks: bool = True) -> bool:
-        return self._ns.kind_of(self._e, follow_symlinks) == KIND_FILE
+        try:
+            return self._ns.kind_of(self._e, follow_symlinks) == KIND_FILE
+        except Exception as exc:
+            self._ns.raise_if_closed(exc)
+            raise
 
     def is_symlink(self) -> bool:
-        return bool(self._ns.manifest.kind[self._e] == KIND_SYMLINK)
+        try:
+            return bool(self._ns.manifest.kind[self._e] == KIND_SYMLINK)
+        except Exception as exc:
+            self._ns.raise_if_closed(exc)
+            raise
 
     def is_junction(self) -> bool:
         return False
 
     def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
-        e = self._ns.follow(self._e, self.path) if follow_symlinks else self._e
-        return self._ns.stat_entry(e)
+        try:
+            e = self._ns.follow(self._e, self.path) if follow_symlinks else self._e
+            return self._ns.stat_entry(e)
+        except Exception as exc:
+            self._ns.raise_if_closed(exc)
+            raise
 
     def __fspath__(self) -> Any:
         return self.path
@@ -110,6 +128,8 @@ class Namespace:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
+        # the error of the Store that closed this manifest (set by its close())
+        self.closed: Callable[[], BaseException] | None = None
         self._dev = int.from_bytes(manifest.pack_id[:4], "little") | 1
         self._uid, self._gid = os.getuid(), os.getgid()
         self._lookup, self._kind = manifest.lookup, manifest.kind
@@ -123,6 +143,12 @@ class Namespace:
             self.accelerated = True
         else:
             self.accelerated = False
+
+    def raise_if_closed(self, exc: BaseException) -> None:
+        """If the manifest was let go of (``closed``), the error that says so, for ``exc``
+        met on the way."""
+        if self.closed is not None:
+            raise self.closed() from exc
 
     # -- resolution ------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ only decides the order to ask them in and verifies what they return.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import functools
 import logging
@@ -104,6 +106,20 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _close_at_exit() -> None:
+    """The Stores still open at exit close as close() closes them: what they hold is let
+    go of once the reads that daemon threads have under way are done. The tiers' own exit
+    hook (registered before this one, so run after it) closed their copies under those
+    reads: the readers died of an IndexError or read through a descriptor another file had
+    taken."""
+    for store in list(_STORES):
+        with contextlib.suppress(Exception):
+            store.close(wait=False)
+
+
+atexit.register(_close_at_exit)
+
+
 def _read_threads() -> int:
     text = env("read_threads")
     if text is None:
@@ -157,9 +173,13 @@ def _out_of_descriptors(exc: BaseException) -> bool:
     return False
 
 
+def _closed_error(pack_dir: str, how: str) -> ValueError:
+    return ValueError(f"I/O operation on a closed Store ({pack_dir}): open the dataset "
+                      f"again with {how}")
+
+
 def _closed_store(pack_dir: str, how: str, *args: Any, **kwargs: Any) -> Any:
-    raise ValueError(f"I/O operation on a closed Store ({pack_dir}): open the dataset "
-                     f"again with {how}")
+    raise _closed_error(pack_dir, how)
 
 
 _P = ParamSpec("_P")
@@ -268,6 +288,8 @@ class Store:
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool)
         self._remote_waits = False  # whether the last batch's remote reads went to threads
         _STORES.add(self)
+        if chain is not None:
+            chain.closed_by_store = True  # (after the reads under way, at exit too)
         # the namespace answers these directly: no extra call layer on the metadata path
         self.stat, self.lstat, self.listdir = ns.stat, ns.lstat, ns.listdir
         self.exists, self.isdir, self.isfile, self.islink = ns.exists, ns.isdir, ns.isfile, ns.islink
@@ -305,10 +327,7 @@ class Store:
     def _raise_if_closed(self, exc: BaseException) -> None:
         """If this Store was closed, the error that says so, for ``exc`` met on the way."""
         if self._closed:
-            try:
-                _closed_store(self.pack_dir, self._opened_with())
-            except ValueError as closed:
-                raise closed from exc
+            raise _closed_error(self.pack_dir, self._opened_with()) from exc
 
     def info(self) -> dict[str, Any]:
         return {"pack": self.pack_dir, **self.namespace.summary()}
@@ -1082,6 +1101,9 @@ class Store:
             closed = functools.partial(_closed_store, self.pack_dir, self._opened_with())
             for name in _WAYS_IN:
                 setattr(self, name, closed)
+            # and the directory entries of its listings (namespace.DirEntry)
+            self.namespace.closed = functools.partial(_closed_error, self.pack_dir,
+                                                      self._opened_with())
         if pool is not None and pool[0] == os.getpid():
             pool[1].shutdown(wait=wait)
         self._users.close(self._release)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -180,3 +182,95 @@ def test_a_partial_copy_closed_under_a_writer_is_let_go_of_after_it(
             fill.put(4096, b"x" * 10)
         assert os.fstat(other).st_size == 0
         os.close(other)
+
+
+@pytest.mark.parametrize("ask", ["is_file", "is_dir", "is_symlink", "stat"])
+def test_a_listing_kept_past_the_close_says_the_store_is_closed(pack: Path, ask: str) -> None:
+    """Entries of a scandir kept past the ``with`` (listed first, looked at after): each
+    said "operation forbidden on released memoryview object", not that the Store was
+    closed."""
+    with stagefs.open(pack) as fs:
+        entries = list(fs.scandir("d1"))
+    with pytest.raises(ValueError, match=r"closed Store .* open the dataset again"):
+        getattr(entries[0], ask)()
+    assert entries[0].name == "f001.bin"  # what the entry itself holds still answers
+
+
+_AT_EXIT = r'''
+import atexit, os, sys, threading
+pack, tier, runtime, name, expected = sys.argv[1:6]
+go, entered, result = threading.Event(), threading.Event(), []
+
+
+def after() -> None:  # registered before stagefs is imported: runs after its exit hooks
+    go.set()
+    reader.join(30)
+    left = [fd for fd in os.listdir("/proc/self/fd")
+            if os.path.realpath(f"/proc/self/fd/{fd}").startswith(tier)]
+    print("RESULT", result[0] if result else "none", "LEFT", len(left), flush=True)
+
+
+atexit.register(after)
+import stagefs
+fs = stagefs.open(pack, tiers=[tier], runtime=runtime)
+ctl = fs.chain.stream.controller
+ctl.most = ctl.target = 0  # no stream: the reader reads its pieces itself
+origin = fs.chain.origin
+for way in ("pread", "pread_through"):
+    def held(shard, offset, length, real=getattr(origin, way)):
+        if threading.current_thread().name == "reader":
+            entered.set()
+            go.wait(30)
+        return real(shard, offset, length)
+    setattr(origin, way, held)
+
+
+def read() -> None:
+    try:
+        with open(expected, "rb") as f:
+            result.append("bytes" if fs.read(name) == f.read() else "wrong bytes")
+    except BaseException as exc:
+        result.append(f"{type(exc).__name__}: {exc}")
+
+
+reader = threading.Thread(target=read, name="reader", daemon=True)
+reader.start()
+entered.wait(30)
+'''
+
+
+def test_a_read_under_way_at_exit_keeps_the_tiers_until_it_is_done(
+        pack: Path, tmp_path: Path) -> None:
+    """A daemon thread inside a read as the program exits: the tiers' exit hook closed the
+    chain under it, and the read failed on its partial copy let go of (a ValueError naming
+    the copy, an IndexError of its arrays) or read through a descriptor another file had
+    taken. The Store closes at exit as close() does: the read ends (its bytes, or the
+    closed Store's error), then the tiers are let go of."""
+    (tmp_path / "expected").write_bytes(FILES["d1/f007.bin"])
+    tier = str(tmp_path / "tier")
+    out = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT, str(pack), tier, str(tmp_path / "rt"), "d1/f007.bin",
+         str(tmp_path / "expected")], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    said = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert said, out.stderr
+    got, left = said[0].removeprefix("RESULT ").rsplit(" LEFT ", 1)
+    assert got == "bytes" or "closed Store" in got, got
+    assert left == "0"  # let go of once the read was done
+
+
+def test_status_after_the_close_is_the_runs_report(pack: Path, tmp_path: Path) -> None:
+    """status() of a closed Store (the report printed after the ``with``) said every
+    holder read nothing and the hit rate was 0.0: its counters were let go of with it."""
+    fs = stagefs.open(pack, runtime=str(tmp_path / "rt"))
+    for name in ("d0/f000.bin", "d1/f001.bin", "d2/f002.bin"):
+        assert fs.read(name) == FILES[name]
+    before = fs.status()
+    assert before["holders"]["origin"]["reads"] == 3
+    fs.close()
+    after = fs.status()
+    assert after["holders"] == before["holders"]
+    assert after["hit_rate"] == before["hit_rate"]
+    with pytest.raises(ValueError, match="closed Store"):
+        fs.read("d0/f000.bin")
+    assert fs.status()["holders"] == before["holders"]  # a refused read counts nothing

@@ -58,6 +58,7 @@ class ReadCounters:
         self._pid = -1
         self._slots: memoryview | None = None
         self._mm: mmap.mmap | None = None
+        self._last: list[int] | None = None  # the counts as closed (snapshot's, after)
         self._lock = threading.Lock()
         _LIVE.add(self)
 
@@ -84,9 +85,12 @@ class ReadCounters:
                     slots[i] += n
 
     def snapshot(self) -> dict[str, int]:
-        """This process's counts, by counter name."""
+        """This process's counts, by counter name (as they were closed, once closed: a
+        closed Store's status() is the run's report)."""
         with self._lock:
-            slots = self._slots if self._pid == os.getpid() else None
+            mine = self._pid == os.getpid()
+            slots: Any = (self._slots if self._slots is not None else self._last) \
+                if mine else None
             return {k: int(slots[i]) if slots is not None else 0
                     for i, k in enumerate(COUNTER_SLOTS)}
 
@@ -123,6 +127,7 @@ class ReadCounters:
     def close(self) -> None:
         with self._lock:
             if self._slots is not None:
+                self._last = self._slots.tolist()
                 self._slots.release()
                 self._slots = None
             if self._mm is not None:
