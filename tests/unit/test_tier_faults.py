@@ -8,10 +8,13 @@ import errno
 import os
 import random
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 import stagefs
+from stagefs.tiers.fill import copy_charge, whole_charge
 from tiers_helpers import packed_tree
 
 
@@ -34,6 +37,23 @@ def fill(fs: stagefs.Store, files: dict[str, bytes], seed: int) -> None:
     assert fs.chain is not None and fs.chain.wait_idle(30)
 
 
+def _fill_in_order(fs: stagefs.Store) -> None:
+    """Every shard placed by one stream, in shard order, before any read."""
+    assert fs.chain is not None
+    ctl = fs.chain.stream.controller
+    ctl.most = ctl.target = 1
+    fs.prefetch(range(len(fs.manifest.shards)))
+    assert fs.chain.wait_idle(30)
+
+
+def _extents(pack: Path, tier: Path) -> tuple[list[Any], int]:
+    """The pieces of each shard, and the block a tier in ``tier`` counts in."""
+    with stagefs.open(pack, tiers=[str(tier)]) as probe:
+        assert probe.chain is not None
+        return ([probe.chain._extents_of(s) for s in range(len(probe.manifest.shards))],
+                probe.chain.tiers[0].block)
+
+
 def allocated(d: Path) -> int:
     return sum(min(p.stat().st_size, p.stat().st_blocks * 512) for p in d.rglob("*")
                if p.is_file())
@@ -48,16 +68,23 @@ def test_a_copy_deleted_from_outside_frees_its_room(
     there again, and the counter is what the tier holds."""
     pack, files = dataset
     fast, slow = tmp_path / "fast", tmp_path / "slow"
-    tiers = [f"{fast}:160KiB", f"{slow}:64MiB"]
+    # room for the first four shards whole, and not a piece more: placed by one stream in
+    # shard order, the fast tier holds those four, whole, every run (with several streams
+    # and the reads' own reservations, which shards it held, and whether the room left
+    # took a piece, was their race)
+    exts, block = _extents(pack, tmp_path / "measure")
+    tiers = [f"{fast}:{sum(whole_charge(x, block) for x in exts[:4])}", f"{slow}:64MiB"]
     with stagefs.open(pack, tiers=tiers) as fs:
-        fill(fs, files, 1)
+        _fill_in_order(fs)
+        epoch(fs, files, 1)
         before = fs.status()["tiers"][0]["bytes_used"]
     copies = sorted(p for p in fast.rglob("*.sfs"))
-    assert copies and not list(fast.rglob("*.partial"))
+    assert [p.name for p in copies] == [f"shard-{s:06d}.sfs" for s in range(4)]
+    assert not list(fast.rglob("*.partial"))
     victim = copies[0]
     victim.unlink()
     with stagefs.open(pack, tiers=tiers) as fs:
-        fill(fs, files, 2)
+        _fill_in_order(fs)
         epoch(fs, files, 3)
         st = fs.status()
     assert victim.exists(), "the shard was not placed again in the tier it was deleted from"
@@ -79,21 +106,42 @@ def test_a_recount_with_nothing_deleted_changes_nothing(
     monkeypatch.setattr(chain_mod, "PIECE_SIZE", 16 * 1024)  # partial copies of 48 KiB shards
     pack, files = dataset
     tier = tmp_path / "t"
-    with stagefs.open(pack, tiers=[f"{tier}:220KiB"]) as fs:
-        fill(fs, files, 1)
-        chain = fs.chain
-        assert chain is not None
-        t = chain.tiers[0]
-        assert t.room is not None and t.charges is not None
-        assert list(tier.rglob("*.partial")), "the test wants a partial copy"
-        with chain._tier_lock():
-            used = t.room.used()
-            assert t.room.recount(t.charges()) == used
-        held = chain.held_pieces()
-    with stagefs.open(pack, tiers=[f"{tier}:220KiB"]) as fs:
-        fill(fs, files, 2)
-        assert fs.chain is not None and fs.chain.held_pieces() == held
-        assert fs.status()["tiers"][0]["bytes_used"] == used
+    # room for the first three shards whole and the first piece of the next one with two
+    # pieces or more: read in shard order with no stream (each read reserves its own
+    # pieces), the tier holds those and is then full, every run (with streams, which
+    # shards ended whole, and whether the room left took a piece, was the streams' race)
+    exts, block = _extents(pack, tmp_path / "measure")
+    with stagefs.open(pack) as probe:
+        m = probe.manifest
+        at = {p: (int(m.shard[e]), int(m.offset[e]))
+              for p in files for e in [probe.namespace.file_entry(p)]}
+    cut = next(s for s in range(3, len(exts)) if exts[s].pieces >= 2)
+    first = np.zeros(exts[cut].pieces, bool)
+    first[0] = True
+    cap = sum(whole_charge(x, block) for x in exts[:3]) + copy_charge(exts[cut], block) + \
+        exts[cut].charged(first, block)
+    paths = sorted(files, key=at.__getitem__)
+    held: dict[str, set[tuple[int, int]]] = {}
+    for run in range(2):
+        with stagefs.open(pack, tiers=[f"{tier}:{cap}"]) as fs:
+            chain = fs.chain
+            assert chain is not None
+            ctl = chain.stream.controller
+            ctl.most = ctl.target = 0
+            for p in paths:
+                assert fs.read(p) == files[p], p
+            t = chain.tiers[0]
+            assert t.room is not None and t.charges is not None
+            if not run:
+                assert [p.name for p in tier.rglob("*.partial")] == \
+                    [f"shard-{cut:06d}.sfs.partial"]
+                with chain._tier_lock():
+                    used = t.room.used()
+                    assert t.room.recount(t.charges()) == used
+                held = chain.held_pieces()
+            else:
+                assert chain.held_pieces() == held
+                assert fs.status()["tiers"][0]["bytes_used"] == used
     assert allocated(tier) <= used
 
 
