@@ -48,7 +48,7 @@ import filelock
 
 __all__ = ["PARTIAL_SUFFIX", "InUse", "atomic_write", "file_lock", "login", "movable_by_others",
            "open_own_file", "open_read", "private_makedirs", "pwrite_all", "remove_any",
-           "unreachable", "user_name", "worker_pool"]
+           "unreachable", "user_name", "worker_pool", "write_out"]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -173,6 +173,16 @@ class InUse:
                 self._release = release
                 return
         release()
+
+
+def write_out(fd: int, size: int) -> None:
+    """Make the file ``size`` bytes long, its missing tail written (zeros), not left a
+    hole: for a file mapped shared (a counter, a fill map). A page of a hole first touched
+    through the mapping once the file system is full (a tmpfs other programs filled) is a
+    SIGBUS that kills the process; here it is an ENOSPC the caller can say something of."""
+    have = os.fstat(fd).st_size
+    if have < size:
+        pwrite_all(fd, bytes(size - have), have)
 
 
 def open_read(path: str | bytes, flags: int = 0) -> tuple[int, os.stat_result]:

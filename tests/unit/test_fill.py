@@ -558,3 +558,28 @@ def test_the_activity_map_is_written_when_it_is_made(tmp_path: Path) -> None:
     assert b.readers(5e-9) == 1  # the stamp of the first, 2 ns before
     assert os.stat(path).st_size == size
     b.close()
+
+
+def test_the_node_s_shared_tables_are_written_when_made(tmp_path: Path) -> None:
+    """The other files the node's processes map shared (the sums an in-place dataset learns,
+    a process's read counters) have their blocks when made, as the activity map does: a
+    hole in one was a SIGBUS at the first sum or count once /dev/shm was full. A table made
+    before keeps what it holds."""
+    from stagefs.tiers.inplace import SumTable
+    from stagefs.tiers.status import ReadCounters
+
+    path = str(tmp_path / "sums")
+    sums = SumTable(path, 5_000)  # 45,000 bytes: pages a hole would leave unbacked
+    st = os.stat(path)
+    assert st.st_size == 45_000 and st.st_blocks * 512 >= 45_000
+    sums.record(3, 0xABC)
+    sums.close()
+    again = SumTable(path, 5_000)
+    assert again.get(3) == 0xABC
+    again.close()
+    counters = ReadCounters(str(tmp_path))
+    counters.count("pushed_reads")
+    [made] = [p for p in tmp_path.iterdir() if p.name.endswith(".counters")]
+    st = made.stat()
+    assert st.st_blocks * 512 >= st.st_size > 0
+    counters.close()

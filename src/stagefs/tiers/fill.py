@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from stagefs._fsutil import InUse, open_own_file, pwrite_all
+from stagefs._fsutil import InUse, open_own_file, pwrite_all, write_out
 from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
@@ -231,10 +231,7 @@ class Activity:
         size = 8 * self.SLOTS
         fd = open_own_file(path)  # (a directory or a FIFO a damaged runtime left: made anew)
         try:
-            have = os.fstat(fd).st_size
-            if have < size:  # written, not sparse: on a full /dev/shm, ENOSPC here, where
-                # the first stamp through the mapping was a SIGBUS that killed the reader
-                pwrite_all(fd, bytes(size - have), have)
+            write_out(fd, size)  # (a hole in it: a SIGBUS at a stamp on a full /dev/shm)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED)
         finally:
             os.close(fd)
@@ -490,10 +487,9 @@ def create_fill(final: str, size: int, ext: Extents, index: int, pack_id: bytes)
         header = ShardHeader(index, pack_id, size - SHARD_HEADER.size).encode()
         os.pwrite(fd, header, 0)
         ffd = os.open(fmap, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        # its pages written now (counted in copy_charge): a page of the map first touched
-        # through the mapping once the tier's file system is full (a tmpfs other programs
-        # filled) is a SIGBUS that kills the process, where a write is ENOSPC here
-        pwrite_all(ffd, bytes(map_size(ext)), 0)
+        # its pages written now (counted in copy_charge): a hole in it was a SIGBUS at the
+        # first fill byte set once the tier's file system was full
+        write_out(ffd, map_size(ext))
         fill = ShardFill(final, fd, ffd, ext)
     except BaseException:
         if fd >= 0:
