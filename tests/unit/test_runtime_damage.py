@@ -302,3 +302,34 @@ def test_a_runtime_directory_on_a_read_only_file_system_is_named_with_what_to_do
     said = str(got.value)
     assert f"runtime directory {rt.path}: cannot make it private" in said
     assert "Read-only file system" in said and "STAGEFS_RUNTIME" in said
+
+
+def test_claims_on_a_full_file_system_stream_unclaimed_with_one_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The runtime directory's file system full (/dev/shm filled by another program): a
+    claim's file was made but its owner could not be written; the stream died with a
+    traceback in the log, once for each shard, and the empty claim held the shard from the
+    node's other processes for its grace period. The shard streams unclaimed, said once,
+    and no claim is left behind."""
+    import subprocess
+
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
+                       capture_output=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tiny tmpfs here (root is needed): {r.stderr.decode()}")
+    try:
+        with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        c = Claims(str(mnt), "p")
+        with caplog.at_level("WARNING", logger="stagefs.tiers"):
+            assert [c.acquire(s) for s in range(3)] == [True, True, True]
+        said = [r for r in caplog.records if "claims cannot be written" in r.getMessage()]
+        assert len(said) == 1 and "No space left" in said[0].getMessage()
+        assert not said[0].exc_info
+        assert sorted(p.name for p in mnt.iterdir()) == ["filler"]
+        c.release(0)  # (nothing of it to let go of)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=False)

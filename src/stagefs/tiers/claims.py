@@ -20,6 +20,7 @@ them themselves in small reads, as the readers of its own process do.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import struct
@@ -28,6 +29,8 @@ from collections.abc import Callable, Iterator
 
 from stagefs._fsutil import atomic_write, file_lock, open_read, remove_any
 from stagefs.runtime import alive, proc_start
+
+log = logging.getLogger("stagefs.tiers")
 
 __all__ = ["Claims"]
 
@@ -45,6 +48,7 @@ class Claims:
         self.taken = 0  # claims this process won
         self.takeovers = 0  # of which taken over from a dead process
         self.elsewhere: set[int] = set()  # shards a live process held when this one asked
+        self._unclaimed = False  # a claim could not be written (said once)
         # when progress is published and judged: the node's monotonic clock (tests set theirs)
         self.clock: Callable[[], float] = time.monotonic
 
@@ -58,7 +62,24 @@ class Claims:
         return os.path.join(self.folder, f"{self.pack_id}.{shard}")
 
     def acquire(self, shard: int) -> bool:
-        """Claim ``shard`` for this process; False if a live process holds it."""
+        """Claim ``shard`` for this process; False if a live process holds it. Where no
+        claim can be written (the runtime directory's file system full, or the directory
+        gone), True: the shard streams unclaimed (said once), as a process alone on its
+        node would; the fill maps' locks still keep two processes from reading one file."""
+        try:
+            return self._acquire(shard)
+        except OSError as exc:
+            if not self._unclaimed:
+                self._unclaimed = True
+                log.warning("%s: claims cannot be written there (%s): this process streams "
+                            "shards without claiming them, and another process of the node "
+                            "may stream the same ones (free space where the runtime "
+                            "directory is, or point STAGEFS_RUNTIME elsewhere)", self.folder,
+                            exc.strerror or exc)
+            self.elsewhere.discard(shard)
+            return True
+
+    def _acquire(self, shard: int) -> bool:
         path = self.path(shard)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -70,6 +91,10 @@ class Claims:
             return False
         try:
             os.write(fd, self.me.encode())
+        except OSError:  # (ENOSPC) an empty claim would hold the shard a grace period
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
         finally:
             os.close(fd)
         self.elsewhere.discard(shard)
