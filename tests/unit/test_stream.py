@@ -943,3 +943,39 @@ def test_the_shard_streamed_first_is_held_whole_when_later_streams_find_no_room(
         for p in files:
             if files[p] and int(fs.manifest.shard[fs.namespace.file_entry(p)]) == 0:
                 assert fs.read(p) == files[p]
+
+
+def test_reservations_on_a_copy_replaced_under_a_reader_close_after_its_release(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A partial copy dropped and made anew under the same name while a reader held a run
+    of the old one: the old copy's lock descriptor stayed open for the life of the process
+    (one for each such copy), or was closed under a thread that then locked through the
+    number another file took. It closes as the reader releases its run, and nothing locks
+    through it after."""
+    from stagefs.tiers.fill import create_fill, remove_fill
+    from stagefs.tiers.stream import Reservations
+
+    pack, _files = dataset
+    with _queue_only(pack, tmp_path, runtime) as (fs, chain):
+        ext, size = chain._extents_of(0), chain._sizes[0]
+        final = str(tmp_path / "copy.sfs")
+        old = create_fill(final, size, ext, 0, fs.manifest.pack_id)
+        res = Reservations()
+        h1 = res.held(0, old)
+        assert h1 is not None
+        [run] = res.take(h1, 0, 1) or [None]
+        assert run == (0, 1)
+        remove_fill(final)
+        new = create_fill(final, size, ext, 0, fs.manifest.pack_id)
+        h2 = res.held(0, new)
+        assert h2 is not None and h2 is not h1
+        assert not h1.closed  # its run is being read: open until released
+        res.release(h1, *run)
+        assert h1.closed
+        assert res.take(h1, 0, 1) is None and res.take_next(h1, 0, 1 << 20) is None
+        assert not res.someone_holds(h1, 0, 1)
+        assert res.take(h2, 0, 1) == [(0, 1)]
+        res.close()
+        assert h2.closed
+        old.close()
+        new.close()

@@ -210,17 +210,24 @@ def _ofd_lock(fd: int, kind: int, start: int, length: int) -> bool:
 
 
 class _Held:
-    """This process's reservations on one partial copy's files."""
+    """This process's reservations on one partial copy's files. Its descriptor is used and
+    closed under the Reservations' lock; a thread still holding it once it is closed (a
+    newer copy of the shard took its place) finds it ``closed``, and locks nothing through
+    a number another file may have taken."""
 
     def __init__(self, fill: ShardFill) -> None:
         self.fill = fill
         self.busy = np.zeros(len(fill.ext), dtype=bool)
         self.bad = np.zeros(len(fill.ext), dtype=bool)  # failed their check at the origin
         self.fd = os.open(fill.final + FILL_SUFFIX, os.O_RDWR | os.O_CLOEXEC)
+        self.closed = False
+        self.replaced = False  # a newer copy's took its place: closed once none is busy
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
 
 
 class Reservations:
@@ -230,6 +237,7 @@ class Reservations:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[tuple[int, str], _Held] = {}  # (shard, copy's final path) ->
+        self._replaced: list[_Held] = []  # let go of, busy still: closed at their release
 
     def held(self, shard: int, fill: ShardFill) -> _Held | None:
         """This process's reservation state of the shard's current partial copy in the
@@ -239,8 +247,8 @@ class Reservations:
             h = self._held.get(key)
             if h is not None and h.fill.ino == fill.ino:
                 return h  # the same partial copy (maybe through another handle)
-            if h is not None and not h.busy.any():
-                h.close()
+            if h is not None:
+                self._let_go(h)
             try:
                 h = _Held(fill)
             except FileNotFoundError:
@@ -253,6 +261,8 @@ class Reservations:
         some of them are held by this process or another one."""
         bits = h.fill.bits
         with self._lock:
+            if h.closed:
+                return None
             missing = np.flatnonzero(bits[lo:hi] == 0) + lo
             if not len(missing):
                 return []
@@ -282,6 +292,8 @@ class Reservations:
         n = len(ext)
         free = ~h.fill.mine()  # files of pieces this copy does not hold: never read here
         with self._lock:
+            if h.closed:
+                return None
             k = cursor
             while k < n:
                 if bits[k] or h.busy[k] or h.bad[k] or free[k]:
@@ -308,14 +320,30 @@ class Reservations:
 
     def release(self, h: _Held, lo: int, hi: int) -> None:
         with self._lock:
-            with contextlib.suppress(OSError):
-                _ofd_lock(h.fd, fcntl.F_UNLCK, lo, hi - lo)
+            if not h.closed:
+                with contextlib.suppress(OSError):
+                    _ofd_lock(h.fd, fcntl.F_UNLCK, lo, hi - lo)
             h.busy[lo:hi] = False
+            if h.replaced:
+                self._let_go(h)
+
+    def _let_go(self, h: _Held) -> None:
+        """A copy's reservations, replaced by a newer copy's (under the lock): closed now,
+        or by the release of its last busy run (closed at once, its number was another
+        thread's to lock through; kept open, it was never closed)."""
+        h.replaced = True
+        if not h.busy.any():
+            h.close()
+        elif h not in self._replaced:
+            self._replaced.append(h)
+        self._replaced = [r for r in self._replaced if not r.closed]
 
     def someone_holds(self, h: _Held, lo: int, hi: int) -> bool:
         """Is any unfilled file of lo..hi-1 being read now (by anyone)?"""
         bits = h.fill.bits
         with self._lock:
+            if h.closed:
+                return False
             missing = np.flatnonzero(bits[lo:hi] == 0) + lo
             if h.busy[missing].any():
                 return True
@@ -328,15 +356,17 @@ class Reservations:
     def reset_after_fork(self) -> None:
         """In a forked child: the parent's lock descriptions are not this process's."""
         self._lock = threading.Lock()
-        for h in self._held.values():
+        for h in [*self._held.values(), *self._replaced]:
             h.close()
         self._held.clear()
+        self._replaced = []
 
     def close(self) -> None:
         with self._lock:
-            for h in self._held.values():
+            for h in [*self._held.values(), *self._replaced]:
                 h.close()
             self._held.clear()
+            self._replaced = []
 
 
 def _own_read(a: int, b: int, one_file: bool, offset: int, end: int) -> bool:
