@@ -11,6 +11,7 @@ import os
 import random
 import shutil
 import stat as st
+import subprocess
 import tempfile
 import uuid
 import warnings
@@ -306,3 +307,22 @@ def world_dir() -> Iterator[Path]:
         for dirpath, _dirs, _files in os.walk(d):
             os.chmod(dirpath, 0o755)
         shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str, *options: str) -> Iterator[Path]:
+    """A file system of ``size`` (a tmpfs, with mount ``options``) mounted at ``where``
+    (made), unmounted after: a full tier, runtime or destination. The test is skipped only
+    where this process cannot mount one (root is needed)."""
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here to make a small file system with")
+    where.mkdir(parents=True, exist_ok=True)
+    opts = ",".join((*options, f"size={size}"))
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+                       capture_output=True, text=True, timeout=30, check=False)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a {size} tmpfs here (root is needed): {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], timeout=30, check=False)

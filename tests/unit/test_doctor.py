@@ -4,13 +4,12 @@ tier that does not exist yet: said usable only where a store could make it."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from conftest import small_tmpfs
 from stagefs.doctor import check_network, check_tier
 from stagefs.net.server import UNIX_SNDBUF
 
@@ -117,19 +116,9 @@ def test_a_tier_holding_more_than_it_is_given_is_a_warning(tmp_path: Path,
 def nearly_full_fs(tmp_path: Path) -> Iterator[Path]:
     """A file system of 12 MiB (a tmpfs) with 6 MiB of it taken: skipped only where this
     process cannot mount one."""
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command here to make a small file system with")
-    where = tmp_path / "small_fs"
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12M", "tmpfs", str(where)],
-                       capture_output=True, text=True, timeout=30, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 12 MiB tmpfs here (root is needed): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small_fs", "12M") as where:
         (where / "filler").write_bytes(bytes(6 << 20))
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], timeout=30, check=False)
 
 
 def test_a_tier_on_a_nearly_full_file_system_is_probed_within_its_room(

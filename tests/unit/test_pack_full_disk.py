@@ -7,7 +7,6 @@ import errno
 import importlib
 import io
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 
 import stagefs
-from conftest import random_bytes, snapshot_tree
+from conftest import random_bytes, small_tmpfs, snapshot_tree
 from stagefs.cli import main
 from stagefs.errors import DestinationExistsError, DestinationFullError, PackError
 from stagefs.format import ShardWriter
@@ -53,17 +52,8 @@ def _mount(where: Path, size: str, *more: str) -> subprocess.CompletedProcess[st
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A file system of 1 MiB (a tmpfs): skipped only where this process cannot mount one."""
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command here to make a small file system with")
-    where = tmp_path / "small_fs"
-    where.mkdir()
-    r = _mount(where, "1M")
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a 1 MiB tmpfs here (root is needed): {r.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "small_fs", "1M") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], timeout=30, check=False)
 
 
 @pytest.mark.parametrize("jobs", [1, 2])

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 import stagefs
+from conftest import small_tmpfs
 from stagefs.cluster.cmap import load_runtime
 from stagefs.errors import ClusterError
 from stagefs.net.auth import read_token, write_token
@@ -311,15 +312,7 @@ def test_claims_on_a_full_file_system_stream_unclaimed_with_one_warning(
     traceback in the log, once for each shard, and the empty claim held the shard from the
     node's other processes for its grace period. The shard streams unclaimed, said once,
     and no claim is left behind."""
-    import subprocess
-
-    mnt = tmp_path / "full"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                       capture_output=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tiny tmpfs here (root is needed): {r.stderr.decode()}")
-    try:
+    with small_tmpfs(tmp_path / "full", "64k") as mnt:
         with open(mnt / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
             while True:
                 f.write(b"\0" * 4096)
@@ -331,5 +324,3 @@ def test_claims_on_a_full_file_system_stream_unclaimed_with_one_warning(
         assert not said[0].exc_info
         assert sorted(p.name for p in mnt.iterdir()) == ["filler"]
         c.release(0)  # (nothing of it to let go of)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
+from conftest import small_tmpfs
 from stagefs.config import parse_tier
 from stagefs.errors import ConfigError, OriginUnavailableError
 from stagefs.format import MANIFEST_NAME, Manifest
@@ -245,24 +246,16 @@ def test_inplace_origin_counts_a_read_per_file(dataset: tuple[Path, Path, dict[s
 
 def test_enospc_stops_the_tier_and_reads_go_on(pack: Path, files: dict[str, bytes],
                                                runtime: Path, tmp_path: Path) -> None:
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)],
-                       capture_output=True, timeout=30)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tiny tmpfs here: {r.stderr.decode().strip()}")
-    try:
-        with stagefs.open(pack, tiers=[str(mnt / "t")]) as fs:  # no cap: the device fills
-            assert fs.chain is not None
-            read_all(fs, files, seed=1)
-            fs.chain.wait_idle(30)
-            t = fs.chain.tiers[0]
-            assert t.stopped == "no space left on device"
-            assert 0 < len(fs.held_shards()) < len(fs.manifest.shards)
-            assert not list(Path(t.dir).glob("*.partial"))
-            read_all(fs, files, seed=2)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=False)
+    with small_tmpfs(tmp_path / "tiny", "160k") as mnt, \
+            stagefs.open(pack, tiers=[str(mnt / "t")]) as fs:  # no cap: the device fills
+        assert fs.chain is not None
+        read_all(fs, files, seed=1)
+        fs.chain.wait_idle(30)
+        t = fs.chain.tiers[0]
+        assert t.stopped == "no space left on device"
+        assert 0 < len(fs.held_shards()) < len(fs.manifest.shards)
+        assert not list(Path(t.dir).glob("*.partial"))
+        read_all(fs, files, seed=2)
 
 
 def test_tiers_in_order_then_the_origin(pack: Path, files: dict[str, bytes], runtime: Path,
