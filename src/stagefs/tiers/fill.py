@@ -339,12 +339,8 @@ class ShardFill:
     def descriptor(self) -> Iterator[int]:
         """The copy's descriptor, not closed until the caller is done with it (ValueError
         once this handle is closed)."""
-        if not self._use.enter():
-            raise ValueError(f"{self.partial}: closed")
-        try:
+        with self._use.use(lambda: ValueError(f"{self.partial}: closed")):
             yield self._fd
-        finally:
-            self._use.leave()
 
     def reserved_bytes(self, block: int) -> int:
         """What the pieces reserved in this copy are counted (``Extents.charged``)."""
