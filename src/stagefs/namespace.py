@@ -6,11 +6,12 @@ PathLike); a leading "/" is ignored, so "train/a.jpg" and "/train/a.jpg" are the
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +36,28 @@ _MAX_LINKS = 40  # as Linux's MAXSYMLINKS
 _UTF8 = sys.getfilesystemencoding() == "utf-8" and sys.getfilesystemencodeerrors() == (
     "surrogateescape"
 )
+
+
+_R = TypeVar("_R")
+
+
+def _says_closed(method: Callable[[Namespace, PathArg], _R]) -> Callable[[Namespace, PathArg], _R]:
+    """``method`` (a question about one path), with the closed Store's error once the
+    manifest was let go of (``Namespace.closed``), not what it met of the arrays released
+    under it: another thread still asking as ``close()`` runs, or a bound method kept past
+    it (``stat = fs.stat``). Checked only once something failed: the normal path pays one
+    call of fixed arity (no argument packing), not a check."""
+
+    @functools.wraps(method)
+    def checked(self: Namespace, path: PathArg) -> _R:
+        try:
+            return method(self, path)
+        except Exception as exc:
+            self.raise_if_closed(exc)
+            raise
+
+    checked.__defaults__ = method.__defaults__  # listdir() lists the root, as before
+    return checked
 
 
 def plain_key(path: PathArg) -> bytes | None:
@@ -238,6 +261,7 @@ class Namespace:
 
     # -- stat ------------------------------------------------------------------------------
 
+    @_says_closed
     def _stat_py(self, path: PathArg) -> os.stat_result:
         key = plain_key(path)  # entry(), inlined for the common case
         e = -1 if key is None else self._lookup(key)
@@ -251,6 +275,7 @@ class Namespace:
         e = -1 if key is None else self._lookup(key)
         return e if e >= 0 and self._kind[e] == KIND_FILE else -1
 
+    @_says_closed
     def lstat(self, path: PathArg) -> os.stat_result:
         return self.stat_entry(self.entry(path, follow=False))
 
@@ -280,6 +305,7 @@ class Namespace:
         kinds = self.manifest.arrays["kind"][r.start : r.stop]
         return 2 + int(np.count_nonzero(kinds == KIND_DIR))
 
+    @_says_closed
     def exists(self, path: PathArg) -> bool:
         try:
             self.entry(path)
@@ -287,27 +313,32 @@ class Namespace:
             return False
         return True
 
+    @_says_closed
     def isdir(self, path: PathArg) -> bool:
         try:
             return bool(self.manifest.kind[self.entry(path)] == KIND_DIR)
         except OSError:
             return False
 
+    @_says_closed
     def isfile(self, path: PathArg) -> bool:
         try:
             return bool(self.manifest.kind[self.entry(path)] == KIND_FILE)
         except OSError:
             return False
 
+    @_says_closed
     def islink(self, path: PathArg) -> bool:
         try:
             return bool(self.manifest.kind[self.entry(path, follow=False)] == KIND_SYMLINK)
         except OSError:
             return False
 
+    @_says_closed
     def getsize(self, path: PathArg) -> int:
         return int(self.manifest.size[self.entry(path)])
 
+    @_says_closed
     def readlink(self, path: PathArg) -> str:
         e = self.entry(path, follow=False)
         if self.manifest.kind[e] != KIND_SYMLINK:
@@ -316,6 +347,7 @@ class Namespace:
 
     # -- directories -----------------------------------------------------------------------
 
+    @_says_closed
     def listdir(self, path: PathArg = "") -> list[Any]:
         """Names in a directory: ``str``, or ``bytes`` when ``path`` is bytes (as os does)."""
         return self._names(self.manifest.children(self.dir_entry(path)),

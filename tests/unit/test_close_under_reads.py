@@ -196,6 +196,36 @@ def test_a_listing_kept_past_the_close_says_the_store_is_closed(pack: Path, ask:
     assert entries[0].name == "f001.bin"  # what the entry itself holds still answers
 
 
+
+_ASKS = [("stat", "d1/f001.bin"), ("stat", "d1"), ("lstat", "d1/f001.bin"),
+         ("exists", "d1/f001.bin"), ("isdir", "d1"), ("isfile", "d1/f001.bin"),
+         ("islink", "d1/f001.bin"), ("getsize", "d1/f001.bin"), ("listdir", "d1")]
+
+
+@pytest.mark.parametrize("speedups", ["1", "0"])
+@pytest.mark.parametrize(("ask", "path"), _ASKS)
+def test_a_question_asked_through_a_method_kept_past_the_close_says_the_store_is_closed(
+    pack: Path, ask: str, path: str, speedups: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stat = fs.stat`` taken before the close (as a thread still asking while close()
+    runs has it): each said "operation forbidden on released memoryview object" or raised
+    KeyError('path_off'), not that the Store was closed; the C index's and the Python
+    paths alike."""
+    monkeypatch.setenv("STAGEFS_SPEEDUPS", speedups)
+    fs = stagefs.open(pack)
+    method = getattr(fs, ask)
+    method(path)  # answers while open
+    fs.close()
+    with pytest.raises(ValueError, match=r"closed Store .* open the dataset again"):
+        method(path)
+
+
+def test_the_checked_questions_keep_their_signatures(pack: Path) -> None:
+    with stagefs.open(pack) as fs:
+        assert sorted(fs.listdir()) == ["d0", "d1", "d2"]
+        with pytest.raises(TypeError):
+            fs.isfile()  # type: ignore[call-arg]
+
 _AT_EXIT = r'''
 import atexit, os, sys, threading
 pack, tier, runtime, name, expected = sys.argv[1:6]
