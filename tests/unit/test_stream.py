@@ -979,3 +979,28 @@ def test_reservations_on_a_copy_replaced_under_a_reader_close_after_its_release(
         assert h2.closed
         old.close()
         new.close()
+
+
+def test_close_waits_for_stuck_streams_once_not_once_each(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams stuck on a stalled origin (each thread's join times out): close() waited 60 s
+    for each in turn, 8 minutes with eight; now CLOSE_WAIT_S for them all."""
+    pack, _files = dataset
+    clock = FakeClock()
+    waits: list[float] = []
+
+    class Stuck:
+        def join(self, timeout: float | None = None) -> None:  # never ends in time
+            assert timeout is not None
+            waits.append(timeout)
+            clock.now += timeout
+
+    fs = stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime)
+    chain = fs.chain
+    assert chain is not None
+    monkeypatch.setattr(chain.stream, "_clock", clock)
+    chain.stream._threads.extend([Stuck(), Stuck(), Stuck()])  # type: ignore[list-item]
+    fs.close()
+    assert waits[0] == stream_mod.CLOSE_WAIT_S
+    assert waits[1:] == [0.0, 0.0]

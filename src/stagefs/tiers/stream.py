@@ -96,6 +96,7 @@ STREAM_WAIT_S = 1.0  # a read waits for a stream that brings its bytes within th
 RETRY_S = 0.5  # a stream's read that failed is tried once more after this pause
 DIRECT_LIMIT = 8 * 2**20  # a reader reads a run of files itself up to this many bytes
 FILE_LIMIT = 64 * 2**20  # and one file up to this size, whole, for any range of it
+CLOSE_WAIT_S = 60.0  # close() waits this long at most for the stream threads to end
 _POLL_S = (0.0002, 0.004)  # a reader waiting on another process polls from, up to
 # a reader waits this long at most for files another reader (or stream) holds: longer, and
 # the holder is stopped (kill -STOP, Ctrl-Z, a debugger); the read goes to the origin. Long
@@ -1011,9 +1012,12 @@ class Stream:
             self._queue.clear()
             self._cond.notify_all()
             threads = list(self._threads)
+        # one wait for them all: a stream stuck on a stalled origin keeps close() waiting
+        # CLOSE_WAIT_S at most, not that long for each stuck stream one after the other
+        deadline = self._clock() + CLOSE_WAIT_S
         for t in threads:
             if t is not threading.current_thread():
-                t.join(timeout=60)
+                t.join(timeout=max(0.0, deadline - self._clock()))
         self.res.close()
 
     def after_fork(self) -> None:
