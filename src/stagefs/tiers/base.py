@@ -183,7 +183,7 @@ class OriginStats:
     """Every operation stagefs made on the origin (the shared file system): what it cost."""
 
     opens: int = 0
-    stats: int = 0
+    stats: int = 0  # of paths (the scan, a check for changes); not fstat of a file opened
     reads: int = 0
     bytes_read: int = 0
     # where a read is counted for the job as well (``stagefs status``: the Store's counters)
