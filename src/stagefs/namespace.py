@@ -48,7 +48,6 @@ def _says_closed(method: Callable[[Namespace, PathArg], _R]) -> Callable[[Namesp
     it (``stat = fs.stat``). Checked only once something failed: the normal path pays one
     call of fixed arity (no argument packing), not a check."""
 
-    @functools.wraps(method)
     def checked(self: Namespace, path: PathArg) -> _R:
         try:
             return method(self, path)
@@ -56,8 +55,8 @@ def _says_closed(method: Callable[[Namespace, PathArg], _R]) -> Callable[[Namesp
             self.raise_if_closed(exc)
             raise
 
-    checked.__defaults__ = method.__defaults__  # listdir() lists the root, as before
-    return checked
+    checked.__defaults__ = getattr(method, "__defaults__", None)  # listdir() is the root's
+    return functools.update_wrapper(checked, method)
 
 
 def plain_key(path: PathArg) -> bytes | None:
