@@ -70,8 +70,10 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
     if rows:
         # a partial copy is a shard held in part (a tier without room for all its pieces
         # keeps it so), or one a fill has not finished: "filling" was said of both
+        # "filled": what the streams and the reads wrote into partial copies (a stream's
+        # bytes were said to be the reads', "filled by reads", with no sample read)
         print(table(["tier", "used", "shards held", "held in part", "placed",
-                     "filled by reads", "dropped"], rows))
+                     "filled (streams, reads)", "dropped"], rows))
     for line in read_lines(st, "every process of the job"):
         print(line)
     rows = [[o["origin"], o["opens"], o["stats"]] for o in st["origins"]]

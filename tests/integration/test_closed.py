@@ -3,7 +3,8 @@ storage does is informed by the shuffle seed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch.utils.data
 import stagefs
 from stagefs.errors import ConfigError
 from stagefs.torch import FileDataset, Sampler
+from stagefs.torch._prefetch import TierAhead
 from tiers_helpers import make_tree
 
 pytestmark = pytest.mark.integration
@@ -124,6 +126,34 @@ def test_closed_mode_takes_no_read_ahead_an_earlier_sampler_left(pack: Path,
         list(torch.utils.data.DataLoader(ds, batch_size=8, sampler=s, collate_fn=_identity))
         # none of the closed loop's samples was asked of the earlier read-ahead
         assert earlier.prefetcher.stats.hits + earlier.prefetcher.stats.misses == served
+        earlier.close()
+
+
+def test_closed_mode_stops_the_read_into_the_tiers_an_earlier_sampler_started(
+        pack: Path, tmp_path: Path, runtime: Path) -> None:
+    """An open-mode Sampler made first on the same dataset, with tiers, reads the epoch's
+    first samples into them in the seed's order until its loop starts: a closed-mode
+    Sampler made then left that read running under the closed run."""
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime / "t") as fs:
+        ds = FileDataset(fs, root="train", target=None)
+        gate, reads = threading.Event(), list[int]()
+        real = ds.read_samples
+
+        def read_samples(indices: Sequence[int], *, count: bool = True) -> list[bytes]:
+            if not count:  # the read into the tiers
+                reads.append(len(indices))
+                gate.wait(10)
+            return real(indices, count=count)
+
+        ds.read_samples = read_samples  # type: ignore[method-assign]
+        earlier = Sampler(ds, seed=3, prefetch="64MiB")
+        assert earlier.tier_ahead is not None
+        Sampler(ds, seed=3, closed=True)
+        gate.set()
+        for t in threading.enumerate():
+            if t.name.startswith(TierAhead.thread_name):
+                t.join(10)
+        assert len(reads) <= 1  # the read under way as the closed Sampler was made
         earlier.close()
 
 

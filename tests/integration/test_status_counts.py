@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,29 @@ def test_a_large_file_read_in_parts_is_one_sample_and_a_compressed_one_weighs_as
             f.seek(0)
             assert f.read(1000) == big[:1000]
         assert status(rt)["reads"] == again["reads"] + 2
+
+
+def test_the_tier_bytes_a_stream_wrote_are_not_said_to_be_the_reads(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path) -> None:
+    """Shards handed to Store.prefetch are streamed into a tier with no sample read; the
+    status table said those bytes were "filled by reads"."""
+    pack, _ = dataset
+    rt = tmp_path / "rt"
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=str(rt)) as fs:
+        n = len(fs.manifest.shards)
+        fs.prefetch(range(n))
+        chain = fs.chain
+        assert chain is not None
+        for _ in range(6000):  # the streams end (well within a minute)
+            if len(fs.held_shards()) == n:
+                break
+            threading.Event().wait(0.01)
+        assert len(fs.held_shards()) == n
+    st = status(rt)
+    assert st["reads"] == 0 and st["tiers"][0]["filled_bytes"] > 0, st
+    r = _stagefs("status", "--runtime", str(rt))
+    assert r.returncode == 0, r.stderr
+    assert "by reads" not in r.stdout and "filled (streams, reads)" in r.stdout, r.stdout
 
 
 def test_an_empty_file_is_a_sample_of_no_bytes(tmp_path: Path) -> None:

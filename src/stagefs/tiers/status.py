@@ -331,7 +331,7 @@ def _held(tier: str, pack_id: str) -> tuple[int, int]:
 
 def job_status(rt: Runtime) -> dict[str, Any]:
     """Per tier: bytes used, shards held and being filled, hits, bytes served, shards
-    placed, bytes filled by reads, copies dropped;
+    made whole, bytes the streams and the reads wrote into partial copies, copies dropped;
     per origin: misses, opens, stats, reads and bytes read; summed over the job's processes."""
     tiers: dict[str, dict[str, Any]] = {}
     for rec in rt.tier_records():

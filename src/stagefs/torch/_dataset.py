@@ -7,6 +7,7 @@ import logging
 import math
 import operator
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,7 +21,7 @@ from stagefs.errors import ConfigError, NotFoundError
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK
 from stagefs.store import Store
 from stagefs.store import open as open_store
-from stagefs.torch._prefetch import Prefetcher
+from stagefs.torch._prefetch import Prefetcher, TierAhead
 
 __all__ = ["FileDataset"]
 
@@ -140,6 +141,8 @@ class FileDataset(torch.utils.data.Dataset[Any]):
             extensions = (os.fsdecode(extensions),)
         self.extensions = tuple(e.lower() for e in extensions) if extensions else None
         self._prefetcher: Prefetcher | None = None
+        # the reads into the tiers Samplers of this dataset run (one each, while it runs)
+        self._tier_aheads: weakref.WeakSet[TierAhead] = weakref.WeakSet()
         self._upcoming: Upcoming | None = None
         self._worker_ahead: _WorkerAhead | None = None
         self._scan()
@@ -392,6 +395,17 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         if old is not None and old is not p and old.pid == os.getpid():
             old.close()
 
+    def _add_tier_ahead(self, t: TierAhead) -> None:
+        """A Sampler's read into the tiers for this dataset, known here so that a closed-mode
+        Sampler of it can stop it (``_stop_tier_aheads``): it reads in its Sampler's order."""
+        self._tier_aheads.add(t)
+
+    def _stop_tier_aheads(self) -> None:
+        for t in list(self._tier_aheads):
+            if t.pid == os.getpid():
+                t.close(wait=False)
+        self._tier_aheads = weakref.WeakSet()
+
     # -- pickling: the store reopens by path; the listing is rebuilt from the shared mmap ---
 
     def __getstate__(self) -> dict[str, Any]:
@@ -402,6 +416,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._prefetcher = None
+        self._tier_aheads = weakref.WeakSet()
         self._worker_ahead = None
         self._scan()
 

@@ -472,6 +472,7 @@ class Sampler(torch.utils.data.Sampler[int]):
                                     self._files.sizes(), self._in_files(order), self.budget,
                                     threads=1,
                                     room=lambda: not chain.full).start()
+        self._files._add_tier_ahead(self.tier_ahead)
 
     def _stop_tier_ahead(self, *, wait: bool) -> None:
         """``wait``: until its reads under way have ended (else they end on their own)."""
@@ -491,12 +492,14 @@ class Sampler(torch.utils.data.Sampler[int]):
         inherit or unpickle it) so each worker can read its own next batches ahead. A
         closed-mode Sampler takes back the plan an earlier Sampler of the dataset gave it:
         with the same seed its workers read ahead in that order, the seed's, which the
-        rules forbid (another Sampler leaves it: a validation Subset's sampler would
-        take the training sampler's read-ahead away)."""
+        rules forbid, and stops the read into the tiers one started (another Sampler
+        leaves them: a validation Subset's sampler would take the training sampler's
+        read-ahead away)."""
         if not hasattr(self._files, "_set_upcoming"):
             return
         if self.closed:
             self._files._set_upcoming(None)
+            self._files._stop_tier_aheads()  # an earlier Sampler's, in its seed's order
         elif self.budget and not self._tiered():
             plan = self.plan()
             # the next epochs start from their beginning with this world size and these
