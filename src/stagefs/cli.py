@@ -19,6 +19,7 @@ from stagefs._help import Formatter, bash_completion, commands, epilog
 from stagefs._native import preload_library
 from stagefs.config import format_size, parse_size, show_path
 from stagefs.errors import ConfigError, StagefsError
+from stagefs.format.codecs import MAX_COMPRESSED
 from stagefs.format.spec import FILE_ALIGN_MIN
 
 __all__ = ["main"]
@@ -490,7 +491,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--shard-size", type=_size, default="64MiB", metavar="SIZE",
                     help="target shard size")
     sp.add_argument("--compress", choices=("auto", "zstd", "none"), default="auto",
-                    help="auto: keep zstd only where it saves space")
+                    help="auto: keep zstd only where it saves space; a file over "
+                    f"{MAX_COMPRESSED // 2**20} MiB is always stored raw (a compressed file is "
+                    "decoded whole)")
     sp.add_argument("--align", type=_size, default="4096", metavar="SIZE",
                     help=f"start each raw file of {FILE_ALIGN_MIN // 1024} KiB or more at a "
                          "multiple of SIZE in its shard, so that it can be mapped from a tier "

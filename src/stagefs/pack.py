@@ -89,6 +89,7 @@ class PackReport:
     raw_bytes: int = 0
     stored_bytes: int = 0
     padding_bytes: int = 0  # zeros before aligned files (docs/FORMAT.md, "File alignment")
+    raw_over_max: int = 0  # files over MAX_COMPRESSED, stored raw under --compress zstd
     shards: int = 0
     reused_shards: int = 0
     skipped: list[str] = field(default_factory=list)  # sockets, FIFOs, devices
@@ -631,6 +632,10 @@ def pack(
         report = _write_manifest(dest_s, pack_id, scan, plan, results, options, file_align)
         report.reused_shards = len(plan) - len(todo)
         report.skipped = scan.skipped
+        if report.raw_over_max:
+            log.warning("--compress zstd: %d file(s) over %s stored raw: a compressed file is "
+                        "decoded whole, in memory, so none larger is compressed",
+                        report.raw_over_max, format_size(MAX_COMPRESSED))
         shutil.rmtree(os.path.join(dest_s, STATE_DIR), ignore_errors=True)
         return report
 
@@ -748,6 +753,7 @@ def _write_manifest(
             report.files += 1
             report.raw_bytes += f.size
             report.stored_bytes += stored
+            report.raw_over_max += f.size > _STREAM_ABOVE and options["compress"] == "zstd"
     builder.meta["options"] = {k: v for k, v in options.items() if k != "source"}
     builder.meta["source"] = options["source"]
     if align.to > 1:

@@ -208,3 +208,32 @@ def test_a_process_verifies_a_copy_once(tree: tuple[Path, Path], tmp_path: Path,
     assert second != want  # read again without a second hash: the changed byte
     got = run(pack, at, probe, at / SMALL, "p:0:1048576", tiers=[tier])
     assert got.stdout.decode() == want  # a new process hashes it, and reads the origin
+
+
+# a program under `stagefs run` that opens FILE, prints what its descriptor is (asked of a
+# process without the library, which would show the staged path), then OFF bytes in
+WHERE = ("import os, subprocess, sys\n"
+         "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+         "env = {k: v for k, v in os.environ.items() if k != 'LD_PRELOAD'}\n"
+         "print(subprocess.run(['readlink', f'/proc/{os.getpid()}/fd/{fd}'], env=env,\n"
+         "                     capture_output=True, text=True, check=True).stdout.strip())\n"
+         "print(os.pread(fd, 64, int(sys.argv[2])).hex())\n")
+
+
+def test_a_huge_file_held_in_part_is_not_copied_whole(tmp_path: Path) -> None:
+    """A file larger than the helper copies whole (64 MiB), its shard held in part by a tier:
+    the program reads the origin's shard piece by piece. It was handed a memfd of the whole
+    file, read through the Store at each open (a 1.1 GB file: 1.1 GB of memory and 5 s per
+    open, for a read of 10 bytes)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random_bytes(65 * MiB + 4321, 21)
+    (src / "huge.bin").write_bytes(data)
+    pack = tmp_path / "pack"
+    stagefs.pack(str(src), str(pack), progress=False)
+    at, off = tmp_path / "data", 40 * MiB - 10
+    got = run(pack, at, sys.executable, "-c", WHERE, at / "huge.bin", str(off),
+              tiers=[Path(f"{tmp_path / 'tier'}:8MiB")])
+    link, read = got.stdout.decode().splitlines()
+    assert read == data[off:off + 64].hex()
+    assert Path(link).name == "shard-000000.sfs", link  # not /memfd:stagefs:huge.bin

@@ -7,6 +7,7 @@ copies a larger one raw), so a manifest that says otherwise is refused when open
 
 from __future__ import annotations
 
+import logging
 import os
 import stat as st
 import struct
@@ -99,3 +100,23 @@ def test_the_packer_stores_a_file_over_the_bound_raw(tmp_path: Path) -> None:
         m = fs.manifest
         codec = {os.fsdecode(m.path_of(e)): int(m.codec[e]) for e in m.files()}
         assert codec == {"big.txt": Codec.NONE, "small.txt": Codec.ZSTD}
+
+
+@pytest.mark.parametrize("compress", ["zstd", "auto"])
+def test_zstd_asked_for_a_file_over_the_bound_says_it_is_stored_raw(
+        tmp_path: Path, compress: str, caplog: pytest.LogCaptureFixture) -> None:
+    """``--compress zstd`` of a 300 MB log stored it raw (x1.00) without a word; ``auto``
+    says in its help that such files are stored raw, and is not warned of each time."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "big.txt").write_bytes(b"compressible text\n" * (MAX_COMPRESSED // 18 + 2))
+    (src / "small.txt").write_bytes(b"compressible text\n" * 1000)
+    with caplog.at_level(logging.WARNING, logger="stagefs"):
+        report = stagefs.pack(src, tmp_path / "p", compress=compress, jobs=1, progress=False,
+                              echo=lambda _m: None)
+    said = [r.getMessage() for r in caplog.records if "stored raw" in r.getMessage()]
+    if compress == "zstd":
+        assert report.raw_over_max == 1
+        assert len(said) == 1 and "1 file(s) over 64.0 MiB stored raw" in said[0], said
+    else:
+        assert report.raw_over_max == 0 and not said

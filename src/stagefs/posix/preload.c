@@ -1327,6 +1327,9 @@ static int open_shard(uint32_t e, int cloexec, int *src, int origin) {
     return fd;
 }
 
+/* The largest file the helper copies whole into a memfd for a reader (below). */
+#define HELPER_COPY_MAX (64u << 20)
+
 static int open_entry(uint32_t e, int flags) {
     int cloexec = (flags & O_CLOEXEC) != 0;
     if (D.kind[e] == K_DIR || (flags & O_PATH && D.kind[e] != K_FILE)) {
@@ -1342,7 +1345,11 @@ static int open_entry(uint32_t e, int flags) {
     }
     if (D.direct && D.codec[e] == 0 && (D.piece || D.size[e] <= D.piece_size || D.size[e] <= (64u << 20))) {
         int src = 0;
-        int fd = open_shard(e, cloexec, &src, !D.ntiers);
+        /* a file larger than HELPER_COPY_MAX is read from the origin's shard (piece by
+         * piece, each verified) while its shard is not whole in a tier: the helper hands a
+         * file over whole in a memfd, and a 1.1 GB file cost 1.1 GB of memory and 5 s for
+         * each open, however few of its bytes the program read */
+        int fd = open_shard(e, cloexec, &src, !D.ntiers || D.size[e] > HELPER_COPY_MAX);
         if (fd < 0 && D.ntiers) {
             /* not whole in a tier: the helper reads it through the Store, where reads and
              * the streams that place its shard share one download from the origin, and
