@@ -101,3 +101,25 @@ def test_status_shows_which_mode_each_epoch_ran(tmp_path, monkeypatch, capsys) -
     assert main(["status", "--runtime", str(tmp_path / "rt")]) == 0
     out = capsys.readouterr().out
     assert "| mode" in out and "| closed" in out and "| open" in out
+
+
+def test_a_process_told_no_rank_shows_a_dash_not_none(tmp_path, monkeypatch, capsys) -> None:
+    """A single training process (no launcher, no torch.distributed) records no rank; the
+    table said "None" in its rank column."""
+    import pytest
+
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    from stagefs.torch import StallMeter
+
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    meter = StallMeter([1, 2], write=False)
+    assert list(meter) == [1, 2]
+    meter.write(str(tmp_path / "rt" / "stall-1.json"))
+    assert main(["status", "--runtime", str(tmp_path / "rt"), "--json"]) == 0
+    assert [r["rank"] for r in json.loads(capsys.readouterr().out)["stalls"]] == [None]
+    assert main(["status", "--runtime", str(tmp_path / "rt")]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| -"))
+    assert "None" not in out and row.split("|")[1].strip() == "-"
