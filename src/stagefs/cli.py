@@ -321,12 +321,16 @@ def cmd_stage(args: argparse.Namespace) -> int:
         counts, dt, nbytes = stage_with_progress(fs, progress=None if args.progress else False)
         held = len(fs.held_shards())
         shards = len(fs.manifest.shards)
+    # each count first and named a shard count ("shards 11 not placed: ..." read as a shard
+    # number), in the order things happened to them
     words = {"placed": "placed whole", "held": "held already",
-             "full": "not (or only in part) placed: no room left in the tiers",
-             "elsewhere": "being placed by another process", "failed": "failed"}
-    done = ", ".join(f"{n} {words.get(k, k)}" for k, n in sorted(counts.items()))
-    print(f"staged {args.origin}: shards {done}; {held} of {shards} shards held whole "
-          f"({format_size(nbytes)} copied in {dt:.1f} s)")
+             "elsewhere": "being placed by another process",
+             "full": "not placed or placed in part (no room left in the tiers)",
+             "failed": "failed"}
+    order = [*words, *sorted(set(counts) - set(words))]
+    done = ", ".join(f"{counts[k]} {words.get(k, k)}" for k in order if counts.get(k))
+    print(f"staged {args.origin}: of its shards, {done or 'none to place'}; {held} of "
+          f"{shards} shards held whole ({format_size(nbytes)} copied in {dt:.1f} s)")
     return 0 if counts.get("failed", 0) == 0 else 1
 
 

@@ -211,16 +211,24 @@ def test_in_place_sum_learnt_elsewhere_during_a_check(raw: tuple[Path, dict[str,
 # ------------------------------------------------------------------------ the commands
 
 
+def _shard_count(root: Path, rt: str) -> int:
+    with stagefs.open(root, runtime=rt) as fs:
+        return len(fs.manifest.shards)
+
+
 def test_stage_status_clean(raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
     root, files = raw
     rt, tier = str(tmp_path / "rt"), str(tmp_path / "tier")
     assert main(["stage", str(root), "--tier", tier, "--runtime", rt, "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert "placed" in out and "shards held" in out
+    n = _shard_count(root, rt)
+    # each count before what it counts ("shards 11 not placed" read as shard number 11)
+    assert f"of its shards, {n} placed whole; {n} of {n} shards held whole" in out, out
     # resumable: a second stage copies nothing
     assert main(["stage", str(root), "--tier", tier, "--runtime", rt, "--no-progress"]) == 0
-    assert "0 B copied" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "0 B copied" in out and f"of its shards, {n} held already;" in out, out
     with stagefs.open(root, tiers=[tier], runtime=rt) as fs:
         read_all(fs, files)
         n_shards = len(fs.manifest.shards)
