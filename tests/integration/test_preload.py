@@ -4,9 +4,12 @@ see in the same tree read plainly."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import select
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -578,3 +581,42 @@ def test_the_program_has_no_child_it_did_not_start(packed: tuple[Path, Path],
             "try:\n    os.waitpid(-1, 0)\nexcept ChildProcessError:\n    print('none')\n")
     got = run(pack, tmp_path / "data", sys.executable, "-c", code, tiers=[tmp_path / "tier"])
     assert got.stdout == b"none\n"
+
+
+def test_a_run_killed_with_its_helper_leaves_no_run_directory(packed: tuple[Path, Path],
+                                                              tmp_path: Path) -> None:
+    """A run killed with SIGKILL together with its helper (the OOM killer, a control group's
+    kill) cannot remove its run directory (the helper's socket, the sidecar): the next
+    `stagefs run` of the user removes it. Each such run left one in /dev/shm for good."""
+    from stagefs.posix.preload import SIDECAR, _run_base
+
+    _, pack = packed
+    at = tmp_path / "killed-run-data"  # named in the sidecar: finds this run's directory
+    argv = [sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack), "--at", str(at)]
+    proc = subprocess.Popen([*argv, "--", "sh", "-c", "echo started; exec sleep 60"],
+                            env=_env(), start_new_session=True, stdout=subprocess.PIPE)
+    mine = []
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"started\n"  # the helper listens, its sidecar written
+        for d in Path(_run_base()).glob("stagefs-run-*"):
+            with contextlib.suppress(OSError):
+                if os.fsencode(at) + b"\0" in (d / SIDECAR).read_bytes():
+                    mine.append(d)
+    finally:
+        ends = []  # the session's processes (the program, the helper), to wait for their end
+        for p in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                if os.getsid(int(p.name)) == proc.pid:
+                    ends.append(os.pidfd_open(int(p.name)))
+        os.killpg(proc.pid, signal.SIGKILL)  # the program and its helper, at once
+        proc.wait()
+        for fd in ends:
+            select.select([fd], [], [], 60)
+            os.close(fd)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert len(mine) == 1 and mine[0].is_dir(), mine
+    mine[0].joinpath(SIDECAR).stat()  # still there: nobody removed it
+    run(pack, at, "true")
+    assert not mine[0].exists()

@@ -6,6 +6,8 @@ process verifies each piece (or small file) once."""
 
 from __future__ import annotations
 
+import hashlib
+import re
 import shutil
 import subprocess
 import sys
@@ -222,9 +224,9 @@ WHERE = ("import os, subprocess, sys\n"
 
 def test_a_huge_file_held_in_part_is_not_copied_whole(tmp_path: Path) -> None:
     """A file larger than the helper copies whole (64 MiB), its shard held in part by a tier:
-    the program reads the origin's shard piece by piece. It was handed a memfd of the whole
-    file, read through the Store at each open (a 1.1 GB file: 1.1 GB of memory and 5 s per
-    open, for a read of 10 bytes)."""
+    the program's descriptor is the origin's shard (its pieces read through the helper). It
+    was handed a memfd of the whole file, read through the Store at each open (a 1.1 GB
+    file: 1.1 GB of memory and 5 s per open, for a read of 10 bytes)."""
     src = tmp_path / "src"
     src.mkdir()
     data = random_bytes(65 * MiB + 4321, 21)
@@ -237,3 +239,60 @@ def test_a_huge_file_held_in_part_is_not_copied_whole(tmp_path: Path) -> None:
     link, read = got.stdout.decode().splitlines()
     assert read == data[off:off + 64].hex()
     assert Path(link).name == "shard-000000.sfs", link  # not /memfd:stagefs:huge.bin
+
+
+def _origin_bytes(log: Path, pack: Path) -> int:
+    """The bytes an ``strace -f -y`` log shows read from the pack's shard files."""
+    start = re.compile(r"^(\d+) +\w+\((\d+)<([^>]*)>")
+    resumed = re.compile(r"^(\d+) +<\.\.\. \w+ resumed>")
+    ret = re.compile(r"= (\d+)\s*$")
+    pending: dict[str, str] = {}
+    total = 0
+    for line in log.read_text(errors="replace").splitlines():
+        path = None
+        if m := start.match(line):
+            if line.endswith("<unfinished ...>"):
+                pending[m[1]] = m[3]
+                continue
+            path = m[3]
+        elif m := resumed.match(line):
+            path = pending.pop(m[1], None)
+        if path and path.startswith(f"{pack}/shard-") and (r := ret.search(line)):
+            total += int(r[1])
+    return total
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+@pytest.mark.parametrize("layout", ["split", "part"])
+def test_a_huge_file_held_in_tiers_is_read_from_them(tmp_path: Path, layout: str) -> None:
+    """A file over 64 MiB, its shard not whole in one tier: held whole across a memory tier
+    smaller than the shard and a disk tier ("split"), or in part by one tier ("part"). The
+    first run reads each origin byte once, and a later run reads from the origin only the
+    pieces no tier holds. The library read such a file from the origin's shard itself: every
+    run read the whole file from the origin, and the first read it twice (once more for the
+    tiers). Counted on every process of the run (the helper's too), by strace."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random_bytes(65 * MiB + 4321, 23)
+    (src / "huge.bin").write_bytes(data)
+    pack = tmp_path / "pack"
+    stagefs.pack(str(src), str(pack), progress=False)
+    at = tmp_path / "data"
+    tiers = [f"{tmp_path / 't0'}:8MiB"] + ([str(tmp_path / "t1")] if layout == "split" else [])
+    argv = [sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack), "--at", str(at)]
+    for t in tiers:
+        argv += ["--tier", t]
+    fetched = []
+    for n in range(2):
+        log = tmp_path / f"reads{n}.log"
+        got = subprocess.run(["strace", "-f", "-qq", "-y", "-o", str(log), "-e",
+                              "trace=read,pread64,readv,preadv,preadv2,copy_file_range,sendfile",
+                              *argv, "--", "md5sum", str(at / "huge.bin")],
+                             capture_output=True, timeout=300, env=_env(), check=False)
+        assert got.returncode == 0, got.stderr.decode()
+        assert got.stdout.split()[0].decode() == hashlib.md5(data).hexdigest()
+        fetched.append(_origin_bytes(log, pack))
+    shard = (pack / "shard-000000.sfs").stat().st_size
+    assert len(data) <= fetched[0] <= shard, fetched  # each byte once
+    held = 0 if layout == "split" else len(data) - 8 * MiB  # the 8 MiB tier holds 8 pieces
+    assert abs(fetched[1] - held) <= MiB, fetched

@@ -203,7 +203,8 @@ enum { F_NONE = 0, F_SHARD = 1, F_MEM = 2, F_DIRFD = 3 };
 typedef struct {
     uint32_t seq;    /* even: stable; odd: being written (a sequence lock, one per row) */
     uint8_t kind;    /* F_*: 0 = not staged */
-    uint8_t src;     /* F_SHARD: which source (tier index, or ntiers for the origin) */
+    uint8_t src;     /* F_SHARD: which source (tier index, ntiers for the origin, ntiers + 1
+                      * for the origin's descriptor of a large file read through the helper) */
     uint32_t e;      /* the entry */
     uint64_t base;   /* F_SHARD: the file's offset in its shard */
     uint64_t dev, ino; /* the file the descriptor refers to when it was made */
@@ -930,6 +931,22 @@ static ssize_t pread_full(int fd, void *buf, size_t len, uint64_t off) {
 
 enum { V_OK = 0, V_BAD = 1, V_IO = 2 };
 
+/* A row of a large file whose pieces the helper reads (see open_entry). */
+static int by_helper(const Row *r) { return r->src == D.ntiers + 1; }
+
+/* Piece k of entry e (ul bytes) into b, from the helper: the Store's read of it (the tiers'
+ * copies, whole or partial, then the origin, placing what it reads), verified and counted
+ * there. 0, or -1 if the helper cannot be reached or has no good bytes. */
+static int helper_piece(uint32_t e, uint64_t k, char *b, uint64_t ul) {
+    char req[64];
+    snprintf(req, sizeof req, "piece %u %llu\n", e, (unsigned long long)k);
+    int m = helper(req, 1, 1);
+    if (m < 0) return -1;
+    ssize_t got = pread_full(m, b, ul, 0);
+    real_close(m);
+    return got == (ssize_t)ul ? 0 : -1;
+}
+
 /* Marks of what this process verified on each source: a piece, or a file checked whole.
  * Set once its hash matched (tier copies are written once, renamed into place and never
  * changed); a later read of it is a plain pread. */
@@ -960,9 +977,10 @@ typedef struct {
 
 static Units units_of(const Row *r) {
     uint32_t e = r->e, fp = D.piece ? D.piece[e] : NONE;
+    int s = by_helper(r) ? (int)D.ntiers : r->src;  /* its descriptor is the origin's shard */
     if (fp != NONE)
-        return (Units){D.piece_size, fp, D.pieces, marks(&vpiece[r->src], D.npieces), 2 * (uint64_t)fp + 2};
-    return (Units){D.size[e] ? D.size[e] : 1, e, D.checksum, marks(&vfile[r->src], D.n), 2 * (uint64_t)e + 1};
+        return (Units){D.piece_size, fp, D.pieces, marks(&vpiece[s], D.npieces), 2 * (uint64_t)fp + 2};
+    return (Units){D.size[e] ? D.size[e] : 1, e, D.checksum, marks(&vfile[s], D.n), 2 * (uint64_t)e + 1};
 }
 
 /* Each thread keeps the last unit it verified whole for a read that wanted part of it: cat
@@ -1002,22 +1020,28 @@ static char *scratch_buf(size_t n, char **owned) {
 
 /* Unit k of the file ([us, us+ul) of it) verified whole in a buffer: a pointer to its bytes
  * (the thread's buffer, or *owned, to be unmapped after use), or NULL with V_BAD / V_IO in
- * *v. Called with the thread's buffer marked busy. */
+ * *v. via: the helper's read of the piece (by_helper), the descriptor's if that fails.
+ * Called with the thread's buffer marked busy. */
 static const char *unit_verified(int fd, const Row *r, const Units *u, uint64_t k, uint64_t us,
-                                 uint64_t ul, char **owned, int *v) {
+                                 uint64_t ul, char **owned, int *v, int via) {
     uint64_t key = u->key + 2 * k;
     *owned = NULL;
     if (held(key)) return scratch.buf;
     char *b = scratch_buf(ul, owned);
     if (!b) { errno = ENOMEM; *v = V_IO; return NULL; }
     if (!*owned) scratch.key = 0;
-    if (pread_full(fd, b, ul, r->base + us) != (ssize_t)ul || xxh3_64(b, ul) != u->sums[u->first + k]) {
+    int got = via && helper_piece(r->e, k, b, ul) == 0;
+    if (!got && pread_full(fd, b, ul, r->base + us) == (ssize_t)ul) {
+        got = 1;
+        if (via) count_read((int)D.ntiers, 0, ul);  /* the origin's, the helper unreachable */
+    }
+    if (!got || xxh3_64(b, ul) != u->sums[u->first + k]) {
         if (*owned) munmap(*owned, ul);
         *owned = NULL;
         *v = V_BAD;
         return NULL;
     }
-    mark(u->marks, u->first + k);
+    if (!via) mark(u->marks, u->first + k);  /* the helper's bytes: not the descriptor's */
     if (!*owned) scratch.key = key;
     return b;
 }
@@ -1047,11 +1071,12 @@ static int vread_units(int fd, const Row *r, char *out, uint64_t pos, size_t len
     Units u = units_of(r);
     uint64_t run = pos;  /* the start of the bytes still to pread straight into out */
     int v = V_OK;
+    int via = out && by_helper(r);  /* each piece from the helper, through the thread's buffer */
     for (uint64_t k = pos / u.size; k * u.size < end; k++) {
         uint64_t us = k * u.size, ul = size - us < u.size ? size - us : u.size;
         uint64_t lo = pos > us ? pos : us, hi = end < us + ul ? end : us + ul;
         int whole = lo == us && hi == us + ul;
-        if (out && (whole || marked(u.marks, u.first + k)) && !held(u.key + 2 * k))
+        if (out && !via && (whole || marked(u.marks, u.first + k)) && !held(u.key + 2 * k))
             continue;  /* part of the run */
         if (out && run < lo) {  /* the run before this unit: pread, then verify its units */
             if (pread_full(fd, out + (run - pos), lo - run, r->base + run) != (ssize_t)(lo - run) ||
@@ -1060,7 +1085,7 @@ static int vread_units(int fd, const Row *r, char *out, uint64_t pos, size_t len
         run = hi;
         if (!out && marked(u.marks, u.first + k)) continue;
         char *owned;
-        const char *b = unit_verified(fd, r, &u, k, us, ul, &owned, &v);
+        const char *b = unit_verified(fd, r, &u, k, us, ul, &owned, &v, via);
         if (!b) return v;
         if (out) memcpy(out + (lo - pos), b + (lo - us), hi - lo);
         if (owned) munmap(owned, ul);
@@ -1101,7 +1126,10 @@ static ssize_t shard_pread(int fd, Row *r, void *buf, size_t n, uint64_t pos) {
     if (pos >= size || n == 0) return 0;
     size_t len = n < size - pos ? n : (size_t)(size - pos);
     int v = vread(fd, r, buf, pos, len);
-    if (v == V_OK) { count_read(r->src, 0, len); return (ssize_t)len; }
+    if (v == V_OK) {
+        if (!by_helper(r)) count_read(r->src, 0, len);  /* else the helper's Store counted it */
+        return (ssize_t)len;
+    }
     if (v == V_BAD && replace_with_helper(fd, r) == 0) return real_pread(fd, buf, n, (off_t)pos);
     int err = errno;
     memset(buf, 0, len);  /* what the failed read left there was not verified */
@@ -1362,8 +1390,16 @@ static int open_entry(uint32_t e, int flags) {
         }
         if (fd >= 0) {
             if (real_lseek(fd, (off_t)D.offset[e], SEEK_SET) < 0) { real_close(fd); return -1; }
+            /* a large file on the origin's shard with tiers: its pieces are read through the
+             * helper (the descriptor keeps the position and serves mmap), so the pieces a
+             * tier holds (a partial copy, a shard split between tiers) are read there, and
+             * those it does not are read from the origin once, by the Store that also places
+             * them (read from the shard here, each epoch read the whole file from the
+             * origin, and the first read it twice, once more for the tiers) */
+            if (src == (int)D.ntiers && D.ntiers && D.piece && D.piece[e] != NONE) src = (int)D.ntiers + 1;
             int r = make_row(fd, F_SHARD, e, D.offset[e], src);
-            if (r >= 0) count_read(D.size[e] ? src : -1, 1, 0);
+            /* a sample (the helper's Store counts one at the read of the first piece) */
+            if (r >= 0 && src <= (int)D.ntiers) count_read(D.size[e] ? src : -1, 1, 0);
             return r;
         }
     }

@@ -198,24 +198,32 @@ class Helper:
                 if not got:
                     return
                 line += got
-            word, _, arg = line.decode("ascii", "replace").strip().partition(" ")
-            if not arg.isdigit():
+            word, *args = line.decode("ascii", "replace").split()
+            if not args or not all(a.isdigit() for a in args):
                 return
             if word == "place":
                 with contextlib.suppress(Exception):
-                    self.store.prefetch([int(arg)])
+                    self.store.prefetch([int(args[0])])
                 return
             if word == "open":
-                self._send_file(conn, int(arg))
+                self._send_file(conn, int(args[0]))
+            elif word == "piece" and len(args) == 2:  # a large file's checksum piece
+                self._send_file(conn, int(args[0]), int(args[1]))
 
-    def _send_file(self, conn: socket.socket, e: int) -> None:
+    def _send_file(self, conn: socket.socket, e: int, piece: int | None = None) -> None:
+        """Send a memfd of entry ``e``'s verified bytes: the whole file, or its checksum
+        piece number ``piece`` (a large file the library reads by pieces)."""
         m = self.store.manifest
         if not 0 <= e < len(m):
             conn.sendall(bytes([errno.ENOENT]))
             return
         fd = -1
         try:
-            fd = memfd(self.store.read_entry(e), os.fsdecode(m.path_of(e)))
+            if piece is None:
+                data = self.store.read_entry(e)
+            else:  # a sample for the first piece: a read from the start of the file
+                data = self.store.read_entry(e, None, piece * m.piece_size, m.piece_size)
+            fd = memfd(data, os.fsdecode(m.path_of(e)))
             socket.send_fds(conn, [b"\0"], [fd])
         except OSError as exc:  # includes the Store's errors (ChecksumError is EIO)
             log.warning("stagefs run: %s", exc)
@@ -249,6 +257,41 @@ def _run_base() -> str:
     return shm if os.access(shm, os.W_OK | os.X_OK) else tempfile.gettempdir()
 
 
+_RUN_PREFIX = "stagefs-run-"
+_SOCKET = "helper.sock"
+
+
+def sweep_runs(base: str) -> list[str]:
+    """Remove the run directories in ``base`` that runs killed with their helper left (a
+    SIGKILL to the whole job: the OOM killer, a control group's kill; the helper removes
+    its own otherwise): this user's, whose helper socket refuses a connection (nobody
+    listens on it). A run alive, or still being set up (no sidecar yet: the helper writes
+    it once it listens), is kept. The directories removed."""
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(_RUN_PREFIX)]
+    except OSError:
+        return []
+    gone = []
+    for name in names:
+        run_dir = os.path.join(base, name)
+        try:
+            if os.lstat(run_dir).st_uid != os.getuid() or \
+                    not os.path.isfile(os.path.join(run_dir, SIDECAR)):
+                continue
+        except OSError:
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.setblocking(False)  # a live helper with a full backlog: EAGAIN, kept
+            try:
+                s.connect(os.path.join(run_dir, _SOCKET))
+            except ConnectionRefusedError:
+                shutil.rmtree(run_dir, ignore_errors=True)
+                gone.append(run_dir)
+            except OSError:
+                pass
+    return gone
+
+
 def launch(open_store: Callable[[], Any], root: str) -> dict[str, str]:
     """Start the helper for a program about to be exec'd in this process, and return the
     variables that load the library into it. The helper ends when this process (the
@@ -256,10 +299,13 @@ def launch(open_store: Callable[[], Any], root: str) -> dict[str, str]:
     lib = preload_library()
     if lib is None:
         return {}
-    run_dir = tempfile.mkdtemp(prefix="stagefs-run-", dir=_run_base())
+    base = _run_base()
+    for gone in sweep_runs(base):
+        log.info("removed %s, left by a run killed with its helper", gone)
+    run_dir = tempfile.mkdtemp(prefix=_RUN_PREFIX, dir=base)
     empty = os.path.join(run_dir, "empty")
     os.mkdir(empty, 0o500)
-    sock_path = os.path.join(run_dir, "helper.sock")
+    sock_path = os.path.join(run_dir, _SOCKET)
     parent = os.getpid()
     pidfd = os.pidfd_open(parent)
     r, w = os.pipe()
