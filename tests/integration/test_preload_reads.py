@@ -222,17 +222,22 @@ WHERE = ("import os, subprocess, sys\n"
          "print(os.pread(fd, 64, int(sys.argv[2])).hex())\n")
 
 
+def _huge_pack(tmp_path: Path, seed: int) -> tuple[Path, bytes]:
+    """A pack of one file over the 64 MiB the helper copies whole (huge.bin), and its bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = random_bytes(65 * MiB + 4321, seed)
+    (src / "huge.bin").write_bytes(data)
+    stagefs.pack(str(src), str(tmp_path / "pack"), progress=False)
+    return tmp_path / "pack", data
+
+
 def test_a_huge_file_held_in_part_is_not_copied_whole(tmp_path: Path) -> None:
     """A file larger than the helper copies whole (64 MiB), its shard held in part by a tier:
     the program's descriptor is the origin's shard (its pieces read through the helper). It
     was handed a memfd of the whole file, read through the Store at each open (a 1.1 GB
     file: 1.1 GB of memory and 5 s per open, for a read of 10 bytes)."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = random_bytes(65 * MiB + 4321, 21)
-    (src / "huge.bin").write_bytes(data)
-    pack = tmp_path / "pack"
-    stagefs.pack(str(src), str(pack), progress=False)
+    pack, data = _huge_pack(tmp_path, 21)
     at, off = tmp_path / "data", 40 * MiB - 10
     got = run(pack, at, sys.executable, "-c", WHERE, at / "huge.bin", str(off),
               tiers=[Path(f"{tmp_path / 'tier'}:8MiB")])
@@ -271,12 +276,7 @@ def test_a_huge_file_held_in_tiers_is_read_from_them(tmp_path: Path, layout: str
     pieces no tier holds. The library read such a file from the origin's shard itself: every
     run read the whole file from the origin, and the first read it twice (once more for the
     tiers). Counted on every process of the run (the helper's too), by strace."""
-    src = tmp_path / "src"
-    src.mkdir()
-    data = random_bytes(65 * MiB + 4321, 23)
-    (src / "huge.bin").write_bytes(data)
-    pack = tmp_path / "pack"
-    stagefs.pack(str(src), str(pack), progress=False)
+    pack, data = _huge_pack(tmp_path, 23)
     at = tmp_path / "data"
     tiers = [f"{tmp_path / 't0'}:8MiB"] + ([str(tmp_path / "t1")] if layout == "split" else [])
     argv = [sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack), "--at", str(at)]
