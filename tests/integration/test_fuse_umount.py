@@ -80,3 +80,44 @@ def test_umount_of_a_killed_servers_mount_removes_its_empty_log(tmp_path: Path) 
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=60)
     assert not is_mounted(str(mnt))
     assert sorted(logs.iterdir()) == [other]
+
+
+def test_umount_of_a_killed_servers_busy_mount_says_the_server_is_gone(tmp_path: Path) -> None:
+    """A program keeps a file of the mount open when its server is killed: the mount is
+    busy, and the error says that nobody serves it (every access fails with ENOTCONN). It
+    said the server would end when the programs let go, as of a live one."""
+    import signal
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_bytes(b"a" * 100)
+    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    mnt, logs = tmp_path / "mnt", tmp_path / "logs"
+    mnt.mkdir()
+    logs.mkdir()
+    holder = None
+    try:
+        r = _stagefs("mount", str(tmp_path / "pack"), str(mnt), tmp=logs)
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout.split("server pid ")[1].split(";")[0])
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); print(f.read(1)"
+             ".decode(), flush=True); sys.stdin.read()", str(mnt / "a.txt")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline() == "a\n"
+        os.kill(pid, signal.SIGKILL)
+        r = _stagefs("umount", str(mnt), tmp=logs)
+        assert r.returncode == 1
+        assert f"in use by pid {holder.pid} (python" in r.stderr, r.stderr
+        assert "its server is gone" in r.stderr and "Transport endpoint" in r.stderr
+        assert "ends when" not in r.stderr
+        assert is_mounted(str(mnt))
+        r = _stagefs("umount", "--lazy", str(mnt), tmp=logs)
+        assert r.returncode == 0, r.stderr
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.communicate()  # (and its pipes closed)
+        if is_mounted(str(mnt)):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=60)
+    assert not is_mounted(str(mnt))

@@ -18,6 +18,7 @@ import pytest
 
 import stagefs
 from stagefs.format import MANIFEST_NAME, Manifest, checksum
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.tiers import stream as stream_mod
 from stagefs.tiers.stream import Controller
 from tiers_helpers import make_tree
@@ -604,6 +605,70 @@ def test_a_slow_origin_is_streamed_in_short_runs(runtime: Path, tmp_path: Path,
         for name, data in files.items():
             assert fs.read(name) == data
         assert fs.origin.stats.bytes_read == stored_total(tmp_path / "pack")
+
+
+def test_the_stream_hands_its_listener_every_file_it_brought_whole(
+        runtime: Path, tmp_path: Path) -> None:
+    """A stream's listener (a FUSE mount's pusher into the page cache) gets every file the
+    stream brought whole, with its bytes: the files of one extent, and the files of 1-4
+    MiB cut in 1 MiB checksum pieces, which a run does not end inside. Before, only files
+    of one extent were handed over: a mount pushed no file over 1 MiB, and its programs
+    read each of those through the server."""
+    rng = random.Random(9)
+    files = {f"f{i:03d}": rng.randbytes(rng.randint(1000, 300_000)) for i in range(30)}
+    files.update({f"m{i:03d}": rng.randbytes(rng.randint(2**20 + 1, 3 * 2**20))
+                  for i in range(4)})  # 12 MiB in all: one shard
+    pack = _packed(tmp_path, files, compress="none")
+    got: dict[int, bytes] = {}
+
+    def listener(entries: Any, runs: list[tuple[int, bytes]]) -> None:
+        for e in entries.tolist():
+            off, size = int(m.offset[e]), int(m.stored[e])
+            got[e] = b"".join(memoryview(d)[max(0, off - at) : max(0, off + size - at)]
+                              for at, d in runs if at < off + size and off < at + len(d))
+
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        m = fs.manifest
+        assert fs.chain is not None
+        fs.chain.stream.arrived = listener
+        _streamed_by_one(fs)
+        shard = pack / m.shards[0].name
+        assert len(m.shards) == 1
+        # each byte once (and some of the padding before the aligned files)
+        assert stored_total(pack) <= fs.origin.stats.bytes_read \
+            <= shard.stat().st_size - SHARD_HEADER.size
+        want = {fs.namespace.file_entry(n): data for n, data in files.items()}
+        assert sorted(got) == sorted(want)
+        assert all(got[e] == data for e, data in want.items())
+
+
+def test_a_shard_made_whole_is_in_the_job_s_status_before_the_next_flush(
+        runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier table's counters (a process's JSON under stats/) are written at most every
+    second, and a process killed (SIGKILL, the OOM killer: a FUSE server) never writes
+    them again; a shard it made whole is written at once. Before, a mount's server killed
+    0.6 s into a cold epoch had made 7 shards whole, and `stagefs status` said 0 placed
+    for the rest of the job."""
+    import json
+
+    from stagefs.tiers import chain as chain_mod
+
+    rng = random.Random(6)
+    files = {f"f{i:03d}": rng.randbytes(rng.randint(1000, 30000)) for i in range(60)}
+    pack = _packed(tmp_path, files, compress="none")
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        chain.flush_stats()  # (the first, as a store that has just begun makes it)
+        monkeypatch.setattr(chain_mod, "_STATS_EVERY_S", 1e9)  # no other before the kill
+        _streamed_by_one(fs)
+        assert fs.held_shards() == {0}
+        written = json.loads(Path(chain._stats_path).read_text())
+        (tier,) = written["tiers"].values()
+        assert tier["placed"] == 1
+        assert tier["placed_bytes"] == (pack / fs.manifest.shards[0].name).stat().st_size
+        assert tier["filled_bytes"] == stored_total(pack)
+        assert tier["filled"] == len(files)
 
 
 def test_a_file_wrong_at_the_origin_costs_the_stream_only_that_file(

@@ -1085,7 +1085,8 @@ def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> No
             f"{at[2] or 'an unknown source'}): stagefs umount only ends what stagefs mount "
             "started; use umount for anything else")
     server_log = _server_log(mp)  # while the server runs
-    if server_log is None and _server_gone(mp):  # killed (SIGKILL, the OOM killer)
+    gone = server_log is None and _server_gone(mp)  # killed (SIGKILL, the OOM killer)
+    if gone:
         server_log = _dead_server_log(mp)
     error = _run_unmount(mp, timeout, lazy)
     if error is None:  # done: the kernel may take a moment to drop it from the mount table
@@ -1106,6 +1107,14 @@ def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> No
             users = _users_of(mp)
             who = (f"in use by {', '.join(users[:5])}{', ...' if len(users) > 5 else ''}"
                    if users else "in use")
+            if gone:  # nobody serves it: waiting for those programs serves nothing
+                kept = f" (its log: {server_log})" if server_log else ""
+                raise ConfigError(
+                    f"could not unmount {mp}: it is busy ({who}), and its server is gone "
+                    f"(killed: SIGKILL, the OOM killer){kept}: every access to it fails with "
+                    "'Transport endpoint is not connected'. End those programs and run "
+                    f"'stagefs umount {mp}' again, or 'stagefs umount --lazy {mp}' to detach "
+                    "it now; then mount it again")
             raise ConfigError(
                 f"could not unmount {mp}: it is busy ({who}): end those programs or move them "
                 f"out of it (cd elsewhere, close its files) and run 'stagefs umount {mp}' "

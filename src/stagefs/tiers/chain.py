@@ -316,6 +316,9 @@ class TierChain:
             if not os.path.lexists(self._stats_path):
                 break
         self._stats_at = 0.0
+        # one writer of them at a time: a count taken before another thread's, renamed
+        # after it, would put older counts back
+        self._stats_lock = threading.Lock()
 
     # -- the read path ----------------------------------------------------------------------
 
@@ -843,6 +846,10 @@ class TierChain:
         self._forget_fill(shard)
         t.stats.placed += 1
         t.stats.placed_bytes += self._sizes[shard]
+        # written now, not within the second: a process killed (SIGKILL, the OOM killer: a
+        # FUSE server) never writes them again, and `stagefs status` said 0 placed for the
+        # shards it made whole for the rest of the job
+        self.flush_stats()
         return True
 
     def _forget_fill(self, shard: int, tier: DirTier | None = None) -> None:
@@ -1340,7 +1347,7 @@ class TierChain:
         """Write this process's counters where ``stagefs status`` sums them."""
         self._stats_at = time.monotonic()
         # counters are best effort: the runtime dir may have been cleaned under us
-        with contextlib.suppress(OSError):
+        with self._stats_lock, contextlib.suppress(OSError):
             atomic_write(self._stats_path, json.dumps(self.counters()), fsync=False)
 
     # -- lifecycle --------------------------------------------------------------------------

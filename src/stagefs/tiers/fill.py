@@ -109,9 +109,31 @@ class Extents:
 
     def whole(self, lo: int, hi: int, keep: npt.NDArray[np.bool_] | None = None
               ) -> npt.NDArray[np.int64]:
-        """The entries of extents lo..hi-1 that are whole files (of those ``keep`` marks)."""
-        files = self.part[lo:hi] < 0
-        return self.entries[lo:hi][files if keep is None else files & keep]
+        """The entries of the files extents lo..hi-1 hold whole (each extent of them marked
+        by ``keep``): a file stored as one extent, or a file cut in checksum pieces whose
+        first and last piece are both among them (a file of 1-4 MiB a stream read in one
+        run; only files of one extent were named, so a FUSE mount pushed none of those)."""
+        if hi <= lo:
+            return self.entries[lo:lo]
+        part = self.part[lo:hi]
+        first = part <= 0  # a file's first (or only) extent
+        after = int(self.part[hi]) if hi < len(self.part) else -1
+        last = np.append(part[1:], after) <= 0  # a file's last (or only) extent
+        group = np.cumsum(first)  # the file of each extent: 0 for one begun before lo
+        n = int(group[-1]) + 1
+        ends = np.bincount(group, weights=last, minlength=n) > 0
+        spoilt = (np.zeros(n, bool) if keep is None
+                  else np.bincount(group, weights=~keep, minlength=n) > 0)
+        good = ends & ~spoilt
+        good[0] = False
+        return self.entries[lo:hi][first & good[group]]
+
+    def file_end(self, i: int) -> int:
+        """Where the file of extent ``i`` ends in the shard: its last piece's end."""
+        j = i
+        while j + 1 < len(self.part) and self.part[j + 1] > 0:
+            j += 1
+        return int(self.ends[j])
 
     def one_file(self, lo: int, hi: int) -> bool:
         """Are extents lo..hi-1 (some) pieces of one file?"""

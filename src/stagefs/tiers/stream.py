@@ -303,7 +303,8 @@ class Reservations:
                 a = int(ext.offs[k])
                 hi = k + 1
                 while (hi < n and not bits[hi] and not h.busy[hi] and not h.bad[hi]
-                       and not free[hi] and int(ext.ends[hi]) - a <= limit):
+                       and not free[hi] and int(ext.ends[hi]) - a <= limit
+                       and not self._cut(ext, hi, a, limit)):
                     hi += 1
                 if _ofd_lock(h.fd, fcntl.F_WRLCK, k, hi - k):
                     got = k, hi
@@ -318,6 +319,17 @@ class Reservations:
                 h.busy[got[0] : got[1]] = True
                 return got
             return None
+
+    @staticmethod
+    def _cut(ext: Extents, k: int, a: int, limit: int) -> bool:
+        """Would a run from offset ``a`` that took extent ``k``, a file's first checksum
+        piece, end inside that file, which a run of its own holds whole? Then the run ends
+        before it: a file a run brings whole is handed to the stream's listener (a FUSE
+        mount pushes it into the page cache), one cut between two runs is not."""
+        if ext.part[k] != 0:
+            return False
+        end = ext.file_end(k)
+        return end - a > limit >= end - int(ext.offs[k])
 
     def release(self, h: _Held, lo: int, hi: int) -> None:
         with self._lock:
