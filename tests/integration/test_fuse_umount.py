@@ -53,11 +53,9 @@ def test_umount_of_a_mount_with_a_mount_inside_names_it(tmp_path: Path) -> None:
     assert not is_mounted(str(outer))
 
 
-def test_umount_of_a_killed_servers_mount_removes_its_empty_log(tmp_path: Path) -> None:
-    """A detached server killed by SIGKILL (the OOM killer) left its empty log in the temp
-    directory at every kill: /proc no longer showed it for ``stagefs umount`` to find."""
-    import signal
-
+def _one_file_pack(tmp_path: Path) -> tuple[Path, Path]:
+    """tmp_path/pack of one file (a.txt, 100 bytes of "a"); an empty mount point and an
+    empty directory for the servers' logs, made."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.txt").write_bytes(b"a" * 100)
@@ -65,6 +63,15 @@ def test_umount_of_a_killed_servers_mount_removes_its_empty_log(tmp_path: Path) 
     mnt, logs = tmp_path / "mnt", tmp_path / "logs"
     mnt.mkdir()
     logs.mkdir()
+    return mnt, logs
+
+
+def test_umount_of_a_killed_servers_mount_removes_its_empty_log(tmp_path: Path) -> None:
+    """A detached server killed by SIGKILL (the OOM killer) left its empty log in the temp
+    directory at every kill: /proc no longer showed it for ``stagefs umount`` to find."""
+    import signal
+
+    mnt, logs = _one_file_pack(tmp_path)
     other = logs / "stagefs-mount-other.log"  # a log this mount's umount has no business with
     other.write_text("")
     try:
@@ -88,13 +95,7 @@ def test_umount_of_a_killed_servers_busy_mount_says_the_server_is_gone(tmp_path:
     said the server would end when the programs let go, as of a live one."""
     import signal
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.txt").write_bytes(b"a" * 100)
-    stagefs.pack(src, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
-    mnt, logs = tmp_path / "mnt", tmp_path / "logs"
-    mnt.mkdir()
-    logs.mkdir()
+    mnt, logs = _one_file_pack(tmp_path)
     holder = None
     try:
         r = _stagefs("mount", str(tmp_path / "pack"), str(mnt), tmp=logs)
