@@ -30,11 +30,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 from stagefs._table import table
 from stagefs.bench.runner import drop_caches
+from stagefs.bench.systems import start_fuse_server, stop_fuse_server
 
 _API = r"""
 import json, sys, time
@@ -82,14 +82,6 @@ def _fresh(tier: str, rt: str) -> None:
     os.makedirs(tier)
 
 
-def _mounted(mnt: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not os.path.ismount(mnt):
-        if proc.poll() is not None or time.monotonic() > end:
-            raise SystemExit(f"the FUSE server did not mount {mnt} (exit {proc.poll()})")
-        time.sleep(0.05)
-
-
 def run_api(pack: str, tier: str, rt: str) -> dict[str, Any]:
     _fresh(tier, rt)
     drop_caches()
@@ -102,21 +94,14 @@ def run_fuse(pack: str, tier: str, rt: str, mnt: str, threads: int, push: bool
              ) -> dict[str, Any]:
     _fresh(tier, rt)
     env = {**os.environ, "STAGEFS_FUSE_PUSH": "1" if push else "0"}
-    stats = os.path.join(rt + "-stats.json")
-    server = subprocess.Popen([sys.executable, "-m", "stagefs.bench.fuse_serve", pack, mnt,
-                               stats, rt, tier], env=env, stderr=subprocess.DEVNULL)
+    server = start_fuse_server(pack, mnt, rt + "-stats.json", [rt, tier], env=env)
     try:
-        _mounted(mnt, server)
         drop_caches()
         out = subprocess.run([sys.executable, "-c", _READER, mnt, str(threads)], check=True,
                              capture_output=True, text=True).stdout
         return dict(json.loads(out.splitlines()[-1]))
     finally:
-        subprocess.run(["fusermount3", "-u", mnt], check=False, capture_output=True)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_fuse_server(mnt, server)
 
 
 def main(argv: list[str] | None = None) -> int:

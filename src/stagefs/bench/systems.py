@@ -28,7 +28,7 @@ from stagefs.bench.base import Context, System, _Base
 from stagefs.bench.peers import LitDataSystem, StreamingSystem, WebDatasetSystem
 from stagefs.errors import ConfigError
 
-__all__ = ["all_systems", "serve_fuse", "stop_fuse"]
+__all__ = ["all_systems", "serve_fuse", "start_fuse_server", "stop_fuse", "stop_fuse_server"]
 
 BATCH = 64  # samples per read_many call / DataLoader batch
 
@@ -330,19 +330,26 @@ class StagefsFuse(_StagefsBase):
 
 def serve_fuse(ctx: Context, stats_file: str, timeout: float = 60.0) -> subprocess.Popen[bytes]:
     """Start the FUSE server of the pack at ctx.fuse_mount (fuse_serve.py); return it."""
+    t = StagefsFuse().tier_args(ctx)
+    return start_fuse_server(ctx.out("stagefs"), ctx.fuse_mount, stats_file,
+                             [] if t is None else [t[1], *t[0]], timeout=timeout)
+
+
+def start_fuse_server(pack: str, mountpoint: str, stats_file: str, runtime_tiers: list[str],
+                      *, env: dict[str, str] | None = None, timeout: float = 60.0
+                      ) -> subprocess.Popen[bytes]:
+    """``python -m stagefs.bench.fuse_serve PACK MOUNTPOINT STATS [RUNTIME TIER...]``, once
+    its mount is up; the server stopped and the mount gone if it does not come up."""
     from stagefs.posix.fuse import is_mounted, unmount
 
-    os.makedirs(ctx.fuse_mount, exist_ok=True)
-    cmd = [sys.executable, "-m", "stagefs.bench.fuse_serve", ctx.out("stagefs"),
-           ctx.fuse_mount, stats_file]
-    t = StagefsFuse().tier_args(ctx)
-    if t is not None:
-        cmd += [t[1], *t[0]]
+    os.makedirs(mountpoint, exist_ok=True)
+    cmd = [sys.executable, "-m", "stagefs.bench.fuse_serve", pack, mountpoint, stats_file,
+           *runtime_tiers]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, env=env)
     deadline = time.monotonic() + timeout
     try:
-        while not is_mounted(ctx.fuse_mount):
+        while not is_mounted(mountpoint):
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
@@ -357,18 +364,23 @@ def serve_fuse(ctx: Context, stats_file: str, timeout: float = 60.0) -> subproce
             proc.wait(timeout=10)
         if proc.stderr:
             proc.stderr.close()
-        if is_mounted(ctx.fuse_mount):
-            unmount(ctx.fuse_mount, lazy=True)
+        if is_mounted(mountpoint):
+            unmount(mountpoint, lazy=True)
         raise
     return proc
 
 
 def stop_fuse(ctx: Context, proc: subprocess.Popen[bytes]) -> None:
+    stop_fuse_server(ctx.fuse_mount, proc)
+
+
+def stop_fuse_server(mountpoint: str, proc: subprocess.Popen[bytes]) -> None:
+    """Unmount what ``start_fuse_server`` mounted and wait for its server to end."""
     from stagefs.posix.fuse import is_mounted, unmount
 
     try:
-        if is_mounted(ctx.fuse_mount):
-            unmount(ctx.fuse_mount)
+        if is_mounted(mountpoint):
+            unmount(mountpoint)
     finally:
         try:
             proc.wait(timeout=10)
