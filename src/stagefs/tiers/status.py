@@ -378,7 +378,7 @@ def job_status(rt: Runtime) -> dict[str, Any]:
 def stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
     """The data-stall table of ``stall_records`` for ``stagefs status`` (none: no lines)."""
     # rank: the launcher's or torch.distributed's; - for a process not told one (not "None")
-    rows = [[_or_dash(r.get("rank")), r.get("pid"), r.get("epoch"), r.get("mode") or "-", r.get("steps"),
+    rows = [["-" if r.get("rank") is None else r["rank"], r.get("pid"), r.get("epoch"), r.get("mode") or "-", r.get("steps"),
              f"{r.get('wait_s', 0):.1f}", f"{r.get('step_s', 0):.1f}",
              f"{100 * r.get('stall', 0):.1f}%", f"{100 * r.get('steady_stall', 0):.1f}%"]
             for r in stalls]
@@ -388,10 +388,6 @@ def stall_lines(stalls: list[dict[str, Any]]) -> list[str]:
     return ["data stall (time each step waited for data), per training process and epoch:",
             table(["rank", "pid", "epoch", "mode", "steps", "waited s", "step s", "stall",
                    "stall after 1st batch"], rows)]
-
-
-def _or_dash(x: Any) -> Any:
-    return "-" if x is None else x
 
 
 _STALL_IDS = ("pid", "rank", "epoch")
