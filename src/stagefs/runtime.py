@@ -62,6 +62,8 @@ RECORD_MAX = 2**20
 """The largest record file (lease, tier or stats record) read: the small JSON files stagefs
 writes are far below it; a larger one is damage, skipped rather than read into memory."""
 DAEMON_FILES = frozenset({"daemon.failed", "daemon.lock", "daemon.pid"})
+# in a tier's root, the user's room counter and lock for it (tiers/tier.py, Room)
+TIER_ROOM_DIR = ".stagefs-{uid}"
 """What a node daemon (cluster/daemon.py, cluster/cmap.py) may write in its runtime directory
 before it takes its lease (``procs/``): a directory holding only these is the runtime of a
 daemon that did not start (each node of a job whose daemons failed keeps one, saying why),
@@ -545,10 +547,26 @@ def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = froze
         shutil.rmtree(d, ignore_errors=True)
         if not os.path.lexists(d):
             removed.append(d)
+            _remove_room_if_alone(os.path.dirname(d))
         else:
             log.warning("stagefs clean: %s could not be removed whole (files of another "
                         "user in it?); remove what is left by hand", d)
     return removed
+
+
+def _remove_room_if_alone(tier: str) -> None:
+    """Remove the user's room counter and lock from ``tier`` once it holds no copy of theirs:
+    the tier is left as it was before its first job (a counter kept there would count the
+    copies just removed until the next job counted anew)."""
+    mine = TIER_ROOM_DIR.format(uid=os.getuid())
+    try:
+        with os.scandir(tier) as it:
+            theirs = [e.name for e in it if e.name != mine
+                      and e.stat(follow_symlinks=False).st_uid == os.getuid()]
+    except OSError:
+        return
+    if not theirs:
+        shutil.rmtree(os.path.join(tier, mine), ignore_errors=True)
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -85,12 +85,12 @@ def test_reads_go_on_while_a_stopped_process_holds_the_tiers_lock(
     monkeypatch.setattr(chain_mod, "TIER_LOCK_WAIT_S", 0.2)
     with stagefs.open(pack, tiers=[f"{tmp_path / 'tier'}:64MiB"]) as fs:
         assert fs.chain is not None
-        holder = _holder(_HOLD_FLOCK, str(Path(fs.chain.runtime.claims) / ".tiers.lock"))
+        holder = _holder(_HOLD_FLOCK, fs.chain.tiers[0].room.lock_path)
         try:
             assert _read_all(fs, files) == files
         finally:
             holder.communicate("")
-        assert "tiers' lock" in caplog.text and "kill -CONT" in caplog.text
+        assert "tier's lock" in caplog.text and "kill -CONT" in caplog.text
         # once it lets go, the tiers are filled again (they were not taken for full)
         assert fs.chain.stage()
         assert fs.held_shards() == set(range(len(fs.manifest.shards)))

@@ -462,7 +462,7 @@ def test_a_fork_never_inherits_a_held_tier_lock(pack: Path, runtime: Path,
         assert got and os.waitstatus_to_exitcode(status) == 0
         assert waited  # the fork waited for the lock to be let go
         # and this process can take it again
-        fd = os.open(os.path.join(chain.runtime.claims, ".tiers.lock"), os.O_RDWR)
+        fd = os.open(chain.tiers[0].room.lock_path, os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         finally:

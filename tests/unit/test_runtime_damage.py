@@ -146,7 +146,7 @@ def test_fifos_in_the_runtime_never_hang_status_or_readers(
     assert copies
     fifos = [rt / "procs" / f"{2**22}@{HOST}",  # (a pid no process has)
              rt / "stats" / "9-0.counters", copies[0],
-             *(rt / "claims").glob("room-*")]
+             tier / f".stagefs-{os.getuid()}" / "room"]
     pack_id = copies[0].parent.name
     fifos += [rt / "claims" / f"{pack_id}.{i}" for i in range(len(copies) + 8)]
     for f in fifos:
@@ -231,7 +231,7 @@ def test_directories_and_fifos_where_a_tier_copy_a_lock_or_the_activity_map_go(
         c.unlink()
     copies[0].mkdir()
     (copies[0] / "inside").write_text("x")
-    lock = rt / "claims" / ".tiers.lock"
+    lock = tier / f".stagefs-{os.getuid()}" / "lock"
     lock.unlink(missing_ok=True)
     lock.mkdir()
     (activity,) = (rt / "claims").glob("*.activity")

@@ -83,8 +83,8 @@ TIER_LOCK_WAIT_S = 2.0
 
 
 class TiersBusy(TimeoutError):
-    """The tiers' lock could not be had: another process of the job holds it and does not
-    go on. What needed it is skipped (a reservation, a rename, a drop); reads go on."""
+    """A tier's lock could not be had: another process (of this job or another using the
+    tier) holds it and does not go on. What needed it is skipped (a reservation, a rename, a drop); reads go on."""
 
 Record = Callable[[int, int], None]
 
@@ -174,14 +174,15 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     try:
         with os.scandir(t.root) as it:
             for e in it:
-                if e.name != t.pack_id and e.is_dir(follow_symlinks=False):
+                if e.name != t.pack_id and not e.name.startswith(".stagefs-") \
+                        and e.is_dir(follow_symlinks=False):
                     others.append((dir_bytes(e.path), e.name))
     except OSError:
         return
     theirs = sum(n for n, _ in others)
     if theirs <= dir_bytes(t.dir):
         return
-    if t.room is not None and not _first_to_say(f"{t.room.path}.full-{t.pack_id}"):
+    if t.room is not None and not _first_of_job(runtime, t, f"full-{t.pack_id}"):
         return  # said once for the job: not again by each DataLoader worker of each epoch
     live = _live_datasets(runtime)
     read = sorted((n, live[name]) for n, name in others if name in live)
@@ -201,7 +202,7 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
                     _sizes_named(old))
 
 
-def _say_over_capacity(t: DirTier) -> None:
+def _say_over_capacity(t: DirTier, runtime: Runtime) -> None:
     """``t`` holds more than its capacity (kept from a run given more room, or other
     datasets' copies): say so, once for the job and capacity. Nothing is evicted, so a job
     restarted with a smaller capacity (to free the disk for checkpoints) kept every copy
@@ -209,15 +210,17 @@ def _say_over_capacity(t: DirTier) -> None:
     why = over_capacity(t.used_bytes(), t.capacity)
     if why is None:
         return
-    if t.room is not None and not _first_to_say(f"{t.room.path}.over-{t.capacity}"):
+    if t.room is not None and not _first_of_job(runtime, t, f"over-{t.capacity}"):
         return  # said once for the job: not again by each DataLoader worker
     log.warning("%s %s (%s of it this dataset's, in %s)", t.name, why,
                 format_size(dir_bytes(t.dir)), t.dir)
 
 
-def _first_to_say(marker: str) -> bool:
-    """Is this the job's first process to say what ``marker`` stands for? (The marker file
-    is made once, beside the tier's room counter in the runtime's claims.)"""
+def _first_of_job(runtime: Runtime, t: DirTier, what: str) -> bool:
+    """Is this the job's first process to do ``what`` about tier ``t`` (say a warning,
+    count its room anew)? A marker file is made once, in the runtime's claims."""
+    assert t.room is not None
+    marker = os.path.join(runtime.claims, f"room-{t.room.key}.{what}")
     try:
         os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
     except FileExistsError:
@@ -245,7 +248,7 @@ class TierChain:
         self.runtime = runtime
         self.origin_path = origin_path
         self.pack_id = manifest.pack_id.hex()
-        self.tiers = [DirTier(s, manifest, runtime.claims) for s in specs]
+        self.tiers = [DirTier(s, manifest, counted=True) for s in specs]
         _one_directory_each(self.tiers)
         piece = PIECE_SIZE or manifest.piece_size
         for t in self.tiers:
@@ -261,7 +264,6 @@ class TierChain:
             if t.kind == "memory" and (why := memory_limit_problem(
                     t.root, t.capacity, t.used_bytes())):
                 log.warning("%s", why)
-            _say_over_capacity(t)
         runtime.record_tiers(self.pack_id, [t.root for t in self.tiers])
         self.claims = Claims(runtime.claims, self.pack_id)
         # the pace's clock (monotonic, shared by the node's processes); tests pass another
@@ -297,9 +299,22 @@ class TierChain:
         # under way are done; the exit hook below closes only the others (a node daemon's)
         self.closed_by_store = False
         self._init_threading()
+        self._count_rooms()
         raise_fd_limit()  # one fd per held shard (tiers) and per opened shard (origin)
         _CHAINS.add(self)
         _flush_at_exit()
+
+    def _count_rooms(self) -> None:
+        """The job's first process to use a tier counts its room anew from what it holds
+        (Room): the counter, kept in the tier across jobs, still counted copies deleted since
+        (``stagefs clean``, ``rm -rf TIER/*``) and said the tier over its capacity. Then
+        said if it is (once for the job)."""
+        for t in self.tiers:
+            if _first_of_job(self.runtime, t, "counted"):
+                with contextlib.suppress(OSError, TiersBusy), self._tier_lock():
+                    assert t.room is not None
+                    t.room.recount(self._charges(t))
+            _say_over_capacity(t, self.runtime)
 
     def _init_threading(self) -> None:
         self._cond = threading.Condition()
@@ -1193,9 +1208,11 @@ class TierChain:
     def _tier_lock(self) -> Iterator[None]:
         """Serialise, across the node's processes, every change of which copy of a shard the
         tiers hold: 'is there a copy of it in any tier? is there room? make one', making a
-        copy whole, dropping one. One lock for all the tiers of the runtime, so that looking
-        in every tier and making the copy are one step: a shard never gets copies in two
-        tiers (both would be placed).
+        copy whole, dropping one. Each tier's lock (``Room.lock_path``, in the tier: every
+        job that places into it takes it), all the chain's tiers' at once, in one order (by
+        path: two jobs naming two tiers in either order do not each wait on the other), so
+        that looking in every tier and making the copy are one step: a shard never gets
+        copies in two tiers (both would be placed), nor a tier more than its room.
 
         A fork waits until no thread of this process is inside (_FORK_GUARD): a child would
         inherit the locked file and hold the lock for as long as it lives.
@@ -1205,24 +1222,40 @@ class TierChain:
         TIER_LOCK_WAIT_S at most (then TiersBusy: callers skip what needed it), and, once
         that happened, only tried until it is had again, so reads do not wait on each try.
         """
-        path = os.path.join(self.runtime.claims, ".tiers.lock")
+        rooms = sorted((t.room for t in self.tiers if t.room is not None),
+                       key=lambda r: r.lock_path)
+        paths = [r.lock_path for r in rooms]
         with _FORK_GUARD, contextlib.ExitStack() as held:
-            try:
-                held.enter_context(file_lock(path, 0 if self._lock_stuck else TIER_LOCK_WAIT_S))
-            except TimeoutError:
-                if not self._lock_stuck:
-                    self._lock_stuck = True
-                    log.warning("another process of this job has held the tiers' lock %s for "
-                                "over %g s: stopped (kill -STOP, Ctrl-Z, a debugger)? This "
-                                "process places nothing into the tiers and reads from the "
-                                "origin until it is free: resume that process (kill -CONT) "
-                                "or end it", path, TIER_LOCK_WAIT_S)
-                raise TiersBusy(f"the tiers' lock {path} is held by a process that does not "
-                                "go on") from None
+            until = time.monotonic() + (0 if self._lock_stuck else TIER_LOCK_WAIT_S)
+            for room in rooms:
+                try:
+                    try:
+                        held.enter_context(file_lock(room.lock_path,
+                                                     max(0.0, until - time.monotonic())))
+                    except FileNotFoundError:
+                        # the tier removed while the job ran (rm -rf TIER): nothing goes into
+                        # it any more (its placement says why), and the other tiers go on;
+                        # its room folder alone removed: made again
+                        if not os.path.isdir(room.root):
+                            continue
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(room.folder, mode=0o700)
+                        held.enter_context(file_lock(room.lock_path,
+                                                     max(0.0, until - time.monotonic())))
+                except TimeoutError:
+                    if not self._lock_stuck:
+                        self._lock_stuck = True
+                        log.warning("another process has held the tier's lock %s for over "
+                                    "%g s: stopped (kill -STOP, Ctrl-Z, a debugger)? This "
+                                    "process places nothing into the tiers and reads from "
+                                    "the origin until it is free: resume that process (kill "
+                                    "-CONT) or end it", room.lock_path, TIER_LOCK_WAIT_S)
+                    raise TiersBusy(f"the tier's lock {room.lock_path} is held by a process "
+                                    "that does not go on") from None
             if self._lock_stuck:
                 self._lock_stuck = False
-                log.warning("the tiers' lock %s is free again: placing into the tiers goes on",
-                            path)
+                log.warning("the tiers' locks (%s) are free again: placing into the tiers "
+                            "goes on", ", ".join(paths))
             yield
 
     # -- whole-dataset operations ---------------------------------------------------------

@@ -7,7 +7,8 @@ its final name; writers fill ``NAME.partial`` piece by piece (tiers/fill.py) and
 once every piece is there. A copy whose tier has no room for every piece stays partial.
 
 The room a tier uses is counted in bytes of data (whole copies, reserved pieces) by a
-counter shared by the job's processes (``Room``), changed under the tiers' lock.
+counter kept in the tier (``Room``): every process of the user that places into it, of this
+job or another, counts in it and changes it under the tier's lock beside it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from stagefs.config import TierSpec, env_flag, format_size
 from stagefs.errors import ConfigError, FormatError
 from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
+from stagefs.runtime import TIER_ROOM_DIR
 from stagefs.tiers.base import (
     MAPPINGS_GUARDED,
     DamagedCopy,
@@ -229,17 +231,43 @@ def prepare_tier_dir(path: str) -> None:
 
 class Room:
     """Bytes a tier holds (whole copies and reserved pieces, of every dataset), counted in
-    one file shared by the job's processes: ``<runtime>/claims/room-<hash of the tier
-    path>``, 8 bytes (then 8 more: the bytes a process found no room for, ``full``). Read
-    and changed only under the tiers' lock. Made, the first time a job uses the tier, from
-    what the tier directory holds (whole files, and the allocated bytes of partial copies:
-    a disk tier allocates each piece as it reserves it)."""
+    one file in the tier itself: ``<tier>/.stagefs-<uid>/room``, 8 bytes (then 8 more: the
+    bytes a process found no room for, ``full``), read and changed only under the tier's
+    lock, the file ``lock`` beside it. Every process of the user that places into the tier
+    counts there, whatever its job: with a counter per job, two jobs sharing a tier
+    directory each filled it to its capacity (a 40 MiB tier held 56 MiB). Made, the first
+    time the tier is used, from what the tier directory holds (whole files, and the
+    allocated bytes of partial copies: a disk tier allocates each piece as it reserves it),
+    and counted anew so by the first process of each job (``recount``): the counter stays
+    in the tier when its copies are deleted (``stagefs clean``, ``rm -rf TIER/*``).
 
-    def __init__(self, folder: str, root: str) -> None:
-        # by its real path: processes that name it by a symlink share its count
-        key = hashlib.sha1(os.fsencode(os.path.realpath(root))).hexdigest()[:16]
-        self.path = os.path.join(folder, f"room-{key}")
+    The folder is private to the user (0700, refused if another user made it): in a tier
+    root shared by users each has a counter of their own, as each has copies of their own.
+    """
+
+    def __init__(self, root: str) -> None:
         self.root = root
+        # by its real path: processes that name the tier by a symlink share its count and
+        # its lock, and take the locks of several tiers in one order (TierChain._tier_lock)
+        real = os.path.realpath(root)
+        self.folder = os.path.join(real, TIER_ROOM_DIR.format(uid=os.getuid()))
+        self.path = os.path.join(self.folder, "room")
+        self.lock_path = os.path.join(self.folder, "lock")
+        self.key = hashlib.sha1(os.fsencode(real)).hexdigest()[:16]  # a job's markers
+
+    def make(self) -> None:
+        """Create the folder, or check the one there is this user's own directory."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.folder, mode=0o700)
+        s = os.lstat(self.folder)
+        if not stat.S_ISDIR(s.st_mode) or s.st_uid != os.getuid():
+            what = "a symlink" if stat.S_ISLNK(s.st_mode) else (
+                "not a directory" if not stat.S_ISDIR(s.st_mode) else "a directory")
+            raise ConfigError(
+                f"tier {self.root}: {self.folder}, where this user's room counter and lock "
+                f"for the tier go, is {what} of {user_name(s.st_uid)}; remove it if it is "
+                f"yours, or name a tier directory of your own, e.g. "
+                f"{os.path.join(self.root, login(os.getuid()))}")
 
     def used(self) -> int:
         raw = self._read(0)  # none yet, or not a file: counted anew, and made one (_write)
@@ -297,7 +325,8 @@ class DirTier:
 
     local = True  # node-local: Store.read_many reads it in the calling thread
 
-    def __init__(self, spec: TierSpec, manifest: Manifest, room_dir: str | None = None) -> None:
+    def __init__(self, spec: TierSpec, manifest: Manifest, *, counted: bool = False) -> None:
+        """``counted``: a tier the caller places into, with a room counter (``Room``)."""
         self.spec = spec
         self.root = spec.path
         prepare_tier_dir(self.root)
@@ -330,7 +359,9 @@ class DirTier:
         except OSError:
             self.block = mmap.PAGESIZE
         self.holder = self.kind  # what the read counters call it (stagefs status)
-        self.room = Room(room_dir, self.root) if room_dir is not None else None
+        self.room = Room(self.root) if counted else None
+        if self.room is not None:
+            self.room.make()
         self.name = f"{self.kind} tier {self.root}"
         self._names = [s.name for s in manifest.shards]
         self._sizes = [s.size for s in manifest.shards]
@@ -670,6 +701,8 @@ def dir_usage(root: str) -> tuple[int, int]:
     except FileNotFoundError:
         return 0, 0
     for d in top:
+        if d.name.startswith(".stagefs-"):
+            continue  # a room counter and its lock (Room): not data
         try:
             s = d.stat(follow_symlinks=False)
             if s.st_uid != me:
