@@ -122,3 +122,33 @@ def test_umount_of_a_killed_servers_busy_mount_says_the_server_is_gone(tmp_path:
         if is_mounted(str(mnt)):
             subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=60)
     assert not is_mounted(str(mnt))
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_mount_over_a_mount_whose_server_is_gone_or_stopped_says_so(
+        tmp_path: Path, sig: str) -> None:
+    """``stagefs mount`` again over a mount whose server was killed (or is stopped) said "is
+    already a mount point", as of a live mount: now it says the server is gone (every
+    access fails with ENOTCONN) or does not answer, and how to remove the mount."""
+    import signal
+
+    mnt, logs = _one_file_pack(tmp_path)
+    pid = 0
+    try:
+        r = _stagefs("mount", str(tmp_path / "pack"), str(mnt), tmp=logs)
+        assert r.returncode == 0, r.stderr
+        pid = int(r.stdout.split("server pid ")[1].split(";")[0])
+        r = _stagefs("mount", str(tmp_path / "pack"), str(mnt), tmp=logs)  # a live server
+        assert r.returncode != 0 and "already a mount point" in r.stderr, r.stderr
+        os.kill(pid, getattr(signal, sig))
+        r = _stagefs("mount", str(tmp_path / "pack"), str(mnt), tmp=logs)
+        assert r.returncode != 0
+        said = "is gone" if sig == "SIGKILL" else "does not answer"
+        assert f"server {said}" in r.stderr and f"stagefs umount {mnt}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        if pid and sig == "SIGSTOP":
+            os.kill(pid, signal.SIGCONT)
+        if is_mounted(str(mnt)):
+            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False, timeout=60)
+    assert not is_mounted(str(mnt))

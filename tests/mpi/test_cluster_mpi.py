@@ -94,7 +94,8 @@ def test_every_rank_reads_every_file(tmp_path: Path, n: int) -> None:
         # each rank's node directory holds its own shards in the agreed layout
         for r in range(n):
             d = os.path.join(work, f"node{r}", "mem")
-            held = [f for sub in os.listdir(d) for f in os.listdir(os.path.join(d, sub))]
+            held = [f for sub in os.listdir(d) if not sub.startswith(".")  # (room folder)
+                    for f in os.listdir(os.path.join(d, sub))]
             assert len(held) == nodes[r]["staging"]["shards_held"]
             assert not [f for f in held if f.endswith(".partial")]
             assert os.stat(os.path.join(work, f"rt{r}")).st_mode & 0o777 == 0o700

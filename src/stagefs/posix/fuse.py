@@ -1010,6 +1010,13 @@ def check_mountpoint(mountpoint: str, *, nonempty: bool = False) -> str:
     """The absolute mount point, once it is an existing directory, not mounted, and empty
     (unless ``nonempty``: a mount hides what the directory holds until it is unmounted)."""
     mp = os.path.abspath(mountpoint)
+    if is_mounted(mp) and (why := _server_gone(mp)):
+        said = ("is gone (killed?): every access there fails with 'Transport endpoint is "
+                "not connected'" if why == "gone" else
+                "does not answer (stopped? kill -CONT it, or end it)")
+        raise ConfigError(f"{mp} is a mount whose server {said}. 'stagefs umount {mp}' "
+                          "removes it (--lazy if programs still hold files there); then "
+                          "mount again")
     if os.path.lexists(mp) and not os.path.isdir(mp):
         raise ConfigError(f"mount point {mp} is a file, not a directory: name an empty "
                           "directory to mount on")
@@ -1085,7 +1092,8 @@ def unmount(mountpoint: str, *, timeout: float = 10.0, lazy: bool = False) -> No
             f"{at[2] or 'an unknown source'}): stagefs umount only ends what stagefs mount "
             "started; use umount for anything else")
     server_log = _server_log(mp)  # while the server runs
-    gone = server_log is None and _server_gone(mp)  # killed (SIGKILL, the OOM killer)
+    # killed (SIGKILL, the OOM killer)
+    gone = server_log is None and _server_gone(mp) == "gone"
     if gone:
         server_log = _dead_server_log(mp)
     error = _run_unmount(mp, timeout, lazy)
@@ -1223,15 +1231,28 @@ def _log_prefix(mountpoint: str) -> str:
     return f"stagefs-mount-{tag}-"
 
 
-def _server_gone(mountpoint: str) -> bool:
-    """Is the mount's server gone (the kernel says ENOTCONN for its mount point)? Not a
-    server in the foreground, whose log is its terminal. Asked with statfs, which the
-    kernel always sends to the server (a stat is answered from its attribute cache)."""
-    try:
-        os.statvfs(mountpoint)
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
-    return False
+def _server_gone(mountpoint: str, wait_s: float = 2.0) -> str | None:
+    """Why the mount's server cannot answer: ``"gone"`` (ended: killed, crashed; the kernel
+    says ENOTCONN for its mount point), ``"stopped"`` (no answer in ``wait_s``: kill -STOP,
+    a debugger), or None. Asked with statfs, which the kernel always sends to the server (a
+    stat is answered from its attribute cache), in a thread: a stopped server's would wait
+    for as long as it stays stopped."""
+    got: list[OSError | None] = []
+
+    def ask() -> None:
+        try:
+            os.statvfs(mountpoint)
+            got.append(None)
+        except OSError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=ask, name="stagefs-statfs", daemon=True)
+    t.start()
+    t.join(wait_s)
+    if not got:
+        return "stopped"
+    exc = got[0]
+    return "gone" if exc is not None and exc.errno == errno.ENOTCONN else None
 
 
 def _dead_server_log(mountpoint: str) -> str | None:
