@@ -29,6 +29,7 @@ from stagefs.tiers.tier import (
     dir_bytes,
     memory_limit_problem,
     over_capacity,
+    share_capacity,
     tier_dir_problem,
     tier_kind,
 )
@@ -147,8 +148,12 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
     if problem:
         return [Finding(label, "error", problem)]
     least = PIECE + 2 * 4096  # a piece, and a copy's header and fill map (a page each)
-    if tier.capacity is not None and tier.capacity < least:
-        return [Finding(label, "warn", f"capacity {format_size(tier.capacity)} is less than "
+    # a share (50%) as a store takes it: of the free space and what the tier holds (of the
+    # free space alone, a tier filled by a job was said to have less than a piece)
+    capacity = share_capacity(path, tier.share) if tier.share is not None and \
+        os.path.isdir(path) else tier.capacity
+    if capacity is not None and capacity < least:
+        return [Finding(label, "warn", f"capacity {format_size(capacity)} is less than "
                         f"one piece of placement ({format_size(PIECE)} as packed by "
                         f"default) and its copy's header: it holds little or nothing; give "
                         f"it {format_size(2 * PIECE)} or more, or leave it out")]
@@ -168,7 +173,7 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
         # the probe takes at most half of what the tier may use: on a file system with a
         # few MiB free, a tier a store fills piece by piece was called unusable when the
         # 32 MiB probe met ENOSPC
-        room = free if tier.capacity is None else min(free, tier.capacity)
+        room = free if capacity is None else min(free, capacity)
         held = dir_bytes(path)
         if room < least:
             keeps = f"it keeps the {format_size(held)} it holds and places nothing more" \
@@ -179,9 +184,9 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
                             "some space there, or name another directory")]
         probe = max(1 << 20, min(PROBE_BYTES, room // 2) >> 20 << 20)
         wrote, read = _probe(path, clock, probe)
-        over = memory_limit_problem(path, tier.capacity, held) \
+        over = memory_limit_problem(path, capacity, held) \
             if tier_kind(path) == "memory" else None
-        if over is None and (why := over_capacity(held, tier.capacity)):
+        if over is None and (why := over_capacity(held, capacity)):
             over = f"{path} {why}"
     except OSError as exc:
         return [Finding(label, "error", f"cannot write in {path} ({exc.strerror}): stagefs "

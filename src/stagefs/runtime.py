@@ -35,8 +35,9 @@ import os
 import shutil
 import socket
 import stat as st
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -422,9 +423,10 @@ class Runtime:
 
     # -- removal --------------------------------------------------------------------------
 
-    def remove(self, *, tier_data: bool = True, keep: frozenset[str] = frozenset()) -> list[str]:
+    def remove(self, *, tier_data: bool = True,
+               keep: frozenset[tuple[int, int]] = frozenset()) -> list[str]:
         """Delete this job's runtime directory and (by default) the tier data it recorded,
-        except the tier directories in ``keep`` (in use by a live job)."""
+        except the tier directories in ``keep`` (in use by a live job; ``_dir_ids``)."""
         removed: list[str] = []
         if tier_data:
             removed += remove_tier_data(self.tier_records(), keep)
@@ -468,8 +470,8 @@ def clean(jobs: Sequence[Runtime], *, force: bool = False, others: Sequence[Runt
         )
     targets = {rt.path for rt in jobs}
     near = {rt.path: rt for rt in [*others, *(n for job in jobs for n in job.neighbours())]}
-    keep = frozenset(d for rt in near.values() if rt.path not in targets and rt.leases()
-                     for d in rt.tier_dirs())
+    keep = _dir_ids(d for rt in near.values() if rt.path not in targets and rt.leases()
+                    for d in rt.tier_dirs())
     removed: list[str] = []
     for rt in jobs:
         if rt.exists():
@@ -528,9 +530,23 @@ def _tier_dirs(records: list[dict[str, Any]]) -> list[str]:
     return [os.path.join(t, rec["pack_id"]) for rec in records for t in rec["placed"]]
 
 
-def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = frozenset()
-                     ) -> list[str]:
-    """Remove the recorded tier directories but those in ``keep``; returns those removed.
+def _dir_ids(paths: Iterable[str]) -> frozenset[tuple[int, int]]:
+    """The directories at ``paths`` that exist, by device and inode: a live job that names a
+    tier through a symlink (or a bind mount) uses the copies of one that names the
+    directory itself, and compared by path a clean of the one removed them under the
+    other."""
+    ids = set()
+    for d in paths:
+        with contextlib.suppress(OSError):
+            s = os.stat(d)
+            ids.add((s.st_dev, s.st_ino))
+    return frozenset(ids)
+
+
+def remove_tier_data(records: list[dict[str, Any]],
+                     keep: frozenset[tuple[int, int]] = frozenset()) -> list[str]:
+    """Remove the recorded tier directories but those in ``keep`` (by device and inode,
+    ``_dir_ids``); returns those removed.
 
     Only a directory of this user is touched: a tier shared by users (``/dev/shm``, a
     scratch directory) may hold another user's copy of the same dataset under the same
@@ -542,16 +558,34 @@ def remove_tier_data(records: list[dict[str, Any]], keep: frozenset[str] = froze
             s = os.lstat(d)
         except OSError:
             continue
-        if d in keep or not st.S_ISDIR(s.st_mode) or s.st_uid != os.getuid():
+        if (s.st_dev, s.st_ino) in keep or not st.S_ISDIR(s.st_mode) \
+                or s.st_uid != os.getuid():
             continue
-        shutil.rmtree(d, ignore_errors=True)
+        why = _rmtree(d)
         if not os.path.lexists(d):
             removed.append(d)
             _remove_room_if_alone(os.path.dirname(d))
         else:
-            log.warning("stagefs clean: %s could not be removed whole (files of another "
-                        "user in it?); remove what is left by hand", d)
+            log.warning("stagefs clean: %s could not be removed whole (%s); remove what is "
+                        "left by hand", d, why or "files of another user in it?")
     return removed
+
+
+def _rmtree(path: str) -> str | None:
+    """Remove the tree at ``path`` as far as it can be; why not all of it, as the file
+    system said it (a tier remounted read-only after a disk error was said to hold files of
+    another user), or None."""
+    errors: list[str] = []
+
+    def failed(exc: BaseException) -> None:
+        if isinstance(exc, OSError) and exc.strerror:
+            errors.append(exc.strerror)
+
+    if sys.version_info >= (3, 12):  # (onerror is deprecated there)
+        shutil.rmtree(path, onexc=lambda _f, _p, exc: failed(exc))
+    else:
+        shutil.rmtree(path, onerror=lambda _f, _p, info: failed(info[1]))
+    return errors[0] if errors else None
 
 
 def _remove_room_if_alone(tier: str) -> None:

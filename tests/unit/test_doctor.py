@@ -112,6 +112,28 @@ def test_a_tier_holding_more_than_it_is_given_is_a_warning(tmp_path: Path,
     assert "stagefs clean" in over.meaning
 
 
+def test_a_tier_given_a_share_is_judged_by_the_capacity_a_store_gives_it(
+        tmp_path: Path) -> None:
+    """``DIR:20%`` of a file system the tier fills: a store takes the share of the free
+    space and what the tier holds; the doctor took it of the free space alone, and called a
+    tier of 2.4 MiB one of less than a piece that "holds little or nothing" (and a tier
+    over its share ok)."""
+    from stagefs.config import format_size
+    from stagefs.tiers.tier import share_capacity
+
+    with small_tmpfs(tmp_path / "small_fs", "12M") as where:
+        copies = where / "t" / ("ab" * 16)
+        copies.mkdir(parents=True)
+        (copies / "shard-000000.sfs").write_bytes(bytes(9 << 20))
+        capacity = share_capacity(str(where / "t"), 20)
+        assert 2 << 20 < capacity < 3 << 20
+        [finding] = check_tier(f"{where / 't'}:20%")
+        assert finding.status == "warn", finding
+        assert f"more than the {format_size(capacity)} it is given" in finding.meaning, finding
+        [finding] = check_tier(f"{where / 't'}:90%")
+        assert finding.status == "ok", finding
+
+
 @pytest.fixture
 def nearly_full_fs(tmp_path: Path) -> Iterator[Path]:
     """A file system of 12 MiB (a tmpfs) with 6 MiB of it taken: skipped only where this

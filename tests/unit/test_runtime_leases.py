@@ -170,6 +170,29 @@ def test_clean_never_removes_what_a_live_job_uses(base: Path, pack: Path, tmp_pa
     assert not _staged(tier, pack) and os.listdir(base) == []
 
 
+def test_clean_keeps_what_a_live_job_uses_through_a_symlink(
+        base: Path, pack: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A live job named the tier through a symlink, another job the directory itself: a
+    clean of the other job compared the paths as written and removed the copies the live
+    job was reading, and its room folder with them."""
+    tier = tmp_path / "tier"
+    tier.mkdir()
+    link = tmp_path / "tier-link"
+    link.symlink_to(tier)
+    first = Job(base, "first", pack, tier)
+    assert first.finish() == 0
+    live = Job(base, "live", pack, link)  # the same copies, by the link
+    try:
+        staged = _staged(tier, pack)
+        assert staged
+        monkeypatch.setenv("STAGEFS_JOB", "first")
+        assert main(["clean"]) == 0
+        assert not first.runtime.exists()
+        assert _staged(tier, pack) == staged and any(tier.glob(".stagefs-*"))
+    finally:
+        assert live.finish() == 0
+
+
 def test_a_lease_is_judged_by_host_pid_and_start_time(tmp_path: Path) -> None:
     rt = Runtime(tmp_path / "rt").open()
     me = Lease.mine()

@@ -61,6 +61,24 @@ def test_one_directory_named_by_two_paths_is_refused(one_large: Path, runtime: P
         assert ra is not None and rb is not None and ra.path == rb.path
 
 
+def test_a_tier_named_by_a_symlink_to_nothing_is_a_clear_error(
+        one_large: Path, runtime: Path, tmp_path: Path) -> None:
+    """A tier named through a symlink whose target is gone (a job's scratch directory
+    removed since, ``rm -rf`` of the tiers between jobs): a FileNotFoundError traceback
+    from inside the tier's setup. A ConfigError names the link and its target; nothing
+    is made there."""
+    gone = tmp_path / "nvme" / "job1"
+    link = tmp_path / "tier"
+    link.symlink_to(gone)
+    with pytest.raises(ConfigError, match="symlink") as err:
+        stagefs.open(one_large, tiers=[f"{link}:8MiB"])
+    assert str(link) in str(err.value) and str(gone) in str(err.value)
+    assert not gone.parent.exists()
+    gone.mkdir(parents=True)
+    with stagefs.open(one_large, tiers=[f"{link}:8MiB"]) as fs:
+        assert fs.read("big.bin") == random_bytes(6 * MiB, 1)
+
+
 def test_a_tier_whose_file_system_fills_before_its_capacity_says_so(
         one_large: Path, runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
@@ -123,6 +141,37 @@ def test_a_tier_full_of_an_older_pack_says_whose_copies_fill_it(
         assert fs.chain.tiers[0].dir != old_dir
     said = [r.getMessage() for r in caplog.records if "other datasets" in r.getMessage()]
     assert said and old_dir in said[0] and "stagefs clean" in said[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a directory of another user (root)")
+def test_a_full_tier_does_not_name_another_users_copies(
+        tmp_path: Path, runtime: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tier root shared by users: another user's copy there is not counted in this
+    user's room, and is not theirs to delete; the full tier's warning named it (as 0 B)
+    among the copies to delete."""
+    files = {f"f{i}.bin": random_bytes(200_000, i) for i in range(30)}
+    old = pack_files(tmp_path, "old", files)
+    new = pack_files(tmp_path, "new", {f"g{i}.bin": random_bytes(200_000, 50 + i)
+                                       for i in range(30)})
+    root = tmp_path / "shared"
+    root.mkdir(mode=0o1777)
+    tier = f"{root}:3MiB"
+    with stagefs.open(old, tiers=[tier]) as fs:  # this user's older copies: named
+        assert fs.chain is not None
+        fs.chain.stage()
+        old_dir = fs.chain.tiers[0].dir
+    theirs = root / ("ab" * 16)
+    theirs.mkdir(mode=0o700)
+    (theirs / "shard-000000.sfs").write_bytes(b"x" * 4096)
+    for p in (theirs / "shard-000000.sfs", theirs):
+        os.chown(p, 65534, 65534)
+    with caplog.at_level(logging.WARNING, logger="stagefs"), \
+            stagefs.open(new, tiers=[tier]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+    said = [r.getMessage() for r in caplog.records if "other datasets" in r.getMessage()]
+    assert said and old_dir in said[0], said
+    assert str(theirs) not in said[0], said[0]
 
 
 def test_a_tier_whose_path_is_not_utf8_holds_data(one_large: Path, runtime: Path,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import stagefs
-from conftest import pack_files, random_bytes
+from conftest import pack_files, random_bytes, small_tmpfs
 from stagefs.tiers.tier import dir_bytes
 
 MiB = 2**20
@@ -113,6 +113,30 @@ def test_a_counter_left_in_the_tier_is_counted_anew_by_the_next_job(
             assert fs.read(rel) == (src / rel).read_bytes()
 
 
+def test_the_same_job_run_again_after_the_tier_was_emptied_counts_it_anew(
+        three_shards: tuple[Path, Path], tmp_path: Path, runtime: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``stagefs stage`` twice in one shell (one job id), ``rm -rf TIER/*`` between, the
+    second with a smaller capacity: the job had counted the tier once, so its counter
+    still held the deleted copies, and the empty tier was said to hold more than it was
+    given ("0 B of it this dataset's")."""
+    pack, src = three_shards
+    tier = tmp_path / "tier"
+    with stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        assert fs.chain is not None and fs.chain.stage()
+    for d in tier.iterdir():  # what `rm -rf TIER/*` removes: not the dot folder
+        if not d.name.startswith("."):
+            shutil.rmtree(d)
+    with caplog.at_level(logging.WARNING), \
+            stagefs.open(pack, tiers=[f"{tier}:12MiB"]) as fs:
+        assert fs.chain is not None
+        assert fs.chain.tiers[0].used_bytes() < MiB
+        assert "more than" not in caplog.text, caplog.text
+        fs.chain.stage()
+        assert 10 * MiB <= dir_bytes(str(tier)) <= 12 * MiB
+        assert fs.read("d1/f01.bin") == (src / "d1/f01.bin").read_bytes()
+
+
 def test_clean_leaves_the_tier_as_it_found_it(three_shards: tuple[Path, Path],
                                               tmp_path: Path, runtime: Path) -> None:
     """The room folder goes with the user's last copy in the tier (``stagefs clean``)."""
@@ -124,3 +148,26 @@ def test_clean_leaves_the_tier_as_it_found_it(three_shards: tuple[Path, Path],
     assert any(tier.glob(".stagefs-*"))
     assert main(["clean", "--runtime", str(runtime)]) == 0
     assert os.listdir(tier) == []
+
+
+def test_clean_of_a_tier_gone_read_only_says_why_it_stays(
+        three_shards: tuple[Path, Path], tmp_path: Path, runtime: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A tier's file system remounted read-only (a local disk after an error): ``stagefs
+    clean`` cannot remove the copies, and said the directory held files of another user.
+    It says what the file system said."""
+    from stagefs.cli import main
+    pack, _ = three_shards
+    with small_tmpfs(tmp_path / "fs", "16M") as where:
+        with stagefs.open(pack, tiers=[f"{where / 'tier'}:4MiB"]) as fs:
+            assert fs.chain is not None
+            fs.chain.stage()
+        r = subprocess.run(["mount", "-o", "remount,ro", str(where)], capture_output=True,
+                           text=True, timeout=30, check=False)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only here: {r.stderr.strip()}")
+        with caplog.at_level(logging.WARNING):
+            assert main(["clean", "--runtime", str(runtime)]) == 0
+        said = [m for m in caplog.messages if "could not be removed" in m]
+        assert said and "Read-only file system" in said[0], caplog.messages
+        assert "another user" not in said[0]

@@ -4,6 +4,10 @@ tier directories: what each holds, and what the job is told about it."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -34,6 +38,45 @@ def test_a_tier_full_of_a_dataset_the_job_reads_is_not_called_old(
     assert said, "no word why the val set holds nothing"
     assert not [m for m in said if train_dir in m or "delete" in m], said
     assert str(train) in said[0] and str(val) in said[0] and "of its own" in said[0]
+
+
+def test_a_tier_full_of_a_dataset_another_job_reads_is_not_called_old(
+        tmp_path: Path, runtime: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another job of the user (another id, its runtime beside this one's) reads the train
+    set, which took the shared tier first: the val set's warning called its copies "other
+    datasets' copies" that stay "until 'stagefs clean'", and told to delete the directory
+    that job was reading. It names the train set by its origin as a dataset read now."""
+    train = pack_files(tmp_path, "train", {f"t{i}.bin": random_bytes(200_000, i) for i in range(30)})
+    val_files = {f"v{i}.bin": random_bytes(200_000, 100 + i) for i in range(5)}
+    val = pack_files(tmp_path, "val", val_files)
+    tier = f"{tmp_path / 'ram'}:3MiB"
+    child = textwrap.dedent("""
+        import sys
+        import stagefs
+        with stagefs.open(sys.argv[1], tiers=[sys.argv[2]]) as fs:
+            fs.chain.stage()
+            print(fs.chain.tiers[0].dir, flush=True)
+            sys.stdin.readline()
+    """)
+    env = {**os.environ, "STAGEFS_RUNTIME": str(tmp_path / "other"), "STAGEFS_JOB": "other"}
+    other = subprocess.Popen([sys.executable, "-c", child, str(train), tier], env=env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert other.stdin is not None and other.stdout is not None
+    try:
+        train_dir = other.stdout.readline().strip()
+        assert train_dir, "the other job did not stage"
+        with caplog.at_level(logging.WARNING, logger="stagefs"), \
+                stagefs.open(val, tiers=[tier]) as va:
+            assert va.chain is not None
+            assert all(va.read(p) == d for p, d in val_files.items())
+            va.chain.wait_idle(60)
+    finally:
+        other.communicate("done\n", timeout=60)
+    assert other.returncode == 0
+    said = [r.getMessage() for r in caplog.records if "is full" in r.getMessage()]
+    assert said, "no word why the val set holds nothing"
+    assert not [m for m in said if train_dir in m or "delete" in m], said
+    assert str(train) in said[0] and "of its own" in said[0]
 
 
 def test_the_full_tier_is_told_once_for_the_job_not_by_each_worker(

@@ -141,25 +141,28 @@ def _one_directory_each(tiers: Sequence[DirTier]) -> None:
 
 
 def _live_datasets(runtime: Runtime) -> dict[str, str]:
-    """The datasets (pack id -> origin) a live process of this job has open: this
+    """The datasets (pack id -> origin) a live process of this job, or of another job of
+    the user on the node (``Runtime.neighbours``: they share tiers), has open: this
     process's stores, and the stats record of each store another process opened
-    (``<pid>.<pack id>.<n>.json``, its pid alive, not written by its ``close``)."""
+    (``<pid>.<pack id>.<n>.json``, its pid alive, not written by its ``close``). Another
+    job's dataset was said to be old copies, its directory to be deleted."""
     live = {c.pack_id: c.origin_path for c in list(_CHAINS) if not c._closing}
-    try:
-        names = os.listdir(runtime.stats)
-    except OSError:
-        return live
-    for name in names:
-        pid, _, rest = name.partition(".")
-        pack_id = rest.partition(".")[0]
-        if not name.endswith(".json") or not pid.isdigit() or pack_id in live \
-                or int(pid) == os.getpid() or not alive(int(pid)):
+    for rt in [runtime, *runtime.neighbours()]:
+        try:
+            names = os.listdir(rt.stats)
+        except OSError:
             continue
-        rec = read_record(os.path.join(runtime.stats, name)) or {}
-        if rec.get("open") is False:  # closed by a process that goes on
-            continue
-        origin = rec.get("origin")
-        live[pack_id] = origin if isinstance(origin, str) else pack_id
+        for name in names:
+            pid, _, rest = name.partition(".")
+            pack_id = rest.partition(".")[0]
+            if not name.endswith(".json") or not pid.isdigit() or pack_id in live \
+                    or int(pid) == os.getpid() or not alive(int(pid)):
+                continue
+            rec = read_record(os.path.join(rt.stats, name)) or {}
+            if rec.get("open") is False:  # closed by a process that goes on
+                continue
+            origin = rec.get("origin")
+            live[pack_id] = origin if isinstance(origin, str) else pack_id
     return live
 
 
@@ -174,8 +177,11 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     try:
         with os.scandir(t.root) as it:
             for e in it:
+                # (another user's, in a tier root shared by users: not counted in this
+                # user's room, nor theirs to delete; it was named, as 0 B, to be deleted)
                 if e.name != t.pack_id and not e.name.startswith(".stagefs-") \
-                        and e.is_dir(follow_symlinks=False):
+                        and e.is_dir(follow_symlinks=False) \
+                        and e.stat(follow_symlinks=False).st_uid == os.getuid():
                     others.append((dir_bytes(e.path), e.name))
     except OSError:
         return
@@ -188,10 +194,11 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     read = sorted((n, live[name]) for n, name in others if name in live)
     old = sorted((n, os.path.join(t.root, name)) for n, name in others if name not in live)
     if read:
-        log.warning("%s is full, %s of it with the copies of other datasets this job reads: "
-                    "%s. A tier's room goes to the datasets placed in it first come, and "
-                    "what they hold stays; to keep a share for %s, give each dataset a "
-                    "tier directory of its own with the capacity it should have",
+        log.warning("%s is full, %s of it with the copies of other datasets read now (by "
+                    "this job or another of yours): %s. A tier's room goes to the datasets "
+                    "placed in it first come, and what they hold stays; to keep a share for "
+                    "%s, give each dataset a tier directory of its own with the capacity it "
+                    "should have",
                     t.name, format_size(sum(n for n, _ in read)), _sizes_named(read),
                     origin)
     if old:
@@ -307,10 +314,14 @@ class TierChain:
     def _count_rooms(self) -> None:
         """The job's first process to use a tier counts its room anew from what it holds
         (Room): the counter, kept in the tier across jobs, still counted copies deleted since
-        (``stagefs clean``, ``rm -rf TIER/*``) and said the tier over its capacity. Then
-        said if it is (once for the job)."""
+        (``stagefs clean``, ``rm -rf TIER/*``) and said the tier over its capacity. So does
+        the job's first process to find the counter over a capacity: the job run again (the
+        same id: ``stagefs stage`` twice in one shell) after ``rm -rf TIER/*`` was told that
+        the empty tier held more than it was given. Then said if it is (once for the job)."""
         for t in self.tiers:
-            if _first_of_job(self.runtime, t, "counted"):
+            if _first_of_job(self.runtime, t, "counted") or (
+                    over_capacity(t.used_bytes(), t.capacity)
+                    and _first_of_job(self.runtime, t, f"counted-{t.capacity}")):
                 with contextlib.suppress(OSError, TiersBusy), self._tier_lock():
                     assert t.room is not None
                     t.room.recount(self._charges(t))
@@ -452,6 +463,12 @@ class TierChain:
             if t is tier:
                 return f
         return None
+
+    def partial_copies(self, shard: int) -> list[ShardFill]:
+        """This process's handles on the shard's partial copies, in tier order (none once
+        it is whole): a server of what the tiers hold (the cluster daemon, whose staging
+        made them) reads the pieces they have (``ShardFill.covered``, ``pread``)."""
+        return [f for f, _ in self._fills.get(shard, ())]
 
     def _owner(self, shard: int, p: int) -> Copy | None:
         """The partial copy (known to this process) where piece ``p`` is reserved."""

@@ -125,6 +125,12 @@ def tier_dir_problem(path: str) -> str | None:
             return (f"tier {path} is a symlink (to {os.readlink(path)}) made by "
                     f"{user_name(link.st_uid)}: copies would go wherever its maker points "
                     "it; name a directory of your own")
+        if stat.S_ISLNK(link.st_mode) and not os.path.exists(path):
+            # (made, its copies would go wherever the link points: not made here)
+            target = os.path.join(os.path.dirname(path), os.readlink(path))
+            return (f"tier {path} is a symlink to {os.path.normpath(target)}, which does "
+                    f"not exist (removed since?); create it (mkdir -p "
+                    f"{os.path.normpath(target)}), or name an existing directory")
     why = movable_by_others(path if os.path.isdir(path) else os.path.dirname(path))
     if why:
         return (f"tier {path}: {why}: another user may move this user's copies there away "
