@@ -39,3 +39,15 @@ def test_the_final_report_of_a_running_job_counts_the_nodes_that_answer(
         capsys: pytest.CaptureFixture[str]) -> None:
     _daemon(stopped=False)._final_report()  # (nodes found dead meanwhile are not counted)
     assert "staged: 1000 B on 1 nodes" in capsys.readouterr().err
+
+
+def test_the_final_report_counts_the_pieces_the_nodes_hold(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Nodes whose tiers hold their share in part (partial copies, which their daemons
+    serve): the report said only the whole copies ("staged: 0 B on 4 nodes")."""
+    d = _daemon(stopped=False)
+    node = _node(0)
+    node["staging"]["bytes_in_pieces"] = 1000
+    d._gather = lambda: [node, _node(1000), None, None]  # type: ignore[method-assign]
+    d._final_report()
+    assert "staged: 1000 B + 1000 B in pieces on 2 nodes" in capsys.readouterr().err

@@ -54,7 +54,7 @@ def test_status_says_the_copies_no_node_had_room_for(
     assert said is not None
     assert said.startswith("13 shard copies (13.0 KiB) placed on nodes whose tiers had no "
                            "room for them: node 0 (8), node 2 (5);"), said
-    assert "goes to the origin" in said
+    assert "go to the origin, but for the pieces" in said
     assert "other holders" in (status.without_room(nodes, 2) or "")
     # every node took its share, or is still staging: nothing to say
     assert status.without_room([_staged(1, 7, 7, 0, None)], 1) is None

@@ -84,6 +84,7 @@ from stagefs.cluster.world import (
 from stagefs.config import env_flag, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
+from stagefs.format.spec import SHARD_HEADER
 from stagefs.net.client import PeerClient
 from stagefs.net.hedge import HedgePolicy
 from stagefs.net.pipes import PipePool, pipe_descriptors, pool_pipes
@@ -363,7 +364,7 @@ class Daemon:
             self.server = ShardServer(self.manifest, self.token, self._locate, host, port,
                                       limits=limits, status=self.status,
                                       unix_path=self.fabric_path, relay=self.relay,
-                                      check=self._check_shard)
+                                      check=self._check_shard, pieces=self._pieces)
         except ConfigError as exc:
             boot = self.boot if isinstance(self.boot, StaticBootstrap) else None
             cause = exc.__cause__
@@ -503,6 +504,34 @@ class Daemon:
         """The shard's copy to serve (the server's ``locate``): none while it is checked."""
         return None if shard in self._checking else self.chain.locate(shard)
 
+    def _pieces(self, shard: int, offset: int, length: int) -> bytes | None:
+        """The bytes of a range of ``shard`` from this node's partial copies (the server's
+        ``pieces``): a tier too small for the node's share holds some of its shards in
+        part, and those pieces serve its readers and its peers (the readers check them);
+        None where no copy has all of it, or while the shard is checked. Never the header:
+        a peer asks for it to learn whether this node holds the shard whole, to copy it
+        from here (staging.py ``_peer_holds``): a copy under way would send it to the origin
+        for the pieces not in yet."""
+        if shard in self._checking or offset < SHARD_HEADER.size:
+            return None
+        for f in self.chain.partial_copies(shard):
+            if f.covered(offset, offset + length):
+                try:
+                    return f.pread(offset, length)
+                except SourceUnavailable:  # let go of meanwhile (made whole), cut short
+                    continue
+        return None
+
+    def _bytes_in_pieces(self) -> int:
+        """The stored bytes of the files this node's partial copies of its shards hold."""
+        total = 0
+        for shard in self._mine:
+            for f in self.chain.partial_copies(shard):
+                bits = f.bits
+                if len(bits) == len(f.ext):  # (none once let go of: made whole meanwhile)
+                    total += int((f.ext.ends - f.ext.offs)[bits.astype(bool)].sum())
+        return total
+
     def _check_copy(self, shard: int) -> None:
         """Check every file of each whole copy of ``shard`` this node holds (tiers/audit.py,
         the readers' check); a bad copy is deleted (the tiers' own drop: the server stops
@@ -613,6 +642,9 @@ class Daemon:
         gone = self._still_missing() & self._mine
         st["shards_held"] -= len(gone)
         st["bytes_held"] -= sum(self.manifest.shards[s].size for s in gone)
+        # and the files of its shards its partial copies hold (a tier too small for the
+        # whole share): they are served too (``_pieces``); the share said 0% of them
+        st["bytes_in_pieces"] = self._bytes_in_pieces()
         return {
             "rank": self.rank, "size": self.size, "host": self.server.address[0],
             "port": self.server.address[1], "pid": os.getpid(), "state": self.state,
@@ -880,10 +912,12 @@ class Daemon:
         origin = sum(s["staging"]["origin_bytes"] for s in ok)
         fwd = sum(s["staging"]["forwarded_bytes"] for s in ok)
         held = sum(s["staging"]["bytes_held"] for s in ok)
+        pieces = sum(s["staging"].get("bytes_in_pieces", 0) for s in ok)
         dataset = sum(sh.size for sh in self.manifest.shards)
         took = max((s["staging"]["finished"] - s["staging"]["started"] for s in ok),
                    default=0.0)
-        _say(0, f"staged: {format_size(held)} on {len(ok)} nodes in {took:.1f} s; origin "
+        held_in = format_size(held) + (f" + {format_size(pieces)} in pieces" if pieces else "")
+        _say(0, f"staged: {held_in} on {len(ok)} nodes in {took:.1f} s; origin "
              f"read {format_size(origin)} ({origin / max(dataset, 1):.2f}x the dataset), "
              f"{format_size(fwd)} forwarded between nodes")
         roomless = without_room(nodes, self.placement.replicas)

@@ -162,8 +162,8 @@ class Stager:
         first_try = {s: time.monotonic() for s in pending}
         pause = 0.05
         while pending and not self.stop.is_set():
-            # peer -> (finished staging, finished its primary shards): asked once a round
-            asked: dict[int, tuple[bool, bool]] = {}
+            # peer -> (finished staging, its primary shards, its tiers full): once a round
+            asked: dict[int, tuple[bool, bool, bool]] = {}
             progress = False
             for s in list(pending):
                 if self.stop.is_set():
@@ -182,7 +182,8 @@ class Stager:
                 self.stop.wait(pause)
                 pause = min(pause * 1.5, 1.0)
 
-    def _stage_one(self, shard: int, since: float, asked: dict[int, tuple[bool, bool]]) -> bool:
+    def _stage_one(self, shard: int, since: float,
+                   asked: dict[int, tuple[bool, bool, bool]]) -> bool:
         """One attempt at ``shard``; True when there is nothing more to do for it."""
         if self.chain.full:  # the tiers take no more: waiting on the peers for it is vain
             self.stats.no_room += 1
@@ -218,27 +219,50 @@ class Stager:
         self.stats.forward_fallbacks += 1
         return self._place(shard, None) != "elsewhere"
 
-    def _gone(self, shard: int, live: list[int], asked: dict[int, tuple[bool, bool]]) -> bool:
+    def _gone(self, shard: int, live: list[int], asked: dict[int, tuple[bool, bool, bool]]
+              ) -> bool:
         """Will no peer ever give ``shard``? Each is down, or finished staging without it;
-        or its primary finished its own shards without it (no room for it there: its other
-        holders would only read the origin too). One more look, in case it came just now.
-        Without the second rule, nodes whose tiers could not hold their shards each waited
-        on the others' copies until the forward timeout (10 minutes)."""
+        or its primary finished its own shards without it (no room for it there) and so did
+        the holders listed between it and this node. One more look, in case it came just
+        now. Without the primary's rule, nodes whose tiers could not hold their shards each
+        waited on the others' copies until the forward timeout (10 minutes). The holders
+        after the primary take the shard over in their order, each from the origin only
+        once those before it will not give it: all at once, every node of a
+        ``--replicate-all`` shard whose primary had no room read it from the origin (a
+        validation set read 3 times on 4 nodes, N - 1 times on N)."""
         primary = self.holders[shard][0]
         for n in live:
-            if n not in asked:
-                try:
-                    st = self.peers[n].status()
-                    asked[n] = (bool(st.get("staging_done")), bool(st.get("primary_done")))
-                except (SourceUnavailable, AuthenticationError) as exc:
-                    self._unavailable(exc)
-                    asked[n] = (False, False)
-            done, primary_done = asked[n]
+            done, primary_done, _ = self._asked(n, asked)
             if n == primary and primary_done:
-                return not self._peer_holds(n, shard)
+                if self._peer_holds(n, shard):
+                    return False
+                order = self.holders[shard]
+                for m in order[1 : order.index(self.rank)]:  # in turn, each once
+                    if m not in live:
+                        continue
+                    if self._peer_holds(m, shard):
+                        return False
+                    m_done, _, m_full = self._asked(m, asked)
+                    if not (m_done or m_full):
+                        return False  # it reads it (from the origin) first: then from it
+                return True
             if not done:
                 return False
         return not any(self._peer_holds(n, shard) for n in live)
+
+    def _asked(self, n: int, asked: dict[int, tuple[bool, bool, bool]]
+               ) -> tuple[bool, bool, bool]:
+        """Has node ``n`` finished staging, finished its primary shards, found its tiers
+        full? (Its STATUS, asked once a round.)"""
+        if n not in asked:
+            try:
+                st = self.peers[n].status()
+                asked[n] = (bool(st.get("staging_done")), bool(st.get("primary_done")),
+                            bool((st.get("staging") or {}).get("no_room")))
+            except (SourceUnavailable, AuthenticationError) as exc:
+                self._unavailable(exc)
+                asked[n] = (False, False, False)
+        return asked[n]
 
     def _place(self, shard: int, peer: int | None) -> str:
         """Copy ``shard`` from ``peer`` (None: the origin) through the tier chain."""

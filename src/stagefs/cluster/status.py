@@ -137,9 +137,11 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None,
         state = (refusing or {}).get(n, "unreachable")
         return [str(n), addr, state, "-", "-", "-", "-", "-", "-", "-"]
     st = s["staging"]
+    pieces = int(st.get("bytes_in_pieces", 0))  # of shards held in part (served too)
     share = (f"{st['shards_held']}/{st['shards_assigned']} shards, "
              f"{format_size(st['bytes_held'])} "
-             f"({st['bytes_held'] / max(1, st['bytes_assigned']):.0%})")
+             + (f"+ {format_size(pieces)} in pieces " if pieces else "")
+             + f"({(st['bytes_held'] + pieces) / max(1, st['bytes_assigned']):.0%})")
     tiers = ", ".join(f"{format_size(t['used'])}/"
                       f"{'free' if t['capacity'] is None else format_size(t['capacity'])}"
                       for t in s["tiers"])
@@ -221,8 +223,10 @@ def without_room(nodes: list[dict[str, Any] | None], replicas: int) -> str | Non
     copies = sum(c for c, _ in short.values())
     where = ", ".join(f"node {n} ({c})" for n, (c, _) in sorted(short.items()))
     cost = ("with --replicas 1 no other node holds them (a --replicate-all shard aside): "
-            "every read of them goes to the origin" if replicas == 1 else
-            "their reads go to their other holders, or the origin where none took them")
+            "their reads go to the origin, but for the pieces those nodes' tiers hold of "
+            "them (partial copies)" if replicas == 1 else
+            "their reads go to their other holders, or the origin where none took them "
+            "(but for the pieces those nodes' tiers hold of them)")
     return (f"{copies} shard copies ({format_size(sum(b for _, b in short.values()))}) "
             f"placed on nodes whose tiers had no room for them: {where}; {cost}. Give "
             "those nodes' tiers more room, or the job more nodes (placement does not "

@@ -67,6 +67,7 @@ __all__ = ["AuthFailures", "HeldFiles", "ServerLimits", "ServerStats", "ShardSer
 log = logging.getLogger("stagefs.server")
 
 Locate = Callable[[int], str | None]
+Pieces = Callable[[int, int, int], bytes | None]  # (shard, offset, length) -> bytes or None
 _SENDFILE_MIN = 64 * 2**10  # a range this large goes by sendfile; smaller: preadv + sendmsg
 _FD_RESERVE = 256  # descriptors kept for shard files, the stager, logs, the relay's peers
 _RECV = 256 * 2**10  # the loop's receive buffer (requests are small)
@@ -128,6 +129,7 @@ class ServerStats:
     relayed_missing: int = 0  # of which no peer gave: NOT_HELD, the reader goes on
     relayed_piped: int = 0  # of which sent on from pipes, never copied here (net/pipes.py)
     bytes_served: int = 0
+    bytes_served_partial: int = 0  # of which from partial copies (the pieces held here)
     internal_errors: int = 0  # requests answered E_INTERNAL (out of descriptors, a bug)
 
     def as_dict(self) -> dict[str, int]:
@@ -407,7 +409,8 @@ class ShardServer:
                  port: int = 0, *, limits: ServerLimits | None = None,
                  status: Callable[[], dict[str, Any]] | None = None,
                  unix_path: str | None = None, relay: Relay | None = None,
-                 check: Callable[[int], str] | None = None) -> None:
+                 check: Callable[[int], str] | None = None,
+                 pieces: Pieces | None = None) -> None:
         if host in ("", "0.0.0.0", "::"):
             raise ConfigError(
                 "the stagefs server does not listen on all interfaces; give the address of "
@@ -422,6 +425,9 @@ class ShardServer:
         # a CHECK (a reader found bad bytes of a shard from here): queued, never run in
         # the loop; what it says back (the daemon's _check_shard)
         self.check = check
+        # the bytes of a range of a shard held here in part (a tier too small for the
+        # whole shard keeps the pieces it has room for), None where they are not here
+        self.pieces = pieces
         self.stats = ServerStats()
         self.auth_failures = AuthFailures()  # what the log says of them (a test's clock)
         self._auth_timer: _Timer | None = None  # their summary to come
@@ -835,6 +841,7 @@ class ShardServer:
         relay: list[int] = []
         small = 0
         held: dict[int, int] = {}  # a shard's file, looked up once per request
+        part: dict[int, bytes] = {}  # ranges read from a partial copy's pieces
         for i, r in enumerate(req.ranges):
             if r.shard >= len(self._sizes) or r.offset + r.length > self._sizes[r.shard] \
                     or r.length > budget:
@@ -847,6 +854,10 @@ class ShardServer:
                 status[i], fds[i] = P.OK, fd
                 if r.length < _SENDFILE_MIN:
                     small += r.length
+            elif self.pieces is not None and \
+                    (got := self.pieces(r.shard, r.offset, r.length)) is not None:
+                status[i], part[i] = P.OK, got  # the pieces a partial copy holds
+                small += r.length
             elif conn.unix and self.relay is not None:
                 relay.append(i)
             else:
@@ -854,11 +865,16 @@ class ShardServer:
                 st.ranges_not_held += 1
         # ranges held here: the small ones read now into one buffer (the reply's), the
         # large ones sent from the file by sendfile when their turn comes
-        buf = memoryview(bytearray(small))
+        buf = memoryview(bytearray(small - sum(len(b) for b in part.values())))
         data: list[_Chunk | None] = [None] * n
         pos = served = 0
         for i, r in enumerate(req.ranges):
             if status[i] != P.OK:
+                continue
+            if i in part:
+                data[i] = memoryview(part[i])
+                served += r.length
+                st.bytes_served_partial += r.length
                 continue
             if r.length >= _SENDFILE_MIN:
                 data[i] = _File(fds[i], r.offset, r.length)

@@ -1,0 +1,112 @@
+"""Cluster mode with tiers smaller than each node's share: the pieces a node's staging put in
+its partial copies serve its readers and its peers' (through its daemon's server).
+
+They served nobody: the server and the readers read whole copies only, so a node whose tier
+was smaller than one shard held pieces it had read from the origin, and every reader of
+every node read the whole dataset from the origin, every epoch (4 nodes, 16 MiB shards,
+tiers at 25% of each node's share: 105 MB a node an epoch, against D - C = 79 MB), and
+`stagefs status` gave such a node's share as 0 B (0%)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cluster_helpers import free_ports, start, status_json, stop, tail, wait_staged
+
+import stagefs
+from stagefs.format import Manifest
+from stagefs.tiers.fill import PARTIAL_SUFFIX
+
+pytestmark = pytest.mark.integration
+
+
+def _held_in_pieces(work: str, n: int, pack: str) -> dict[str, int]:
+    """The files whose bytes a node's partial copy holds (path -> size), found by their
+    bytes: a piece is filled only with checked bytes, and a file not there reads as zeros."""
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    try:
+        held: dict[str, int] = {}
+        for e in m.files():
+            size = int(m.stored[e])
+            if not size:
+                continue
+            shard, off = int(m.shard[e]), int(m.offset[e])
+            name = m.shards[shard].name
+            with open(os.path.join(pack, name), "rb") as f:
+                f.seek(off)
+                want = f.read(size)
+            for r in range(n):
+                tier = os.path.join(work, f"node{r}", "disk", m.pack_id.hex())
+                try:
+                    with open(os.path.join(tier, name + PARTIAL_SUFFIX), "rb") as f:
+                        f.seek(off)
+                        got = f.read(size)
+                except FileNotFoundError:
+                    continue
+                if got == want:
+                    held[m.path_of(e).decode()] = size
+        return held
+    finally:
+        m.close()
+
+
+def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
+    n, work = 2, str(tmp_path)
+    rnd = random.Random(3)
+    src = os.path.join(work, "src")
+    content: dict[str, bytes] = {}
+    for i in range(240):
+        rel = f"train/c{i % 3}/f{i:04d}.bin"
+        content[rel] = rnd.randbytes(rnd.randint(5_000, 40_000))
+        os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(src, rel), "wb") as f:
+            f.write(content[rel])
+    pack = os.path.join(work, "pack")
+    stagefs.pack(src, pack, shard_size="3MiB", jobs=1)  # 2 shards or more, 1 MiB pieces
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                    os.path.join(work, "token")], check=True, timeout=60)
+    # a tier smaller than one shard: it holds a few pieces of its share, no whole shard
+    daemons = [start([sys.executable, "-m", "stagefs.cli", "serve", pack,
+                      "--tier", os.path.join(work, "node{rank}", "disk") + ":2MiB",
+                      "--runtime", os.path.join(work, "rt{rank}"), "--hosts",
+                      os.path.join(work, "hosts"), "--rank", str(r), "--token-file",
+                      os.path.join(work, "token"), "--replicas", "1", "--progress", "0"],
+                     os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        held = _held_in_pieces(work, n, pack)
+        assert held, "the tiers hold no piece: the test proves nothing"
+        total = sum(len(d) for d in content.values())
+        paths = sorted(content)
+        for r in range(n):
+            with stagefs.connect(os.path.join(work, f"rt{r}")) as fs:
+                for _ in range(2):  # two epochs, shuffled, in batches
+                    rnd.shuffle(paths)
+                    for i in range(0, len(paths), 32):
+                        batch = paths[i : i + 32]
+                        assert fs.read_many(batch) == [content[p] for p in batch]
+                st = fs.status()
+            # every file a partial copy holds came from it (through this node's daemon,
+            # from its own tier or its peer's); only the rest from the origin
+            assert st["holders"]["origin"]["bytes"] == 2 * (total - sum(held.values())), st
+            assert st["holders"]["peer"]["bytes"] == 2 * sum(held.values()), st
+        nodes = status_json(work, 0)["nodes"]
+        assert sum(s["server"]["bytes_served_partial"] for s in nodes) == \
+            2 * n * sum(held.values())
+        # the node's share says what its pieces hold (it said 0 B, 0%)
+        assert sum(s["staging"]["bytes_in_pieces"] for s in nodes) == sum(held.values())
+        text = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--runtime",
+                               os.path.join(work, "rt0")], capture_output=True, text=True,
+                              timeout=60).stdout
+        assert "in pieces" in text, text
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
