@@ -43,6 +43,7 @@ from typing import Any
 
 from stagefs._fsutil import (
     atomic_write,
+    file_lock,
     login,
     movable_by_others,
     open_read,
@@ -564,7 +565,7 @@ def remove_tier_data(records: list[dict[str, Any]],
         why = _rmtree(d)
         if not os.path.lexists(d):
             removed.append(d)
-            _remove_room_if_alone(os.path.dirname(d))
+            _forget_room(os.path.dirname(d))
         else:
             log.warning("stagefs clean: %s could not be removed whole (%s); remove what is "
                         "left by hand", d, why or "files of another user in it?")
@@ -588,19 +589,26 @@ def _rmtree(path: str) -> str | None:
     return errors[0] if errors else None
 
 
-def _remove_room_if_alone(tier: str) -> None:
-    """Remove the user's room counter and lock from ``tier`` once it holds no copy of theirs:
-    the tier is left as it was before its first job (a counter kept there would count the
-    copies just removed until the next job counted anew)."""
-    mine = TIER_ROOM_DIR.format(uid=os.getuid())
+def _forget_room(tier: str) -> None:
+    """Copies of the user's were just removed from ``tier``: its room counter (Room, in the
+    tier) must not count them. Once the tier holds no copy of the user's, the folder goes
+    (the tier left as it was before its first job); else the counter alone, under the
+    tier's lock, and the next process to place there counts the room anew from what the
+    tier holds: a live job of another id saw the removed copies as used until it found the
+    tier full."""
+    folder = os.path.join(tier, TIER_ROOM_DIR.format(uid=os.getuid()))
     try:
         with os.scandir(tier) as it:
-            theirs = [e.name for e in it if e.name != mine
+            theirs = [e.name for e in it if e.path != folder
                       and e.stat(follow_symlinks=False).st_uid == os.getuid()]
     except OSError:
         return
     if not theirs:
-        shutil.rmtree(os.path.join(tier, mine), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    # (a lock not had in 2 s, a folder gone: the counter is counted anew when found full)
+    with contextlib.suppress(OSError), file_lock(os.path.join(folder, "lock"), 2.0):
+        os.unlink(os.path.join(folder, "room"))
 
 
 def _write_json(path: str, obj: Any) -> None:

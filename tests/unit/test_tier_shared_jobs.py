@@ -171,3 +171,33 @@ def test_clean_of_a_tier_gone_read_only_says_why_it_stays(
         said = [m for m in caplog.messages if "could not be removed" in m]
         assert said and "Read-only file system" in said[0], caplog.messages
         assert "another user" not in said[0]
+
+
+def test_clean_of_one_dataset_frees_its_room_for_a_live_job_of_another_id(
+        three_shards: tuple[Path, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job b staged a second dataset into the tier job a (live) reads, then cleaned: its
+    copies went, but the room counter in the tier still counted them, and job a saw the
+    tier as used by them (its room left, its prefetch budget) until it found it full."""
+    from stagefs.runtime import Runtime, clean
+    pack, _ = three_shards
+    other = pack_files(tmp_path, "other", {f"o{i}.bin": random_bytes(MiB, 100 + i)
+                                           for i in range(6)})
+    tier = tmp_path / "tier"
+    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
+    monkeypatch.setenv("STAGEFS_JOB", "a")
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt-a"))
+    with stagefs.open(pack, tiers=[f"{tier}:256MiB"]) as fs:
+        assert fs.chain is not None and fs.chain.stage()
+        mine = dir_bytes(str(tier))
+        monkeypatch.setenv("STAGEFS_JOB", "b")
+        monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt-b"))
+        with stagefs.open(other, tiers=[f"{tier}:256MiB"]) as b:
+            assert b.chain is not None and b.chain.stage()
+        t = fs.chain.tiers[0]
+        assert t.used_bytes() >= mine + 6 * MiB
+        removed = clean([Runtime(tmp_path / "rt-b")])
+        assert any(r.endswith(b.manifest.pack_id.hex()) for r in removed), removed
+        assert dir_bytes(str(tier)) == mine  # job a's copies kept
+        assert abs(t.used_bytes() - mine) <= MiB // 4, (t.used_bytes(), mine)
+        assert fs.read("d0/f00.bin")  # and job a reads on
