@@ -151,3 +151,57 @@ def tail(path: str, n: int = 3000) -> str:
             return f.read()[-n:]
     except OSError:
         return ""
+
+
+def piece_pack(work: str) -> tuple[str, dict[str, bytes]]:
+    """``work``/pack: 240 files of 5-40 KB under train/ in shards of 3 MiB (several shards,
+    1 MiB pieces), and the files' bytes by path."""
+    import random
+
+    import stagefs
+
+    rnd = random.Random(3)
+    src = os.path.join(work, "src")
+    content: dict[str, bytes] = {}
+    for i in range(240):
+        rel = f"train/c{i % 3}/f{i:04d}.bin"
+        content[rel] = rnd.randbytes(rnd.randint(5_000, 40_000))
+        os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(src, rel), "wb") as f:
+            f.write(content[rel])
+    pack = os.path.join(work, "pack")
+    stagefs.pack(src, pack, shard_size="3MiB", jobs=1)
+    return pack, content
+
+
+def held_in_pieces(work: str, n: int, pack: str) -> dict[str, int]:
+    """The files whose bytes a node's partial copy holds (path -> size), found by their
+    bytes: a piece is filled only with checked bytes, and a file not there reads as zeros."""
+    from stagefs.format import Manifest
+    from stagefs.tiers.fill import PARTIAL_SUFFIX
+
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    try:
+        held: dict[str, int] = {}
+        for e in m.files():
+            size = int(m.stored[e])
+            if not size:
+                continue
+            shard, off = int(m.shard[e]), int(m.offset[e])
+            name = m.shards[shard].name
+            with open(os.path.join(pack, name), "rb") as f:
+                f.seek(off)
+                want = f.read(size)
+            for r in range(n):
+                tier = os.path.join(work, f"node{r}", "disk", m.pack_id.hex())
+                try:
+                    with open(os.path.join(tier, name + PARTIAL_SUFFIX), "rb") as f:
+                        f.seek(off)
+                        got = f.read(size)
+                except FileNotFoundError:
+                    continue
+                if got == want:
+                    held[m.path_of(e).decode()] = size
+        return held
+    finally:
+        m.close()

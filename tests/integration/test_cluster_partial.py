@@ -16,58 +16,26 @@ import sys
 from pathlib import Path
 
 import pytest
-from cluster_helpers import free_ports, start, status_json, stop, tail, wait_staged
+from cluster_helpers import (
+    free_ports,
+    held_in_pieces,
+    piece_pack,
+    start,
+    status_json,
+    stop,
+    tail,
+    wait_staged,
+)
 
 import stagefs
-from stagefs.format import Manifest
-from stagefs.tiers.fill import PARTIAL_SUFFIX
 
 pytestmark = pytest.mark.integration
-
-
-def _held_in_pieces(work: str, n: int, pack: str) -> dict[str, int]:
-    """The files whose bytes a node's partial copy holds (path -> size), found by their
-    bytes: a piece is filled only with checked bytes, and a file not there reads as zeros."""
-    m = Manifest(os.path.join(pack, "manifest.sfm"))
-    try:
-        held: dict[str, int] = {}
-        for e in m.files():
-            size = int(m.stored[e])
-            if not size:
-                continue
-            shard, off = int(m.shard[e]), int(m.offset[e])
-            name = m.shards[shard].name
-            with open(os.path.join(pack, name), "rb") as f:
-                f.seek(off)
-                want = f.read(size)
-            for r in range(n):
-                tier = os.path.join(work, f"node{r}", "disk", m.pack_id.hex())
-                try:
-                    with open(os.path.join(tier, name + PARTIAL_SUFFIX), "rb") as f:
-                        f.seek(off)
-                        got = f.read(size)
-                except FileNotFoundError:
-                    continue
-                if got == want:
-                    held[m.path_of(e).decode()] = size
-        return held
-    finally:
-        m.close()
 
 
 def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
     n, work = 2, str(tmp_path)
     rnd = random.Random(3)
-    src = os.path.join(work, "src")
-    content: dict[str, bytes] = {}
-    for i in range(240):
-        rel = f"train/c{i % 3}/f{i:04d}.bin"
-        content[rel] = rnd.randbytes(rnd.randint(5_000, 40_000))
-        os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
-        with open(os.path.join(src, rel), "wb") as f:
-            f.write(content[rel])
-    pack = os.path.join(work, "pack")
-    stagefs.pack(src, pack, shard_size="3MiB", jobs=1)  # 2 shards or more, 1 MiB pieces
+    pack, content = piece_pack(work)
     with open(os.path.join(work, "hosts"), "w") as f:
         f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
     subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
@@ -82,7 +50,7 @@ def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
     try:
         for r, d in enumerate(daemons):
             wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
-        held = _held_in_pieces(work, n, pack)
+        held = held_in_pieces(work, n, pack)
         assert held, "the tiers hold no piece: the test proves nothing"
         total = sum(len(d) for d in content.values())
         paths = sorted(content)

@@ -17,8 +17,10 @@ from stagefs.format import MANIFEST_NAME
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from cluster_helpers import (
+    held_in_pieces,
     make_pack,
     mpiexec,
+    piece_pack,
     results,
     serve_args,
     start,
@@ -233,3 +235,45 @@ def test_refused_without_thread_multiple(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     assert "needs MPI_THREAD_MULTIPLE" in run.stdout
     assert "gave MPI_THREAD_FUNNELED" in run.stdout
+
+
+def test_partial_copies_serve_peers_through_mpi(tmp_path: Path) -> None:
+    """With ``--transport mpi``, a daemon read its peers' ranges through MPI, whose server
+    gave whole copies only: the pieces a peer's tier held of a shard (a tier smaller than
+    its share) were NOT_HELD, and the readers read them from the origin every epoch."""
+    import random
+
+    import stagefs
+
+    n, work = 2, str(tmp_path)
+    pack, content = piece_pack(work)
+    log = os.path.join(work, "daemons.log")
+    assert MPIEXEC is not None
+    daemons = start([MPIEXEC, "-n", str(n), sys.executable, "-m", "stagefs.cli", "serve",
+                     pack, "--tier", os.path.join(work, "node{rank}", "disk") + ":2MiB",
+                     "--runtime", os.path.join(work, "rt{rank}"), "--bind", "127.0.0.1",
+                     "--replicas", "1", "--progress", "0", "--transport", "mpi"], log)
+    try:
+        wait_staged(work, n, daemons, log=log)
+        held = sum(held_in_pieces(work, n, pack).values())
+        assert held, "the tiers hold no piece: the test proves nothing"
+        total = sum(len(d) for d in content.values())
+        paths = sorted(content)
+        rnd = random.Random(5)
+        for r in range(n):
+            with stagefs.connect(os.path.join(work, f"rt{r}")) as fs:
+                rnd.shuffle(paths)
+                for i in range(0, len(paths), 32):
+                    batch = paths[i : i + 32]
+                    assert fs.read_many(batch) == [content[p] for p in batch]
+                st = fs.status()
+            assert st["holders"]["origin"]["bytes"] == total - held, st
+        nodes = status_json(work, 0)["nodes"]
+        assert isinstance(nodes, list) and all(s["transport"] == "mpi" for s in nodes)
+        # a node's own pieces from its server (the fabric), its peer's through MPI
+        by_mpi = sum(s["mpi"]["server"]["bytes_served_partial"] for s in nodes)
+        by_fabric = sum(s["server"]["bytes_served_partial"] for s in nodes)
+        assert by_mpi > 0 and by_mpi + by_fabric == n * held, (by_mpi, by_fabric, held)
+    finally:
+        code = stop(daemons)
+    assert code == 0, tail(log)

@@ -414,7 +414,7 @@ class Daemon:
         """The peers' transport (MPI: a collective), staging and re-replication."""
         # the peers' bytes come over TCP or MPI (--transport); status and the barrier over TCP
         self.transport = open_transport(o.transport, getattr(self.boot, "comm", None),
-                                        self.manifest, self.chain)
+                                        self.manifest, self.chain, pieces=self._pieces)
         if self.transport is not None:
             # every rank is past MPI_Init (the transport's communicator is a collective):
             # the node's ranks have attached MPI's shared-memory segment, and its name in

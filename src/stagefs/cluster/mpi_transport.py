@@ -47,7 +47,7 @@ from stagefs.errors import ClusterError
 from stagefs.format import Manifest
 from stagefs.net.client import PeerUnavailable
 from stagefs.net.health import BACKOFF, PeerHealth
-from stagefs.net.server import HeldFiles
+from stagefs.net.server import HeldFiles, Pieces
 
 __all__ = ["INVALID", "NOT_HELD", "REQ_TAG", "MpiLimits", "MpiPeer", "MpiStats",
            "MpiTransport", "mpi_library"]
@@ -100,6 +100,7 @@ class MpiServerStats:
     ranges_invalid: int = 0
     malformed: int = 0
     bytes_served: int = 0
+    bytes_served_partial: int = 0  # of which from partial copies (the pieces held here)
     abandoned: int = 0  # replies no reader took within send_timeout
     late_replies: int = 0  # replies that came after this rank's reader gave up: dropped
     polls: int = 0  # probes that found no request
@@ -155,10 +156,13 @@ class MpiTransport:
     the other ranks, and a holder (``peer``) for each of them.
 
     Made by every rank at the same point (it duplicates ``comm``, a collective), before any
-    of them reads. ``locate(shard)``: the path of this node's whole copy, or None."""
+    of them reads. ``locate(shard)``: the path of this node's whole copy, or None;
+    ``pieces(shard, offset, length)``: the bytes of a range this node's partial copies hold,
+    or None (the TCP server's ``pieces``: a tier too small for the node's share keeps the
+    pieces it has room for, and they serve its peers too)."""
 
     def __init__(self, comm: Any, manifest: Manifest, locate: Locate, *,
-                 limits: MpiLimits | None = None,
+                 limits: MpiLimits | None = None, pieces: Pieces | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.mpi = mpi_library("--transport mpi was given")
         _check_threads(self.mpi)
@@ -168,6 +172,7 @@ class MpiTransport:
         self.clock = clock
         self.stats = MpiServerStats()
         self.files = HeldFiles(manifest, locate)
+        self.pieces = pieces
         self._tag_span = int(self.comm.Get_attr(self.mpi.TAG_UB)) - _FIRST_TAG
         self._tags = itertools.count()
         self._tag_lock = threading.Lock()
@@ -260,11 +265,18 @@ class MpiTransport:
             return
         lengths = array("q", bytes(8 * n))
         plan: list[tuple[int, int, int, int]] = []  # slot, fd, offset, length
+        part: dict[int, bytes] = {}  # slot -> a range read from a partial copy's pieces
         budget = self.limits.max_reply
         for i in range(n):
             shard, offset, length = req[2 + 3 * i : 5 + 3 * i]
             fd = _check(self.files, shard, offset, length, budget)
-            if fd >= 0:
+            if fd == NOT_HELD and self.pieces is not None and \
+                    (held := self.pieces(shard, offset, length)) is not None:
+                part[i], fd = held, -1  # (the plan's fd: none, the bytes are here)
+                budget -= length
+                plan.append((i, fd, offset, length))
+                lengths[i] = length
+            elif fd >= 0:
                 budget -= length
                 plan.append((i, fd, offset, length))
                 lengths[i] = length
@@ -278,6 +290,11 @@ class MpiTransport:
         view = memoryview(out)
         pos = head
         for i, fd, offset, length in plan:
+            if i in part:
+                view[pos : pos + length] = part[i]
+                pos += length
+                self.stats.bytes_served_partial += length
+                continue
             got = os.preadv(fd, [view[pos : pos + length]], offset) if length else 0
             if got != length:  # shorter than the manifest says: not a copy we can give
                 dropped = self.files.pop(req[2 + 3 * i])

@@ -16,6 +16,7 @@ from stagefs.cluster.mpi_transport import MpiTransport
 from stagefs.errors import ConfigError
 from stagefs.format import Manifest
 from stagefs.net.client import PeerClient, PeerSource
+from stagefs.net.server import Pieces
 from stagefs.tiers.chain import TierChain
 
 __all__ = ["TRANSPORTS", "open_transport", "peer_sources"]
@@ -23,10 +24,11 @@ __all__ = ["TRANSPORTS", "open_transport", "peer_sources"]
 TRANSPORTS = ("tcp", "mpi")
 
 
-def open_transport(name: str, comm: Any, manifest: Manifest,
-                   chain: TierChain) -> MpiTransport | None:
-    """The MPI transport over ``comm`` serving ``chain``'s copies (started), or None for
-    TCP (the daemon's ShardServer serves peers). Every rank calls it at the same point."""
+def open_transport(name: str, comm: Any, manifest: Manifest, chain: TierChain, *,
+                   pieces: Pieces | None = None) -> MpiTransport | None:
+    """The MPI transport over ``comm`` serving ``chain``'s copies (started), and with
+    ``pieces`` the ranges its partial copies hold (the daemon's), or None for TCP (the
+    daemon's ShardServer serves peers). Every rank calls it at the same point."""
     if name not in TRANSPORTS:
         raise ConfigError(f"--transport {name!r}: use one of {', '.join(TRANSPORTS)}")
     if name == "tcp":
@@ -36,7 +38,7 @@ def open_transport(name: str, comm: Any, manifest: Manifest,
                           "(mpiexec -ppn 1 stagefs serve ..., srun --nodes=$SLURM_NNODES "
                           "--ntasks=$SLURM_NNODES --ntasks-per-node=1 ...), "
                           "not a hosts file; or use --transport tcp")
-    return MpiTransport(comm, manifest, chain.locate).start()
+    return MpiTransport(comm, manifest, chain.locate, pieces=pieces).start()
 
 
 def peer_sources(transport: MpiTransport | None,
