@@ -153,6 +153,23 @@ def tail(path: str, n: int = 3000) -> str:
         return ""
 
 
+def hosts_daemons(work: str, pack: str, n: int, tier: str, *extra: str
+                  ) -> list[subprocess.Popen[bytes]]:
+    """``n`` daemons of a cluster on this machine named by a hosts file (free local ports)
+    and a new token in ``work``: rank r's tier ``work``/node{r}/disk of ``tier`` (a size),
+    its runtime rt{r}, its log daemon{r}.log; ``extra``: more ``serve`` options."""
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                    os.path.join(work, "token")], check=True, timeout=60)
+    return [start([sys.executable, "-m", "stagefs.cli", "serve", pack,
+                   "--tier", os.path.join(work, "node{rank}", "disk") + f":{tier}",
+                   "--runtime", os.path.join(work, "rt{rank}"), "--hosts",
+                   os.path.join(work, "hosts"), "--rank", str(r), "--token-file",
+                   os.path.join(work, "token"), *extra],
+                  os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
 def piece_pack(work: str) -> tuple[str, dict[str, bytes]]:
     """``work``/pack: 240 files of 5-40 KB under train/ in shards of 3 MiB (several shards,
     1 MiB pieces), and the files' bytes by path."""

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import (
-    free_ports,
     held_in_pieces,
+    hosts_daemons,
     piece_pack,
-    start,
     status_json,
     stop,
     tail,
@@ -36,17 +35,8 @@ def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
     n, work = 2, str(tmp_path)
     rnd = random.Random(3)
     pack, content = piece_pack(work)
-    with open(os.path.join(work, "hosts"), "w") as f:
-        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
-    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
-                    os.path.join(work, "token")], check=True, timeout=60)
     # a tier smaller than one shard: it holds a few pieces of its share, no whole shard
-    daemons = [start([sys.executable, "-m", "stagefs.cli", "serve", pack,
-                      "--tier", os.path.join(work, "node{rank}", "disk") + ":2MiB",
-                      "--runtime", os.path.join(work, "rt{rank}"), "--hosts",
-                      os.path.join(work, "hosts"), "--rank", str(r), "--token-file",
-                      os.path.join(work, "token"), "--replicas", "1", "--progress", "0"],
-                     os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
     try:
         for r, d in enumerate(daemons):
             wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))

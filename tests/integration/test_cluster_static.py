@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import (
     free_ports,
+    hosts_daemons,
     make_pack,
     results,
     serve_args,
@@ -130,16 +131,7 @@ def test_tiers_too_small_for_the_shards_end_staging_at_once(tmp_path: Path) -> N
 
     n, work = 2, str(tmp_path)
     pack, content = make_pack(work, files=60, shard_size="1MiB")
-    with open(os.path.join(work, "hosts"), "w") as f:
-        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
-    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
-                    os.path.join(work, "token")], check=True, timeout=60)
-    daemons = [start([sys.executable, "-m", "stagefs.cli", "serve", pack,
-                      "--tier", os.path.join(work, "node{rank}", "disk") + ":512KiB",
-                      "--runtime", os.path.join(work, "rt{rank}"), "--hosts",
-                      os.path.join(work, "hosts"), "--rank", str(r), "--token-file",
-                      os.path.join(work, "token"), "--replicas", "2"],
-                     os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+    daemons = hosts_daemons(work, pack, n, "512KiB", "--replicas", "2")
     try:
         for r, d in enumerate(daemons):  # (the forward timeout is 600 s)
             wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))

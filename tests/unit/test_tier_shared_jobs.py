@@ -51,6 +51,14 @@ def three_shards(tmp_path: Path) -> tuple[Path, Path]:
     return pack_files(tmp_path, "data", files), tmp_path / "data"
 
 
+def _as_job(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str) -> None:
+    """This process is now job ``name`` (its own id and runtime, rt-NAME), with no tiers
+    from the caller's environment."""
+    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
+    monkeypatch.setenv("STAGEFS_JOB", name)
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / f"rt-{name}"))
+
+
 def _job(tmp_path: Path, name: str, pack: Path, src: Path, tier: str,
          other: str) -> subprocess.Popen[str]:
     env = {**os.environ, "STAGEFS_JOB": name, "STAGEFS_RUNTIME": str(tmp_path / f"rt-{name}")}
@@ -90,17 +98,14 @@ def test_a_counter_left_in_the_tier_is_counted_anew_by_the_next_job(
     capacity, its room all free, and the dataset placed again."""
     pack, src = three_shards
     tier = tmp_path / "tier"
-    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
-    monkeypatch.setenv("STAGEFS_JOB", "first")
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt1"))
+    _as_job(monkeypatch, tmp_path, "first")
     with stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
         assert fs.chain is not None and fs.chain.stage()
     assert dir_bytes(str(tier)) >= 48 * MiB
     for d in tier.iterdir():  # what `rm -rf TIER/*` removes: not the dot folder
         if not d.name.startswith("."):
             shutil.rmtree(d)
-    monkeypatch.setenv("STAGEFS_JOB", "second")
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt2"))
+    _as_job(monkeypatch, tmp_path, "second")
     with caplog.at_level(logging.WARNING), \
             stagefs.open(pack, tiers=[f"{tier}:12MiB"]) as fs:
         assert fs.chain is not None
@@ -184,14 +189,11 @@ def test_clean_of_one_dataset_frees_its_room_for_a_live_job_of_another_id(
     other = pack_files(tmp_path, "other", {f"o{i}.bin": random_bytes(MiB, 100 + i)
                                            for i in range(6)})
     tier = tmp_path / "tier"
-    monkeypatch.delenv("STAGEFS_TIERS", raising=False)
-    monkeypatch.setenv("STAGEFS_JOB", "a")
-    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt-a"))
+    _as_job(monkeypatch, tmp_path, "a")
     with stagefs.open(pack, tiers=[f"{tier}:256MiB"]) as fs:
         assert fs.chain is not None and fs.chain.stage()
         mine = dir_bytes(str(tier))
-        monkeypatch.setenv("STAGEFS_JOB", "b")
-        monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt-b"))
+        _as_job(monkeypatch, tmp_path, "b")
         with stagefs.open(other, tiers=[f"{tier}:256MiB"]) as b:
             assert b.chain is not None and b.chain.stage()
         t = fs.chain.tiers[0]
