@@ -84,7 +84,8 @@ TIER_LOCK_WAIT_S = 2.0
 
 class TiersBusy(TimeoutError):
     """A tier's lock could not be had: another process (of this job or another using the
-    tier) holds it and does not go on. What needed it is skipped (a reservation, a rename, a drop); reads go on."""
+    tier) holds it and does not go on. What needed it is skipped (a reservation, a rename,
+    a drop); reads go on."""
 
 Record = Callable[[int, int], None]
 
