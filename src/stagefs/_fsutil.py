@@ -227,14 +227,27 @@ def open_own_file(path: str, flags: int = os.O_RDWR) -> int:
     return fd
 
 
-def remove_any(path: str) -> None:
-    """Remove ``path`` whatever it is: a directory with its tree, a file, a FIFO, a symlink
-    (never what it points to); nothing if it is gone."""
+def remove_any(path: str) -> str | None:
+    """Remove ``path`` whatever it is: a directory with its tree (as far as it can be), a
+    file, a FIFO, a symlink (never what it points to); nothing if it is gone. Returns why
+    part of a tree stayed, as the file system said it (a tier remounted read-only after a
+    disk error was said to hold files of another user), or None."""
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+        errors: list[str] = []
+
+        def failed(exc: BaseException) -> None:
+            if isinstance(exc, OSError) and exc.strerror \
+                    and not isinstance(exc, FileNotFoundError):  # (gone meanwhile: removed)
+                errors.append(exc.strerror)
+
+        if sys.version_info >= (3, 12):  # (onerror is deprecated there)
+            shutil.rmtree(path, onexc=lambda _f, _p, exc: failed(exc))
+        else:
+            shutil.rmtree(path, onerror=lambda _f, _p, info: failed(info[1]))
+        return errors[0] if errors else None
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return None
 
 
 def private_makedirs(path: str | os.PathLike[str]) -> None:

@@ -35,7 +35,6 @@ import os
 import shutil
 import socket
 import stat as st
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -562,7 +561,7 @@ def remove_tier_data(records: list[dict[str, Any]],
         if (s.st_dev, s.st_ino) in keep or not st.S_ISDIR(s.st_mode) \
                 or s.st_uid != os.getuid():
             continue
-        why = _rmtree(d)
+        why = remove_any(d)
         if not os.path.lexists(d):
             removed.append(d)
             _forget_room(os.path.dirname(d))
@@ -570,23 +569,6 @@ def remove_tier_data(records: list[dict[str, Any]],
             log.warning("stagefs clean: %s could not be removed whole (%s); remove what is "
                         "left by hand", d, why or "files of another user in it?")
     return removed
-
-
-def _rmtree(path: str) -> str | None:
-    """Remove the tree at ``path`` as far as it can be; why not all of it, as the file
-    system said it (a tier remounted read-only after a disk error was said to hold files of
-    another user), or None."""
-    errors: list[str] = []
-
-    def failed(exc: BaseException) -> None:
-        if isinstance(exc, OSError) and exc.strerror:
-            errors.append(exc.strerror)
-
-    if sys.version_info >= (3, 12):  # (onerror is deprecated there)
-        shutil.rmtree(path, onexc=lambda _f, _p, exc: failed(exc))
-    else:
-        shutil.rmtree(path, onerror=lambda _f, _p, info: failed(info[1]))
-    return errors[0] if errors else None
 
 
 def _forget_room(tier: str) -> None:
