@@ -279,6 +279,28 @@ def test_a_tier_directory_removed_mid_epoch(
     assert len(said) == 1 and "Errno" not in said[0], said
 
 
+def test_a_full_tier_removed_mid_epoch_says_it_was_removed(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path) -> None:
+    """A tier that had stopped (full) and was then removed (``rm -rf``): its status went on
+    saying "full", holding 0 B, for the rest of the job; nothing tried to place into it
+    again to find out. Now it says the directory was removed."""
+    import shutil
+
+    pack, files = dataset
+    tier = tmp_path / "t0"
+    names = sorted(files)
+    with stagefs.open(pack, tiers=[f"{tier}:160KiB"]) as fs:  # about half the dataset
+        assert fs.read_many(names) == [files[p] for p in names]
+        assert fs.chain is not None and fs.chain.stage() is not None
+        [t] = fs.status()["tiers"]
+        assert t["stopped"] == "full", t
+        shutil.rmtree(tier)
+        assert fs.read_many(names) == [files[p] for p in names]
+        [t] = fs.status()["tiers"]
+    assert t["bytes_used"] == 0
+    assert t["stopped"] is not None and "removed" in t["stopped"] and str(tier) in t["stopped"]
+
+
 def test_a_tier_s_contents_removed_mid_epoch(
         dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
         caplog: pytest.LogCaptureFixture) -> None:

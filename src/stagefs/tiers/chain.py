@@ -1385,7 +1385,7 @@ class TierChain:
         for t in self.tiers:
             tiers.append({"path": t.root, "kind": t.kind, "capacity": t.capacity,
                           "bytes_used": t.used_bytes(), "shards_held": len(t.held()),
-                          "stopped": t.stopped, **t.stats.as_dict()})
+                          "stopped": t.why_stopped(), **t.stats.as_dict()})
         c.update(tiers=tiers, shards=len(self._sizes), hits=sum(t.stats.hits for t in self.tiers))
         return c
 

@@ -463,6 +463,14 @@ class DirTier:
         tier's root left: its copies gone just the same)."""
         return os.path.isdir(self.dir)
 
+    def why_stopped(self) -> str | None:
+        """Why placement into the tier stopped (``stopped``), or None; its directory removed
+        while the job ran, whatever stopped it before: a tier full, then removed, was said to
+        be full (and hold 0 B) for the rest of the job."""
+        if not self.present():
+            return self.failure(FileNotFoundError(errno.ENOENT, "removed", self.dir))
+        return self.stopped
+
     def failure(self, exc: OSError) -> str:
         """Why placement into the tier stopped, for ``exc`` met writing a copy: what a user
         can act on, not the errno of one of its files."""
