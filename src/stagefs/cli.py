@@ -234,6 +234,9 @@ def _open_dataset(origin: str | None, tiers: list[str] | None,  # type: ignore[n
     if connect:
         if origin:
             raise UsageError("give either a dataset or --connect, not both")
+        if tiers:  # the cluster's reads go through the daemon's tiers: these would be unused
+            raise UsageError("--tier is not used with --connect: this node's tiers are its "
+                             "daemon's (stagefs serve --tier ...); drop --tier here")
         return stagefs.connect(runtime)
     if not origin:
         raise UsageError("name the dataset (a pack or a directory), or --connect")
@@ -552,7 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
                     help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",
-                    help="serve the cluster's dataset (this node's daemon) instead")
+                    help="serve the cluster's dataset (this node's daemon and its tiers; "
+                         "not with --tier) instead")
     sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="the cluster's runtime dir (--connect)")
     sp.add_argument("--any-program", action="store_true",
@@ -568,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tier", action="append", default=None, metavar="DIR[:SIZE]",
                     help="a node-local tier, fastest first (repeat; default: $STAGEFS_TIERS)")
     sp.add_argument("--connect", action="store_true",
-                    help="serve the cluster's whole dataset (this node's daemon) instead")
+                    help="serve the cluster's whole dataset (this node's daemon and its "
+                         "tiers; not with --tier) instead")
     sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="the cluster's runtime dir (--connect)")
     sp.add_argument("-f", "--foreground", action="store_true",

@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
     ["run", "--at", "/data"],  # no command
     ["run", "--at", "/data", "--any-program", "--", "true"],  # no dataset, no --connect
     ["run", "--dataset", "d", "--connect", "--at", "/data", "--any-program", "--", "true"],
+    # the cluster's tiers are its daemon's: a --tier here was dropped without a word
+    ["run", "--connect", "--tier", "/tmp/t:1GiB", "--at", "/data", "--any-program", "--",
+     "true"],
 ])
 def test_a_command_line_that_cannot_work_is_the_commands_usage_and_2(
         argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,8 +4,11 @@ gave both positionals to the first word and called the mount point unrecognized)
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from stagefs import cli
 from stagefs.cli import build_parser
 
 
@@ -31,3 +34,22 @@ def test_a_third_path_is_still_an_error(capsys: pytest.CaptureFixture[str]) -> N
         build_parser().parse_args(["mount", "/d/pack", "--tier", "/t", "/mnt/x", "/extra"])
     assert exc.value.code == 2
     assert "/extra" in capsys.readouterr().err
+
+
+def test_connect_with_a_tier_is_refused_not_dropped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The cluster's reads go through its daemon's tiers: a --tier given with --connect was
+    dropped without a word, and the mount read as if the user's tier were there."""
+    from stagefs.posix.fuse import fuse_available
+
+    if fuse_available():
+        pytest.skip(fuse_available())
+    (tmp_path / "mnt").mkdir()
+    tier = tmp_path / "t"
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["mount", "--connect", "--runtime", str(tmp_path / "rt"), "--tier",
+                  f"{tier}:1MiB", str(tmp_path / "mnt")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "stagefs mount: error: --tier is not used with --connect" in err, err
+    assert not tier.exists()
