@@ -257,6 +257,9 @@ class Store:
         self._holders_of: Callable[[int, int], Sequence[ShardSource]] = (
             chain.holders if chain is not None and sources is None and self._policy is chain
             else functools.partial(_untold, self._holders))
+        # holders that give a range only where one holds all of it, which hold a large
+        # file's pieces in part (a cluster's: ClusterHolders): a large file read by pieces
+        self._by_piece = bool(getattr(self._policy, "holds_pieces", False))
         # the tiers fill as origin reads pass (tiers/fill.py)
         self._from_origin = chain.from_origin if chain is not None else None
         self._sums = sums  # in place: checksums learnt as shards are placed
@@ -786,6 +789,15 @@ class Store:
             else:
                 lo, hi, first = start, end, 0
             offset, stored = offset + lo, hi - lo
+        elif self._by_piece and not codec and size > self.manifest.piece_size \
+                and self.manifest.piece_sums(e) is not None:
+            # a cluster's holders give a range only where one holds all of it (a daemon's
+            # partial copy holds some of a file's pieces): by pieces, each from its holder
+            # (whole, it went to the origin for every piece, those held too)
+            piece = self.manifest.piece_size
+            return b"".join(self.read_entry(e, path, k, piece, count=count,
+                                            sample=sample if k == 0 else 0)
+                            for k in range(0, size, piece))
         elif size == 0:
             if count:  # a sample of no bytes the manifest answers
                 self.count_kept(0, 1 if sample is None else sample, into=count)

@@ -68,3 +68,51 @@ def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
     finally:
         codes = [stop(d) for d in daemons]
     assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
+def test_a_file_larger_than_a_piece_is_read_from_the_pieces_held(tmp_path: Path) -> None:
+    """A whole file of several pieces, a partial copy holding some of them: ``read`` and
+    ``read_many`` (and the helper of ``stagefs run --connect``, which reads with
+    ``read_entry``) read from the origin only the pieces no copy holds, as a file object's
+    reads by pieces (and the FUSE mount) do. They asked the daemon for the whole file, which
+    it serves only where it holds all of it, and read the whole file from the origin every
+    epoch."""
+    work = str(tmp_path)
+    rnd = random.Random(5)
+    src = os.path.join(work, "src")
+    os.makedirs(src)
+    # a partial copy holds some pieces of a file only when the file is too large to be
+    # held whole or not at all (over 64 MiB: tiers/stream.py FILE_LIMIT)
+    content = {"big.bin": rnd.randbytes(66 * 2**20 + 1), "small.bin": rnd.randbytes(30_000)}
+    for name, data in content.items():
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(data)
+    pack = os.path.join(work, "pack")
+    stagefs.pack(src, pack, shard_size="16MiB", jobs=1)
+    # a tier smaller than the share: it holds some of the files' pieces, in partial copies
+    daemons = hosts_daemons(work, pack, 1, "24MiB", "--replicas", "1", "--progress", "0")
+    try:
+        wait_staged(work, 1, daemons[0], timeout=120, log=os.path.join(work, "daemon0.log"))
+        with stagefs.connect(os.path.join(work, "rt0")) as fs:
+            def origin_bytes() -> int:
+                return int(fs.status()["holders"]["origin"]["bytes"])
+
+            before = origin_bytes()
+            for name, data in content.items():  # by pieces: the path that used the pieces
+                with fs.open(name, "rb") as f:
+                    assert b"".join(iter(lambda: f.read(2**20), b"")) == data
+            by_pieces = origin_bytes() - before
+            total = sum(len(d) for d in content.values())
+            assert 0 < by_pieces < total, "the tier holds no piece: the test proves nothing"
+            for read in (lambda n: fs.read(n), lambda n: fs.read_many([n])[0]):
+                before = origin_bytes()
+                for name, data in content.items():
+                    assert read(name) == data
+                assert origin_bytes() - before == by_pieces
+            before = origin_bytes()
+            names = sorted(content)
+            assert fs.read_many(names) == [content[n] for n in names]
+            assert origin_bytes() - before == by_pieces
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0], tail(os.path.join(work, "daemon0.log"))

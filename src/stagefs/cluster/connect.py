@@ -73,6 +73,10 @@ class ClusterHolders:
     """Who holds each shard in cluster mode, and the Store's cluster-wide answers
     (``held_shards``, ``status``, how a pickled copy opens again)."""
 
+    # a daemon serves a range of a shard it holds in part (its partial copies) only where
+    # it holds all of the range: the Store reads a large file by its pieces (store.py)
+    holds_pieces = True
+
     def __init__(self, runtime: str, cmap: ClusterMap, token: bytes, manifest: Manifest,
                  origin: PackOrigin, *, verify: bool, timeout: float,
                  clients: dict[int, PeerClient] | None = None,
