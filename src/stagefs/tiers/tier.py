@@ -319,7 +319,12 @@ class Room:
             os.close(fd)
 
     def _write(self, value: int, at: int = 0) -> None:
-        fd = open_own_file(self.path, os.O_WRONLY)
+        try:
+            fd = open_own_file(self.path, os.O_WRONLY)
+        except FileNotFoundError:  # the folder removed (rm -rf TIER/* takes dot files too)
+            with contextlib.suppress(FileExistsError):  # (the tier gone: said as removed)
+                os.mkdir(self.folder, mode=0o700)
+            fd = open_own_file(self.path, os.O_WRONLY)
         try:
             os.pwrite(fd, value.to_bytes(8, "little", signed=True), at)
         finally:
