@@ -385,9 +385,12 @@ class PeerClient:
         return self._connect()
 
     def _connect(self) -> socket.socket:
-        """A new authenticated connection, or PeerUnavailable (the failure counted)."""
+        """A new authenticated connection, or PeerUnavailable (the failure counted). It is
+        of the pool's generation when it began: a ``shed`` while it connected closes it
+        once its request is done (pooled, it outlived the shed)."""
         self._check_open()
         self.stats.attempts += 1
+        gen = self._gen
         sock: socket.socket | None = None
         try:
             try:
@@ -416,7 +419,7 @@ class PeerClient:
         set_timeouts(sock, self.timeout)
         self.stats.connects += 1
         with self._lock:
-            self._born[sock] = self._gen
+            self._born[sock] = gen
             interrupted = self._interrupted
         if interrupted:  # (after interrupt looked at the sockets made)
             sock.close()
