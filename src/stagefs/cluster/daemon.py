@@ -40,7 +40,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -438,7 +438,8 @@ class Daemon:
         self.stager = Stager(self.manifest, self.placement.holders, self.rank, self.chain,
                              self.peers, self.stop, o.forward_timeout,
                              sources=peer_sources(self.transport, self.peers),
-                             unreachable_after=o.dead_after, first=self.everywhere)
+                             unreachable_after=o.dead_after, first=self.everywhere,
+                             spares=self.placement.spares())
         self._mine = frozenset(self.stager.mine)  # (staging counts what it placed)
         # after a peer dies, its shards are copied again from survivors (rereplicate.py)
         # probes go on the relay's connection to each peer (STATUS): two fit in
@@ -522,10 +523,10 @@ class Daemon:
                     continue
         return None
 
-    def _bytes_in_pieces(self) -> int:
-        """The stored bytes of the files this node's partial copies of its shards hold."""
+    def _bytes_in_pieces(self, shards: Iterable[int]) -> int:
+        """The stored bytes of the files this node's partial copies of ``shards`` hold."""
         total = 0
-        for shard in self._mine:
+        for shard in shards:
             for f in self.chain.partial_copies(shard):
                 bits = f.bits
                 if len(bits) == len(f.ext):  # (none once let go of: made whole meanwhile)
@@ -644,7 +645,9 @@ class Daemon:
         st["bytes_held"] -= sum(self.manifest.shards[s].size for s in gone)
         # and the files of its shards its partial copies hold (a tier too small for the
         # whole share): they are served too (``_pieces``); the share said 0% of them
-        st["bytes_in_pieces"] = self._bytes_in_pieces()
+        st["bytes_in_pieces"] = self._bytes_in_pieces(self._mine)
+        # and of other nodes' shards, which their holders had no room for (the overflow)
+        st["bytes_for_others"] = self._bytes_in_pieces(self.stager.held_for_others - self._mine)
         return {
             "rank": self.rank, "size": self.size, "host": self.server.address[0],
             "port": self.server.address[1], "pid": os.getpid(), "state": self.state,
@@ -652,6 +655,9 @@ class Daemon:
             # with re-replication idle: a node copying from this one waits for it until then
             "staging_done": self.stager.done.is_set() and self.rereplicator.idle(),
             "primary_done": self.stager.primary_done,
+            # rounds of the overflow done: the spares after this node wait on them
+            "overflow_rounds": self.stager.overflow,
+            "overflow_done": self.stager.overflow_done.is_set(),
             "staged_nodes": self.staged_nodes.text(),  # what its barrier knows (gossip)
             "placement": self.staged_nodes.placement,
             "rereplication": self.rereplicator.status(),

@@ -139,6 +139,13 @@ class Placement:
         rest = [int(n) for n in np.argsort(scores)[::-1] if int(n) not in h]
         return [*h, *rest]
 
+    def spares(self) -> list[tuple[int, ...]]:
+        """Each shard's ``SPARE`` nodes after its holders in its ranking (none for a shard on
+        every node): the first to take it over when a holder dies, and the nodes that hold
+        the pieces of it its holders had no room for (cluster/staging.py)."""
+        return [() if s in self.everywhere else tuple(self.live(s, (), SPARE)[len(h):])
+                for s, h in enumerate(self.holders)]
+
     def live(self, shard: int, dead: Collection[int], extra: int = 0) -> list[int]:
         """The shard's first ``replicas + extra`` nodes of its ranking that are not
         ``dead``: its live holders (with no one dead, exactly ``holders``), then the nodes

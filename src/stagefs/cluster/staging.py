@@ -12,6 +12,16 @@ copied, from the origin or from a peer. A file that fails is counted, logged (sh
 file) and fetched from the next holder; the files already checked stay in the partial copy.
 A restarted daemon adopts the whole copies its tiers hold (``TierChain.scan``).
 
+Then the room left holds what the holders had none for (``_overflow``): placement deals
+whole shards, so at a total tier capacity near the dataset's some nodes got more than their
+tiers hold and others room to spare (4 nodes, tiers at a quarter of the dataset each: 14%
+of it read from the origin every epoch). A shard's spares (placement.py ``spares``: the
+nodes after its holders in its ranking, which readers and relays ask after the holders)
+each hold, in their turn, the pieces of it that neither its holders nor the spares before
+them hold, read from the origin once. Turns are rounds, so no node waits on one that waits
+on it: the first spares once the holders finished staging, the second once the first
+finished their first round.
+
 A holder that refuses this node's handshake (another job token, another pack: a
 misconfiguration its client logs, naming the fix) is no source: it is counted apart
 (``peers_refused``, not ``peers_unreachable``), and its shards are not waited for as those of
@@ -26,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from stagefs.errors import AuthenticationError
 from stagefs.format import Manifest
@@ -62,6 +72,8 @@ class StagingStats:
     peers_unreachable: int = 0
     peers_refused: int = 0  # asked a holder that refused this node's job token (or pack)
     checksum_failures: int = 0  # files that failed their checksum while copied
+    overflow_shards: int = 0  # other nodes' shards it placed pieces of (their holders full)
+    overflow_pieces: int = 0
     started: float = 0.0
     finished: float = 0.0
 
@@ -86,6 +98,15 @@ class _Counted:
         pass
 
 
+class _Peer(NamedTuple):
+    """What a peer's STATUS says of its staging."""
+
+    done: bool  # finished staging
+    primary_done: bool  # finished the shards it is primary of
+    full: bool  # found its tiers full
+    overflow: int  # overflow rounds finished
+
+
 class Stager:
     """Stage ``mine`` (the shards placed on ``rank``) into ``chain``'s tiers; run() in a
     thread."""
@@ -94,12 +115,15 @@ class Stager:
                  chain: TierChain, peers: dict[int, PeerClient], stop: threading.Event,
                  forward_timeout: float = _FORWARD_TIMEOUT,
                  sources: Mapping[int, ShardSource] | None = None,
-                 unreachable_after: float = 30.0, first: Collection[int] = ()) -> None:
+                 unreachable_after: float = 30.0, first: Collection[int] = (),
+                 spares: Sequence[Sequence[int]] = ()) -> None:
         """``sources``: what to copy each peer's shards from (default: over its client;
         cluster/transport.py ``peer_sources`` gives the transport's). ``unreachable_after``:
         how long a shard's other holders may all be unreachable (still starting, a blip)
         before this node takes them for dead and reads the origin itself. ``first``: the
-        shards staged before any other (``--replicate-all``'s, placed on every node)."""
+        shards staged before any other (``--replicate-all``'s, placed on every node).
+        ``spares``: each shard's spare nodes (placement.py), for the overflow after
+        staging (none: no overflow)."""
         self.manifest = manifest
         self.holders = holders
         self.rank = rank
@@ -124,6 +148,11 @@ class Stager:
         self._primaries = {s for s in self.mine if holders[s][0] == rank}
         self.error: BaseException | None = None
         self._lock = threading.Lock()
+        self.spares = spares
+        self.rounds = max((len(sp) for sp in spares), default=0)
+        self.overflow = 0  # overflow rounds finished (STATUS: spares after it wait on them)
+        self.overflow_done = threading.Event()
+        self.held_for_others: set[int] = set()  # shards it placed pieces of in the overflow
 
     def run(self) -> None:
         self.stats.started = time.time()
@@ -135,6 +164,14 @@ class Stager:
         finally:
             self.stats.finished = time.time()
             self.done.set()
+        try:
+            if self.error is None:
+                self._overflow()
+        except Exception as exc:  # its pieces are read from the origin, as before
+            log.warning("holding pieces of other nodes' shards stopped: %s", exc)
+        finally:
+            self.overflow = self.rounds
+            self.overflow_done.set()
 
     def _run(self) -> None:
         held = self.chain.scan(self.mine)
@@ -162,8 +199,7 @@ class Stager:
         first_try = {s: time.monotonic() for s in pending}
         pause = 0.05
         while pending and not self.stop.is_set():
-            # peer -> (finished staging, its primary shards, its tiers full): once a round
-            asked: dict[int, tuple[bool, bool, bool]] = {}
+            asked: dict[int, _Peer] = {}  # each peer's STATUS: once a round
             progress = False
             for s in list(pending):
                 if self.stop.is_set():
@@ -182,8 +218,7 @@ class Stager:
                 self.stop.wait(pause)
                 pause = min(pause * 1.5, 1.0)
 
-    def _stage_one(self, shard: int, since: float,
-                   asked: dict[int, tuple[bool, bool, bool]]) -> bool:
+    def _stage_one(self, shard: int, since: float, asked: dict[int, _Peer]) -> bool:
         """One attempt at ``shard``; True when there is nothing more to do for it."""
         if self.chain.full:  # the tiers take no more: waiting on the peers for it is vain
             self.stats.no_room += 1
@@ -219,8 +254,7 @@ class Stager:
         self.stats.forward_fallbacks += 1
         return self._place(shard, None) != "elsewhere"
 
-    def _gone(self, shard: int, live: list[int], asked: dict[int, tuple[bool, bool, bool]]
-              ) -> bool:
+    def _gone(self, shard: int, live: list[int], asked: dict[int, _Peer]) -> bool:
         """Will no peer ever give ``shard``? Each is down, or finished staging without it;
         or its primary finished its own shards without it (no room for it there) and so did
         the holders listed between it and this node. One more look, in case it came just
@@ -232,7 +266,8 @@ class Stager:
         validation set read 3 times on 4 nodes, N - 1 times on N)."""
         primary = self.holders[shard][0]
         for n in live:
-            done, primary_done, _ = self._asked(n, asked)
+            st = self._asked(n, asked)
+            done, primary_done = st.done, st.primary_done
             if n == primary and primary_done:
                 if self._peer_holds(n, shard):
                     return False
@@ -242,37 +277,123 @@ class Stager:
                         continue
                     if self._peer_holds(m, shard):
                         return False
-                    m_done, _, m_full = self._asked(m, asked)
-                    if not (m_done or m_full):
+                    later = self._asked(m, asked)
+                    if not (later.done or later.full):
                         return False  # it reads it (from the origin) first: then from it
                 return True
             if not done:
                 return False
         return not any(self._peer_holds(n, shard) for n in live)
 
-    def _asked(self, n: int, asked: dict[int, tuple[bool, bool, bool]]
-               ) -> tuple[bool, bool, bool]:
+    def _asked(self, n: int, asked: dict[int, _Peer]) -> _Peer:
         """Has node ``n`` finished staging, finished its primary shards, found its tiers
-        full? (Its STATUS, asked once a round.)"""
+        full, finished overflow rounds? (Its STATUS, asked once a round.)"""
         if n not in asked:
             try:
                 st = self.peers[n].status()
-                asked[n] = (bool(st.get("staging_done")), bool(st.get("primary_done")),
-                            bool((st.get("staging") or {}).get("no_room")))
+                asked[n] = _Peer(bool(st.get("staging_done")), bool(st.get("primary_done")),
+                                 bool((st.get("staging") or {}).get("no_room")),
+                                 int(st.get("overflow_rounds") or 0))
             except (SourceUnavailable, AuthenticationError) as exc:
                 self._unavailable(exc)
-                asked[n] = (False, False, False)
+                asked[n] = _Peer(False, False, False, 0)
         return asked[n]
+
+    # -- the overflow: pieces of shards whose holders had no room -------------------------
+
+    def _overflow(self) -> None:
+        """Round by round, the shards this node is the round's spare of: once the nodes
+        before it in the shard's ranking are done (its holders staged, the spares before it
+        finished their rounds, or found down, or no answer by the forward timeout), the
+        pieces none of them holds are placed here from the origin, as the room allows."""
+        for j in range(self.rounds):
+            todo = [s for s, sp in enumerate(self.spares)
+                    if len(sp) > j and sp[j] == self.rank and s not in self.mine]
+            since, pause = time.monotonic(), 0.05
+            while todo and not self.stop.is_set() and not self.chain.full:
+                asked: dict[int, _Peer] = {}
+                progress = False
+                for s in list(todo):
+                    if self.stop.is_set() or self.chain.full:
+                        return
+                    before = self._before(s, j, asked, time.monotonic() - since)
+                    if before is None:
+                        continue  # they are not done: wait
+                    todo.remove(s)
+                    progress = True
+                    self._hold_rest(s, before)
+                if progress:
+                    pause = 0.05
+                else:
+                    self.stop.wait(pause)
+                    pause = min(pause * 1.5, 1.0)
+            if self.stop.is_set() or self.chain.full:
+                return
+            self.overflow = j + 1
+
+    def _before(self, shard: int, j: int, asked: dict[int, _Peer], waited: float
+                ) -> list[int] | None:
+        """The nodes before this one in ``shard``'s ranking (for its ``j``-th spare
+        round), once each is done with it; None while one is not. A node that does not
+        answer is waited for as staging waits for a holder (daemons start at different
+        times, and one found slow is skipped for a while): one left out holds pieces this
+        node would hold again. Past ``unreachable_after`` it is taken for dead (left out);
+        past the forward timeout, one not done is asked what it holds now."""
+        k = len(self.holders[shard])
+        out: list[int] = []
+        for i, n in enumerate((*self.holders[shard], *self.spares[shard][:j])):
+            if n not in self.peers or self._refused(n):
+                continue
+            st = self._asked(n, asked)
+            if st.done if i < k else (st.overflow > i - k or st.full):
+                out.append(n)
+            elif self.peers[n].is_down():
+                if waited < min(self.unreachable_after, self.forward_timeout):
+                    return None
+            elif waited < self.forward_timeout:
+                return None
+            else:
+                out.append(n)
+        return out
+
+    def _hold_rest(self, shard: int, before: Sequence[int]) -> None:
+        """Place here the pieces of ``shard`` no node of ``before`` holds: each asked for the
+        first and last byte of every piece (one READ; a node serves a range only where its
+        copy has all of it). A node that does not answer: nothing is placed (its pieces
+        would be held twice)."""
+        spans = self.chain.piece_spans(shard)
+        if not spans:
+            return
+        k = len(spans)
+        ranges = [(shard, a, 1) for a, _ in spans] + [(shard, b - 1, 1) for _, b in spans]
+        held = [False] * k
+        for n in before:
+            try:
+                got = self.peers[n].read(ranges)
+            except (SourceUnavailable, AuthenticationError) as exc:
+                self._unavailable(exc)
+                return
+            held = [h or (got[p] is not None and got[k + p] is not None)
+                    for p, h in enumerate(held)]
+        missing = [p for p, h in enumerate(held) if not h]
+        if not missing:
+            return
+        outcome = self.chain.place(shard, pieces=missing)
+        self._count_origin()
+        here = {int(p) for f in self.chain.partial_copies(shard) for p in f.held_pieces()}
+        if here:
+            self.held_for_others.add(shard)
+            self.stats.overflow_shards = len(self.held_for_others)
+            self.stats.overflow_pieces += len(here)
+        log.info("shard %d: %d of its %d pieces held by no node before this one, %d of them "
+                 "placed here (%s)", shard, len(missing), k, len(here), outcome)
 
     def _place(self, shard: int, peer: int | None) -> str:
         """Copy ``shard`` from ``peer`` (None: the origin) through the tier chain."""
         before = self.chain.corrupt
         outcome = self.chain.place(shard, source=None if peer is None else self.sources[peer])
         self.stats.checksum_failures += self.chain.corrupt - before
-        origin = getattr(self.chain.origin, "stats", None)
-        if origin is not None:
-            self.stats.origin_reads, self.stats.origin_bytes = origin.reads, origin.bytes_read
-            self.stats.origin_opens, self.stats.origin_stats = origin.opens, origin.stats
+        self._count_origin()
         if outcome in ("placed", "held"):
             self.stats.shards_held += 1
             self.stats.bytes_held += self.manifest.shards[shard].size
@@ -284,6 +405,12 @@ class Stager:
         elif outcome == "full":
             self.stats.no_room += 1  # reads of it go to a peer or the origin
         return outcome
+
+    def _count_origin(self) -> None:
+        origin = getattr(self.chain.origin, "stats", None)
+        if origin is not None:
+            self.stats.origin_reads, self.stats.origin_bytes = origin.reads, origin.bytes_read
+            self.stats.origin_opens, self.stats.origin_stats = origin.opens, origin.stats
 
     def _forwarded(self, n: int) -> None:
         with self._lock:

@@ -138,10 +138,12 @@ def _row(n: int, cmap: ClusterMap, s: dict[str, Any] | None,
         return [str(n), addr, state, "-", "-", "-", "-", "-", "-", "-"]
     st = s["staging"]
     pieces = int(st.get("bytes_in_pieces", 0))  # of shards held in part (served too)
+    others = int(st.get("bytes_for_others", 0))  # pieces of shards whose holders are full
     share = (f"{st['shards_held']}/{st['shards_assigned']} shards, "
              f"{format_size(st['bytes_held'])} "
              + (f"+ {format_size(pieces)} in pieces " if pieces else "")
-             + f"({(st['bytes_held'] + pieces) / max(1, st['bytes_assigned']):.0%})")
+             + f"({(st['bytes_held'] + pieces) / max(1, st['bytes_assigned']):.0%})"
+             + (f", + {format_size(others)} of others' shards" if others else ""))
     tiers = ", ".join(f"{format_size(t['used'])}/"
                       f"{'free' if t['capacity'] is None else format_size(t['capacity'])}"
                       for t in s["tiers"])

@@ -465,6 +465,14 @@ class TierChain:
                 return f
         return None
 
+    def piece_spans(self, shard: int) -> list[tuple[int, int]]:
+        """The byte range [start, end) in the shard of each of its pieces (none if its files
+        do not tile it: it is not placed)."""
+        ext = self._extents_of(shard)
+        if not ext.tiles:
+            return []
+        return [ext.span(p) for p in range(ext.pieces)]
+
     def partial_copies(self, shard: int) -> list[ShardFill]:
         """This process's handles on the shard's partial copies, in tier order (none once
         it is whole): a server of what the tiers hold (the cluster daemon, whose staging
@@ -478,12 +486,13 @@ class TierChain:
                 return f, t
         return None
 
-    def _copies_to_fill(self, shard: int, first: int | None = None) -> list[Copy] | None:
+    def _copies_to_fill(self, shard: int, first: int | None = None,
+                        pieces: Iterable[int] | None = None) -> list[Copy] | None:
         """Every piece of the shard reserved (where room allows, in piece order), or its
-        ``first`` pieces (a stream reserves the rest as it goes), and the
-        partial copies holding them, in tier order: what a stream or ``place`` copies into.
-        None if its files do not tile it (it is not placed); [] if it is whole or no tier
-        has room for any piece of it. The caller holds the shard's claim."""
+        ``first`` pieces (a stream reserves the rest as it goes), or those of ``pieces``,
+        and the partial copies holding them, in tier order: what a stream or ``place``
+        copies into. None if its files do not tile it (it is not placed); [] if it is whole
+        or no tier has room for any piece of it. The caller holds the shard's claim."""
         ext = self._extents_of(shard)
         if not ext.tiles:
             self._no_fill.add(shard)
@@ -492,7 +501,8 @@ class TierChain:
             return None
         self._look(shard)
         last = ext.pieces if first is None else min(first, ext.pieces)
-        todo = [p for p in range(last) if self._owner(shard, p) is None]
+        want = range(last) if pieces is None else sorted(p for p in set(pieces) if 0 <= p < last)
+        todo = [p for p in want if self._owner(shard, p) is None]
         if (todo or shard not in self._fills) and not self.full:
             self._reserve(shard, todo)
         if self._find(shard):
@@ -1038,14 +1048,16 @@ class TierChain:
         self.stream.enqueue(plan, urgent=urgent)
 
     def place(self, shard: int, progress: Callable[[int], None] | None = None,
-              source: ShardSource | None = None) -> str:
+              source: ShardSource | None = None, pieces: Iterable[int] | None = None) -> str:
         """Place one shard now, in this thread, copying it from ``source`` (default: the
         origin). Returns what happened: ``held`` (already there), ``placed``, ``elsewhere``
         (another live process is placing it), ``full`` (no tier has room) or ``failed``
         (the origin could not be read or was wrong); ``full`` also when the tiers took some
         of its pieces, not all (they stay). From another source (a peer), what it
         could not give is for the caller to fetch elsewhere, and the files it gave right stay
-        in the partial copy: ``corrupt`` (a file failed its checksum) or ``unavailable``."""
+        in the partial copy: ``corrupt`` (a file failed its checksum) or ``unavailable``.
+        ``pieces``: only these of its pieces (the rest held elsewhere: cluster/staging.py's
+        overflow), ``full`` once they are in."""
         if self._find(shard):
             return "held"
         if not self.claims.acquire(shard):
@@ -1053,7 +1065,7 @@ class TierChain:
         try:
             if self._find(shard):  # finished by someone else just before we claimed it
                 return "held"
-            copies = self._copies_to_fill(shard)
+            copies = self._copies_to_fill(shard, pieces=pieces)
             if copies is None:
                 return "failed"
             if self._find(shard):
