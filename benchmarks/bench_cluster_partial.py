@@ -8,7 +8,8 @@ reads every file for ``--epochs`` epochs, the page cache dropped before each. Pe
 the origin bytes of each epoch (each node's readers', from its store's counters by
 holder; the staging's from the daemons'), against D - C, the least a cluster whose tiers
 hold C can read. The nodes' tiers lose about a piece and a copy's header each to rounding
-(decision 0015). Medians over ``--runs``.
+(decision 0015). "spares hold": the pieces of shards whose holders had no room that their
+spares placed after staging (cluster/staging.py, the overflow). Medians over ``--runs``.
 
     python3 benchmarks/bench_cluster_partial.py --runs 3 --out benchmarks/results/cluster-partial
 """
@@ -72,11 +73,15 @@ def one_share(pack: str, share: float, d: int, nodes: int, epochs: int, work: st
                         fs.read_many(paths[i:i + BATCH])
                     row.append(int(fs.status()["holders"]["origin"]["bytes"]))
             per_epoch.append(row)
+        # the pieces of shards whose holders had no room, that their spares hold (placed
+        # after staging, during the first epoch)
+        _, st = cluster_status(rts[0])
+        others = sum(s["staging"].get("bytes_for_others", 0) for s in st if s)
     finally:
         stop(daemons)
         shutil.rmtree(local, ignore_errors=True)
     return {"share": share, "capacity": per_node * nodes, "staged_origin": staged,
-            "held": held, "origin_per_epoch": per_epoch}
+            "held": held, "held_for_others": others, "origin_per_epoch": per_epoch}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         c = mine[0]["capacity"]
         least = max(0, d - c)
         cells = [f"{share:.0%}", format_size(c), format_size(least),
-                 format_size(statistics.median(r["staged_origin"] for r in mine))]
+                 format_size(statistics.median(r["staged_origin"] for r in mine)),
+                 format_size(statistics.median(r.get("held_for_others", 0) for r in mine))]
         for e in range(a.epochs):
             # each node's readers read every file: the median node of the median run
             got = statistics.median(statistics.median(r["origin_per_epoch"][e]) for r in mine)
@@ -117,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(cells)
     print(f"{a.nodes} nodes, D = {format_size(d)} ({a.files} files, 16 MiB shards), medians "
           f"of {a.runs} runs; origin bytes a node's reader read each epoch (/ D - C):")
-    print(table(["tiers C / D", "C", "D - C", "staging read", *(f"epoch {e + 1}" for e in
-                                                               range(a.epochs))], rows))
+    print(table(["tiers C / D", "C", "D - C", "staging read", "spares hold",
+                 *(f"epoch {e + 1}" for e in range(a.epochs))], rows))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "runs.json"), "w") as f:
