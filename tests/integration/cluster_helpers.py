@@ -170,24 +170,26 @@ def hosts_daemons(work: str, pack: str, n: int, tier: str, *extra: str
                   os.path.join(work, f"daemon{r}.log")) for r in range(n)]
 
 
-def piece_pack(work: str) -> tuple[str, dict[str, bytes]]:
-    """``work``/pack: 240 files of 5-40 KB under train/ in shards of 3 MiB (several shards,
-    1 MiB pieces), and the files' bytes by path."""
+def piece_pack(work: str, files: int = 240, sizes: tuple[int, int] = (5_000, 40_000),
+               shard_size: str = "3MiB", seed: int = 3) -> tuple[str, dict[str, bytes]]:
+    """``work``/pack: ``files`` random files of ``sizes`` bytes (5-40 KB) under train/ in
+    shards of ``shard_size`` (3 MiB: several shards, 1 MiB pieces), and the files' bytes by
+    path."""
     import random
 
     import stagefs
 
-    rnd = random.Random(3)
+    rnd = random.Random(seed)
     src = os.path.join(work, "src")
     content: dict[str, bytes] = {}
-    for i in range(240):
+    for i in range(files):
         rel = f"train/c{i % 3}/f{i:04d}.bin"
-        content[rel] = rnd.randbytes(rnd.randint(5_000, 40_000))
+        content[rel] = rnd.randbytes(rnd.randint(*sizes))
         os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
         with open(os.path.join(src, rel), "wb") as f:
             f.write(content[rel])
     pack = os.path.join(work, "pack")
-    stagefs.pack(src, pack, shard_size="3MiB", jobs=1)
+    stagefs.pack(src, pack, shard_size=shard_size, jobs=1)
     return pack, content
 
 

@@ -127,16 +127,7 @@ def test_nodes_with_room_hold_the_pieces_full_holders_could_not(tmp_path: Path) 
     the dataset in all. Now each shard's spares (the nodes readers ask after its holders)
     hold, in turn, the pieces its holders could not."""
     n, work = 4, str(tmp_path)
-    rnd = random.Random(5)
-    src = os.path.join(work, "src")
-    content: dict[str, bytes] = {}
-    for i in range(600):
-        rel = f"train/c{i % 5}/f{i:04d}.bin"
-        content[rel] = rnd.randbytes(rnd.randint(20_000, 110_000))
-        os.makedirs(os.path.join(src, os.path.dirname(rel)), exist_ok=True)
-        Path(src, rel).write_bytes(content[rel])
-    pack = os.path.join(work, "pack")
-    stagefs.pack(src, pack, shard_size="4MiB", jobs=1)
+    pack, content = piece_pack(work, 600, (20_000, 110_000), "4MiB", seed=5)
     total = sum(len(d) for d in content.values())
     tier = total // n + 2**20
     daemons = hosts_daemons(work, pack, n, str(tier), "--replicas", "1", "--progress", "0")
@@ -165,7 +156,7 @@ def test_nodes_with_room_hold_the_pieces_full_holders_could_not(tmp_path: Path) 
         m.close()
         paths = sorted(content)
         with stagefs.connect(os.path.join(work, "rt0")) as fs:
-            rnd.shuffle(paths)
+            random.Random(5).shuffle(paths)
             for i in range(0, len(paths), 32):
                 batch = paths[i : i + 32]
                 assert fs.read_many(batch) == [content[p] for p in batch]

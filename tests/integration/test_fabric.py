@@ -844,6 +844,25 @@ def test_a_reader_back_on_its_daemon_closes_its_connections_to_peers(tmp_path: P
         c.close()
 
 
+@contextlib.contextmanager
+def _one_server(tmp_path: Path) -> Iterator[tuple[PeerClient, bytes]]:
+    """A server of a small pack on a Unix socket, a client of it, and the first 4 KiB of its
+    first shard."""
+    pack, _ = make_pack(str(tmp_path), files=30, shard_size="48KiB")
+    m = Manifest(os.path.join(pack, "manifest.sfm"))
+    token = auth.new_token()
+    path = str(tmp_path / "fabric.sock")
+    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
+                      unix_path=path).start()
+    client = PeerClient("", 0, token, unix=path, timeout=30.0)
+    try:
+        yield client, Path(pack, m.shards[0].name).read_bytes()[:4096]
+    finally:
+        client.close()
+        srv.close()
+        m.close()
+
+
 def test_a_connection_made_while_the_reader_sheds_its_peers_is_not_kept(
         tmp_path: Path) -> None:
     """A reader back on its daemon sheds its connections to peers (``PeerClient.shed``)
@@ -852,31 +871,19 @@ def test_a_connection_made_while_the_reader_sheds_its_peers_is_not_kept(
     counted as made after the shed, kept idle until the peer's idle timeout, and the
     reader's connections to peers outlived its daemon's return (about 1 run in 4 of the
     test above)."""
-    pack, _ = make_pack(str(tmp_path), files=30, shard_size="48KiB")
-    m = Manifest(os.path.join(pack, "manifest.sfm"))
-    token = auth.new_token()
-    path = str(tmp_path / "peer.sock")
-    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
-                      unix_path=path).start()
-    client = PeerClient("", 0, token, unix=path, timeout=30.0)
-    want = Path(pack, m.shards[0].name).read_bytes()[:4096]
-    handshake = client._handshake
+    with _one_server(tmp_path) as (client, want):
+        handshake = client._handshake
 
-    def shed_meanwhile(*args: Any) -> None:  # the reader sheds while this one connects
-        handshake(*args)
-        client.shed()
+        def shed_meanwhile(*args: Any) -> None:  # the reader sheds while this one connects
+            handshake(*args)
+            client.shed()
 
-    try:
         client._handshake = shed_meanwhile  # type: ignore[method-assign]
         assert client.read([(0, 0, 4096)]) == [want]
         assert client._idle == []  # closed once its read was done
         client._handshake = handshake  # type: ignore[method-assign]
         assert client.read([(0, 0, 4096)]) == [want]  # one made after the shed is kept
         assert len(client._idle) == 1 and client.stats.connects == 2
-    finally:
-        client.close()
-        srv.close()
-        m.close()
 
 
 def test_a_forked_child_lets_go_of_its_parent_s_connections(tmp_path: Path) -> None:
@@ -884,15 +891,7 @@ def test_a_forked_child_lets_go_of_its_parent_s_connections(tmp_path: Path) -> N
     and closes its copies of the parent's (its descriptors only): the parent reads on on its
     own, and its connection ends when the parent closes it, not when the last worker exits
     (a child that only forgot them kept them open as long as it lived)."""
-    pack, _ = make_pack(str(tmp_path), files=30, shard_size="48KiB")
-    m = Manifest(os.path.join(pack, "manifest.sfm"))
-    token = auth.new_token()
-    path = str(tmp_path / "fabric.sock")
-    srv = ShardServer(m, token, lambda s: os.path.join(pack, m.shards[s].name), "127.0.0.1",
-                      unix_path=path).start()
-    client = PeerClient("", 0, token, unix=path, timeout=30.0)
-    want = Path(pack, m.shards[0].name).read_bytes()[:4096]
-    try:
+    with _one_server(tmp_path) as (client, want):
         assert client.read([(0, 0, 4096)]) == [want]
         inherited = [(s.fileno(), os.fstat(s.fileno()).st_ino) for s in client._idle]
         assert inherited
@@ -916,7 +915,3 @@ def test_a_forked_child_lets_go_of_its_parent_s_connections(tmp_path: Path) -> N
         # the parent's connection is whole: read on it, no new connection made
         assert client.read([(0, 0, 4096)]) == [want]
         assert client.stats.connects == 1 and client.stats.failures == 0
-    finally:
-        client.close()
-        srv.close()
-        m.close()
