@@ -1268,8 +1268,7 @@ class TierChain:
                         # its room folder alone removed: made again
                         if not os.path.isdir(room.root):
                             continue
-                        with contextlib.suppress(FileExistsError):
-                            os.mkdir(room.folder, mode=0o700)
+                        room.remake()
                         held.enter_context(file_lock(room.lock_path,
                                                      max(0.0, until - time.monotonic())))
                 except TimeoutError:

@@ -263,8 +263,7 @@ class Room:
 
     def make(self) -> None:
         """Create the folder, or check the one there is this user's own directory."""
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(self.folder, mode=0o700)
+        self.remake()
         s = os.lstat(self.folder)
         if not stat.S_ISDIR(s.st_mode) or s.st_uid != os.getuid():
             what = "a symlink" if stat.S_ISLNK(s.st_mode) else (
@@ -274,6 +273,12 @@ class Room:
                 f"for the tier go, is {what} of {user_name(s.st_uid)}; remove it if it is "
                 f"yours, or name a tier directory of your own, e.g. "
                 f"{os.path.join(self.root, login(os.getuid()))}")
+
+    def remake(self) -> None:
+        """Make the folder again if it was removed (``rm -rf TIER/*`` takes dot files too;
+        the tier itself gone is said as removed by its placement, ``DirTier.why_stopped``)."""
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.folder, mode=0o700)
 
     def used(self) -> int:
         raw = self._read(0)  # none yet, or not a file: counted anew, and made one (_write)
@@ -321,9 +326,8 @@ class Room:
     def _write(self, value: int, at: int = 0) -> None:
         try:
             fd = open_own_file(self.path, os.O_WRONLY)
-        except FileNotFoundError:  # the folder removed (rm -rf TIER/* takes dot files too)
-            with contextlib.suppress(FileExistsError):  # (the tier gone: said as removed)
-                os.mkdir(self.folder, mode=0o700)
+        except FileNotFoundError:  # the folder removed
+            self.remake()
             fd = open_own_file(self.path, os.O_WRONLY)
         try:
             os.pwrite(fd, value.to_bytes(8, "little", signed=True), at)
@@ -652,6 +656,25 @@ class DirTier:
             fd = self._fds.pop(shard, None)
         if fd is not None:
             self._retire(fd)
+
+    def forget_gone(self) -> int:
+        """Let go of the descriptors of copies no longer at their path (deleted, or replaced
+        by another file, by the process that places them: a cluster's daemon started again
+        on emptied tiers), which pinned their blocks for this process's life; ``holds``
+        opens what is there now. How many were let go of."""
+        with self._lock:
+            held = list(self._fds.items())
+        gone = 0
+        for shard, fd in held:
+            try:
+                a, b = os.fstat(fd), os.stat(self.path(shard))
+                if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
+                    continue
+            except OSError:
+                pass
+            self.forget(shard)
+            gone += 1
+        return gone
 
     def _retire(self, fd: int) -> None:
         """Let go of a copy's descriptor that another thread may be using now (a read, a
