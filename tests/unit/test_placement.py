@@ -53,6 +53,10 @@ def test_holders_are_the_top_of_each_ranking(
         assert p.ranking(s)[kk:] == ranked[kk:]
         assert p.live(s, (), nodes) == [*h, *ranked[kk:]]
     assert sum(p.counts()) == (shards - len(every)) * kk + len(every) * nodes
+    # the spares (cluster/staging.py's overflow): the SPARE nodes after the holders in the
+    # ranking (what readers ask after the holders), none for a shard on every node
+    for s, sp in enumerate(p.spares()):
+        assert sp == (() if s in every else tuple(p.ranking(s)[kk : kk + SPARE]))
     # the same inputs give the same answer (computed again, as another node would)
     assert place(shards, nodes, k, everywhere=sorted(every), seed=seed) == p
 
