@@ -55,6 +55,11 @@ def test_status_says_the_copies_no_node_had_room_for(
     assert said.startswith("13 shard copies (13.0 KiB) placed on nodes whose tiers had no "
                            "room for them: node 0 (8), node 2 (5);"), said
     assert "go to the origin, but for the pieces" in said
+    # the pieces other nodes hold of them after staging (the overflow) are said too
+    nodes[1]["staging"]["bytes_for_others"] = 3 * 1024  # type: ignore[index]
+    said = status.without_room(nodes, 1) or ""
+    assert "the shards' spares hold in the room they have left after staging (3.0 KiB so " \
+        "far)" in said, said
     assert "other holders" in (status.without_room(nodes, 2) or "")
     # every node took its share, or is still staging: nothing to say
     assert status.without_room([_staged(1, 7, 7, 0, None)], 1) is None

@@ -224,11 +224,14 @@ def without_room(nodes: list[dict[str, Any] | None], replicas: int) -> str | Non
         return None
     copies = sum(c for c, _ in short.values())
     where = ", ".join(f"node {n} ({c})" for n, (c, _) in sorted(short.items()))
-    cost = ("with --replicas 1 no other node holds them (a --replicate-all shard aside): "
-            "their reads go to the origin, but for the pieces those nodes' tiers hold of "
-            "them (partial copies)" if replicas == 1 else
+    others = sum(s["staging"].get("bytes_for_others", 0) for s in nodes if s)
+    spares = ("the pieces the shards' spares hold in the room they have left after "
+              f"staging ({format_size(others)} so far)")
+    cost = ("with --replicas 1 no other node holds them whole (a --replicate-all shard "
+            "aside): their reads go to the origin, but for the pieces those nodes' tiers "
+            f"hold of them (partial copies) and {spares}" if replicas == 1 else
             "their reads go to their other holders, or the origin where none took them "
-            "(but for the pieces those nodes' tiers hold of them)")
+            f"(but for the pieces those nodes' tiers hold of them and {spares})")
     return (f"{copies} shard copies ({format_size(sum(b for _, b in short.values()))}) "
             f"placed on nodes whose tiers had no room for them: {where}; {cost}. Give "
             "those nodes' tiers more room, or the job more nodes (placement does not "
