@@ -153,15 +153,17 @@ def tail(path: str, n: int = 3000) -> str:
         return ""
 
 
-def hosts_daemons(work: str, pack: str, n: int, tier: str, *extra: str
+def hosts_daemons(work: str, pack: str, n: int, tier: str, *extra: str, again: bool = False
                   ) -> list[subprocess.Popen[bytes]]:
     """``n`` daemons of a cluster on this machine named by a hosts file (free local ports)
     and a new token in ``work``: rank r's tier ``work``/node{r}/disk of ``tier`` (a size),
-    its runtime rt{r}, its log daemon{r}.log; ``extra``: more ``serve`` options."""
-    with open(os.path.join(work, "hosts"), "w") as f:
-        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
-    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
-                    os.path.join(work, "token")], check=True, timeout=60)
+    its runtime rt{r}, its log daemon{r}.log; ``extra``: more ``serve`` options. ``again``:
+    with the hosts file and token already there (the same ports and token)."""
+    if not again:
+        with open(os.path.join(work, "hosts"), "w") as f:
+            f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(n)))
+        subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token",
+                        os.path.join(work, "token")], check=True, timeout=60)
     return [start([sys.executable, "-m", "stagefs.cli", "serve", pack,
                    "--tier", os.path.join(work, "node{rank}", "disk") + f":{tier}",
                    "--runtime", os.path.join(work, "rt{rank}"), "--hosts",

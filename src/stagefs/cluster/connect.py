@@ -19,6 +19,9 @@ runtime directory), every read that is not a local tier hit goes to it instead (
 any peer: the daemon relays to its peers and verifies nothing; the Store verifies. While the
 daemon does not answer (killed, restarting), the holders are the direct ones above again;
 once it answers, the connections they opened to peers are closed (``PeerClient.shed``).
+Daemons started again (``mpiexec`` again: a new job token, new ports) are found by the map
+they write (looked at once a second as reads go): the process reads through them from then
+on (``ClusterHolders._renew_if_restarted``).
 
 This node's tier copies are its daemon's (their room, their placement): one a read finds
 bad is not deleted here but reported to the daemon (CHECK), which checks it, deletes it and
@@ -67,6 +70,7 @@ log = logging.getLogger("stagefs.connect")
 READER_DESCRIPTORS = 128  # a reader's own beyond its shards: the manifest, sockets, logs
 _told_limit: set[int] = set()  # the limits a process was told are too low (once each)
 _Copy = tuple[int, int, int]  # a tier copy's (device, inode, ctime): which file it was
+RENEW_EVERY = 1.0  # seconds between two looks at the runtime's map (a stat) as reads go
 
 
 class ClusterHolders:
@@ -90,37 +94,26 @@ class ClusterHolders:
         self.placement = place(len(manifest.shards), cmap.size, cmap.replicas,
                                everywhere=cmap.everywhere, seed=cmap.seed)
         self.tiers = [DirTier(TierSpec(path, cap), manifest) for path, cap in cmap.tiers]
-        self.clients = clients if clients is not None else {
-            n: PeerClient(h, p, token, pack_id=manifest.pack_id, timeout=timeout,
-                          connect_timeout=min(3.0, timeout), name=f"node {n}")
-            for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
+        self._token, self._timeout = token, timeout
+        self._pack_id = manifest.pack_id
+        self._daemons = _daemons_of(cmap, token)  # which daemons this process reads through
+        self._map_seen = _map_seen(runtime)  # which map file they were read from
+        self.clients = clients if clients is not None else self._peer_clients(cmap, token)
         # one holder per peer (Store.read_many sends each peer one batch), whose slow reads
         # go to another replica of the shard too (net/hedge.py)
         policy = hedge or HedgePolicy()
         self.reply_times = ReplyTimes(policy)
         # a batch takes longer than one read: until its replies are timed, wait the cap
         self.batch_times = ReplyTimes(replace(policy, initial=policy.cap))
-        self.peers = {n: HedgedPeer(PeerSource(c, f"node {n}"), self._replicas,
-                                    self.reply_times, self.batch_times)
-                      for n, c in self.clients.items()}
+        self.peers = self._hedged(self.clients)
         # each shard's ranking (placement.py): its K holders, then the SPARE nodes that
         # take over when holders die; as peers (this node left out), built once per ranking
         self.rng = random.Random()  # the power of two choices (a test seeds it)
-        sets: dict[tuple[int, ...], tuple[HedgedPeer, ...]] = {}
-        self._ranked: list[tuple[HedgedPeer, ...]] = []
-        self._ranked_nodes: list[tuple[int, ...]] = []
-        self._static_after: dict[tuple[int, ...], list[ShardSource]] = {}
-        for shard in range(len(manifest.shards)):
-            nodes = tuple(self.placement.live(shard, (), SPARE))
-            got = sets.get(nodes)
-            if got is None:
-                got = sets[nodes] = tuple(self.peers[n] for n in nodes if n != self.rank)
-                self._static_after[nodes] = [*got, origin]
-            self._ranked.append(got)
-            self._ranked_nodes.append(nodes)
+        self._ranked_nodes: list[tuple[int, ...]] = [
+            tuple(self.placement.live(shard, (), SPARE)) for shard in range(len(manifest.shards))]
+        self._ranked, self._static_after = self._rank(self.peers)
         self._mine = set(self.placement.shards_of(self.rank))
         self.holders = self._holders_of
-        self._token, self._timeout = token, timeout
         self._direct = False  # read peers directly since the daemon last answered
         # this node's tier copies a read found bad: (tier, shard) -> which file it was;
         # not read again here until the daemon has replaced it (``_dropped_here``)
@@ -130,13 +123,59 @@ class ClusterHolders:
             for i, t in enumerate(self.tiers):
                 t.on_drop = functools.partial(self._dropped_here, i)
         self.fabric: FabricHolder | None = None  # the node daemon (cluster/fabric.py)
+        if clients is None:
+            self.fabric = self._fabric_of(cmap, token)
+            if self.fabric is not None:
+                self.holders = self._via_fabric
+        # the daemons started again (a new job token, new ports: mpiexec again): the map
+        # they write is looked at once a RENEW_EVERY as reads go (_renew_if_restarted)
+        self._renewable = clients is None  # (a daemon's own holders: its peers are its own)
+        self._looked_at = float("-inf")
+        self._renewing = 0  # the pid of the process renewing now, if any
+        self.clock: Callable[[], float] = time.monotonic
+
+    def _peer_clients(self, cmap: ClusterMap, token: bytes) -> dict[int, PeerClient]:
+        """A client for each peer of ``cmap`` (this node left out), proving ``token``."""
+        timeout = self._timeout
+        clients = {n: PeerClient(h, p, token, pack_id=self._pack_id, timeout=timeout,
+                                 connect_timeout=min(3.0, timeout), name=f"node {n}")
+                   for n, (h, p) in enumerate(cmap.nodes) if n != cmap.rank}
+        for c in clients.values():
+            c.explains_refusal = self._restarted
+        return clients
+
+    def _hedged(self, clients: dict[int, PeerClient]) -> dict[int, HedgedPeer]:
+        return {n: HedgedPeer(PeerSource(c, f"node {n}"), self._replicas,
+                              self.reply_times, self.batch_times)
+                for n, c in clients.items()}
+
+    def _rank(self, peers: dict[int, HedgedPeer]) -> tuple[
+            list[tuple[HedgedPeer, ...]], dict[tuple[int, ...], list[ShardSource]]]:
+        """Each shard's ranking as peers (this node left out; one tuple per ranking), and
+        each ranking's holders after this node's copy (those peers, then the origin)."""
+        sets: dict[tuple[int, ...], tuple[HedgedPeer, ...]] = {}
+        after: dict[tuple[int, ...], list[ShardSource]] = {}
+        ranked: list[tuple[HedgedPeer, ...]] = []
+        for nodes in self._ranked_nodes:
+            got = sets.get(nodes)
+            if got is None:
+                got = sets[nodes] = tuple(peers[n] for n in nodes if n != self.rank)
+                after[nodes] = [*got, self.origin]
+            ranked.append(got)
+        return ranked, after
+
+    def _fabric_of(self, cmap: ClusterMap, token: bytes) -> FabricHolder | None:
+        """The node daemon of ``cmap`` as a holder, if it listens on a Unix socket (and
+        STAGEFS_FABRIC is not 0)."""
         name = cmap.extra.get("fabric")
-        if clients is None and name and env_flag("FABRIC"):
-            self.fabric = FabricHolder(PeerClient(
-                "", 0, token, unix=os.path.join(runtime, str(name)), pack_id=manifest.pack_id,
-                timeout=timeout, connect_timeout=min(1.0, timeout), pool_size=2,
-                name=f"node {cmap.rank} daemon"), self._peers_of)
-            self.holders = self._via_fabric
+        if not name or not env_flag("FABRIC"):
+            return None
+        client = PeerClient(
+            "", 0, token, unix=os.path.join(self.runtime, str(name)), pack_id=self._pack_id,
+            timeout=self._timeout, connect_timeout=min(1.0, self._timeout), pool_size=2,
+            name=f"node {cmap.rank} daemon")
+        client.explains_refusal = self._restarted
+        return FabricHolder(client, self._peers_of)
 
     def _via_fabric(self, shard: int) -> Sequence[ShardSource]:
         """This node's tier copies, then the node daemon, then the origin; the direct
@@ -147,17 +186,109 @@ class ClusterHolders:
         assert fabric is not None
         if fabric.is_down():
             self._direct = True
+            if self._renew_if_restarted():
+                return self._via_fabric(shard)  # the restarted daemon, as any read
             return self._holders_of(shard)
         if self._direct:
             self._leave_peers()
+            self._renew_if_restarted(at_once=True)  # back: the same daemon, or another?
         here = self._here(shard) if self.rank in self._ranked_nodes[shard] else []
-        return [*here, fabric, self.origin]
+        return [*here, self.fabric or fabric, self.origin]  # (the new daemon's, if _here saw it)
 
     def _peers_of(self, shard: int) -> Sequence[ShardSource]:
         """The shard's peers, for a read the daemon did not answer (cluster/fabric.py)."""
         self._direct = True
         return [h for h in self._holders_of(shard)
                 if h is not self.origin and not getattr(h, "local", False)]
+
+    # -- the daemons restarted ----------------------------------------------------------------
+
+    def _renew_if_restarted(self, *, at_once: bool = False) -> bool:
+        """If this node's runtime directory now holds the map of other daemons (started
+        again: another pid, job token or addresses, as ``mpiexec`` gives them each time),
+        read through them from now on, and let go of the tier copies they deleted. Looked
+        at (a stat of the map, read only when it changed) at most once a ``RENEW_EVERY``
+        (``clock``) as reads go (``at_once``: now, this node's daemon answers again after it
+        did not); the clients made again once per restart. True if they were. (A reader
+        that outlived an MPI restart was refused by every daemon for its life, with the old
+        token, and read what its node's tiers did not hold from the origin; one that
+        outlived a restart on emptied tiers held their old copies open, deleted.)"""
+        if not self._renewable:
+            return False
+        now = self.clock()
+        if now - self._looked_at < RENEW_EVERY and not at_once:
+            return False
+        pid = os.getpid()  # (two threads at once: one reads the map; no lock to fork, and a
+        if self._renewing == pid:  # worker forked while its parent renewed renews too)
+            return False
+        self._looked_at = now
+        self._renewing = pid
+        try:
+            return self._renew()
+        finally:
+            self._renewing = 0
+
+    def _restarted(self) -> bool:
+        """Does this node's runtime directory name other daemons than those this process
+        reads through (they were started again: a refusal of the old token is no
+        misconfiguration; ``_renew_if_restarted`` takes the new ones)?"""
+        try:
+            cmap, token = load_runtime(self.runtime)
+        except (StagefsError, OSError):
+            return False
+        return _daemons_of(cmap, token) != self._daemons
+
+    def _renew(self) -> bool:
+        seen = _map_seen(self.runtime)
+        if seen is None or seen == self._map_seen:  # between two daemons, or as it was
+            return False
+        try:
+            cmap, token = load_runtime(self.runtime)
+        except (StagefsError, OSError):  # between two daemons: no map yet
+            return False
+        self._map_seen = seen
+        daemons = _daemons_of(cmap, token)
+        if daemons == self._daemons:
+            return False
+        self._daemons = daemons
+        for t in self.tiers:  # copies the daemons deleted meanwhile (tiers emptied)
+            t.forget_gone()
+        old = self.cmap
+        if (cmap.pack_id, cmap.rank, cmap.size, cmap.replicas, cmap.seed, cmap.everywhere,
+                cmap.tiers) != (old.pack_id, old.rank, old.size, old.replicas, old.seed,
+                                old.everywhere, old.tiers):
+            log.warning(
+                "the daemons of %s were started again on other terms (pack, nodes, "
+                "replicas, seed, --replicate-all or tiers differ): this process goes on with "
+                "the cluster it connected to, whose daemons are gone, and reads from the "
+                "origin what this node's tiers do not hold; connect again (start the "
+                "training again) to read through the new daemons", self.runtime)
+            return False
+        clients = self._peer_clients(cmap, token)
+        for n, c in clients.items():  # (the counts of the process's reads go on)
+            c.stats = self.clients[n].stats
+        peers = self._hedged(clients)
+        ranked, after = self._rank(peers)
+        fabric = self._fabric_of(cmap, token) if self.fabric is not None else None
+        if fabric is not None and self.fabric is not None:
+            fabric.client.stats = self.fabric.client.stats
+        gone: list[PeerClient] = [*self.clients.values()]
+        gone += [x.client for x in (self.fabric,) if x is not None and fabric is not None]
+        gone += [self._daemon_tcp] if self._daemon_tcp is not None else []
+        # the peers before the rankings that name them (a read in another thread meanwhile
+        # reads through the old ones or the new ones, never a mix it cannot use)
+        self.clients, self.peers = clients, peers
+        self._ranked, self._static_after = ranked, after
+        if fabric is not None:
+            self.fabric = fabric
+        self._daemon_tcp = None
+        self._token, self.cmap = token, cmap
+        for c in gone:  # (what a read in flight on them has: the next holder answers it)
+            c.interrupt()
+            c.close()
+        log.info("the daemons of %s were started again (this node's: pid %d, was %d): "
+                 "this process reads through them", self.runtime, cmap.pid, old.pid)
+        return True
 
     def _leave_peers(self) -> None:
         """The daemon answers again: close the connections to peers that reads opened
@@ -172,6 +303,7 @@ class ClusterHolders:
     def _here(self, shard: int) -> list[ShardSource]:
         """This node's tier copies of ``shard`` that this process may read (opened, and
         kept open, by ``DirTier.holds``)."""
+        self._renew_if_restarted()  # (copies the daemons deleted are let go of)
         if not self._bad:
             return [t for t in self.tiers if t.holds(shard)]
         return [t for i, t in enumerate(self.tiers) if self._readable(i, shard)
@@ -245,11 +377,12 @@ class ClusterHolders:
         after: list[HedgedPeer] = []
         down: list[HedgedPeer] = []
         live = 0  # live nodes of the ranking seen so far, this node included
+        peers = self.peers
         for n in self._ranked_nodes[shard]:
             if n == self.rank:
                 live += 1
                 continue
-            peer = self.peers[n]
+            peer = peers[n]
             if peer.is_down():
                 down.append(peer)
             elif live < k:
@@ -257,6 +390,8 @@ class ClusterHolders:
                 live += 1
             else:
                 after.append(peer)
+        if down and self._renew_if_restarted():
+            return self.remote(shard)  # the restarted daemons, as any read
         if len(first) > 1:
             first = self._two_choices(first)
         return [*first, *after, *down]
@@ -318,8 +453,10 @@ class ClusterHolders:
         }
 
     def reopen(self) -> tuple[Callable[..., Store], tuple[Any, ...]]:
-        # a copy in another process (a spawned DataLoader worker) connects again there
-        return _reconnect, (self.runtime, self.verify)
+        # a copy in another process (a spawned DataLoader worker) connects again there;
+        # with this process's map (not its token), which it reads by while the daemons are
+        # between two starts
+        return _reconnect, (self.runtime, self.verify, self.cmap.to_json())
 
     def close(self) -> None:
         if self.fabric is not None:
@@ -355,6 +492,11 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.2)
+    return _leased(path, cmap, token, manifest, verify)
+
+
+def _leased(path: str, cmap: ClusterMap, token: bytes, manifest: Manifest,
+            verify: bool) -> Store:
     # a lease on the daemon's runtime, as stagefs.open's readers take: `stagefs clean` and
     # the daemon's --clean-on-exit keep the tier data while this process reads it
     try:
@@ -403,8 +545,34 @@ def _connect(rt: Runtime, cmap: ClusterMap, token: bytes, manifest: Manifest,
     return store
 
 
-def _reconnect(runtime: str, verify: bool) -> Store:
+def _reconnect(runtime: str, verify: bool, sent_map: str | None = None) -> Store:
+    """A store sent to another process (a spawned DataLoader worker), connected there. With
+    no map in the runtime directory (the daemons between two starts: a restart under live
+    readers), the sender's: it reads as the sender does (this node's tiers, the origin)
+    until their map is there (``ClusterHolders._renew_if_restarted``). It waited 30 s for
+    the map, then raised ClusterError: the training stopped."""
+    if sent_map is not None and not os.path.exists(os.path.join(runtime, MAP_NAME)):
+        check_runtime_access(runtime)
+        cmap = ClusterMap.from_json(sent_map, "the cluster map of the process that sent "
+                                    "this store")
+        return _leased(runtime, cmap, b"", _manifest_of(cmap, runtime), verify)
     return connect(runtime, verify=verify, timeout=30.0)
+
+
+def _daemons_of(cmap: ClusterMap, token: bytes) -> tuple[object, ...]:
+    """Which daemons a map names: this node's pid, every node's address, the job token
+    (one of them differs after a restart)."""
+    return cmap.pid, tuple(cmap.nodes), token
+
+
+def _map_seen(runtime: str) -> tuple[int, int, int] | None:
+    """Which map file the runtime directory holds now (None: none): a daemon writes its
+    own anew (renamed into place) as it starts, and when its node has staged."""
+    try:
+        st = os.stat(os.path.join(runtime, MAP_NAME))
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _copy_of(path: str) -> _Copy | None:

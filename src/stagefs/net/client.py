@@ -16,8 +16,9 @@ training job.
 
 A peer that refuses the handshake (another job token, another pack) is a misconfiguration,
 not a crash: ``refused`` says so while it lasts, and the log says it once, naming the peer and
-the fix. ``interrupt`` ends every call blocked on the peer at once (a daemon that stops must
-not wait out a hung peer's deadlines).
+the fix (unless ``explains_refusal`` says why: the daemons were started again).
+``interrupt`` ends every call blocked on the peer at once (a daemon that stops must not wait
+out a hung peer's deadlines).
 """
 
 from __future__ import annotations
@@ -253,6 +254,9 @@ class PeerClient:
         # the peer's refusal of our handshake while it lasts (TOKEN, PACK, VERSION),
         # else None
         self.refused: str | None = None
+        # asked when the peer first refuses: True if its owner knows why (the daemons were
+        # started again with a new token: cluster/connect.py), not a misconfiguration
+        self.explains_refusal: Callable[[], bool] | None = None
         self._interrupted = False  # ``interrupt``: every call fails at once from now on
         self.stats = ClientStats()
         self._ids = itertools.count(1)
@@ -467,6 +471,11 @@ class PeerClient:
         if self.refused == kind:
             return
         self.refused = kind
+        explains = self.explains_refusal
+        if explains is not None and explains():
+            log.info("%s refused the handshake of the daemons it was started again after",
+                     self._who())
+            return
         log.warning("%s %s; skipped until it accepts (its shards read from other holders)",
                     self._who(), _FIX[kind])
 
