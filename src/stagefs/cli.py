@@ -598,7 +598,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-progress", dest="progress", action="store_false",
                     help="no progress bar")
 
-    sp = add("status", cmd_status, "per tier: bytes, shards held, hits; origin operations")
+    sp = add("status", cmd_status, "per tier: bytes used, shards held; reads by holder and "
+             "hit rate, from every process of the job; origin operations")
     sp.add_argument("--runtime", default=None, metavar="DIR",
                     help="the job's runtime dir ($STAGEFS_RUNTIME)")
     sp.add_argument("--json", action="store_true", help="print JSON")

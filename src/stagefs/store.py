@@ -56,7 +56,14 @@ from stagefs.tiers.chain import TierChain
 from stagefs.tiers.fill import reading_for
 from stagefs.tiers.inplace import SumTable
 from stagefs.tiers.origin import PackOrigin
-from stagefs.tiers.status import HOLDERS, ReadCounters, holder_summary
+from stagefs.tiers.status import (
+    HOLDERS,
+    RECORD_EVERY_S,
+    ReadCounters,
+    holder_summary,
+    new_record,
+    write_record,
+)
 
 __all__ = ["Holders", "ReadStats", "Store", "open"]
 
@@ -273,6 +280,18 @@ class Store:
         stats = getattr(self.origin, "stats", None)
         if self._counts is not None and isinstance(stats, OriginStats):
             stats.sink = self._counts.fetched  # the job counts every read of the origin
+        # a store without tiers that counts for a job writes the record a TierChain writes
+        # (its origin, what it cost the origin: ``stagefs status``'s origins and datasets),
+        # from time to time as it reads the origin and when it closes: a val set read
+        # beside a tiered train set was a pack id in the table, its opens counted nowhere
+        self._record: str | None = None
+        self._record_at = 0.0
+        self._record_lock = threading.Lock()
+        if self._policy is None and self._counts is not None and runtime is not None \
+                and counters is None and isinstance(stats, OriginStats):
+            self._record_pid = os.getpid()
+            self._record = new_record(runtime.stats, self.manifest.pack_id.hex())
+            stats.sink = self._fetched
         m = self.manifest
         self._find, self._kind, self._size = ns.find, m.kind, m.size
         self._shard, self._offset, self._stored = m.shard, m.offset, m.stored
@@ -297,6 +316,7 @@ class Store:
         self.stat, self.lstat, self.listdir = ns.stat, ns.lstat, ns.listdir
         self.exists, self.isdir, self.isfile, self.islink = ns.exists, ns.isdir, ns.isfile, ns.islink
         self.getsize, self.readlink = ns.getsize, ns.readlink
+        self._write_record(wait=True)  # its origin listed from the start (a scan's cost)
 
     # -- namespace (bound in __init__; declared here for readers and type checkers) ---------
 
@@ -1008,6 +1028,31 @@ class Store:
     def _origin_name(self) -> str:
         return str(getattr(self.origin, "root", None) or self.pack_dir)
 
+    def _fetched(self, nbytes: int, reads: int) -> None:
+        """A read of the origin by a store without tiers: counted for the job, and its
+        record written if it was last written a second ago or more."""
+        assert self._counts is not None
+        self._counts.fetched(nbytes, reads)
+        if time.monotonic() - self._record_at >= RECORD_EVERY_S:
+            self._write_record(wait=False)
+
+    def _write_record(self, *, wait: bool) -> None:
+        """This store's stats record (``self._record``), as a TierChain's (``counters``);
+        not by a forked child, whose counts are not the parent's (its reads are counted in
+        its own counters file); ``wait=False``: not if another thread writes it now."""
+        if self._record is None or os.getpid() != self._record_pid \
+                or not self._record_lock.acquire(blocking=wait):
+            return
+        try:
+            self._record_at = time.monotonic()
+            write_record(self._record, {
+                "pid": os.getpid(), "pack_id": self.manifest.pack_id.hex(),
+                "origin": self._origin_name(), "open": not self._closed,
+                "misses": self.stats.reads, "origin_stats": self.origin.stats.as_dict(),
+                "tiers": {}})
+        finally:
+            self._record_lock.release()
+
     def _fetch_from(self, shard: int, offset: int, length: int) -> tuple[ShardSource, bytes]:
         """The first holder that answers, and its bytes (not verified here)."""
         for src in self._holders(shard):
@@ -1124,6 +1169,7 @@ class Store:
         """What close() lets go of, once no read is under way."""
         if self._policy is not None:
             self._policy.close()
+        self._write_record(wait=True)  # (before the manifest it names is let go of)
         if self._runtime is not None:
             self._runtime.unregister()
         self.origin.close()

@@ -12,7 +12,6 @@ import pytest
 
 import stagefs
 from stagefs.runtime import Runtime
-from stagefs.tiers import chain as chain_mod
 from stagefs.tiers import status as status_mod
 from stagefs.tiers.status import COUNTER_SLOTS, ReadCounters, job_status, read_counts
 from tiers_helpers import packed_tree
@@ -56,7 +55,7 @@ def test_a_new_store_of_a_reused_pid_keeps_the_ended_ones_tier_record(
     first = job_status(Runtime(str(rt)))
     assert first["origins"][0]["processes"] == 1 and first["origins"][0]["opens"] > 0
     # a new process of the same pid numbers its stores and counter files from 0 again
-    monkeypatch.setattr(chain_mod, "_OPENED", itertools.count())
+    monkeypatch.setattr(status_mod, "_RECORDS", itertools.count())
     monkeypatch.setattr(status_mod, "_SEQ", itertools.count())
     with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=str(rt)) as fs:
         fs.read_many(sorted(files))

@@ -123,3 +123,41 @@ def test_a_process_told_no_rank_shows_a_dash_not_none(tmp_path, monkeypatch, cap
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| -"))
     assert "None" not in out and row.split("|")[1].strip() == "-"
+
+
+def test_a_sampler_in_a_batch_sampler_gives_its_epoch_and_mode(tmp_path, monkeypatch) -> None:
+    """A DataLoader given ``batch_sampler=BatchSampler(Sampler(...))`` has torch's default
+    as its own ``sampler``: the meter numbered the passes from 0 and recorded no mode, so a
+    closed-mode run's epochs said nothing of the mode it ran in."""
+    import pytest
+
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    import torch.utils.data as tud
+
+    from stagefs.torch import FileDataset, Sampler, StallMeter
+
+    (tmp_path / "src" / "train" / "c").mkdir(parents=True)
+    for i in range(5):
+        (tmp_path / "src" / "train" / "c" / f"{i}").write_bytes(bytes([i]) * 10)
+    stagefs.pack(tmp_path / "src", tmp_path / "pack", progress=False)
+    monkeypatch.delenv("STAGEFS_CLOSED", raising=False)
+    ticks = iter(range(1000))
+    with stagefs.open(tmp_path / "pack") as fs:
+        ds = FileDataset(fs, target=None)
+        for closed in (True, False):
+            sampler = Sampler(ds, closed=closed)
+            meter = StallMeter(tud.DataLoader(
+                ds, batch_sampler=tud.BatchSampler(sampler, 2, False), collate_fn=list),
+                write=False, clock=lambda: float(next(ticks)))
+            for epoch in (3, 4):
+                sampler.set_epoch(epoch)
+                assert sum(len(b) for b in meter) == 5
+            assert [(e.epoch, e.mode) for e in meter.epochs] == [
+                (e, "closed" if closed else "open") for e in (3, 4)]
+        # torch's own DistributedSampler inside a BatchSampler: its epoch, no mode
+        dist = tud.DistributedSampler(ds, num_replicas=1, rank=0)
+        dist.set_epoch(7)
+        meter = StallMeter(tud.DataLoader(ds, batch_sampler=tud.BatchSampler(dist, 2, False),
+                                          collate_fn=list), write=False)
+        assert sum(len(b) for b in meter) == 5
+        assert meter.last is not None and (meter.last.epoch, meter.last.mode) == (7, None)

@@ -660,7 +660,7 @@ def test_a_shard_made_whole_is_in_the_job_s_status_before_the_next_flush(
         chain = fs.chain
         assert chain is not None
         chain.flush_stats()  # (the first, as a store that has just begun makes it)
-        monkeypatch.setattr(chain_mod, "_STATS_EVERY_S", 1e9)  # no other before the kill
+        monkeypatch.setattr(chain_mod, "RECORD_EVERY_S", 1e9)  # no other before the kill
         _streamed_by_one(fs)
         assert fs.held_shards() == {0}
         written = json.loads(Path(chain._stats_path).read_text())

@@ -21,6 +21,7 @@ from test_tiers import read_all
 
 import stagefs
 from stagefs.cli import main
+from stagefs.config import format_size
 from stagefs.errors import SourceChangedError
 from stagefs.runtime import Runtime
 from stagefs.tiers.claims import Claims
@@ -250,6 +251,56 @@ def test_stage_status_clean(raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
     assert main(["status", "--runtime", rt, "--json"]) == 1
     got = capsys.readouterr()
     assert got.out == "" and f"no stagefs runtime at {rt}" in got.err
+
+
+def test_status_after_staging_alone_says_what_it_read_of_the_origin(
+        raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With no sample read yet (a job that has only staged, or whose streams ran before it
+    was stopped), the table points at the origin's reads "above": they are said there."""
+    root, _ = raw
+    rt, tier = str(tmp_path / "rt"), str(tmp_path / "tier")
+    assert main(["stage", str(root), "--tier", tier, "--runtime", rt, "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["status", "--runtime", rt, "--json"]) == 0
+    fetched = json.loads(capsys.readouterr().out)["fetched"]
+    assert fetched["reads"] > 0, fetched
+    assert main(["status", "--runtime", rt]) == 0
+    out = capsys.readouterr().out
+    said = (f"no samples read yet; read from the origin: {format_size(fetched['bytes'])} in "
+            f"{fetched['reads']} reads")
+    assert said in out, out
+    assert out.index(said) < out.index("metadata operations on the origin (the reads are above)")
+
+
+def test_status_names_a_dataset_read_without_tiers_and_counts_its_opens(
+        raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A val set read without tiers beside a tiered train set: its row names its origin
+    (not a pack id) and its opens are in the origins, as the train set's are."""
+    root, files = raw
+    train = tmp_path / "train"
+    make_tree(train / "raw", n=30, seed=4)
+    stagefs.pack(train / "raw", train / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    rt, tier = str(tmp_path / "rt"), str(tmp_path / "tier")
+    with stagefs.open(train / "pack", tiers=[tier], runtime=rt) as tr, \
+            stagefs.open(root, runtime=rt) as val:
+        assert val.chain is None
+        read_all(val, files)
+        for d, _, fl in tr.walk(""):
+            tr.read_many([f"{d}/{f}" if d else f for f in fl])
+        opens = val.status()["origin_stats"]["opens"]
+    assert opens > sum(1 for d in files.values() if d) // 2  # an open per file read
+    assert main(["status", "--runtime", rt, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert sorted(d["origin"] for d in status["datasets"]) == sorted(
+        [str(root), str(train / "pack")]), status["datasets"]
+    by_origin = {o["origin"]: o for o in status["origins"]}
+    assert by_origin[str(root)]["opens"] == opens, status["origins"]
+    assert by_origin[str(train / "pack")]["opens"] > 0
+    assert main(["status", "--runtime", rt]) == 0
+    out = capsys.readouterr().out
+    assert f"| {root} " in out.split("reads by dataset")[1], out
 
 
 

@@ -27,8 +27,6 @@ import atexit
 import contextlib
 import errno
 import functools
-import itertools
-import json
 import logging
 import multiprocessing.util as mp_util
 import os
@@ -41,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from stagefs._fsutil import atomic_write, file_lock, raise_fd_limit, remove_any
+from stagefs._fsutil import file_lock, raise_fd_limit, remove_any
 from stagefs.config import TierSpec, format_size
 from stagefs.errors import ConfigError, CorruptShardError, DescriptorLimitError
 from stagefs.format import KIND_FILE, Manifest
@@ -63,6 +61,7 @@ from stagefs.tiers.fill import (
     whole_charge,
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
+from stagefs.tiers.status import RECORD_EVERY_S, new_record, write_record
 from stagefs.tiers.stream import Stream
 from stagefs.tiers.tier import DirTier, dir_bytes, memory_limit_problem, over_capacity
 
@@ -75,7 +74,6 @@ IDLE_S = 0.01  # reads went to the origin less than this long ago: they are unde
 CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
 READERS_S = 0.05  # threads that read from the origin this recently count as reading now
-_STATS_EVERY_S = 1.0
 PIECE_SIZE: int | None = None  # bytes per piece of placement; None: the manifest's piece_size
 # the tiers' lock is held for microseconds (a millisecond for a piece's fallocate): waited
 # this long, its holder is stopped (kill -STOP, Ctrl-Z, a debugger), not busy
@@ -335,13 +333,7 @@ class TierChain:
         self._fills_lock = threading.RLock()
         self._grace_until: float | None = None
         self._lock_stuck = False  # the tiers' lock was not had in TIER_LOCK_WAIT_S
-        # one file per open store: several stores of one process each keep their counters;
-        # not the file of an ended process of the same pid (pids are reused): its stay
-        while True:
-            name = f"{os.getpid()}.{self.pack_id}.{next(_OPENED)}.json"
-            self._stats_path = os.path.join(self.runtime.stats, name)
-            if not os.path.lexists(self._stats_path):
-                break
+        self._stats_path = new_record(self.runtime.stats, self.pack_id)
         self._stats_at = 0.0
         # one writer of them at a time: a count taken before another thread's, renamed
         # after it, would put older counts back
@@ -1402,15 +1394,14 @@ class TierChain:
 
     def _maybe_flush(self) -> None:
         now = time.monotonic()
-        if now - self._stats_at >= _STATS_EVERY_S:
+        if now - self._stats_at >= RECORD_EVERY_S:
             self.flush_stats()
 
     def flush_stats(self) -> None:
         """Write this process's counters where ``stagefs status`` sums them."""
         self._stats_at = time.monotonic()
-        # counters are best effort: the runtime dir may have been cleaned under us
-        with self._stats_lock, contextlib.suppress(OSError):
-            atomic_write(self._stats_path, json.dumps(self.counters()), fsync=False)
+        with self._stats_lock:
+            write_record(self._stats_path, self.counters())
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -1455,7 +1446,6 @@ class TierChain:
 
 
 _CHAINS: weakref.WeakSet[TierChain] = weakref.WeakSet()
-_OPENED = itertools.count()
 
 
 _FORK_GUARD = threading.Lock()  # held while the tiers' lock file is locked (_tier_lock)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import mmap
 import os
 import stat
@@ -20,14 +21,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from stagefs._fsutil import open_read, write_out
+from stagefs._fsutil import atomic_write, open_read, write_out
 from stagefs._table import table
 from stagefs.config import format_size
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers.tier import dir_bytes
 
-__all__ = ["COUNTER_SLOTS", "HOLDERS", "EndedCounts", "ReadCounters", "holder_summary",
-           "job_status", "read_counts", "read_lines"]
+__all__ = ["COUNTER_SLOTS", "HOLDERS", "RECORD_EVERY_S", "EndedCounts", "ReadCounters", "holder_summary",
+           "job_status", "new_record", "read_counts", "read_lines", "write_record"]
 
 MAGIC = b"SFSCNT1\n"
 HOLDERS = ("memory", "disk", "peer", "origin")
@@ -44,6 +45,27 @@ _FETCHED = _SLOT["fetched_reads"]
 _STORED = _SLOT["stored_bytes"]
 _LIVE: weakref.WeakSet[ReadCounters] = weakref.WeakSet()
 _SEQ = itertools.count()
+_RECORDS = itertools.count()
+RECORD_EVERY_S = 1.0  # a store writes its stats record at most this often while it reads
+
+
+def new_record(stats: str, pack_id: str) -> str:
+    """A new path for a store's stats record in the job's ``stats`` dir,
+    ``<pid>.<pack id>.<n>.json`` (its origin and what it cost the origin: ``stagefs
+    status``'s origins): one file per open store, so several stores of one process each
+    keep theirs, and never the file of an ended process of the same pid (pids are reused):
+    its counts stay."""
+    while True:
+        path = os.path.join(stats, f"{os.getpid()}.{pack_id}.{next(_RECORDS)}.json")
+        if not os.path.lexists(path):
+            return path
+
+
+def write_record(path: str, record: dict[str, Any]) -> None:
+    """Write a store's stats record (``new_record``) whole: best effort, as the counters
+    are (the runtime dir may have been cleaned under the store)."""
+    with contextlib.suppress(OSError):
+        atomic_write(path, json.dumps(record), fsync=False)
 
 
 class ReadCounters:
@@ -286,11 +308,16 @@ def holder_summary(counts: dict[str, int]) -> dict[str, Any]:
 
 def read_lines(summary: dict[str, Any], who: str) -> list[str]:
     """``stagefs status``'s lines for a ``holder_summary`` of ``who``'s reads: the totals,
-    the origin's own reads and the hit rate, a table by holder, the FUSE pushes; none if
-    nothing was read."""
-    if not summary["reads"]:
-        return []
+    the origin's own reads and the hit rate, a table by holder, the FUSE pushes; with no
+    sample read, only what was read of the origin (staging, streams: the lines after point
+    here for it); none if nothing was read."""
     nbytes, fetched = summary["bytes"], summary["fetched"]
+    if not summary["reads"]:
+        if not fetched["reads"]:
+            return []
+        return [f"reads by holder ({who}): no samples read yet; read from the origin: "
+                f"{format_size(fetched['bytes'])} in {fetched['reads']} reads (streams, "
+                "staging)"]
     rows = [[h, v["reads"], format_size(v["bytes"]),
              f"{100 * v['bytes'] / nbytes:.1f}%" if nbytes else "-"]
             for h, v in summary["holders"].items()]

@@ -114,7 +114,7 @@ class StallMeter(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         # the sampler's epoch (set_epoch, load_state_dict: a resumed run's), else the pass's
-        sampler = getattr(self.loader, "sampler", None)
+        sampler = _sampler_of(self.loader)
         told = getattr(sampler, "epoch", None)
         epoch: int = told if _is_int(told) else len(self.epochs)
         closed = getattr(sampler, "closed", None) if isinstance(sampler, Sampler) else None
@@ -167,3 +167,17 @@ class StallMeter(Generic[T]):
         return table(["epoch", "steps", "wait s", "step s", "stall", "after 1st batch"],
                      [[e.epoch, e.steps, f"{e.wait_s:.2f}", f"{e.step_s:.2f}",
                        f"{e.stall:.1%}", f"{e.steady_stall:.1%}"] for e in self.epochs])
+
+
+def _sampler_of(loader: object) -> object:
+    """The sampler that deals ``loader``'s epochs: its ``sampler``, or the one its
+    ``batch_sampler`` draws from (``DataLoader(batch_sampler=BatchSampler(Sampler(...),
+    ...))``, where the loader's own ``sampler`` is torch's default, which has no epoch: the
+    passes were numbered from 0 and a closed-mode Sampler's epochs recorded with no mode)."""
+    outer = getattr(loader, "sampler", None)
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if not isinstance(outer, Sampler) and (
+            isinstance(inner, Sampler) or (not _is_int(getattr(outer, "epoch", None))
+                                           and _is_int(getattr(inner, "epoch", None)))):
+        return inner
+    return outer
