@@ -444,6 +444,16 @@ class Store:
             # empty files: samples of no bytes the manifest answers (count_kept)
             self.count_kept(0, int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))),
                             into=count)
+        if self._by_piece:
+            # a cluster's holders give a range only where one holds all of it: a large raw
+            # file by its pieces, each from its holder, as ``read_entry`` reads it (in a
+            # batch, it was read whole from the origin, the pieces its holders hold too)
+            big = (a["size"][ents[pick]] > self.manifest.piece_size) & \
+                (a["codec"][ents[pick]] == 0)
+            alone = [k for k in pick[big].tolist() if self.manifest.piece_sums(el[k]) is not None]
+            for k in alone:
+                out[k] = self.read_entry(el[k], names[k], count=count)
+            pick = np.setdiff1d(pick, alone)
         if not len(pick):
             return out
         sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]

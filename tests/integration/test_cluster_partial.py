@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 from cluster_helpers import (
+    free_ports,
     held_in_pieces,
     hosts_daemons,
     piece_pack,
+    start,
     status_json,
     stop,
     tail,
@@ -28,6 +30,7 @@ from cluster_helpers import (
 )
 
 import stagefs
+from stagefs.cluster.placement import place
 from stagefs.format import Manifest
 
 pytestmark = pytest.mark.integration
@@ -168,3 +171,98 @@ def test_nodes_with_room_hold_the_pieces_full_holders_could_not(tmp_path: Path) 
     finally:
         codes = [stop(d) for d in daemons]
     assert codes == [0] * n, [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
+def test_a_spare_that_holds_a_whole_shard_of_another_says_so(tmp_path: Path) -> None:
+    """A shard whose holder had room for none of it is placed whole on its spare by the
+    overflow: its status said nothing of it (``bytes_for_others`` counted partial copies
+    only), and the line on the copies no node had room for said "0 B so far" while every
+    read of them came from the spare."""
+    n, work = 2, str(tmp_path)
+    pack, content = piece_pack(work, 120, (20_000, 110_000), "2MiB", seed=7)
+    # node 0's tier holds nothing, node 1's the whole dataset: node 1 is the spare of every
+    # shard of node 0
+    daemons = _daemons(work, pack, ["0", "1GiB"], "--replicas", "1")
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        for _ in range(600):
+            nodes = status_json(work, 0)["nodes"]
+            if all(s["overflow_done"] for s in nodes):
+                break
+            time.sleep(0.1)
+        assert all(s["overflow_done"] for s in nodes), nodes
+        m = Manifest(os.path.join(pack, "manifest.sfm"))
+        theirs = place(len(m.shards), n).shards_of(0)
+        files = sum(int(m.stored[e]) for e in m.files() if int(m.shard[e]) in theirs)
+        whole = all(os.path.exists(os.path.join(work, "node1", "disk", m.pack_id.hex(),
+                                                m.shards[s].name)) for s in theirs)
+        m.close()
+        assert theirs and whole, "node 1 holds no whole shard of node 0: the test proves nothing"
+        # node 1's whole copies of node 0's shards are its bytes for others
+        assert nodes[1]["staging"]["bytes_for_others"] == files
+        assert nodes[1]["staging"]["overflow_shards"] == len(theirs)
+        with stagefs.connect(os.path.join(work, "rt0")) as fs:
+            paths = sorted(content)
+            assert fs.read_many(paths) == [content[p] for p in paths]
+            assert fs.status()["holders"]["origin"]["bytes"] == 0
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0] * n, [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
+def test_a_batch_reads_a_large_file_from_the_pieces_held(tmp_path: Path) -> None:
+    """``read_many`` of a batch read a file larger than a piece whole through the node's
+    daemon, which no holder served whole: from the origin, the pieces this node's partial
+    copy holds too (a reader on each node of a cluster read its own node's pieces of such
+    files from the origin every epoch; ``read`` and a batch of one read them by pieces)."""
+    n, work = 2, str(tmp_path)
+    rnd = random.Random(9)
+    src = os.path.join(work, "src")
+    os.makedirs(src)
+    content = {"big.bin": rnd.randbytes(5_000_000), "small.bin": rnd.randbytes(30_000)}
+    for name, data in content.items():
+        with open(os.path.join(src, name), "wb") as f:
+            f.write(data)
+    pack = os.path.join(work, "pack")
+    stagefs.pack(src, pack, shard_size="2MiB", jobs=1)
+    # both nodes hold every shard; node 0 has no room, node 1 room for some pieces of the
+    # large file's shard
+    daemons = _daemons(work, pack, ["0", "3MiB"], "--replicas", "2")
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        assert status_json(work, 1)["nodes"][1]["staging"]["bytes_in_pieces"] > 0
+        with stagefs.connect(os.path.join(work, "rt1")) as fs:
+            def origin_bytes() -> int:
+                return int(fs.status()["holders"]["origin"]["bytes"])
+
+            alone = 0  # each read alone: a large file by its pieces
+            for name, data in content.items():
+                before = origin_bytes()
+                assert fs.read(name) == data
+                alone += origin_bytes() - before
+            assert alone < len(content["big.bin"]), "no piece held: the test proves nothing"
+            names = sorted(content)
+            before = origin_bytes()
+            assert fs.read_many(names) == [content[p] for p in names]
+            assert origin_bytes() - before == alone
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0] * n, [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
+def _daemons(work: str, pack: str, tiers: list[str], *extra: str
+             ) -> list[subprocess.Popen[bytes]]:
+    """A cluster of ``len(tiers)`` daemons named by a hosts file, rank r's tier of
+    ``tiers[r]`` (as ``hosts_daemons``, whose tiers are all of one size)."""
+    with open(os.path.join(work, "hosts"), "w") as f:
+        f.write("".join(f"127.0.0.1:{p}\n" for p in free_ports(len(tiers))))
+    token = os.path.join(work, "token")
+    subprocess.run([sys.executable, "-m", "stagefs.cli", "serve", "--new-token", token],
+                   check=True, timeout=60)
+    return [start([sys.executable, "-m", "stagefs.cli", "serve", pack, "--tier",
+                   os.path.join(work, f"node{r}", "disk") + f":{size}", "--runtime",
+                   os.path.join(work, f"rt{r}"), "--hosts", os.path.join(work, "hosts"),
+                   "--rank", str(r), "--token-file", token, "--progress", "0", *extra],
+                  os.path.join(work, f"daemon{r}.log")) for r, size in enumerate(tiers)]

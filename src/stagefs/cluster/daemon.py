@@ -68,7 +68,7 @@ from stagefs.cluster.connect import ClusterHolders
 from stagefs.cluster.fabric import FABRIC_NAME
 from stagefs.cluster.mpi_transport import MpiPeer, mpi_library
 from stagefs.cluster.placement import place, shards_matching
-from stagefs.cluster.rereplicate import Rereplicator
+from stagefs.cluster.rereplicate import Rereplicator, plan
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.status import said_unreadable, unreadable, without_room
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
@@ -523,10 +523,14 @@ class Daemon:
                     continue
         return None
 
-    def _bytes_in_pieces(self, shards: Iterable[int]) -> int:
-        """The stored bytes of the files this node's partial copies of ``shards`` hold."""
+    def _bytes_in_pieces(self, shards: Iterable[int], whole: Collection[int] = ()) -> int:
+        """The stored bytes of the files this node's partial copies of ``shards`` hold, and
+        its whole copies of those of them in ``whole``."""
         total = 0
         for shard in shards:
+            if shard in whole and self.chain.locate(shard) is not None:
+                total += self.chain.file_bytes(shard)
+                continue
             for f in self.chain.partial_copies(shard):
                 bits = f.bits
                 if len(bits) == len(f.ext):  # (none once let go of: made whole meanwhile)
@@ -646,8 +650,13 @@ class Daemon:
         # and the files of its shards its partial copies hold (a tier too small for the
         # whole share): they are served too (``_pieces``); the share said 0% of them
         st["bytes_in_pieces"] = self._bytes_in_pieces(self._mine)
-        # and of other nodes' shards, which their holders had no room for (the overflow)
-        st["bytes_for_others"] = self._bytes_in_pieces(self.stager.held_for_others - self._mine)
+        # and of other nodes' shards, which their holders had no room for (the overflow):
+        # whole copies too, where their holders held none of them, but for those it holds
+        # for dead nodes now (counted on its re-replication line)
+        others = self.stager.held_for_others - self._mine
+        taken = plan(self.placement, self.rank, self.rereplicator.dead)
+        st["bytes_for_others"] = self._bytes_in_pieces(
+            others, whole={s for s in others if s not in taken})
         return {
             "rank": self.rank, "size": self.size, "host": self.server.address[0],
             "port": self.server.address[1], "pid": os.getpid(), "state": self.state,

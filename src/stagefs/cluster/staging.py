@@ -380,7 +380,10 @@ class Stager:
             return
         outcome = self.chain.place(shard, pieces=missing)
         self._count_origin()
-        here = {int(p) for f in self.chain.partial_copies(shard) for p in f.held_pieces()}
+        # whole now (its holders held none of it, or this node the rest): every piece, and
+        # no partial copy of it left to count them in
+        here = set(range(k)) if outcome in ("placed", "held") else {
+            int(p) for f in self.chain.partial_copies(shard) for p in f.held_pieces()}
         if here:
             self.held_for_others.add(shard)
             self.stats.overflow_shards = len(self.held_for_others)

@@ -227,7 +227,7 @@ def without_room(nodes: list[dict[str, Any] | None], replicas: int) -> str | Non
     others = sum(s["staging"].get("bytes_for_others", 0) for s in nodes if s)
     spares = ("the pieces the shards' spares hold in the room they have left after "
               f"staging ({format_size(others)} so far)")
-    cost = ("with --replicas 1 no other node holds them whole (a --replicate-all shard "
+    cost = ("with --replicas 1 they have no other holder (a --replicate-all shard "
             "aside): their reads go to the origin, but for the pieces those nodes' tiers "
             f"hold of them (partial copies) and {spares}" if replicas == 1 else
             "their reads go to their other holders, or the origin where none took them "

@@ -465,6 +465,11 @@ class TierChain:
             return []
         return [ext.span(p) for p in range(ext.pieces)]
 
+    def file_bytes(self, shard: int) -> int:
+        """The stored bytes of the shard's files: what a whole copy holds of them."""
+        ext = self._extents_of(shard)
+        return int((ext.ends - ext.offs).sum())
+
     def partial_copies(self, shard: int) -> list[ShardFill]:
         """This process's handles on the shard's partial copies, in tier order (none once
         it is whole): a server of what the tiers hold (the cluster daemon, whose staging
