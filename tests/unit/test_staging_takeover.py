@@ -76,3 +76,41 @@ def test_the_holders_after_a_primary_without_room_take_it_in_turn(
     assert _gone(manifest, 3, {0: primary, 1: full, 2: done})
     # a holder that is down is not waited for
     assert _gone(manifest, 2, {0: primary, 3: busy})
+
+
+class _Down(_Peer):
+    """A node that does not answer (killed, or its link cut)."""
+
+    def __init__(self) -> None:
+        super().__init__(False, False, False, 0)
+
+    def is_down(self) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        from stagefs.net.client import PeerUnavailable
+        raise PeerUnavailable("node: does not answer")
+
+
+def test_the_overflow_waits_for_the_nodes_before_it_in_turn(manifest: Manifest) -> None:
+    """A shard's second spare places what the holders and the first spare do not hold only
+    once they are done (the holder staged, the first spare's first round over); a node that
+    does not answer is waited for up to ``unreachable_after``, then left out, in every later
+    round too (each round waited for it anew: twice --dead-after before the second spares
+    went on)."""
+    holder, first = _Peer(False, True, True, 0), _Peer(False, True, True, 0)
+    first.st["overflow_rounds"] = 0
+    peers: dict[int, _Peer] = {0: holder, 1: first}
+    stager = Stager(manifest, [(0,)], 2, None, peers,  # type: ignore[arg-type]
+                    threading.Event(), sources={}, unreachable_after=30.0,
+                    spares=[(1, 2)])
+    assert stager._before(0, 0, {}, 0.0) == [0]  # the first spare's round: the holder only
+    assert stager._before(0, 1, {}, 0.0) is None  # the first spare is not done yet
+    first.st["overflow_rounds"] = 1
+    assert stager._before(0, 1, {}, 0.0) == [0, 1]
+    holder.st["staging_done"] = False
+    assert stager._before(0, 1, {}, 0.0) is None  # nor is the holder
+    peers[0] = _Down()
+    assert stager._before(0, 1, {}, 10.0) is None  # down: waited for a while
+    assert stager._before(0, 1, {}, 31.0) == [1]  # then taken for dead
+    assert stager._before(0, 1, {}, 0.0) == [1]  # and not waited for again

@@ -153,6 +153,7 @@ class Stager:
         self.overflow = 0  # overflow rounds finished (STATUS: spares after it wait on them)
         self.overflow_done = threading.Event()
         self.held_for_others: set[int] = set()  # shards it placed pieces of in the overflow
+        self._gone_nodes: set[int] = set()  # taken for dead in the overflow: not waited for
 
     def run(self) -> None:
         self.stats.started = time.time()
@@ -337,12 +338,13 @@ class Stager:
         round), once each is done with it; None while one is not. A node that does not
         answer is waited for as staging waits for a holder (daemons start at different
         times, and one found slow is skipped for a while): one left out holds pieces this
-        node would hold again. Past ``unreachable_after`` it is taken for dead (left out);
-        past the forward timeout, one not done is asked what it holds now."""
+        node would hold again. Past ``unreachable_after`` it is taken for dead (left out,
+        in the later rounds too: each waited for it anew); past the forward timeout, one not
+        done is asked what it holds now."""
         k = len(self.holders[shard])
         out: list[int] = []
         for i, n in enumerate((*self.holders[shard], *self.spares[shard][:j])):
-            if n not in self.peers or self._refused(n):
+            if n not in self.peers or self._refused(n) or n in self._gone_nodes:
                 continue
             st = self._asked(n, asked)
             if st.done if i < k else (st.overflow > i - k or st.full):
@@ -350,6 +352,7 @@ class Stager:
             elif self.peers[n].is_down():
                 if waited < min(self.unreachable_after, self.forward_timeout):
                     return None
+                self._gone_nodes.add(n)
             elif waited < self.forward_timeout:
                 return None
             else:
