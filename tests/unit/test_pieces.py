@@ -349,11 +349,12 @@ def test_large_files_are_placed_in_pieces(large_files: tuple[Path, dict[str, byt
 
 
 @contextlib.contextmanager
-def split_over_two_tiers(pack: Path, name: str, first: Path, second: Path
+def split_over_two_tiers(pack: Path, name: str, first: Path, second: Path, in_first: int = 2
                          ) -> Iterator[tuple[stagefs.Store, int, int, int]]:
-    """A store whose two tiers (at ``first`` and ``second``) hold the first two and the next
-    two of the 5 checksum pieces of file ``name`` (each an extent of its own), reserved in
-    them; the last piece in neither. Yields (store, shard, entry, piece size)."""
+    """A store whose two tiers (at ``first`` and ``second``) hold the first ``in_first`` and
+    the rest of the first four of the 5 checksum pieces of file ``name`` (each an extent of
+    its own), reserved in them; the last piece in neither. Yields (store, shard, entry,
+    piece size)."""
     import mmap
 
     from stagefs.tiers.fill import Extents, copy_charge
@@ -377,15 +378,16 @@ def split_over_two_tiers(pack: Path, name: str, first: Path, second: Path
             mask[list(held)] = True
             return ext.charged(mask, mmap.PAGESIZE) + copy_charge(ext, mmap.PAGESIZE)
 
-        first_room = room(pieces[0], pieces[1])
-        assert room(*pieces[:3]) > first_room
-    tiers = [f"{first}:{first_room}", f"{second}:{room(pieces[2], pieces[3])}"]
+        first_room = room(*pieces[:in_first])
+        assert room(*pieces[: in_first + 1]) > first_room
+    tiers = [f"{first}:{first_room}", f"{second}:{room(*pieces[in_first:4])}"]
     with stagefs.open(pack, tiers=tiers) as fs:
         chain = fs.chain
         assert chain is not None
         got = chain._reserve(shard, pieces)
         t1, t2 = chain.tiers
-        assert [got[p][1] if p in got else None for p in pieces] == [t1, t1, t2, t2, None]
+        assert [got[p][1] if p in got else None for p in pieces] == \
+            [t1] * in_first + [t2] * (4 - in_first) + [None]
         assert chain.full
         yield fs, shard, e, piece
 
@@ -472,6 +474,33 @@ def test_a_large_file_from_two_tiers_and_the_origin_is_counted_by_holder(
         assert fs.read_entry(e, start=piece, length=2 * piece) == big[piece : 3 * piece]
         assert holders() == {"origin": (1, 2 * len(big) - 4 * piece),
                              "memory": (1, 3 * piece), "disk": (0, 3 * piece)}
+
+
+def test_a_whole_read_from_two_tiers_and_the_origin_holds_it_in_memory_twice_at_most(
+        large_files: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A whole read of a large file whose pieces lie in two tiers and the origin is put
+    together in one buffer: at most the buffer and the bytes returned are held at once,
+    however large the part one copy gives (each part was copied once more on its way into
+    the buffer: a 190 MiB file, 137 MiB of it in a RAM tier, peaked at 2.44 times its size,
+    where a read from one holder takes 1)."""
+    import tracemalloc
+
+    pack, files = large_files
+    name = "v/09.npy"  # 4.9 MiB: 5 checksum pieces, 3 in the RAM tier, 1 on disk, 1 in none
+    big = files[name]
+    with split_over_two_tiers(pack, name, tmp_path / "ram", tmp_path / "disk", 3) as \
+            (fs, _, _, piece):
+        assert fs.read(name) == big  # read from the origin into both copies
+        before = fs.origin.stats.bytes_read
+        tracemalloc.start()
+        try:
+            data = fs.read(name)  # 3 pieces from RAM, 1 from disk, 1 from the origin
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert data == big
+        assert fs.origin.stats.bytes_read - before == len(big) - 4 * piece
+        assert peak < 2 * len(big) + piece // 2, (peak, len(big))
 
 
 def test_a_full_tier_takes_the_room_a_corrupt_copy_leaves(

@@ -851,16 +851,20 @@ class Stream:
                 # pieces in several tiers, or some in none (those from the origin: a large
                 # file a tier holds in part); zero padding between
                 out = bytearray(length)
+                # each part copied into the buffer through a view: a slice of the bytearray
+                # itself copies the part once more first (a whole read of a 190 MiB file,
+                # 137 MiB of it from a RAM tier, held 2.44 times its size)
+                into = memoryview(out)
                 parts: list[tuple[DirTier, int, int]] = []
                 split: dict[str, int] = {}
                 spans: list[tuple[int, int, str]] = []
                 for i, j, c in runs:
                     a, b = max(offset, int(ext.offs[i])), min(end, int(ext.ends[j - 1]))
                     if c is None:
-                        out[a - offset : b - offset] = self._from_origin(shard, a, b - a)
+                        into[a - offset : b - offset] = self._from_origin(shard, a, b - a)
                         holder = "origin"
                     else:
-                        out[a - offset : b - offset] = self._read_in(shard, *c, a, b - a)
+                        into[a - offset : b - offset] = self._read_in(shard, *c, a, b - a)
                         parts.append((c[1], a, b))
                         holder = self._served.holder
                     split[holder] = split.get(holder, 0) + b - a
@@ -871,6 +875,7 @@ class Stream:
                 top = max(split, key=split.__getitem__, default="origin")
                 split[top] = split.get(top, 0) + length - sum(split.values())
                 self._served.split = sorted(split.items(), key=lambda kv: -kv[1])
+                into.release()
                 return bytes(out)
             except _Gone:
                 continue
