@@ -23,6 +23,20 @@ def _staged(work: str, n: int, daemons: list) -> None:  # type: ignore[type-arg]
         wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
 
 
+def _three_nodes(work: str) -> tuple[str, dict[str, bytes], list]:  # type: ignore[type-arg]
+    """A pack of 120 files in ``work`` staged by 3 daemons of a hosts file (64 MiB tiers):
+    the pack, its files' bytes, the daemons."""
+    pack, content = make_pack(work, files=120)
+    daemons = hosts_daemons(work, pack, 3, "64MiB", "--progress", "0")
+    try:
+        _staged(work, 3, daemons)
+    except BaseException:
+        for d in daemons:
+            stop(d)
+        raise
+    return pack, content, daemons
+
+
 def _deleted_held(work: str) -> list[str]:
     """The files under ``work`` this process holds open that are deleted."""
     out = []
@@ -47,11 +61,9 @@ def test_a_reader_reads_through_daemons_started_again(
     same --token-file and hosts file), it held the old copies open (deleted, their blocks
     pinned: memory, on a memory tier) for its life."""
     n, work = 3, str(tmp_path)
-    pack, content = make_pack(work, files=120)
+    pack, content, daemons = _three_nodes(work)
     paths = sorted(content)
-    daemons = hosts_daemons(work, pack, n, "64MiB", "--progress", "0")
     try:
-        _staged(work, n, daemons)
         with stagefs.connect(os.path.join(work, "rt0")) as fs:
             holders = fs._policy  # type: ignore[attr-defined]
             ticks = itertools.count(step=10.0)
@@ -102,11 +114,9 @@ def test_a_store_sent_to_a_worker_while_the_daemons_restart_opens_there(
     ClusterError (the training stopped); it reads as its sender did, then through the new
     daemons once they are back."""
     n, work = 3, str(tmp_path)
-    pack, content = make_pack(work, files=120)
+    pack, content, daemons = _three_nodes(work)
     paths = sorted(content)
-    daemons = hosts_daemons(work, pack, n, "64MiB", "--progress", "0")
     try:
-        _staged(work, n, daemons)
         with stagefs.connect(os.path.join(work, "rt0")) as fs:
             sent = pickle.dumps(fs)
         for d in daemons:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import stagefs
 from stagefs.cli import main
 
+
+def _tiny_pack(tmp_path: Path, n: int) -> None:
+    """``tmp_path``/pack: ``n`` files of 10 bytes under train/c (one class)."""
+    (tmp_path / "src" / "train" / "c").mkdir(parents=True)
+    for i in range(n):
+        (tmp_path / "src" / "train" / "c" / f"{i}").write_bytes(bytes([i]) * 10)
+    stagefs.pack(tmp_path / "src", tmp_path / "pack", progress=False)
 
 def test_status_lists_stall_per_rank_and_epoch(tmp_path, monkeypatch, capsys) -> None:
     src = tmp_path / "src"
@@ -76,10 +84,7 @@ def test_status_shows_which_mode_each_epoch_ran(tmp_path, monkeypatch, capsys) -
 
     from stagefs.torch import FileDataset, Sampler, StallMeter
 
-    for i in range(4):
-        (tmp_path / "src" / "train" / "c").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "src" / "train" / "c" / f"{i}").write_bytes(bytes([i]) * 10)
-    stagefs.pack(tmp_path / "src", tmp_path / "pack", progress=False)
+    _tiny_pack(tmp_path, 4)
     monkeypatch.delenv("STAGEFS_CLOSED", raising=False)
     ticks = iter(range(1000))
     with stagefs.open(tmp_path / "pack") as fs:
@@ -136,10 +141,7 @@ def test_a_sampler_in_a_batch_sampler_gives_its_epoch_and_mode(tmp_path, monkeyp
 
     from stagefs.torch import FileDataset, Sampler, StallMeter
 
-    (tmp_path / "src" / "train" / "c").mkdir(parents=True)
-    for i in range(5):
-        (tmp_path / "src" / "train" / "c" / f"{i}").write_bytes(bytes([i]) * 10)
-    stagefs.pack(tmp_path / "src", tmp_path / "pack", progress=False)
+    _tiny_pack(tmp_path, 5)
     monkeypatch.delenv("STAGEFS_CLOSED", raising=False)
     ticks = iter(range(1000))
     with stagefs.open(tmp_path / "pack") as fs:
