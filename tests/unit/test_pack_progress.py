@@ -63,3 +63,14 @@ def test_a_shard_being_written_counts_what_it_holds_so_far(tmp_path: Path) -> No
     partial.write_bytes(b"x" * 600)
     assert pack_mod._written(str(tmp_path), 3, 1000) == 600
     assert pack_mod._written(str(tmp_path), 3, 500) == 500  # its padding is not progress
+
+
+def test_a_shard_renamed_into_place_counts_whole_until_its_worker_reports(
+        tmp_path: Path) -> None:
+    """Between the rename of its ``.partial`` and its result reaching the pack (the worker
+    writes the shard's record, then sends the records back), a shard is whole: counted 0
+    there, the bar went back by a shard at each shard's end."""
+    (tmp_path / (shard_name(3) + ".partial")).write_bytes(b"x" * 600)
+    assert pack_mod._written(str(tmp_path), 3, 1000) == 600
+    os.replace(tmp_path / (shard_name(3) + ".partial"), tmp_path / shard_name(3))
+    assert pack_mod._written(str(tmp_path), 3, 1000) == 1000
