@@ -68,7 +68,7 @@ from stagefs.cluster.connect import ClusterHolders
 from stagefs.cluster.fabric import FABRIC_NAME
 from stagefs.cluster.mpi_transport import MpiPeer, mpi_library
 from stagefs.cluster.placement import place, shards_matching
-from stagefs.cluster.rereplicate import Rereplicator, plan
+from stagefs.cluster.rereplicate import Rereplicator
 from stagefs.cluster.staging import Stager
 from stagefs.cluster.status import said_unreadable, unreadable, without_room
 from stagefs.cluster.transport import TRANSPORTS, open_transport, peer_sources
@@ -654,7 +654,7 @@ class Daemon:
         # whole copies too, where their holders held none of them, but for those it holds
         # for dead nodes now (counted on its re-replication line)
         others = self.stager.held_for_others - self._mine
-        taken = plan(self.placement, self.rank, self.rereplicator.dead)
+        taken = self.rereplicator.taken
         st["bytes_for_others"] = self._bytes_in_pieces(
             others, whole={s for s in others if s not in taken})
         return {

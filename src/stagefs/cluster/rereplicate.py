@@ -139,6 +139,9 @@ class Rereplicator:
         self._held: tuple[frozenset[int], float] | None = None  # the set now, and since when
         self.dead: frozenset[int] = frozenset()
         self.generation = 0  # changes of the dead set seen by this node
+        # the shards this node holds for the dead now (the last ``plan``): a daemon's STATUS
+        # counts them on this line, not among its own or the overflow's
+        self.taken: frozenset[int] = frozenset()
         self.isolated = False
         self._round: tuple[Stager, threading.Event, threading.Thread] | None = None
         self._past = {"forwarded_bytes": 0, "origin_bytes": 0, "forwarded_shards": 0,
@@ -217,9 +220,12 @@ class Rereplicator:
             log.warning("node %d reaches %d of %d nodes: cut off, most likely; it copies "
                         "nothing until they answer again", self.rank, reachable,
                         self.placement.nodes)
+            self.taken = frozenset()
             self._end_round()
             return
-        self._start_round(plan(self.placement, self.rank, dead))
+        todo = plan(self.placement, self.rank, dead)
+        self.taken = frozenset(todo)
+        self._start_round(todo)
 
     def run(self) -> None:
         threading.Thread(target=self._interrupt_on_stop, name="stagefs-stop-peers",
