@@ -21,7 +21,7 @@ import shutil
 import stat as st
 import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,13 +71,21 @@ COMPRESS_MODES = ("auto", "zstd", "none")
 
 @dataclass(slots=True)
 class _Source:
-    """A file found by the scan: where to read it and what lstat said."""
+    """A file found by the scan: what lstat said, and where to read it: at its path in the
+    tree (``abspath`` None: SRC/rel, kept as one string for all, not one a file: 90 bytes
+    each of a pack's memory, which holds every file's record until the manifest is
+    written), or at ``abspath`` (a file reached through a symlink --follow-symlinks
+    followed out of the tree)."""
 
     rel: bytes
-    abspath: bytes
+    abspath: bytes | None
     size: int
     mtime_ns: int
     mode: int
+
+    def path(self, root: bytes) -> bytes:
+        """Where to read the file, for the tree at ``root``."""
+        return self.abspath if self.abspath is not None else root + b"/" + self.rel
 
 
 @dataclass
@@ -127,6 +135,8 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None,
               disable=None if progress is None else not progress) as bar:
         while stack:
             dirpath, rel_dir = stack.pop()
+            # a directory of the tree, or one a followed symlink brought in
+            own = dirpath == (os.path.join(src, rel_dir) if rel_dir else src)
             try:
                 with os.scandir(dirpath) as it:
                     items = sorted(it, key=lambda d: d.name)
@@ -156,8 +166,8 @@ def _scan(src: bytes, *, follow_symlinks: bool, exclude: bytes | None,
                     out.entries.append(Entry(rel, KIND_DIR, info.st_mode, info.st_mtime_ns))
                     stack.append((apath, rel))
                 elif st.S_ISREG(info.st_mode):
-                    out.files.append(_Source(rel, apath, info.st_size, info.st_mtime_ns,
-                                             info.st_mode))
+                    out.files.append(_Source(rel, None if own else apath, info.st_size,
+                                             info.st_mtime_ns, info.st_mode))
                 else:
                     out.skipped.append(os.fsdecode(rel))
     return out
@@ -285,7 +295,7 @@ def _signature(files: list[_Source]) -> list[list[Any]]:
 # ---------------------------------------------------------------------------------- write
 
 
-_Record = tuple[int, int, int, int, list[int]]
+_Record = tuple[int, int, int, int, Sequence[int]]
 """One file as written: offset, stored length, codec, checksum, piece checksums."""
 
 
@@ -308,7 +318,7 @@ def _read_whole(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
+def _write_one(writer: ShardWriter, f: _Source, path: bytes, compress: str) -> _Record | str:
     """Append one file; return its record, or ``"changed"`` if it changed under us. A raw
     file larger than one piece gets the checksum of each piece too, and a raw file that the
     writer's alignment names starts at a multiple of it (docs/FORMAT.md).
@@ -316,7 +326,7 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
     The scan found a regular file: if something else is there now (a FIFO, which a plain
     open would wait on for a writer forever; a device; a symlink), it changed."""
     try:
-        fd, before = open_read(f.abspath, os.O_NOFOLLOW)
+        fd, before = open_read(path, os.O_NOFOLLOW)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink now; a FIFO or socket now
             return "changed"
@@ -333,12 +343,12 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
                 h.update(chunk)
                 total += len(chunk)
             digest = h.digest()
-            record = (offset, total, int(Codec.NONE), digest, h.pieces if total > PIECE else [])
+            record = (offset, total, int(Codec.NONE), digest, h.pieces if total > PIECE else ())
         else:
             data = _read_whole(fd, f.size)
             total = len(data)
             codec, stored = compress_auto(data, compress)
-            pieces = piece_sums(data, PIECE) if codec == Codec.NONE and total > PIECE else []
+            pieces = piece_sums(data, PIECE) if codec == Codec.NONE and total > PIECE else ()
             writer.align_for(codec, total)
             record = (writer.append(stored), len(stored), int(codec), checksum(data), pieces)
         after = os.fstat(fd)
@@ -350,21 +360,23 @@ def _write_one(writer: ShardWriter, f: _Source, compress: str) -> _Record | str:
 
 
 def _write_shard(
-    dest: str, index: int, pack_id: bytes, files: list[_Source], compress: str,
+    dest: str, index: int, pack_id: bytes, root: bytes, files: list[_Source], compress: str,
     align: FileAlign, on_file: Callable[[int], object] | None = None,
 ) -> _ShardResult:
-    """Worker: write shard ``index``; its record file makes it reusable by a later run.
-    ``on_file(size)``: after each file (the progress bar, when written in this process)."""
+    """Worker: write shard ``index`` of the files of the tree at ``root``; its record file
+    makes it reusable by a later run. ``on_file(size)``: after each file (the progress bar,
+    when written in this process)."""
     result = _ShardResult(index, [])
     writer = ShardWriter(os.path.join(dest, shard_name(index)), index, pack_id, align)
     try:
         for f in files:
             if on_file is not None:
                 on_file(f.size)
+            path = f.path(root)
             try:
-                rec = _write_one(writer, f, compress)
+                rec = _write_one(writer, f, path, compress)
             except PermissionError:
-                result.unreadable.append(show_path(f.abspath))
+                result.unreadable.append(show_path(path))
                 continue
             except FileNotFoundError:
                 result.changed.append(show_path(f.rel) + " (deleted)")
@@ -448,8 +460,8 @@ def _reusable(dest: str, index: int, files: list[_Source]) -> _ShardResult | Non
             or saved.get("version") != VERSION):  # written by another format: write it again
         return None
     try:
-        records = [(int(o), int(n), int(c), int(h), [int(p) for p in ps])
-                   for o, n, c, h, ps in saved["records"]]
+        records: list[_Record] = [(int(o), int(n), int(c), int(h), [int(p) for p in ps] or ())
+                                  for o, n, c, h, ps in saved["records"]]
     except (KeyError, TypeError, ValueError):
         return None
     return _ShardResult(index, records, size)
@@ -619,7 +631,8 @@ def pack(
                 f"{len(results)} of {len(plan)} shards already written")
         todo = [i for i in range(len(plan)) if i not in results]
         _clear_stale(dest_s, len(plan), keep=set(results))
-        _run_writers(dest_s, pack_id, plan, todo, compress, file_align, jobs, progress, results)
+        _run_writers(dest_s, pack_id, os.fsencode(src_s), plan, todo, compress, file_align,
+                     jobs, progress, results)
 
         failures = [r for r in results.values() if r.changed or r.unreadable]
         unreadable = [p for r in failures for p in r.unreadable]
@@ -635,7 +648,12 @@ def pack(
                 f"{len(changed)} file(s) changed while they were packed: {', '.join(changed[:10])}."
                 " No pack was completed; run the same command again once the source is still."
             )
-        report = _write_manifest(dest_s, pack_id, scan, plan, results, options, file_align)
+        # seconds for a million files, after the bar has ended: said, not silent
+        with tqdm(desc=f"writing the manifest ({len(scan.entries) + len(scan.files):,} "
+                  "entries)", bar_format="{desc}", leave=False,
+                  disable=None if progress is None else not progress):
+            report = _write_manifest(dest_s, pack_id, scan, plan, results, options,
+                                     file_align)
         report.reused_shards = len(plan) - len(todo)
         report.skipped = scan.skipped
         if report.raw_over_max:
@@ -682,6 +700,7 @@ def _clear_stale(dest: str, n_shards: int, keep: set[int]) -> None:
 def _run_writers(
     dest: str,
     pack_id: bytes,
+    root: bytes,
     plan: list[list[_Source]],
     todo: list[int],
     compress: str,
@@ -704,14 +723,14 @@ def _run_writers(
     try:
         if jobs == 1 or len(todo) <= 1:
             for i in todo:
-                results[i] = _write_shard(dest, i, pack_id, plan[i], compress, align,
+                results[i] = _write_shard(dest, i, pack_id, root, plan[i], compress, align,
                                           on_file=bar.update)
                 done_files += len(plan[i])
                 bar.set_postfix_str(f"{done_files}/{total_files} files")
             return
         with worker_pool(jobs) as pool:  # no worker outlives a killed pack
-            futures = {pool.submit(_write_shard, dest, i, pack_id, plan[i], compress, align): i
-                       for i in todo}
+            futures = {pool.submit(_write_shard, dest, i, pack_id, root, plan[i], compress,
+                                   align): i for i in todo}
             try:
                 waiting = set(futures)
                 while waiting:

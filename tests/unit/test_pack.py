@@ -245,10 +245,10 @@ def test_file_deleted_while_packing(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         (src / f"f{i}").write_bytes(b"x" * 100)
     real = packmod._write_one
 
-    def write_one(writer: ShardWriter, f: Any, compress: str) -> Any:
+    def write_one(writer: ShardWriter, f: Any, path: bytes, compress: str) -> Any:
         if f.rel == b"f1":
             os.unlink(src / "f1")
-        return real(writer, f, compress)
+        return real(writer, f, path, compress)
 
     monkeypatch.setattr(packmod, "_write_one", write_one)
     with pytest.raises(SourceChangedError, match="f1"):
