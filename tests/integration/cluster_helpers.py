@@ -195,9 +195,10 @@ def piece_pack(work: str, files: int = 240, sizes: tuple[int, int] = (5_000, 40_
     return pack, content
 
 
-def held_in_pieces(work: str, n: int, pack: str) -> dict[str, int]:
+def held_in_pieces(work: str, n: int, pack: str, node: int | None = None) -> dict[str, int]:
     """The files whose bytes a node's partial copy holds (path -> size), found by their
-    bytes: a piece is filled only with checked bytes, and a file not there reads as zeros."""
+    bytes: a piece is filled only with checked bytes, and a file not there reads as zeros.
+    ``node``: that node's copies only."""
     from stagefs.format import Manifest
     from stagefs.tiers.fill import PARTIAL_SUFFIX
 
@@ -213,7 +214,7 @@ def held_in_pieces(work: str, n: int, pack: str) -> dict[str, int]:
             with open(os.path.join(pack, name), "rb") as f:
                 f.seek(off)
                 want = f.read(size)
-            for r in range(n):
+            for r in range(n) if node is None else (node,):
                 tier = os.path.join(work, f"node{r}", "disk", m.pack_id.hex())
                 try:
                     with open(os.path.join(tier, name + PARTIAL_SUFFIX), "rb") as f:

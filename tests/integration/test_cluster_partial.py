@@ -75,6 +75,50 @@ def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
     assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
 
 
+def test_a_reader_past_its_daemon_reads_its_node_s_pieces(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that reads the peers directly (``STAGEFS_FABRIC=0``; the same while its
+    daemon does not answer) reads the pieces its own node's partial copies hold from them:
+    it read them from the origin, every epoch (only its daemon read them, and served them
+    through the fabric)."""
+    n, work = 2, str(tmp_path)
+    rnd = random.Random(5)
+    pack, content = piece_pack(work)
+    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        held = held_in_pieces(work, n, pack)
+        mine = [held_in_pieces(work, n, pack, node=r) for r in range(n)]
+        assert all(mine), "a node holds no piece: the test proves nothing"
+        total = sum(len(d) for d in content.values())
+        paths = sorted(content)
+        monkeypatch.setenv("STAGEFS_FABRIC", "0")
+        for r in range(n):
+            with stagefs.connect(os.path.join(work, f"rt{r}")) as fs:
+                assert fs._policy.fabric is None  # type: ignore[union-attr]
+                for _ in range(2):
+                    rnd.shuffle(paths)
+                    for i in range(0, len(paths), 32):
+                        batch = paths[i : i + 32]
+                        assert fs.read_many(batch) == [content[p] for p in batch]
+                for p in paths[:40]:  # and file by file
+                    assert fs.read(p) == content[p]
+                st = fs.status()["holders"]
+            ones = sum(len(content[p]) for p in paths[:40])
+            read_held = 2 * sum(held.values()) + sum(held[p] for p in paths[:40] if p in held)
+            from_here = 2 * sum(mine[r].values()) + sum(
+                mine[r][p] for p in paths[:40] if p in mine[r])
+            # only what no node holds came from the origin; this node's pieces from its
+            # own tier, the other's through its daemon
+            assert st["origin"]["bytes"] == 2 * total + ones - read_held, st
+            assert st["disk"]["bytes"] == from_here, st
+            assert st["peer"]["bytes"] == read_held - from_here, st
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
 def test_a_file_larger_than_a_piece_is_read_from_the_pieces_held(tmp_path: Path) -> None:
     """A whole file of several pieces, a partial copy holding some of them: ``read`` and
     ``read_many`` (and the helper of ``stagefs run --connect``, which reads with

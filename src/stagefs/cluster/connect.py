@@ -61,6 +61,7 @@ from stagefs.net.hedge import HedgedPeer, HedgePolicy, ReplyTimes
 from stagefs.runtime import Runtime
 from stagefs.store import ReadStats, Store
 from stagefs.tiers.base import ShardSource, SourceUnavailable
+from stagefs.tiers.chain import NodePieces
 from stagefs.tiers.origin import PackOrigin
 from stagefs.tiers.tier import DirTier
 
@@ -119,9 +120,13 @@ class ClusterHolders:
         # not read again here until the daemon has replaced it (``_dropped_here``)
         self._bad: dict[tuple[int, int], _Copy] = {}
         self._daemon_tcp: PeerClient | None = None  # to report them without the fabric
+        # the pieces of this node's partial copies, which the daemon serves: read here
+        # when this process reads the peers directly (``_holders_of``)
+        self.pieces: NodePieces | None = None
         if clients is None:  # a reader (a daemon's own holders read no tier)
             for i, t in enumerate(self.tiers):
                 t.on_drop = functools.partial(self._dropped_here, i)
+            self.pieces = NodePieces(manifest, self.tiers)
         self.fabric: FabricHolder | None = None  # the node daemon (cluster/fabric.py)
         if clients is None:
             self.fabric = self._fabric_of(cmap, token)
@@ -253,6 +258,8 @@ class ClusterHolders:
         self._daemons = daemons
         for t in self.tiers:  # copies the daemons deleted meanwhile (tiers emptied)
             t.forget_gone()
+        if self.pieces is not None:
+            self.pieces.forget_gone()
         old = self.cmap
         if (cmap.pack_id, cmap.rank, cmap.size, cmap.replicas, cmap.seed, cmap.everywhere,
                 cmap.tiers) != (old.pack_id, old.rank, old.size, old.replicas, old.seed,
@@ -363,10 +370,16 @@ class ClusterHolders:
             if here:
                 return here + self._static_after[nodes]
         out: list[ShardSource] = [*self.remote(shard), self.origin]
-        if self.rank in nodes and shard not in self._mine:
+        if self.rank in nodes:
             # a copy this node made when a holder died (whatever this reader knows of the
-            # dead: one open() when there is none)
-            return self._here(shard) + out
+            # dead: one open() when there is none), and the pieces of its partial copies:
+            # of its own shards its tiers had room for in part, of the shards it is a spare
+            # of that the overflow placed (the daemon serves them through the fabric; read
+            # past it, they were read from the origin)
+            here = self._here(shard) if shard not in self._mine else []
+            if not here and self.pieces is not None:
+                here = self.pieces.sources(shard)
+            return here + out
         return out
 
     def remote(self, shard: int) -> list[HedgedPeer]:
@@ -459,6 +472,8 @@ class ClusterHolders:
         return _reconnect, (self.runtime, self.verify, self.cmap.to_json())
 
     def close(self) -> None:
+        if self.pieces is not None:
+            self.pieces.close()
         if self.fabric is not None:
             self.fabric.close()
         if self._daemon_tcp is not None:

@@ -65,11 +65,14 @@ from stagefs.tiers.status import RECORD_EVERY_S, new_record, write_record
 from stagefs.tiers.stream import Stream
 from stagefs.tiers.tier import DirTier, dir_bytes, memory_limit_problem, over_capacity
 
-__all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "TierChain", "TiersBusy"]
+__all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "NodePieces", "TierChain", "TiersBusy"]
 
 log = logging.getLogger("stagefs.tiers")
 
 RECHECK_S = 0.05  # how often a read re-checks whether a missing shard has landed
+# how often a cluster reader looks again for its node's partial copies of a shard that it
+# found none of (its daemon places them: at staging, in the overflow's rounds, for the dead)
+PIECES_RECHECK_S = 1.0
 IDLE_S = 0.01  # reads went to the origin less than this long ago: they are under way
 CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
@@ -117,6 +120,131 @@ class _FillSource:
     def drop(self, shard: int) -> None:
         """A read found bad bytes in this partial copy: start it afresh."""
         self._chain._drop_fill(shard, self.tier)
+
+    def close(self) -> None:
+        pass
+
+
+class NodePieces:
+    """The pieces of this node's partial copies (fill.py), for a process that reads them
+    but does not place them: a reader in cluster mode, whose node daemon places its tiers'
+    copies and serves them (the pieces of a shard its tiers had room for in part, and those
+    the overflow placed for the nodes before it), when it reads the peers directly
+    (``STAGEFS_FABRIC=0``, or while its daemon does not answer). ``sources(shard)``: one
+    holder per tier with a partial copy of ``shard``, which gives a range only where the
+    copy holds all of it (its fill map says so), else raises SourceUnavailable: the next
+    holder answers. A copy is opened once and kept; a shard with none is looked for again
+    ``RECHECK_S`` later (``clock``); a copy found bad, or deleted, is let go of."""
+
+    def __init__(self, manifest: Manifest, tiers: Sequence[DirTier],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.manifest = manifest
+        self.tiers = list(tiers)
+        self.clock = clock
+        self._sizes = [s.size for s in manifest.shards]
+        self._layout: Layout | None = None
+        self._fills: dict[tuple[int, int], ShardFill] = {}  # (tier, shard) ->
+        self._next: dict[int, float] = {}  # shard -> when to look for its copies again
+        self._bad: set[tuple[int, int]] = set()  # the (device, inode) of copies found bad
+        self._lock = threading.Lock()  # (held for dict updates only)
+        self._sources = [_PiecesIn(self, i, t) for i, t in enumerate(self.tiers)]
+        _PIECES.add(self)
+
+    def sources(self, shard: int) -> list[ShardSource]:
+        """The holders of ``shard``'s pieces in this node's tiers, in tier order."""
+        now = self.clock()
+        if now >= self._next.get(shard, 0.0):
+            self._next[shard] = now + PIECES_RECHECK_S
+            self._look(shard)
+        return [self._sources[i] for i in range(len(self.tiers)) if (i, shard) in self._fills]
+
+    def fill(self, tier: int, shard: int) -> ShardFill | None:
+        return self._fills.get((tier, shard))
+
+    def _look(self, shard: int) -> None:
+        if self._layout is None:
+            self._layout = Layout(self.manifest)
+        ext = None
+        for i, t in enumerate(self.tiers):
+            f = self._fills.get((i, shard))
+            if f is not None and f.linked():
+                continue
+            if f is not None:  # finished (a whole copy now: the tier serves it) or deleted
+                self.let_go(i, shard)
+            if ext is None:
+                ext = self._layout.extents(shard, self._sizes[shard], PIECE_SIZE)
+            try:
+                new = open_fill(t.path(shard), self._sizes[shard], ext)
+            except OSError:  # not ours to read (another user's tier), or gone meanwhile
+                new = None
+            if new is None:
+                continue
+            if new.ino in self._bad:
+                new.close()
+                continue
+            with self._lock:
+                old, self._fills[(i, shard)] = self._fills.get((i, shard)), new
+            if old is not None:
+                old.close()
+
+    def let_go(self, tier: int, shard: int, *, bad: bool = False) -> None:
+        """Read this copy no more (``bad``: not this file again, whoever reopens it)."""
+        with self._lock:
+            f = self._fills.pop((tier, shard), None)
+        if f is not None:
+            if bad:
+                self._bad.add(f.ino)
+            f.close()
+        self._next.pop(shard, None)
+
+    def forget_gone(self) -> None:
+        """Let go of the copies no longer at their path (the daemons started again on
+        emptied tiers, or made them whole): looked for again at the next read."""
+        for (i, shard), f in list(self._fills.items()):
+            if not f.linked():
+                self.let_go(i, shard)
+
+    def close(self) -> None:
+        with self._lock:
+            fills, self._fills = list(self._fills.values()), {}
+        for f in fills:
+            f.close()
+        _PIECES.discard(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (a DataLoader worker): no thread of the parent reads here."""
+        self._lock = threading.Lock()
+        for f in self._fills.values():
+            f.reset_after_fork()
+
+
+class _PiecesIn:
+    """The pieces of one tier's partial copies, as a holder (``NodePieces``)."""
+
+    def __init__(self, pieces: NodePieces, index: int, tier: DirTier) -> None:
+        self.name = f"partial copy in {tier.name}"
+        self.holder = tier.kind  # what the read counters call it
+        self._pieces = pieces
+        self._index = index
+        self._tier = tier
+
+    def pread(self, shard: int, offset: int, length: int) -> bytes:
+        f = self._pieces.fill(self._index, shard)
+        if f is None:
+            raise SourceUnavailable("no partial copy")
+        try:
+            data = f.pread(offset, length)
+        except DamagedCopy:
+            self.drop(shard)  # cut short: the daemon places it anew
+            raise
+        self._tier.stats.hits += 1
+        self._tier.stats.bytes += length
+        return data
+
+    def drop(self, shard: int) -> None:
+        """A read found bad bytes here: this process reads this copy no more (the daemon,
+        whose own reads check what they serve, replaces it)."""
+        self._pieces.let_go(self._index, shard, bad=True)
 
     def close(self) -> None:
         pass
@@ -445,10 +573,8 @@ class TierChain:
         if ext is None:
             if self._layout is None:
                 self._layout = Layout(self.manifest)
-            lay = self._layout
-            ents = lay.idx[lay.bounds[shard] : lay.bounds[shard + 1]]
-            ext = self._extents[shard] = Extents.of(self.manifest, ents, self._sizes[shard],
-                                                    PIECE_SIZE)
+            ext = self._extents[shard] = self._layout.extents(shard, self._sizes[shard],
+                                                              PIECE_SIZE)
         return ext
 
     def _copy_in(self, shard: int, tier: DirTier) -> ShardFill | None:
@@ -1451,6 +1577,7 @@ class TierChain:
 
 
 _CHAINS: weakref.WeakSet[TierChain] = weakref.WeakSet()
+_PIECES: weakref.WeakSet[NodePieces] = weakref.WeakSet()
 
 
 _FORK_GUARD = threading.Lock()  # held while the tiers' lock file is locked (_tier_lock)
@@ -1467,6 +1594,8 @@ def _after_fork_in_child() -> None:
     _FORK_GUARD = threading.Lock()
     for chain in list(_CHAINS):
         chain._after_fork()
+    for pieces in list(_PIECES):
+        pieces._after_fork()
 
 
 def _close_all() -> None:

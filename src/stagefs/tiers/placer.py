@@ -59,6 +59,11 @@ class Layout:
     def entries(self, shard: int) -> list[int]:
         return [int(e) for e in self.idx[self.bounds[shard] : self.bounds[shard + 1]]]
 
+    def extents(self, shard: int, size: int, piece_size: int | None = None) -> Extents:
+        """The shard's extents and placement pieces (fill.Extents), ``size`` its file's."""
+        ents = self.idx[self.bounds[shard] : self.bounds[shard + 1]]
+        return Extents.of(self.m, ents, size, piece_size)
+
 
 Check = Callable[[int, int, int], None]
 """``check(entry, part, xxh3)``: raise if wrong, or record it. ``part`` -1: the xxh3 of the
