@@ -450,10 +450,18 @@ class Store:
             # batch, it was read whole from the origin, the pieces its holders hold too)
             big = (a["size"][ents[pick]] > self.manifest.piece_size) & \
                 (a["codec"][ents[pick]] == 0)
-            alone = [k for k in pick[big].tolist() if self.manifest.piece_sums(el[k]) is not None]
-            for k in alone:
-                out[k] = self.read_entry(el[k], names[k], count=count)
-            pick = np.setdiff1d(pick, alone)
+            alone = [(i, k) for i, k in zip(np.flatnonzero(big).tolist(), pick[big].tolist(),
+                                            strict=True)
+                     if self.manifest.piece_sums(el[k]) is not None]
+            if alone:
+                for _, k in alone:
+                    out[k] = self.read_entry(el[k], names[k], count=count)
+                # (a mask, not np.setdiff1d: whose first call in a process imports numpy.ma,
+                # and a DataLoader worker forked meanwhile from another thread waited on
+                # that import's lock for ever)
+                keep = np.ones(len(pick), bool)
+                keep[[i for i, _ in alone]] = False
+                pick = pick[keep]
         if not len(pick):
             return out
         sh, off = a["shard"][ents[pick]], a["offset"][ents[pick]]

@@ -119,6 +119,34 @@ def test_a_reader_past_its_daemon_reads_its_node_s_pieces(
     assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
 
 
+def test_a_batch_imports_nothing_a_forked_worker_could_wait_on(tmp_path: Path) -> None:
+    """A cluster batch imported ``numpy.ma`` at its first call in a process (np.setdiff1d),
+    and a DataLoader worker forked while another thread (the Sampler's prefetch) made that
+    import waited on the import's lock for ever: four children of a process whose thread
+    read batches, all four hung. The first batches of a fresh process import nothing."""
+    n, work = 2, str(tmp_path)
+    pack, content = piece_pack(work)
+    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        code = (
+            "import sys, stagefs\n"
+            f"paths = {sorted(content)[:64]!r}\n"
+            f"with stagefs.connect({os.path.join(work, 'rt0')!r}) as fs:\n"
+            "    before = set(sys.modules)\n"
+            "    for i in range(0, 64, 16):\n"
+            "        fs.read_many(paths[i : i + 16])\n"
+            "    print(sorted(m for m in set(sys.modules) - before if m.startswith('numpy')))\n")
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 0, got.stderr
+        assert got.stdout.strip() == "[]", got.stdout
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
+
+
 def test_a_file_larger_than_a_piece_is_read_from_the_pieces_held(tmp_path: Path) -> None:
     """A whole file of several pieces, a partial copy holding some of them: ``read`` and
     ``read_many`` (and the helper of ``stagefs run --connect``, which reads with
