@@ -9,11 +9,13 @@ tiers at 25% of each node's share: 105 MB a node an epoch, against D - C = 79 MB
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,10 +43,7 @@ def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
     rnd = random.Random(3)
     pack, content = piece_pack(work)
     # a tier smaller than one shard: it holds a few pieces of its share, no whole shard
-    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
-    try:
-        for r, d in enumerate(daemons):
-            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+    with _small_tiers(work, pack, n):
         held = held_in_pieces(work, n, pack)
         assert held, "the tiers hold no piece: the test proves nothing"
         total = sum(len(d) for d in content.values())
@@ -70,9 +69,6 @@ def test_partial_copies_serve_the_node_and_its_peers(tmp_path: Path) -> None:
                                os.path.join(work, "rt0")], capture_output=True, text=True,
                               timeout=60).stdout
         assert "in pieces" in text, text
-    finally:
-        codes = [stop(d) for d in daemons]
-    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
 
 
 def test_a_reader_past_its_daemon_reads_its_node_s_pieces(
@@ -84,10 +80,7 @@ def test_a_reader_past_its_daemon_reads_its_node_s_pieces(
     n, work = 2, str(tmp_path)
     rnd = random.Random(5)
     pack, content = piece_pack(work)
-    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
-    try:
-        for r, d in enumerate(daemons):
-            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+    with _small_tiers(work, pack, n):
         held = held_in_pieces(work, n, pack)
         mine = [held_in_pieces(work, n, pack, node=r) for r in range(n)]
         assert all(mine), "a node holds no piece: the test proves nothing"
@@ -114,9 +107,6 @@ def test_a_reader_past_its_daemon_reads_its_node_s_pieces(
             assert st["origin"]["bytes"] == 2 * total + ones - read_held, st
             assert st["disk"]["bytes"] == from_here, st
             assert st["peer"]["bytes"] == read_held - from_here, st
-    finally:
-        codes = [stop(d) for d in daemons]
-    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
 
 
 def test_a_batch_imports_nothing_a_forked_worker_could_wait_on(tmp_path: Path) -> None:
@@ -126,10 +116,7 @@ def test_a_batch_imports_nothing_a_forked_worker_could_wait_on(tmp_path: Path) -
     read batches, all four hung. The first batches of a fresh process import nothing."""
     n, work = 2, str(tmp_path)
     pack, content = piece_pack(work)
-    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
-    try:
-        for r, d in enumerate(daemons):
-            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+    with _small_tiers(work, pack, n):
         code = (
             "import sys, stagefs\n"
             f"paths = {sorted(content)[:64]!r}\n"
@@ -142,9 +129,6 @@ def test_a_batch_imports_nothing_a_forked_worker_could_wait_on(tmp_path: Path) -
                              timeout=120)
         assert got.returncode == 0, got.stderr
         assert got.stdout.strip() == "[]", got.stdout
-    finally:
-        codes = [stop(d) for d in daemons]
-    assert codes == [0, 0], [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
 
 
 def test_a_file_larger_than_a_piece_is_read_from_the_pieces_held(tmp_path: Path) -> None:
@@ -338,3 +322,17 @@ def _daemons(work: str, pack: str, tiers: list[str], *extra: str
                    os.path.join(work, f"rt{r}"), "--hosts", os.path.join(work, "hosts"),
                    "--rank", str(r), "--token-file", token, "--progress", "0", *extra],
                   os.path.join(work, f"daemon{r}.log")) for r, size in enumerate(tiers)]
+
+
+@contextlib.contextmanager
+def _small_tiers(work: str, pack: str, n: int) -> Iterator[None]:
+    """``n`` daemons on a hosts file, each with a 2 MiB tier (smaller than one shard: a few
+    pieces of its share) and ``--replicas 1``, staged; stopped at the end, each to exit 0."""
+    daemons = hosts_daemons(work, pack, n, "2MiB", "--replicas", "1", "--progress", "0")
+    try:
+        for r, d in enumerate(daemons):
+            wait_staged(work, n, d, timeout=120, log=os.path.join(work, f"daemon{r}.log"))
+        yield
+    finally:
+        codes = [stop(d) for d in daemons]
+    assert codes == [0] * n, [tail(os.path.join(work, f"daemon{r}.log")) for r in range(n)]
