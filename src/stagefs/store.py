@@ -371,7 +371,7 @@ class Store:
         The paths are looked up first (a missing one raises the error ``read`` raises, before
         anything is read), then read as ``read_entries`` reads entries.
         """
-        if isinstance(paths, (str, bytes, os.PathLike)):
+        if isinstance(paths, (str, bytes, os.PathLike)) or getattr(paths, "ndim", None) == 0:
             raise TypeError(f"read_many takes a list of paths, not one path ({paths!r}): "
                             "read() reads one file")
         plist = paths if isinstance(paths, list) else list(paths)
@@ -418,7 +418,8 @@ class Store:
                       paths: Sequence[PathArg | None] | None, count: bool | _Tally
                       ) -> list[bytes]:
         """``read_entries``, its samples counted in ``count`` (a batch's tally) or not."""
-        if isinstance(entries, (int, np.integer)):
+        if isinstance(entries, (int, np.integer)) or getattr(entries, "ndim", None) == 0:
+            # one number, or a 0-d array or tensor of one (numpy's, torch's): no len()
             raise TypeError(f"read_entries takes a list of entries, not one entry ({entries!r}):"
                             " read_entry() reads one")
         if not hasattr(entries, "__len__"):  # a generator

@@ -191,6 +191,37 @@ def test_workers_read_their_own_batches_ahead(tmp_path: Path, method: str) -> No
             assert max(hits) == -1  # not the epoch after the last: turned off
 
 
+def test_a_sample_looked_at_in_the_main_process_starts_no_read_ahead(tmp_path: Path) -> None:
+    """With workers, the main process reads nothing ahead: a sample looked at there while
+    they read the epoch (``ds[k]``, to log one) started the read-ahead of the whole epoch in
+    the main process, up to the budget, counted as samples read though never delivered."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=120, classes=3, mean_size=2000, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="32KiB", progress=False)
+    ds = FileDataset(tmp_path / "pack", target=None)
+    s = Sampler(ds, seed=3, prefetch=100_000, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=10, sampler=s, num_workers=2,
+                                         multiprocessing_context="fork", timeout=120,
+                                         collate_fn=lambda b: b)
+    it = iter(loader)
+    got = next(it)  # the loop runs: the workers read the epoch
+    p = s.prefetcher
+    assert p is not None
+    k = int(s.order()[-1])  # a sample, not the order's first
+    want = ds.store.read(ds.path_of(k))
+    assert ds[k] == want and ds.__getitems__([k, int(s.order()[-2])])[0] == want
+    got += [x for batch in it for x in batch]
+    assert got == ds.read_samples(s.order().tolist(), count=False)
+    assert p.stats.read == 0 and not p.used  # nothing read ahead here
+    assert ds.store.stats.reads == 4  # the samples asked for in this process, and no other
+    s.close()
+    ds.store.close()
+
+
 
 
 def test_persistent_workers_keep_reading_ahead_after_a_resumed_epoch(tmp_path: Path) -> None:

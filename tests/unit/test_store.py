@@ -197,6 +197,17 @@ def test_read_entries_takes_whole_numbers_of_any_kind(busy_store: stagefs.Store)
         busy_store.read_entries(np.int64(es[0]))  # type: ignore[arg-type]
 
 
+def test_one_entry_or_path_as_a_0d_array_is_refused_by_name(busy_store: stagefs.Store) -> None:
+    """A 0-d array (``entries[k]`` of an array kept 0-d, ``np.asarray(e)``) raised numpy's
+    "len() of unsized object", and one path as a 0-d array "iteration over a 0-d array"."""
+    e = busy_store.namespace.file_entry("d0/f000")
+    with pytest.raises(TypeError, match=r"takes a list of entries.*read_entry\(\) reads one"):
+        busy_store.read_entries(np.array(e))
+    with pytest.raises(TypeError, match=r"takes a list of paths.*read\(\) reads one"):
+        busy_store.read_many(np.array("d0/f000"))  # type: ignore[arg-type]
+    assert busy_store.read_entries(np.array([e])) == [busy_store.read("d0/f000")]
+
+
 def test_a_closed_store_says_so(busy: tuple[Path, dict[str, bytes]]) -> None:
     """After close, a read raised "operation forbidden on released memoryview object"."""
     fs = stagefs.open(busy[0])

@@ -324,15 +324,20 @@ class FileDataset(torch.utils.data.Dataset[Any]):
             t = self.target_transform(t)
         return sample, t
 
-    def _ahead(self) -> Prefetcher | None:
+    def _ahead(self, first: int) -> Prefetcher | None:
+        """The Sampler's read-ahead in this process, for a read that starts with sample
+        ``first``: started by the loop's first read (``first`` is the order's next sample),
+        else None. Any other read (a sample looked at in the main process while DataLoader
+        workers read the epoch) starts none: it would read the epoch up to the budget in
+        the main process, whose loop it slows, and count samples never delivered."""
         p = self._prefetcher
         if p is None or p.pid != os.getpid():  # a forked copy: its threads are not here
             return None
-        return p.start()
+        return p.start() if p.started or p.follows(first) else None
 
     def __getitem__(self, i: int) -> Any:
         i = _index(i, len(self.entries))
-        p = self._ahead()
+        p = self._ahead(i)
         data = p.take(i) if p is not None else None
         if data is None:
             data = self.store.read_entry(int(self.entries[i]))
@@ -341,7 +346,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """A batch in one call (the DataLoader's batched fetch): one Store.read_entries."""
         idx = [_index(i, len(self.entries)) for i in indices]
-        p = self._ahead() or self._ahead_in_worker(idx)
+        p = (self._ahead(idx[0]) if idx else None) or self._ahead_in_worker(idx)
         got: list[bytes | None] = [p.take(i) for i in idx] if p is not None else [None] * len(idx)
         missing = [k for k, d in enumerate(got) if d is None]
         if missing:

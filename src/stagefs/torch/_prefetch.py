@@ -52,6 +52,11 @@ class _Ahead:
         self._closed = False
         self._threads: list[threading.Thread] = []
 
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` started the threads."""
+        return bool(self._threads)
+
     def start(self) -> Self:
         if not self._threads and not self._closed:
             for k in range(self.nthreads):
@@ -105,6 +110,11 @@ class Prefetcher(_Ahead):
     def used(self) -> int:
         """Bytes held or reserved now."""
         return self._used
+
+    def follows(self, i: int) -> bool:
+        """Whether sample ``i`` is the next one of ``order`` (the next ``take``'s)."""
+        with self._cv:
+            return self._pos < len(self.order) and int(self.order[self._pos]) == i
 
     def take(self, i: int) -> bytes | None:
         """Sample ``i``'s bytes if read ahead (waiting for a read in flight), else None."""
