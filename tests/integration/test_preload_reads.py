@@ -7,6 +7,7 @@ process verifies each piece (or small file) once."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -222,13 +223,15 @@ WHERE = ("import os, subprocess, sys\n"
          "print(os.pread(fd, 64, int(sys.argv[2])).hex())\n")
 
 
-def _huge_pack(tmp_path: Path, seed: int) -> tuple[Path, bytes]:
-    """A pack of one file over the 64 MiB the helper copies whole (huge.bin), and its bytes."""
+def _huge_pack(tmp_path: Path, seed: int, align: int | None = None) -> tuple[Path, bytes]:
+    """A pack of one file over the 64 MiB the helper copies whole (huge.bin), and its bytes
+    (``align``: the pack's, else the default)."""
     src = tmp_path / "src"
     src.mkdir()
     data = random_bytes(65 * MiB + 4321, seed)
     (src / "huge.bin").write_bytes(data)
-    stagefs.pack(str(src), str(tmp_path / "pack"), progress=False)
+    stagefs.pack(str(src), str(tmp_path / "pack"), progress=False,
+                 **({} if align is None else {"align": align}))
     return tmp_path / "pack", data
 
 
@@ -296,3 +299,53 @@ def test_a_huge_file_held_in_tiers_is_read_from_them(tmp_path: Path, layout: str
     assert len(data) <= fetched[0] <= shard, fetched  # each byte once
     held = 0 if layout == "split" else len(data) - 8 * MiB  # the 8 MiB tier holds 8 pieces
     assert abs(fetched[1] - held) <= MiB, fetched
+
+
+MAP_MD5 = ("import hashlib, mmap, sys\n"
+           "with open(sys.argv[1], 'rb') as f:\n"
+           "    m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
+           "    print(hashlib.md5(m).hexdigest())\n")
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+@pytest.mark.parametrize("align", [None, 1])
+def test_a_huge_file_held_in_part_is_mapped_from_the_tier(tmp_path: Path,
+                                                          align: int | None) -> None:
+    """A file over 64 MiB whose shard a tier holds in part, mapped (np.load(mmap_mode="r")
+    of a large array): the pieces the tier holds are mapped from its copy, only the others
+    read from the origin. The mapping was the origin's shard whole: every epoch read the
+    whole file from the origin whatever the tier held (90 MB of a 90 MB file with 49 MiB
+    of it in the tier), and its sample was counted nowhere. Not page aligned in its shard
+    (``--align 1``), the file is a private copy of the pieces the helper reads (the tier's
+    or the origin's): each piece no tier held was read from the origin twice. A held piece
+    whose bytes are bad is read from the origin, and counted as a failed check."""
+    pack, data = _huge_pack(tmp_path, 25, align)
+    at, rt = tmp_path / "data", tmp_path / "rt"
+    argv = [sys.executable, "-m", "stagefs.cli", "run", "--dataset", str(pack), "--at", str(at),
+            "--tier", f"{tmp_path / 't0'}:8MiB"]
+    env = dict(_env(), STAGEFS_RUNTIME=str(rt))
+    fetched = []
+    for n in range(2):
+        log = tmp_path / f"maps{n}.log"
+        got = subprocess.run(["strace", "-f", "-qq", "-y", "-o", str(log), "-e",
+                              "trace=read,pread64,readv,preadv,preadv2,copy_file_range,sendfile",
+                              *argv, "--", sys.executable, "-c", MAP_MD5, str(at / "huge.bin")],
+                             capture_output=True, timeout=300, env=env, check=False)
+        assert got.returncode == 0, got.stderr.decode()
+        assert got.stdout.split()[0].decode() == hashlib.md5(data).hexdigest()
+        fetched.append(_origin_bytes(log, pack))
+    assert abs(fetched[1] - (len(data) - 8 * MiB)) <= MiB, fetched  # 8 pieces in the tier
+    status = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--json"],
+                            capture_output=True, timeout=60, env=env, check=True)
+    reads = json.loads(status.stdout)
+    assert reads["reads"] == 2, reads  # a sample for each mapping
+    assert reads["holders"]["disk"]["bytes"] >= 7 * MiB, reads["holders"]  # the tier's pieces
+    copy, off = _tier_copy(tmp_path / "t0", pack, "huge.bin")
+    flip_byte(f"{copy}.partial", off + 5)  # piece 0, held in the tier
+    got = subprocess.run([*argv, "--", sys.executable, "-c", MAP_MD5, str(at / "huge.bin")],
+                         capture_output=True, timeout=300, env=env, check=False)
+    assert got.returncode == 0, got.stderr.decode()
+    assert got.stdout.split()[0].decode() == hashlib.md5(data).hexdigest()
+    status = subprocess.run([sys.executable, "-m", "stagefs.cli", "status", "--json"],
+                            capture_output=True, timeout=60, env=env, check=True)
+    assert json.loads(status.stdout)["checksum_failures"] == 1

@@ -447,6 +447,28 @@ def test_a_large_file_in_two_tiers_and_the_origin_reads_right(
 
 
 
+def test_the_holders_of_a_large_files_pieces_are_named_by_tier(
+        large_files: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """``TierChain.piece_holders`` (the preload helper's answer to a mapping of a large
+    file): per checksum piece of the file, the tier whose copy holds it written, 0 for
+    none: reserved but not yet filled is none; once read, the first two pieces in the first
+    tier, the next two in the second, the last in neither; a whole copy holds them all."""
+    pack, files = large_files
+    name = "v/09.npy"
+    with split_over_two_tiers(pack, name, tmp_path / "t1", tmp_path / "t2") as (fs, shard, e, _):
+        chain = fs.chain
+        assert chain is not None
+        assert list(chain.piece_holders(e)) == [0] * 5  # reserved, nothing written yet
+        assert fs.read(name) == files[name]
+        assert list(chain.piece_holders(e)) == [1, 1, 2, 2, 0]
+        small = fs.namespace.file_entry("s/00.txt")
+        assert len(chain.piece_holders(small)) == 0  # no piece checksums
+    with stagefs.open(pack, tiers=[str(tmp_path / "t3")]) as fs:
+        assert fs.chain is not None
+        fs.chain.place(shard)
+        assert list(fs.chain.piece_holders(e)) == [1] * 5
+
+
 def test_a_large_file_from_two_tiers_and_the_origin_is_counted_by_holder(
         large_files: tuple[Path, dict[str, bytes]], runtime: Path, memory_dir: Path,
         tmp_path: Path) -> None:
@@ -711,6 +733,26 @@ def test_a_tier_passes_over_a_piece_larger_than_its_room_for_smaller_ones(
         tier = fs.status()["tiers"][0]
         assert tier["pieces"] >= 1 and 700_000 <= tier["bytes_used"] <= 1_300_000, tier
         assert fs.status()["holders"]["memory"]["reads"] >= 1
+
+
+def test_staging_into_a_tier_smaller_than_a_shard_counts_its_pieces_filled(
+        large_files: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """Staging (``place``, as ``stagefs stage`` and a node daemon do) into a tier with room
+    for part of a shard: the files it copies into the partial copy are counted as filled
+    (placed: none, the shard is not whole). They were counted nowhere: a stage into small
+    tiers showed 0 placed and 0 filled while the tiers held 48 MiB. Placed again, nothing
+    more is copied, nor counted."""
+    pack, _ = large_files
+    with stagefs.open(pack, tiers=[f"{tmp_path / 't'}:6MiB"]) as fs:
+        assert fs.chain is not None
+        assert fs.chain.place(0) == "full"
+        tier = fs.status()["tiers"][0]
+        ext = fs.chain._extents_of(0)
+        held = fs.chain.partial_copies(0)[0].bits.astype(bool)
+        assert tier["placed"] == 0 and tier["filled"] == int(held.sum()) > 0, tier
+        assert tier["filled_bytes"] == int((ext.ends - ext.offs)[held].sum()), tier
+        assert fs.chain.place(0) == "full"
+        assert fs.status()["tiers"][0]["filled_bytes"] == tier["filled_bytes"]
 
 
 def test_status_says_a_shard_held_in_part_is_not_filling(

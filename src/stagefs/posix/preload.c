@@ -1632,6 +1632,119 @@ API ssize_t splice(int in, off_t *inoff, int out, off_t *outoff, size_t n, unsig
 
 /* ---- mmap ------------------------------------------------------------------------------- */
 
+/* Where the pieces of a large file read through the helper (by_helper: its shard is not
+ * whole in a tier) are held, for a mapping of it: src[k] is t + 1 for a piece tier t's copy
+ * of the shard holds (whole or partial: the helper says which pieces each copy holds,
+ * written and checked) and that was checked here, read from fd[t]; 0 for a piece read from
+ * the origin's shard. Mapped from the origin's shard whole, such a file was read from the
+ * origin whole at each mapping (np.load(mmap_mode="r") of a large array, every epoch),
+ * however much of it the tiers held, and counted no sample. */
+typedef struct { int fd[MAX_SOURCES]; uint8_t *src; uint64_t n; } Held;
+
+static int tier_copy(uint32_t t, uint32_t sh) {
+    char p[PATH_MAX], q[PATH_MAX];
+    if (join(p, D.tier_dirs[t], D.shard_names[sh]) != 0) return -1;
+    int fd = real_openat(AT_FDCWD, p, O_RDONLY | O_CLOEXEC);  /* whole */
+    if (fd >= 0 || snprintf(q, sizeof q, "%s.partial", p) >= (int)sizeof q) return fd;
+    return real_openat(AT_FDCWD, q, O_RDONLY | O_CLOEXEC);
+}
+
+/* Fill h for pieces k0..k1-1 of r's file (nothing, h->src NULL, for another row, for no
+ * piece, or when the helper cannot say): each piece a tier holds is checked against its
+ * checksum there (one that fails is the origin's). */
+static void held_open(Held *h, const Row *r, uint64_t k0, uint64_t k1) {
+    uint32_t e = r->e, fp = D.piece ? D.piece[e] : NONE;
+    uint64_t P = D.piece_size, size = D.size[e];
+    h->src = NULL;
+    h->n = (size + P - 1) / P;
+    for (int t = 0; t < MAX_SOURCES; t++) h->fd[t] = -1;
+    if (!by_helper(r) || fp == NONE || !h->n || k1 <= k0) return;
+    char req[64];
+    snprintf(req, sizeof req, "held %u\n", e);
+    int m = helper(req, 1, 1);
+    if (m < 0) return;
+    uint8_t *src = real_mmap(NULL, h->n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *b = real_mmap(NULL, P, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    int ok = src != MAP_FAILED && b != MAP_FAILED && pread_full(m, (char *)src, h->n, 0) == (ssize_t)h->n;
+    real_close(m);
+    if (ok) {
+        int tried[MAX_SOURCES] = {0};
+        for (uint64_t k = 0; k < h->n; k++) {
+            uint32_t t = (uint32_t)src[k] - 1;
+            src[k] = 0;
+            if (k < k0 || k >= k1 || t >= D.ntiers) continue;
+            if (!tried[t]) { tried[t] = 1; h->fd[t] = tier_copy(t, D.shard[e]); }
+            uint64_t us = k * P, ul = size - us < P ? size - us : P;
+            if (h->fd[t] < 0) continue;
+            if (pread_full(h->fd[t], b, ul, r->base + us) == (ssize_t)ul &&
+                xxh3_64(b, ul) == D.pieces[fp + k])
+                src[k] = (uint8_t)(t + 1);
+            else  /* mapped from the origin; the helper's read of it finds the bad copy,
+                   * counts it, drops it and logs it, as a read's would */
+                helper_piece(e, k, b, ul);
+        }
+        h->src = src;
+    } else if (src != MAP_FAILED) {
+        munmap(src, h->n);
+    }
+    if (b != MAP_FAILED) munmap(b, P);
+}
+
+static void held_close(Held *h) {
+    for (int t = 0; t < MAX_SOURCES; t++)
+        if (h->fd[t] >= 0) real_close(h->fd[t]);
+    if (h->src) munmap(h->src, h->n);
+}
+
+/* Check [pos, pos + cover) of r's file for a mapping, each piece where h says (h->src
+ * NULL: every byte from r's descriptor), and count it by holder; V_OK, V_BAD or V_IO. */
+static int held_verify(int fd, const Row *r, const Held *h, uint64_t pos, size_t cover) {
+    if (!h->src) {
+        int v = vread(fd, r, NULL, pos, cover);
+        /* the bytes mapped were read and checked here, as a read's are: counted as a read's
+         * (uncounted, np.load(mmap_mode="r") of a file showed a sample of no bytes) */
+        if (v == V_OK) count_read(r->src, 0, cover);
+        return v;
+    }
+    uint64_t P = D.piece_size, end = pos + cover, got[MAX_SOURCES + 2] = {0};
+    for (uint64_t k = pos / P; k * P < end; k++) {
+        uint64_t lo = pos > k * P ? pos : k * P, hi = end < (k + 1) * P ? end : (k + 1) * P;
+        int s = h->src[k] ? h->src[k] - 1 : r->src;
+        if (!h->src[k]) {
+            int v = vread(fd, r, NULL, lo, hi - lo);
+            if (v != V_OK) return v;
+        }
+        got[s] += hi - lo;
+    }
+    /* a sample for a mapping from the start, as the helper counts one for a read of the
+     * first piece (the open of a file read through the helper counts none) */
+    if (pos == 0 && cover) count_read(h->src[0] ? h->src[0] - 1 : r->src, 1, 0);
+    for (int s = 0; s < MAX_SOURCES + 2; s++)
+        if (got[s]) count_read(s, 0, got[s]);
+    return V_OK;
+}
+
+/* Put the pieces h has in a tier over [pos, pos + full) of the mapping m of r's file (made
+ * from the origin's shard): the tier copy's pages, mapped as the caller asked. 0, or -1
+ * (errno EIO) if a piece could be mapped from neither. */
+static int held_map(const Held *h, int fd, const Row *r, char *m, uint64_t pos, size_t full,
+                    int prot, int flags) {
+    uint64_t P = D.piece_size, end = pos + full;
+    int fixed = (flags & ~MAP_FIXED_NOREPLACE) | MAP_FIXED;
+    for (uint64_t k = pos / P; h->src && k * P < end; k++) {
+        uint64_t lo = pos > k * P ? pos : k * P, hi = end < (k + 1) * P ? end : (k + 1) * P;
+        if (!h->src[k] || hi <= lo) continue;
+        if (real_mmap(m + (lo - pos), hi - lo, prot, fixed, h->fd[h->src[k] - 1],
+                      (off_t)(r->base + lo)) != MAP_FAILED) continue;
+        /* the origin's pages again (a failed MAP_FIXED may leave the range unmapped) */
+        if (real_mmap(m + (lo - pos), hi - lo, prot, fixed, fd, (off_t)(r->base + lo)) == MAP_FAILED) {
+            errno = EIO;
+            return -1;
+        }
+    }
+    return 0;
+}
+
 API void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
     INIT();
     Row r;
@@ -1641,18 +1754,26 @@ API void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
     if (off < 0 || off % D.page) { errno = EINVAL; return MAP_FAILED; }
     uint64_t size = D.size[r.e], pos = (uint64_t)off;
     size_t avail = pos < size ? (size_t)(size - pos) : 0, cover = len < avail ? len : avail;
-    int v = vread(fd, &r, NULL, pos, cover);
+    int aligned = (r.base + pos) % (uint64_t)D.page == 0;
+    Held h;
+    /* a private copy of a file read through the helper: every piece from the helper (the
+     * tier's or the origin's), verified and counted there (checked here from the origin
+     * first, each piece no tier held was read from the origin twice, and counted twice) */
+    held_open(&h, &r, pos / D.piece_size,
+              aligned || !by_helper(&r) ? (pos + cover + D.piece_size - 1) / D.piece_size : 0);
+    int v = aligned || !by_helper(&r) ? held_verify(fd, &r, &h, pos, cover) : V_OK;
+    if (v != V_OK) held_close(&h);
     if (v == V_IO) return MAP_FAILED;
-    /* the bytes mapped were read and checked here, as a read's are: counted as a read's
-     * (uncounted, np.load(mmap_mode="r") of a file showed a sample of no bytes) */
-    if (v == V_OK) count_read(r.src, 0, cover);
     if (v == V_BAD) {
         if (replace_with_helper(fd, &r) < 0) return MAP_FAILED;
         return real_mmap(addr, len, prot, flags, fd, off);
     }
-    if ((r.base + pos) % (uint64_t)D.page == 0) {  /* the tier's pages themselves: no copy */
+    if (aligned) {  /* the tier's pages themselves: no copy */
         char *m = real_mmap(addr, len, prot, flags, fd, (off_t)(r.base + pos));
         size_t full = cover / (size_t)D.page * (size_t)D.page;
+        int bad = m != MAP_FAILED && held_map(&h, fd, &r, m, pos, full, prot, flags) != 0;
+        held_close(&h);
+        if (bad) { munmap(m, len); return MAP_FAILED; }
         if (m == MAP_FAILED || full >= len) return m;
         /* the last page holds the next file's bytes in the shard: a private page with the
          * file's tail and zeros after it, as a real file's mapping shows */
@@ -1665,6 +1786,7 @@ API void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
         return m;
     }
     /* not page aligned in its shard: a private copy */
+    held_close(&h);
     void *m = real_mmap(addr, len, PROT_READ | PROT_WRITE,
                         MAP_PRIVATE | MAP_ANONYMOUS | (flags & (MAP_FIXED | MAP_FIXED_NOREPLACE | MAP_POPULATE)),
                         -1, 0);

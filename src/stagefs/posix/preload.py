@@ -209,6 +209,29 @@ class Helper:
                 self._send_file(conn, int(args[0]))
             elif word == "piece" and len(args) == 2:  # a large file's checksum piece
                 self._send_file(conn, int(args[0]), int(args[1]))
+            elif word == "held":  # where a large file's pieces are held, for a mapping
+                self._send_holders(conn, int(args[0]))
+
+    def _send_holders(self, conn: socket.socket, e: int) -> None:
+        """Send a memfd of one byte per checksum piece of entry ``e``: the index + 1 of
+        the first tier whose copy holds the piece, 0 for none (``TierChain.piece_holders``):
+        the library maps a large file from the tier copies that hold its pieces and the
+        origin's shard for the rest."""
+        chain = self.store.chain
+        if chain is None or not 0 <= e < len(self.store.manifest):
+            conn.sendall(bytes([errno.ENOENT]))
+            return
+        fd = -1
+        try:
+            fd = memfd(chain.piece_holders(e).tobytes(), "held")
+            socket.send_fds(conn, [b"\0"], [fd])
+        except (OSError, StagefsError, ValueError) as exc:
+            log.warning("stagefs run: %s", exc)
+            with contextlib.suppress(OSError):
+                conn.sendall(bytes([errno.EIO]))
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def _send_file(self, conn: socket.socket, e: int, piece: int | None = None) -> None:
         """Send a memfd of entry ``e``'s verified bytes: the whole file, or its checksum

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from stagefs._fsutil import file_lock, raise_fd_limit, remove_any
 from stagefs.config import TierSpec, format_size
@@ -1284,6 +1285,7 @@ class TierChain:
         then make the copy whole if every piece is in it."""
         origin = src is self.origin
         name = self.manifest.shards[shard].name
+        had = f.bits.astype(bool)
         try:
             read = through(src)
             fill_gaps(f, read=lambda off, n: read(shard, off, n), m=self.manifest,
@@ -1314,6 +1316,14 @@ class TierChain:
             return "failed"
         if f.complete() and self._finish(shard, f, t):
             return "placed"
+        # the files copied into a copy that stays partial (a tier with room for part of the
+        # shard): counted as filled, as a stream's are (a whole copy is counted as placed);
+        # `stagefs status` said 0 placed and 0 filled after `stagefs stage` into small tiers
+        new = f.bits.astype(bool) & ~had if len(had) else had
+        if new.any():
+            t.stats.filled += int(new.sum())
+            t.stats.filled_bytes += int((f.ext.ends - f.ext.offs)[new].sum())
+            self.flush_stats()
         if self._find(shard):
             return "held"
         return "full" if not f.res.all() else "failed"
@@ -1453,6 +1463,37 @@ class TierChain:
                 if f is not None:
                     got.update((shard, int(p)) for p in f.held_pieces())
                     f.close()
+        return out
+
+    def piece_holders(self, e: int) -> npt.NDArray[np.uint8]:
+        """Per checksum piece of file ``e`` (a raw file with piece checksums): the first
+        tier whose copy of its shard holds the piece, written and checked (its index + 1:
+        a whole copy, or a partial copy's filled piece), 0 where none does. The preload
+        library maps those pieces from the tier copies and the rest from the origin's
+        shard (``stagefs run``'s mmap of a large file whose shard is held in part)."""
+        m = self.manifest
+        sums = m.piece_sums(e)
+        out = np.zeros(0 if sums is None else len(sums), np.uint8)
+        shard = int(m.shard[e])
+        ext = self._extents_of(shard)
+        mine = np.flatnonzero(ext.entries == e)
+        parts = ext.part[mine]
+        ok = (parts >= 0) & (parts < len(out))
+        mine, parts = mine[ok], parts[ok]
+        for i, t in enumerate(self.tiers):
+            if not len(mine) or out.all():
+                break
+            if t.holds(shard):
+                out[out == 0] = i + 1
+                break
+            f = open_fill(t.path(shard), self._sizes[shard], ext)
+            if f is None:
+                continue
+            try:
+                got = parts[f.bits[mine].astype(bool)]
+                out[got[out[got] == 0]] = i + 1
+            finally:
+                f.close()
         return out
 
     def _partial_shards(self, t: DirTier) -> list[int]:
