@@ -52,7 +52,11 @@ def parse_size(text: str | int, *, of: str | None = None) -> int:
         raise ConfigError(
             f"not a size: {text!r} (use bytes or a unit: KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    unit = _UNITS[match.group(2).lower()]
+    if unit == 1 and "." in match.group(1):  # "1.5": meant in some unit, not 1 byte
+        raise ConfigError(f"not a size: {text!r} is a fraction of a byte; give whole bytes "
+                          f"or a unit ({match.group(1)}GiB, {match.group(1)}MB, ...)")
+    return int(float(match.group(1)) * unit)
 
 
 def format_size(n: float) -> str:

@@ -25,6 +25,15 @@ def test_a_bad_tier_size_names_the_tier() -> None:
         parse_tier("/dev/shm/b:10X")
 
 
+@pytest.mark.parametrize("spec", ["/dev/shm/b:1.5", "/dev/shm/b:0.5b"])
+def test_a_tier_size_of_a_fraction_of_a_byte_is_an_error(spec: str) -> None:
+    """``DIR:1.5`` (a unit forgotten) was a tier of 1 byte, silently: it held nothing."""
+    with pytest.raises(ConfigError, match=r"not a size: .* fraction of a byte; give whole "
+                       r"bytes or a unit \(\d\.5GiB"):
+        parse_tier(spec)
+    assert parse_tier("/dev/shm/b:1.5GiB").capacity == 3 * 2**29
+
+
 @pytest.mark.parametrize("argv, named", [
     (["pack", "SRC", "DEST", "--shard-size", "-1"], "--shard-size: "),
     (["pack", "SRC", "DEST", "--align", "10X"], "--align: "),
