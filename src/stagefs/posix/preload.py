@@ -218,35 +218,37 @@ class Helper:
         the library maps a large file from the tier copies that hold its pieces and the
         origin's shard for the rest."""
         chain = self.store.chain
-        if chain is None or not 0 <= e < len(self.store.manifest):
+        if chain is None:
             conn.sendall(bytes([errno.ENOENT]))
             return
-        fd = -1
-        try:
-            fd = memfd(chain.piece_holders(e).tobytes(), "held")
-            socket.send_fds(conn, [b"\0"], [fd])
-        except (OSError, StagefsError, ValueError) as exc:
-            log.warning("stagefs run: %s", exc)
-            with contextlib.suppress(OSError):
-                conn.sendall(bytes([errno.EIO]))
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        self._send(conn, e, lambda: chain.piece_holders(e).tobytes(), "held")
 
     def _send_file(self, conn: socket.socket, e: int, piece: int | None = None) -> None:
         """Send a memfd of entry ``e``'s verified bytes: the whole file, or its checksum
         piece number ``piece`` (a large file the library reads by pieces)."""
+        m = self.store.manifest
+
+        def data() -> bytes:
+            got: bytes
+            if piece is None:
+                got = self.store.read_entry(e)
+            else:  # a sample for the first piece: a read from the start of the file
+                got = self.store.read_entry(e, None, piece * m.piece_size, m.piece_size)
+            return got
+
+        self._send(conn, e, data)
+
+    def _send(self, conn: socket.socket, e: int, make: Callable[[], bytes],
+              name: str | None = None) -> None:
+        """Send a memfd of ``make()``'s bytes for entry ``e`` (named ``name``, else the
+        file's path), or one byte, the errno of why not (ENOENT: no such entry)."""
         m = self.store.manifest
         if not 0 <= e < len(m):
             conn.sendall(bytes([errno.ENOENT]))
             return
         fd = -1
         try:
-            if piece is None:
-                data = self.store.read_entry(e)
-            else:  # a sample for the first piece: a read from the start of the file
-                data = self.store.read_entry(e, None, piece * m.piece_size, m.piece_size)
-            fd = memfd(data, os.fsdecode(m.path_of(e)))
+            fd = memfd(make(), name if name is not None else os.fsdecode(m.path_of(e)))
             socket.send_fds(conn, [b"\0"], [fd])
         except OSError as exc:  # includes the Store's errors (ChecksumError is EIO)
             log.warning("stagefs run: %s", exc)
