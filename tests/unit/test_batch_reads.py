@@ -329,3 +329,64 @@ def test_a_batch_that_raises_counts_no_sample(tmp_path: Path, runtime: Path) -> 
         assert fs.stats.bytes == sum(len(files[p]) for p in ok)
         counts = read_counts(str(runtime / "stats"))
         assert counts["origin_reads"] + counts["memory_reads"] == len(ok)
+
+
+def test_an_interrupted_batch_reads_no_more_of_the_origin(
+        tmp_path: Path, runtime: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during a read_many whose runs went to the reader threads (a slow origin):
+    the KeyboardInterrupt comes out, and the runs not begun yet are never read. The
+    threads read the rest of the batch before (64 files from a slow origin: 8 s after a
+    Ctrl-C, and the Store's close at the end of a ``with`` waited for them too)."""
+    import signal
+    import threading
+
+    from xxhash import xxh3_64_intdigest
+
+    from stagefs.tiers import origin as origin_mod
+    from stagefs.tiers.base import Gathered
+
+    pack, files = packed_tree(tmp_path, n=120, shard_size="8KiB")
+    names = [p for p in sorted(files) if files[p]]
+    real = origin_mod.PackOrigin.pread
+    interrupted = threading.Event()
+    begun_after: list[int] = []
+    main = threading.main_thread()
+
+    def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+        if threading.current_thread() is main:  # the caller's own run, once the threads
+            pread.calls += 1  # type: ignore[attr-defined]  # have the batch's other runs
+            if pread.calls == 1:  # type: ignore[attr-defined]
+                signal.pthread_kill(main.ident or 0, signal.SIGINT)  # Ctrl-C
+        else:
+            if interrupted.is_set():
+                begun_after.append(shard)
+            interrupted.wait(60)  # the threads' reads under way end after it (60: no hang)
+        return real(self, shard, offset, length)
+
+    pread.calls = 0  # type: ignore[attr-defined]
+
+    def gather_many(self: Any, ranges: Any, *args: Any, **kwargs: Any) -> Gathered:
+        """As from a slow shared file system: each first read waits, and the batch's runs
+        go to the reader threads."""
+        data = real(self, *ranges[0])
+        return Gathered([data], [xxh3_64_intdigest(data)], 1, True)
+
+    def on_sigint(_signum: int, _frame: Any) -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(origin_mod.PackOrigin, "pread", pread)
+    monkeypatch.setattr(origin_mod.PackOrigin, "gather_many", gather_many)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with stagefs.open(pack, runtime=runtime) as fs:
+            runs = len({int(fs.manifest.shard[fs.namespace.file_entry(p)]) for p in names})
+            assert runs > 4 * fs.read_threads  # more runs than the threads read at once
+            with pytest.raises(KeyboardInterrupt):
+                fs.read_many(names)
+            threads = fs.read_threads - 1
+            assert fs.read_many(names[:3]) == [files[p] for p in names[:3]]
+    finally:
+        signal.signal(signal.SIGINT, old)
+    # at most one run each thread had taken before the interrupt reached the caller
+    assert len(begun_after) <= threads, begun_after
