@@ -20,7 +20,7 @@ closed once the last of those threads is done, never under one of them.
 
 ``worker_pool`` is a process pool whose workers end with the process that made it, so
 that a command killed with SIGKILL (``kill -9``, the OOM killer, ``scancel``) leaves none of
-them behind.
+them behind. ``in_parts`` splits one call's work over a thread pool and the calling thread.
 
 This module imports nothing of stagefs, so that every layer may use it.
 """
@@ -42,7 +42,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
 
 import filelock
 
@@ -414,6 +414,46 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
     except PermissionError:  # the pid is another user's process now: ours is gone
         os._exit(1)
+
+
+R = TypeVar("R")
+
+
+def in_parts(pool: cf.Executor | None, n: int, parts: int,
+             part: Callable[[int, int], R]) -> list[R]:
+    """``part(a, b)`` for up to ``parts`` slices ``[a, b)`` that cover ``range(n)`` in order,
+    at once: the first in this thread, the others in ``pool``'s threads; their results in
+    order. A part no thread of the pool has begun when this thread is done with its own is
+    taken back and run here, so a call from one of the pool's own threads never waits on
+    threads that all wait (and a busy pool costs no more than one thread's pace). Every part
+    begun has ended before this returns or raises (the first error, once they have)."""
+    if pool is None or parts < 2 or n < 2:
+        return [part(0, n)]
+    size = -(-n // min(parts, n))
+    futures = [(a, pool.submit(part, a, min(a + size, n))) for a in range(size, n, size)]
+    out: list[R] = []
+    error: BaseException | None = None
+    try:
+        out.append(part(0, size))
+    except BaseException as exc:
+        error = exc
+    for a, fut in futures:
+        if fut.cancel():  # not begun: here, or not at all after an error
+            if error is None:
+                try:
+                    out.append(part(a, min(a + size, n)))
+                except BaseException as exc:
+                    error = exc
+            continue
+        try:
+            got = fut.result()
+        except BaseException as exc:
+            error = error or exc
+        else:
+            out.append(got)
+    if error is not None:
+        raise error
+    return out
 
 
 def worker_pool(jobs: int) -> cf.ProcessPoolExecutor:

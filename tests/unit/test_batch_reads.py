@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,13 @@ import numpy as np
 import pytest
 
 import stagefs
-from stagefs.errors import IsADirectoryError_, NotFoundError
+from conftest import flip_byte, text_bytes
+from stagefs.errors import ChecksumError, IsADirectoryError_, NotFoundError
 from stagefs.tiers.tier import DirTier
 from tiers_helpers import make_tree, packed_tree
+
+# (the package's ``checksum`` function hides the module of that name)
+checksum_module = sys.modules["stagefs.format.checksum"]
 
 
 @pytest.fixture(scope="module")
@@ -390,3 +396,54 @@ def test_an_interrupted_batch_reads_no_more_of_the_origin(
         signal.signal(signal.SIGINT, old)
     # at most one run each thread had taken before the interrupt reached the caller
     assert len(begun_after) <= threads, begun_after
+
+
+@pytest.mark.parametrize("where", ["origin", "memory tier"])
+def test_a_batch_of_compressed_files_is_decoded_in_parts(
+        tmp_path: Path, memory_dir: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A batch's compressed files are decoded in the reader threads and this one at once
+    (zstd lets go of the interpreter lock), each checked as a read alone checks it: right
+    bytes, and a corrupt one read again from the next holder, counted once."""
+    files = {f"t/f{i:03d}.txt": text_bytes(20_000 + 97 * i, i) for i in range(48)}
+    for rel, data in files.items():
+        (tmp_path / "raw" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "raw" / rel).write_bytes(data)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", compress="zstd", jobs=1, progress=False,
+                 echo=lambda _m: None)
+    threads: list[str] = []
+    real = checksum_module.decode
+
+    def decode(*args: Any) -> bytes:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(checksum_module, "decode", decode)
+    names = sorted(files)
+    random.Random(5).shuffle(names)
+    tiers = [str(memory_dir)] if where == "memory tier" else None
+    with stagefs.open(tmp_path / "pack", tiers=tiers) as fs:
+        if fs._parts < 2:
+            pytest.skip("one CPU for this process: a batch is decoded in this thread")
+        m = fs.manifest
+        assert all(int(m.codec[fs.namespace.file_entry(p)]) for p in names)
+        if tiers:
+            assert fs.chain is not None
+            fs.chain.stage()
+        assert fs.read_many(names) == [files[p] for p in names]
+        assert len(threads) == len(names)
+        assert threading.current_thread().name in threads
+        assert any(t.startswith("stagefs-read") for t in threads)
+        # a corrupt stored file: the tier's copy (read again from the origin) or the
+        # origin's own shard (no holder has it right: the batch fails as a read fails)
+        victim = names[20]
+        e = fs.namespace.file_entry(victim)
+        target = _tiers(fs)[0].path(int(m.shard[e])) if tiers else \
+            tmp_path / "pack" / m.shards[int(m.shard[e])].name
+        flip_byte(target, int(m.offset[e]) + int(m.stored[e]) // 2)
+        if tiers:
+            assert fs.read_many(names) == [files[p] for p in names]
+            assert fs.stats.checksum_failures == 1
+            assert _holders(fs)["origin"] == 1
+        else:
+            with pytest.raises(ChecksumError, match=victim):
+                fs.read_many(names)

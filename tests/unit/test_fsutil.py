@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import fcntl
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import BinaryIO
 
 import pytest
 
-from stagefs._fsutil import atomic_write, file_lock
+from stagefs._fsutil import atomic_write, file_lock, in_parts
 from stagefs.errors import ConfigError
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -186,3 +188,50 @@ def test_a_runtime_and_a_tier_make_their_missing_parents_private_whatever_the_um
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="cannot create"):
         Runtime(str(tmp_path / "file" / "job")).open()
+
+
+def test_in_parts_covers_every_item_once_in_order() -> None:
+    seen: list[tuple[int, int]] = []
+    with cf.ThreadPoolExecutor(3) as pool:
+        for n, parts in [(1, 4), (2, 2), (7, 3), (10, 4), (10, 20), (100, 1)]:
+            seen.clear()
+            got = in_parts(pool, n, parts,
+                           lambda a, b: (seen.append((a, b)), list(range(a, b)))[1])
+            assert [i for part in got for i in part] == list(range(n))
+            assert len(got) == len(seen) == min(parts, n)  # each part once, none empty
+            assert all(a < b for a, b in seen)
+
+
+def test_in_parts_from_a_thread_of_its_own_full_pool() -> None:
+    """A call from the only thread of its pool runs the parts it cannot hand out itself:
+    waiting on them would wait for ever (the pool's one thread is the one waiting)."""
+    threads: list[str] = []
+
+    def part(a: int, b: int) -> int:
+        threads.append(threading.current_thread().name)
+        return b - a
+
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="own") as pool:
+        got = pool.submit(in_parts, pool, 9, 3, part).result(timeout=60)
+    assert got == [3, 3, 3]
+    assert len(threads) == 3 and set(threads) == {threads[0]}
+
+
+def test_in_parts_raises_once_every_begun_part_has_ended() -> None:
+    begun = threading.Event()
+    release = threading.Event()
+    ended: list[int] = []
+
+    def part(a: int, b: int) -> int:
+        if a == 0:
+            begun.wait(60)  # the other part is under way in the pool
+            release.set()
+            raise ValueError("part 0")
+        begun.set()
+        release.wait(60)
+        ended.append(a)
+        return a
+
+    with cf.ThreadPoolExecutor(2) as pool, pytest.raises(ValueError, match="part 0"):
+        in_parts(pool, 4, 2, part)
+    assert ended == [2]

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from xxhash import xxh3_64_intdigest
 
+from stagefs._fsutil import in_parts
 from stagefs.errors import CorruptShardError
 
 try:
@@ -82,17 +83,11 @@ def gather(sources: Sequence[Any], offsets: Sequence[int], lengths: Sequence[int
     parts = min(parts, n // GATHER_PART) if _c_gather is not None else 1  # Python: the GIL
     if pool is None or parts < 2 or slow_s >= 0:
         return _gather(sources, offsets, lengths, slow_s, copy_rate)
-    size = -(-n // parts)
-    futures = [pool.submit(_gather, sources[a : a + size], offsets[a : a + size],
-                           lengths[a : a + size]) for a in range(size, n, size)]
-    try:
-        first = _gather(sources[:size], offsets[:size], lengths[:size])
-    finally:
-        rest = [f.result() for f in futures]  # every part has ended before a return
-    datas, sums = first.datas, first.sums
-    for got in rest:
-        datas += got.datas
-        sums += got.sums
+    got = in_parts(pool, n, parts, lambda a, b: _gather(sources[a:b], offsets[a:b], lengths[a:b]))
+    datas, sums = got[0].datas, got[0].sums
+    for more in got[1:]:
+        datas += more.datas
+        sums += more.sums
     return Gathered(datas, sums, n)
 
 
