@@ -13,6 +13,10 @@ ratios); then the median of --runs rounds.
 
     python benchmarks/bench_regress.py --a /path/to/old/src --b src --runs 3 --no-ranges
 
+``--kind text``: the warm epochs read text documents that the pack stores compressed (zstd)
+instead of ImageNet-like JPEGs, and the verified limit decodes them too (pread, zstd
+decompress and xxh3 of the raw bytes, in one thread: what ``read`` must do per file).
+
 Range reads: large raw files (--large-mib each) read through ``Store.open`` at random
 offsets in ranges of several sizes, against pread + xxh3 of exactly the bytes asked for
 (the limit of a reader that could verify any range for free) and against pread alone.
@@ -31,10 +35,11 @@ from typing import Any
 
 _CHILD = r"""
 import json, mmap, os, random, shutil, sys, time
+import zstandard
 from xxhash import xxh3_64_intdigest
 import stagefs
 
-raw, large, scratch, tag, ranges = sys.argv[1:6]
+raw, large, scratch, tag, ranges, kind = sys.argv[1:7]
 def packed(src, name):
     # a pack kept from an earlier invocation is reused only if this checkout's packer, as
     # it is now, wrote it from this tree: --a and --b swapped, a checkout edited since or
@@ -78,15 +83,20 @@ def epochs(fs, shard_path):
     ents = [fs.namespace.file_entry(x) for x in order]
     spans = [(int(m.shard[e]), int(m.offset[e]), int(m.stored[e])) for e in ents]
     # the same check as the Store's: decode first where the file is stored compressed
-    assert all(int(m.codec[e]) == 0 and m.size[e] == m.stored[e] for e in ents)
+    zstd = [int(m.codec[e]) == 1 for e in ents]
+    assert all(int(m.codec[e]) in (0, 1) for e in ents) and any(zstd) == (kind == 'text')
+    sizes = [int(m.size[e]) for e in ents]
+    unz = zstandard.ZstdDecompressor().decompress
+    def raw(data, k):
+        return unz(data, max_output_size=sizes[k]) if zstd[k] else data
     fds = [os.open(shard_path(s), os.O_RDONLY) for s in range(len(m.shards))]
     maps = [mmap.mmap(fd, 0, prot=mmap.PROT_READ) for fd in fds]
-    def limit():  # the verified pread limit: pread + xxh3 of the same bytes
-        for s, o, k in spans:
-            xxh3_64_intdigest(os.pread(fds[s], k, o))
-    def mapped():  # the same bytes copied out of a mapping of the same files, + xxh3
-        for s, o, k in spans:
-            xxh3_64_intdigest(maps[s][o:o + k])
+    def limit():  # the verified pread limit: pread (+ decode) + xxh3 of the same bytes
+        for k, (s, o, n) in enumerate(spans):
+            xxh3_64_intdigest(raw(os.pread(fds[s], n, o), k))
+    def mapped():  # the same bytes copied out of a mapping of the same files (+ decode), + xxh3
+        for k, (s, o, n) in enumerate(spans):
+            xxh3_64_intdigest(raw(maps[s][o:o + n], k))
     def read():
         for x in order:
             fs.read(x)
@@ -118,7 +128,7 @@ def epochs(fs, shard_path):
     return got
 
 out = {}
-p = packed(raw, 'small')
+p = packed(raw, 'small' if kind == 'imagenet' else 'text')
 with stagefs.open(p) as fs:  # no tier: the pack's files, in the page cache
     out['warm'] = epochs(fs, lambda s: os.path.join(p, fs.manifest.shards[s].name))
     st = fs.stat
@@ -207,12 +217,12 @@ def _large_tree(root: str, files: int, mib: int) -> str:
     return root
 
 
-def _run(src: str, raw: str, large: str, scratch: str, tag: str, ranges: bool
+def _run(src: str, raw: str, large: str, scratch: str, tag: str, ranges: bool, kind: str
          ) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
     env.pop("STAGEFS_TIERS", None)  # "no tier" means none, whatever the shell says
     proc = subprocess.run([sys.executable, "-c", _CHILD, raw, large, scratch, tag,
-                           "1" if ranges else "0"], env=env,
+                           "1" if ranges else "0", kind], env=env,
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"the run of {src} failed:\n{proc.stderr}")
@@ -234,6 +244,9 @@ def main() -> int:
     ap.add_argument("--a", required=True, help="src/ directory of the first checkout (before)")
     ap.add_argument("--b", default="src", help="src/ directory of the second checkout (after)")
     ap.add_argument("--files", type=int, default=10000)
+    ap.add_argument("--kind", choices=("imagenet", "text"), default="imagenet",
+                    help="the small files: ImageNet-like JPEGs (stored raw) or text documents "
+                         "(stored zstd; the limits decode them too)")
     ap.add_argument("--large-files", type=int, default=6)
     ap.add_argument("--large-mib", type=int, default=48)
     ap.add_argument("--runs", type=int, default=5)
@@ -244,22 +257,27 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/regress.json")
     args = ap.parse_args()
 
-    sys.path.insert(0, os.path.abspath(args.b))
+    # the data generators and the table: this script's own checkout's (--a or --b may be older)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     from stagefs._table import table
-    from stagefs.bench.datasets import imagenet_like
+    from stagefs.bench.datasets import imagenet_like, text_like
 
     os.makedirs(args.scratch, exist_ok=True)
-    raw = os.path.join(args.scratch, "raw")
+    raw = os.path.join(args.scratch, "raw" if args.kind == "imagenet" else "raw-text")
     if not _kept(raw, {"files": args.files}):
         shutil.rmtree(raw, ignore_errors=True)
-        imagenet_like(raw, files=args.files, classes=max(1, args.files // 200))
+        if args.kind == "imagenet":
+            imagenet_like(raw, files=args.files, classes=max(1, args.files // 200))
+        else:
+            text_like(raw, files=args.files)
         _made(raw, {"files": args.files})
     large = ("" if args.no_ranges else  # nearly 300 MB at the defaults, for the ranges only
              _large_tree(os.path.join(args.scratch, "large"), args.large_files, args.large_mib))
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for _ in range(args.runs):
         for tag, src in (("a", args.a), ("b", args.b)):
-            runs[tag].append(_run(src, raw, large, args.scratch, tag, not args.no_ranges))
+            runs[tag].append(_run(src, raw, large, args.scratch, tag, not args.no_ranges,
+                                  args.kind))
     rows = []
     for where, title in (("warm", "pack files (page cache)"), ("tier", "memory tier")):
         for label, key in (("read, samples/s", "read_samples_per_s"),
@@ -289,7 +307,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"a": os.path.abspath(args.a), "b": os.path.abspath(args.b),
-                   "files": args.files, "load": os.getloadavg(), "runs": runs}, f, indent=1)
+                   "files": args.files, "kind": args.kind, "load": os.getloadavg(), "runs": runs}, f, indent=1)
     print(f"saved {args.out}")
     kept = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.scratch)
                for f in fs)
