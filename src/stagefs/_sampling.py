@@ -26,7 +26,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.ma  # (see below)
 import numpy.typing as npt
+
+# np.unique and np.isin import numpy.ma at their first call in a process. The epoch's order
+# is made in a thread of the process that forks DataLoader workers: a fork while that
+# import is under way leaves its module lock held in the child, whose own first call then
+# waits for ever (seen with np.setdiff1d in a batch, store.py). Imported here, once, with
+# this module.
 
 __all__ = [
     "Plan",

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
+import numpy.ma  # np.unique imports it at its first call: not in a thread (_sampling.py)
 import numpy.typing as npt
 from xxhash import xxh3_64_intdigest
 
