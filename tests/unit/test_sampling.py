@@ -6,6 +6,9 @@ Pure: no torch, no store. Ranks are simulated by computing every rank's order.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import numpy as np
@@ -25,6 +28,7 @@ from stagefs._sampling import (
     window_order,
 )
 
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
 sizes = st.integers(0, 300)
 worlds = st.integers(1, 9)
 seeds = st.integers(-(2**40), 2**40)
@@ -239,3 +243,16 @@ def test_rank_world(env: dict[str, str], want: tuple[int, int] | None) -> None:
 def test_rank_world_refuses_bad_values(env: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="RANK"):
         rank_world(env)
+
+
+def test_no_numpy_import_is_left_for_an_orders_first_call() -> None:
+    """np.unique and np.isin import numpy.ma at their first call: done with the module, not
+    in the thread that makes an epoch's order while the main thread forks workers."""
+    code = ("import sys; import stagefs._sampling, stagefs.format.manifest; "
+            "before = set(sys.modules); import numpy as np; "
+            ""
+            "np.unique(np.arange(5)); np.isin(np.arange(5), [1]); "
+            "print(sorted(set(sys.modules) - before))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=SRC))
+    assert out.stdout.strip() == "[]"
