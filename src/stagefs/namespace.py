@@ -25,7 +25,7 @@ from stagefs.errors import (
 )
 from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, NO_INDEX, Manifest
 
-__all__ = ["DirEntry", "Namespace", "PathArg", "accelerator", "normalize"]
+__all__ = ["DirEntry", "Namespace", "PathArg", "accelerator", "is_a_directory", "normalize"]
 
 log = logging.getLogger("stagefs")
 
@@ -249,7 +249,7 @@ class Namespace:
     def file_entry(self, path: PathArg) -> int:
         e = self.entry(path)
         if self.manifest.kind[e] == KIND_DIR:
-            raise IsADirectoryError_(_show(path))
+            raise is_a_directory(_show(path))
         return e
 
     def dir_entry(self, path: PathArg) -> int:
@@ -498,6 +498,12 @@ def _accelerated(
                        uid, gid, manifest.piece_size)
     manifest.on_close(index.release)
     return index
+
+
+def is_a_directory(shown: str) -> IsADirectoryError_:
+    """The error of a read of a directory (``shown``: its path as the caller gave it)."""
+    return IsADirectoryError_(shown, "Is a directory (a read reads a file: listdir, "
+                              "scandir or walk list a directory)")
 
 
 def _show(path: PathArg) -> str:

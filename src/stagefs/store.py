@@ -35,15 +35,14 @@ from stagefs.errors import (
     ConfigError,
     CorruptShardError,
     DescriptorLimitError,
-    IsADirectoryError_,
     NotFoundError,
     OriginUnavailableError,
     ReadOnlyError,
 )
-from stagefs.format import KIND_FILE, MANIFEST_NAME, Manifest, checksum
+from stagefs.format import KIND_FILE, KIND_SYMLINK, MANIFEST_NAME, Manifest, checksum
 from stagefs.format.checksum import StreamSum, bad_piece, check, piece_error
 from stagefs.format.codecs import decode
-from stagefs.namespace import DirEntry, Namespace, PathArg
+from stagefs.namespace import DirEntry, Namespace, PathArg, is_a_directory
 from stagefs.runtime import Runtime
 from stagefs.tiers.base import (
     GATHER_PART,
@@ -378,10 +377,17 @@ class Store:
                             "read() reads one file")
         plist = paths if isinstance(paths, list) else list(paths)
         find = self._find
-        ents = [find(p) for p in plist]
-        if -1 in ents:  # not a plain path to a regular file: the full resolution, its errors
-            file_entry = self.namespace.file_entry
-            ents = [e if e >= 0 else file_entry(p) for e, p in zip(ents, plist, strict=True)]
+        try:
+            ents = [find(p) for p in plist]
+            if -1 in ents:  # not a plain path to a regular file: the full resolution, its errors
+                file_entry = self.namespace.file_entry
+                ents = [e if e >= 0 else file_entry(p) for e, p in zip(ents, plist, strict=True)]
+        except TypeError:
+            for i, p in enumerate(plist):  # the first that is not a path, named
+                if not isinstance(p, (str, bytes, os.PathLike)):
+                    raise TypeError(f"read_many: paths[{i}] is {p!r} ({type(p).__name__}), "
+                                    "not a path (str, bytes or os.PathLike)") from None
+            raise
         return self.read_entries(ents, plist)
 
     @_while_open
@@ -838,7 +844,7 @@ class Store:
         if not 0 <= e < self._entries:
             self._no_entry(e)
         if self._kind[e] != KIND_FILE:
-            raise IsADirectoryError_(self._show(e, path))
+            e = self._file_of(e, path)
         size = self._size[e]
         shard, offset, stored, codec = self._shard[e], self._offset[e], self._stored[e], \
             self._codec[e]
@@ -1133,13 +1139,24 @@ class Store:
         if diagnose is not None:
             diagnose(shard)
 
+    def _file_of(self, e: int, path: PathArg | None) -> int:
+        """The regular file that entry ``e`` (not one itself) is read as: a symlink's
+        target, followed as ``read`` follows a path's (NotFoundError if it is not in the
+        dataset, SymlinkLoopError); else IsADirectoryError_ (the root named "/")."""
+        shown = self._show(e, path)
+        if self._kind[e] == KIND_SYMLINK:
+            t = self.namespace.follow(e, shown)
+            if self._kind[t] == KIND_FILE:
+                return t
+        raise is_a_directory(shown)
+
     def _where(self, e: int) -> str:
         return f"shard {self.manifest.shards[self.manifest.shard[e]].name}"
 
     def _show(self, e: int, path: PathArg | None) -> str:
         if path is not None:
             return os.fsdecode(path) if not isinstance(path, str) else path
-        return os.fsdecode(self.manifest.path_of(e))
+        return os.fsdecode(self.manifest.path_of(e)) or "/"  # (the root's is "")
 
     @_while_open
     def open(self, path: PathArg, mode: str = "rb", buffering: int = -1,

@@ -206,6 +206,37 @@ def test_a_missing_path_fails_the_batch_as_read_fails(
             fs.read_entries([fs.namespace.file_entry(good[0]), fs.namespace.entry("c1")])
 
 
+def test_entries_that_are_no_regular_file(tmp_path: Path, runtime: Path) -> None:
+    """By number, as by path: a symlink's entry reads its target (read_entries of the
+    entries ``walk``/``scandir`` give), a dangling one is not found, a directory (the root
+    too, named "/") is one; a path list with something that is no path says which."""
+    raw = tmp_path / "raw"
+    (raw / "d").mkdir(parents=True)
+    (raw / "d" / "a.txt").write_bytes(b"hello\n")
+    (raw / "d" / "l.txt").symlink_to("a.txt")
+    (raw / "d" / "up").symlink_to("../d/a.txt")
+    (raw / "d" / "dangling").symlink_to("nowhere")
+    (raw / "d" / "tod").symlink_to(".")
+    stagefs.pack(raw, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack") as fs:
+        lookup = fs.manifest.lookup
+        a, link, up = (lookup(p) for p in (b"d/a.txt", b"d/l.txt", b"d/up"))
+        assert fs.read_entries([a, link, up, link]) == [b"hello\n"] * 4
+        assert fs.read_entry(link) == fs.read("d/l.txt") == b"hello\n"
+        with pytest.raises(NotFoundError, match="d/dangling"):
+            fs.read_entries([a, lookup(b"d/dangling")])
+        for e, name in [(0, "/"), (lookup(b"d"), "d"), (lookup(b"d/tod"), "d/tod")]:
+            for read in (lambda e: fs.read_entries([a, e]), fs.read_entry):
+                with pytest.raises(IsADirectoryError_) as info:
+                    read(e)
+                assert info.value.filename == name and "listdir" in str(info.value)
+        with pytest.raises(IsADirectoryError_, match="listdir"):
+            fs.read("d")
+        for bad, i in [([None], 0), (["d/a.txt", 3], 1), (["d/a.txt", b"d/l.txt", 2.5], 2)]:
+            with pytest.raises(TypeError, match=rf"paths\[{i}\] is {bad[i]!r}"):
+                fs.read_many(bad)
+
+
 def test_empty_and_small_batches(dataset: tuple[Path, dict[str, bytes]],
                                  memory_dir: Path) -> None:
     pack, files = dataset
