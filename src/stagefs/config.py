@@ -112,15 +112,19 @@ def parse_tier(spec: str, *, rank: int | None = None) -> TierSpec:
 
     ``{rank}`` in the path is replaced by ``rank`` so one machine can host a test cluster.
     The capacity is checked against the device: asking for more than it has is an error.
+    Spaces around the directory and the capacity are not part of them (``" /dir : 1GiB"``,
+    a list written ``"A:1GiB, B:2GiB"``): a tier directory named with a space at its end
+    was made, or a relative one under the current directory.
     """
     path, sep, size = spec.rpartition(":")
+    path = path.strip() if sep else path
     if sep and not size.strip():
         raise ConfigError(
             f"tier {spec!r}: no capacity after ':' (a variable left empty?); give DIR:SIZE "
             "(e.g. /dev/shm/me:16GiB or /nvme/me:80%), or DIR alone for all its free space"
         )
     if not sep or "/" in size:
-        path, size = spec, ""
+        path, size = spec.strip(), ""
     elif _is_size(path.rpartition(":")[2]):
         raise ConfigError(
             f"tier {spec!r} has two capacities; give DIR:SIZE with one (a directory whose "

@@ -20,6 +20,21 @@ def test_a_tier_with_no_directory_is_an_error_not_the_current_directory(
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("spec, size", [(" {d} :1MiB", 2**20), ("{d}: 1MiB ", 2**20),
+                                        ("  {d}  ", None), ("\t{d}:50%", "share")])
+def test_spaces_around_a_tiers_directory_and_size_are_not_part_of_them(
+        spec: str, size: int | str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """``STAGEFS_TIERS=" /dev/shm/x :1GiB"`` (or a list written with ", ") made a directory
+    named with a space at its end, or one under the current directory."""
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "t"
+    got = parse_tier(spec.format(d=d))
+    assert got.path == str(d)
+    assert got.share == 50.0 if size == "share" else got.capacity == size
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_bad_tier_size_names_the_tier() -> None:
     with pytest.raises(ConfigError, match=r"tier '/dev/shm/b:10X': not a size"):
         parse_tier("/dev/shm/b:10X")
