@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from stagefs import __version__
 from stagefs._help import Formatter, bash_completion, commands, epilog
 from stagefs._native import preload_library
-from stagefs.config import format_size, parse_size, show_path
+from stagefs.config import check_flags, format_size, parse_size, show_path
 from stagefs.errors import ConfigError, StagefsError
 from stagefs.format.codecs import MAX_COMPRESSED
 from stagefs.format.spec import FILE_ALIGN_MIN
@@ -742,6 +742,8 @@ def _terminated_as_interrupt() -> Iterator[None]:
 def _run(command: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """The command's handler, its errors made an exit status and a line on stderr."""
     try:
+        if args.command != "doctor":  # (which reports a bad switch among its findings)
+            check_flags()
         return int(args.handler(args))
     except UsageError as exc:
         command.error(str(exc))

@@ -10,8 +10,19 @@ from dataclasses import dataclass
 
 from stagefs.errors import ConfigError
 
-__all__ = ["ENV_VARS", "SIZE_SYNTAX", "EnvVar", "TierSpec", "absolute", "env", "format_size",
-           "parse_size", "parse_tier", "show_path"]
+__all__ = [
+    "ENV_VARS",
+    "SIZE_SYNTAX",
+    "EnvVar",
+    "TierSpec",
+    "absolute",
+    "check_flags",
+    "env",
+    "format_size",
+    "parse_size",
+    "parse_tier",
+    "show_path",
+]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -182,6 +193,7 @@ class EnvVar:
     default: str
     doc: str
     internal: bool = False  # set by stagefs for its own child processes, not by users
+    flag: bool = False  # a switch: 1/0, true/false, yes/no, on/off (env_flag)
 
 
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
@@ -202,36 +214,39 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "Sampler's clairvoyant prefetch, staging order and locality are off; the tiers "
            "stream shards as reads first ask for them, then the rest of the directory read "
            "in shard order); a Sampler given "
-           "closed=False runs open mode, and warns"),
+           "closed=False runs open mode, and warns", flag=True),
     EnvVar("STAGEFS_ORIGIN_READAHEAD", "off",
            "'kernel' leaves the kernel's readahead on for shards read from the origin"),
     EnvVar("STAGEFS_ORIGIN_DIRECT", "1",
            "0: the streams' large reads of the origin go through the page cache (by default "
-           "they bypass it with O_DIRECT where the file system allows: the tier holds them)"),
-    EnvVar("STAGEFS_SPEEDUPS", "1", "0 turns the C accelerator off (for comparison)"),
-    EnvVar("STAGEFS_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are"),
+           "they bypass it with O_DIRECT where the file system allows: the tier holds them)",
+           flag=True),
+    EnvVar("STAGEFS_SPEEDUPS", "1", "0 turns the C accelerator off (for comparison)", flag=True),
+    EnvVar("STAGEFS_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are",
+           flag=True),
     EnvVar("STAGEFS_TIER_MAP", "1",
            "0: read_many reads a memory tier with pread, not through a mapping (slower; the "
-           "tier's pages then do not count in the process's RSS)"),
+           "tier's pages then do not count in the process's RSS)", flag=True),
     EnvVar("STAGEFS_CONNECT_TIMEOUT", "0",
            "seconds to wait for this node's daemon to publish the cluster (--connect)"),
     EnvVar("STAGEFS_PEER_TIMEOUT", "10",
            "seconds a peer may take to answer before a read goes elsewhere"),
     EnvVar("STAGEFS_FABRIC", "1",
-           "0: training processes read other nodes directly, not through their node's daemon"),
+           "0: training processes read other nodes directly, not through their node's daemon",
+           flag=True),
     EnvVar("STAGEFS_RELAY_PIPES", "1",
            "0: 'stagefs serve' relays its readers' ranges from peers through memory, not "
-           "kernel pipes (splice)"),
+           "kernel pipes (splice)", flag=True),
     EnvVar("STAGEFS_FUSE_PUSH", "1",
            "0: a FUSE mount with tiers does not put the files its streams bring into the "
-           "kernel's page cache ahead of the reads (read-ahead across files)"),
+           "kernel's page cache ahead of the reads (read-ahead across files)", flag=True),
     EnvVar("STAGEFS_INTERFACE", "none: --bind, else the host name's address",
            "the network interface 'stagefs serve' listens on (like --interface)"),
     EnvVar("STAGEFS_BENCH_PEER_PYTHON", "this Python",
            "the Python that has the compared systems installed, for 'stagefs bench'"),
     EnvVar("STAGEFS_REQUIRE_SPEEDUPS", "0",
            "read when installing (setup.py): 1 makes a failed build of the C accelerator or "
-           "the preload library an error instead of a warning"),
+           "the preload library an error instead of a warning", flag=True),
     EnvVar("STAGEFS_INTERCEPT_AT", "", "set by 'stagefs run': the path served", True),
     EnvVar("STAGEFS_INTERCEPT_DATASET", "", "set by 'stagefs run': the dataset", True),
     EnvVar("STAGEFS_INTERCEPT_STORE", "", "set by 'stagefs run': the store, pickled", True),
@@ -267,5 +282,15 @@ def env_flag(name: str, default: bool = True) -> bool:
         return default
     flag = _FLAGS.get(value.strip().lower())
     if flag is None:
-        raise ConfigError(f"STAGEFS_{name.upper()}={value!r}: use 1 or 0")
+        raise ConfigError(f"STAGEFS_{name.upper()}={value!r} is not a switch: use 1 or 0 "
+                          "(or true/false, yes/no, on/off), or unset it for the default")
     return flag
+
+
+def check_flags() -> None:
+    """Every switch set in the environment (``EnvVar.flag``) read once, so that a command
+    refuses a bad one before it starts (ConfigError, naming it), not when (and where) the
+    switch is first read: ``stagefs bench`` ran some systems and failed others."""
+    for var in ENV_VARS.values():
+        if var.flag:
+            env_flag(var.name.removeprefix("STAGEFS_"))

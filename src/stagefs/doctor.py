@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from stagefs._native import preload_library
 from stagefs._sysinfo import meminfo, memory_limit_room
 from stagefs._table import table
-from stagefs.config import env, format_size, parse_tier
+from stagefs.config import ENV_VARS, env, env_flag, format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format.spec import PIECE
 from stagefs.tiers.tier import (
@@ -234,6 +234,19 @@ def check_preload() -> list[Finding]:
                     "linked program")]
 
 
+def check_switches() -> list[Finding]:
+    """Each switch set in the environment (``STAGEFS_CLOSED=1`` ...) that is not one: every
+    other command refuses to start with it."""
+    found = []
+    for var in ENV_VARS.values():
+        if var.flag:
+            try:
+                env_flag(var.name.removeprefix("STAGEFS_"))
+            except ConfigError as exc:
+                found.append(Finding(var.name, "error", str(exc)))
+    return found
+
+
 def check_mpi() -> list[Finding]:
     # find_spec, not import: importing mpi4py.MPI initialises MPI
     has_mpi4py = importlib.util.find_spec("mpi4py") is not None
@@ -337,7 +350,7 @@ def check_node(tiers: Sequence[str] | None = None) -> list[Finding]:
     for spec in tier_specs(tiers):
         findings += check_tier(spec)
     return (findings + check_accelerator() + check_preload() + check_mpi() + check_slurm()
-            + check_memory() + check_network() + check_descriptors())
+            + check_memory() + check_network() + check_descriptors() + check_switches())
 
 
 def render(findings: Sequence[Finding]) -> str:

@@ -188,3 +188,26 @@ def test_bench_results_on_stdout_its_progress_on_stderr(
     assert "run 1/1: plain-local" in out.err and "generating" in out.err
     assert not re.search(r"^\[\d\d:\d\d:\d\d\]", out.out, re.M), out.out
     assert "| plain-local" in out.out and f"written to {tmp_path / 'r'}" in out.out
+
+
+@pytest.mark.parametrize("var", ["STAGEFS_CLOSED", "STAGEFS_FABRIC", "STAGEFS_TIER_MAP"])
+def test_a_switch_that_is_not_one_is_refused_before_any_command_starts(
+        var: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``STAGEFS_CLOSED=maybe``: ``stagefs bench`` ran its open systems and failed the one
+    that read the switch; now every command refuses it first, with the forms it takes.
+    ``stagefs doctor`` runs, and lists it among its errors."""
+    pack = pack_files(tmp_path, "d", {"a.txt": b"a"})
+    monkeypatch.setenv(var, "maybe")
+    for argv in (["info", str(pack)], ["bench", "--files", "10", "--epochs", "1", "--runs",
+                                        "1", "--out", str(tmp_path / "b")]):
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert f"{var}='maybe' is not a switch: use 1 or 0 (or true/false, yes/no, on/off)" \
+            in err
+    assert not (tmp_path / "b").exists()
+    monkeypatch.setenv(var, " Yes ")
+    assert cli.main(["info", str(pack)]) == 0
+    from stagefs.doctor import check_switches
+    monkeypatch.setenv(var, "2")
+    assert [(f.check, f.status) for f in check_switches()] == [(var, "error")]
