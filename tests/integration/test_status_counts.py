@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import stagefs
+from stagefs.config import format_size as _size
 from stagefs.posix.fuse import fuse_available, is_mounted
 from tiers_helpers import make_tree
 
@@ -201,6 +202,10 @@ def test_a_large_file_read_in_parts_is_one_sample_and_a_compressed_one_weighs_as
         assert st["reads"] == 1 + len(texts), st
         assert st["bytes"] == len(big) + sum(map(len, texts.values()))
         assert st["hit_rate"] == 0, st  # every byte came from the origin, once
+        assert st["stored_bytes"] == int(fs.manifest.arrays["stored"].sum()) < st["bytes"]
+        line = _stagefs("status", "--runtime", str(rt)).stdout
+        assert f"({_size(st['stored_bytes'])} as stored, compressed)" in line
+        assert "hit rate 0.0% (the stored bytes read that were not read" in line
         e = fs.namespace.file_entry("big.bin")
         assert fs.read_entry(e, start=5, length=10) == big[5:15]
     again = status(rt)

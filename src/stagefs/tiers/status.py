@@ -299,7 +299,8 @@ def holder_summary(counts: dict[str, int]) -> dict[str, Any]:
     fetched = counts["fetched_bytes"]
     stored = counts["stored_bytes"] or nbytes  # like with like: a compressed file's bytes
     hit = max(0.0, 1 - fetched / stored) if stored else 0.0
-    return {"holders": holders, "reads": reads, "bytes": nbytes, "hit_rate": hit,
+    return {"holders": holders, "reads": reads, "bytes": nbytes, "stored_bytes": stored,
+            "hit_rate": hit,
             "fetched": {"reads": counts["fetched_reads"], "bytes": fetched},
             "checksum_failures": counts["checksum_failures"],
             "unavailable": counts["unavailable"],
@@ -321,11 +322,16 @@ def read_lines(summary: dict[str, Any], who: str) -> list[str]:
     rows = [[h, v["reads"], format_size(v["bytes"]),
              f"{100 * v['bytes'] / nbytes:.1f}%" if nbytes else "-"]
             for h, v in summary["holders"].items()]
-    out = [f"reads by holder ({who}): {summary['reads']} samples, {format_size(nbytes)}; "
-           f"read from the origin: {format_size(fetched['bytes'])} in "
+    # a compressed pack's samples are larger than what the origin gives for them: the hit
+    # rate is of their stored bytes, which the line then shows beside the raw ones
+    stored = summary.get("stored_bytes", nbytes)
+    kind = "stored " if stored != nbytes else ""
+    also = f" ({format_size(stored)} as stored, compressed)" if kind else ""
+    out = [f"reads by holder ({who}): {summary['reads']} samples, {format_size(nbytes)}"
+           f"{also}; read from the origin: {format_size(fetched['bytes'])} in "
            f"{fetched['reads']} reads (samples, streams, staging); hit rate "
-           f"{100 * summary['hit_rate']:.1f}% (the bytes read that were not read from the "
-           "origin)",
+           f"{100 * summary['hit_rate']:.1f}% (the {kind}bytes read that were not read from "
+           "the origin)",
            table(["holder", "samples", "bytes", "share"], rows)]
     rows = [[d["origin"], d["reads"], format_size(d["bytes"]),
              format_size(d["fetched"]["bytes"]), f"{100 * d['hit_rate']:.1f}%"]
