@@ -73,7 +73,7 @@ def print_status(runtime: str | None, *, as_json: bool = False) -> int:
         # "filled": what the streams and the reads wrote into partial copies (a stream's
         # bytes were said to be the reads', "filled by reads", with no sample read)
         print(table(["tier", "used", "shards held", "held in part", "placed",
-                     "filled (streams, reads)", "dropped"], rows))
+                     "filled (streams, reads, staging)", "dropped"], rows))
     for line in read_lines(st, "every process of the job"):
         print(line)
     rows = [[o["origin"], o["opens"], o["stats"]] for o in st["origins"]]
