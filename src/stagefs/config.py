@@ -18,6 +18,7 @@ __all__ = [
     "absolute",
     "check_flags",
     "env",
+    "flag_errors",
     "format_size",
     "parse_size",
     "parse_tier",
@@ -287,10 +288,23 @@ def env_flag(name: str, default: bool = True) -> bool:
     return flag
 
 
-def check_flags() -> None:
-    """Every switch set in the environment (``EnvVar.flag``) read once, so that a command
-    refuses a bad one before it starts (ConfigError, naming it), not when (and where) the
-    switch is first read: ``stagefs bench`` ran some systems and failed others."""
+def flag_errors() -> list[tuple[str, ConfigError]]:
+    """Each switch set in the environment (``EnvVar.flag``) that is not one: its name and
+    the error ``env_flag`` raises for it."""
+    bad = []
     for var in ENV_VARS.values():
         if var.flag:
-            env_flag(var.name.removeprefix("STAGEFS_"))
+            try:
+                env_flag(var.name.removeprefix("STAGEFS_"))
+            except ConfigError as exc:
+                bad.append((var.name, exc))
+    return bad
+
+
+def check_flags() -> None:
+    """Refuse a switch set in the environment that is not one (ConfigError, naming it)
+    before a command starts, not when (and where) it is first read: ``stagefs bench`` ran
+    some systems and failed others."""
+    bad = flag_errors()
+    if bad:
+        raise bad[0][1]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from stagefs._native import preload_library
 from stagefs._sysinfo import meminfo, memory_limit_room
 from stagefs._table import table
-from stagefs.config import ENV_VARS, env, env_flag, format_size, parse_tier
+from stagefs.config import env, flag_errors, format_size, parse_tier
 from stagefs.errors import ConfigError
 from stagefs.format.spec import PIECE
 from stagefs.tiers.tier import (
@@ -237,14 +237,7 @@ def check_preload() -> list[Finding]:
 def check_switches() -> list[Finding]:
     """Each switch set in the environment (``STAGEFS_CLOSED=1`` ...) that is not one: every
     other command refuses to start with it."""
-    found = []
-    for var in ENV_VARS.values():
-        if var.flag:
-            try:
-                env_flag(var.name.removeprefix("STAGEFS_"))
-            except ConfigError as exc:
-                found.append(Finding(var.name, "error", str(exc)))
-    return found
+    return [Finding(name, "error", str(exc)) for name, exc in flag_errors()]
 
 
 def check_mpi() -> list[Finding]:

@@ -766,8 +766,8 @@ class Store:
         """The compressed files of a batch (``_take``'s ``got``) decoded and checked
         (``_whole``) in parts at once, one in this thread and the others in the reader
         threads: zstd decodes without the interpreter lock, and decoding is most of the cost
-        of a compressed file read from memory (about 14 us of 18 KB of text, 40% of a
-        ``read_many`` on one core). None at the files stored raw and at any whose check
+        of a compressed file read from memory (12-15 us of an 18 KB document, about half of
+        what a ``read`` of it costs). None at the files stored raw and at any whose check
         failed (the caller's ``_whole`` says why); None for a batch too small to gain."""
         if self._parts < 2 or len(run) < 2 * GATHER_PART:
             return None
