@@ -165,8 +165,8 @@ class ReadStats:
 
 
 _WAYS_IN = ("_find", "stat", "lstat", "listdir", "exists", "isdir", "isfile", "islink",
-            "getsize", "readlink", "scandir", "walk", "info", "read_entries", "read_entry",
-            "open", "prefetch")  # (held_shards and status still answer: a closing report)
+            "getsize", "readlink", "scandir", "walk", "info", "read_entries", "read_ahead",
+            "read_entry", "open", "prefetch")  # (held_shards and status still answer: a closing report)
 
 
 def _out_of_descriptors(exc: BaseException) -> bool:
@@ -416,11 +416,33 @@ class Store:
         """
         if count is not True:
             return self._read_entries(entries, paths, count)
-        tally = _Tally()  # the samples counted once every one of them was read
-        got = self._read_entries(entries, paths, tally)
-        for holder, reads, nbytes, stored in tally:
-            self._add(holder, reads, nbytes, stored)
+        got, counted = self._read_ahead(entries, paths)
+        counted()  # the samples counted once every one of them was read
         return got
+
+    @_while_open
+    def read_ahead(self, entries: Iterable[int] | npt.NDArray[np.integer[Any]],
+                   paths: Sequence[PathArg | None] | None = None
+                   ) -> tuple[list[bytes], Callable[[], None]]:
+        """``read_entries`` now, its samples counted later: the bytes, and a function that
+        counts them as ``read_entries`` would have (by holder; once, however often it is
+        called), for a read-ahead that counts the samples it hands out, not those it read
+        and dropped (a loop left early: the samples read into its memory budget were said
+        to be read)."""
+        return self._read_ahead(entries, paths)
+
+    def _read_ahead(self, entries: Iterable[int] | npt.NDArray[np.integer[Any]],
+                    paths: Sequence[PathArg | None] | None
+                    ) -> tuple[list[bytes], Callable[[], None]]:
+        tally = _Tally()
+        got = self._read_entries(entries, paths, tally)
+
+        def counted() -> None:
+            for holder, reads, nbytes, stored in tally:
+                self._add(holder, reads, nbytes, stored)
+            tally.clear()  # once
+
+        return got, counted
 
     def _read_entries(self, entries: Iterable[int] | npt.NDArray[np.integer[Any]],
                       paths: Sequence[PathArg | None] | None, count: bool | _Tally

@@ -432,3 +432,38 @@ def test_a_dropped_sampler_stops_its_read_ahead(tmp_path: Path) -> None:
         for t in threads:
             t.join(10)
         assert ta._closed and not any(t.is_alive() for t in threads)
+
+
+def test_a_loop_left_early_counts_the_samples_it_was_handed(tmp_path: Path) -> None:
+    """num_workers=0 and a loop left after two batches: the read-ahead had read up to its
+    budget, and every sample it read was counted as read (status said 200 samples for the
+    16 handed out). Now a chunk of read-ahead counts once its first sample is handed out."""
+    import torch
+
+    import stagefs
+    from stagefs.bench.datasets import imagenet_like
+
+    imagenet_like(str(tmp_path / "raw"), files=300, classes=3, mean_size=3000, progress=False)
+    stagefs.pack(tmp_path / "raw", tmp_path / "pack", shard_size="64KiB", progress=False)
+    with stagefs.open(tmp_path / "pack", runtime=str(tmp_path / "rt")) as fs:
+        ds = FileDataset(fs, target=None)
+        s = Sampler(ds, seed=1, prefetch=2**20, rank=0, world_size=1, prefetch_threads=1)
+        loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=s,
+                                             collate_fn=lambda b: b)
+        handed = []
+        for k, batch in enumerate(loader):
+            handed += batch
+            if k == 1:
+                break
+        p = s.prefetcher
+        assert p is not None
+        wait_until(lambda: p.stats.read >= 200, "read 200 samples ahead")
+        order = s.order()
+        assert handed == [fs.read(ds.path_of(i)) for i in order[:16]]
+        reads = fs.status()["holders"]
+        counted = sum(h["reads"] for h in reads.values())
+        # the 16 handed out, the 16 just read again above, and at most the rest of the
+        # chunk (16 samples) the second batch was in
+        assert 32 <= counted <= 48, reads
+        s.close()
+        assert sum(h["reads"] for h in fs.status()["holders"].values()) == counted

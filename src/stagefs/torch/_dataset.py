@@ -315,6 +315,11 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         return self.store.read_entries(self.entries[np.asarray(indices, dtype=np.int64)],
                                        count=count)
 
+    def _read_ahead(self, indices: Sequence[int]) -> tuple[list[bytes], Callable[[], None]]:
+        """``read_samples`` for a Prefetcher: the bytes, and their count for when it hands
+        the first of them out (``Store.read_ahead``)."""
+        return self.store.read_ahead(self.entries[np.asarray(indices, dtype=np.int64)])
+
     def _item(self, i: int, data: bytes) -> Any:
         sample = self.transform(data) if self.transform is not None else data
         if self.target is None:
@@ -391,7 +396,7 @@ class FileDataset(torch.utils.data.Dataset[Any]):
         batches = [order[b * size : (b + 1) * size]
                    for b in range(info.id, math.ceil(n / size), info.num_workers)]
         mine = np.concatenate(batches) if batches else order[:0]
-        p = Prefetcher(self.read_samples, self.sizes(), mine,
+        p = Prefetcher(self._read_ahead, self.sizes(), mine,
                        max(1, up.budget // info.num_workers), threads=up.threads)
         return _WorkerAhead(os.getpid(), p, batches)
 

@@ -19,7 +19,9 @@ import numpy.typing as npt
 
 __all__ = ["PrefetchStats", "Prefetcher", "TierAhead", "TierAheadStats"]
 
-Reader = Callable[[Sequence[int]], list[bytes]]
+Reader = Callable[[Sequence[int]], list[bytes] | tuple[list[bytes], Callable[[], None]]]
+"""Sample indices → their bytes; or their bytes and a function that counts them as read
+(``Store.read_ahead``), which the Prefetcher calls once the first of them is taken."""
 
 
 @dataclass
@@ -92,7 +94,10 @@ class Prefetcher(_Ahead):
     ``sizes[i]`` is sample i's size in memory. Reads are claimed in order, ``chunk`` samples
     at a time, by ``threads`` threads; a claim reserves its bytes first, so the bytes held
     plus the bytes being read never exceed ``budget`` (a sample larger than the whole budget
-    is never read ahead). ``take(i)`` must be called in ``order``'s order.
+    is never read ahead). ``take(i)`` must be called in ``order``'s order. A reader that
+    returns a count with the bytes (``Reader``) has a chunk's samples counted when the
+    first of them is taken: a loop left early has counted the chunk it was in, not the
+    budget's worth read ahead and never handed out.
     """
 
     thread_name = "stagefs-prefetch"
@@ -105,6 +110,7 @@ class Prefetcher(_Ahead):
         self._ready: dict[int, bytes] = {}
         self._pending: set[int] = set()
         self._used = 0
+        self._uncounted: dict[int, Callable[[], None]] = {}  # sample -> its chunk's count
 
     @property
     def used(self) -> int:
@@ -132,7 +138,10 @@ class Prefetcher(_Ahead):
             self._used -= len(data)
             self.stats.hits += 1
             self._cv.notify_all()
-            return data
+            counted = self._uncounted.pop(i, None)
+        if counted is not None:
+            counted()  # (the chunk's others were handed the same function: it counts once)
+        return data
 
     def _claim(self) -> list[int] | None:
         """Under the lock: reserve the next chunk, or None when there is nothing left."""
@@ -168,8 +177,11 @@ class Prefetcher(_Ahead):
                 claim = self._claim()
             if claim is None:
                 return
+            counted: Callable[[], None] | None = None
             try:
-                datas = self._read(claim)
+                got = self._read(claim)
+                datas: list[bytes] | None = got[0] if isinstance(got, tuple) else got
+                counted = got[1] if isinstance(got, tuple) else None
             except Exception:  # the caller reads it again and sees the error itself
                 datas = None
             with self._cv:
@@ -182,12 +194,15 @@ class Prefetcher(_Ahead):
                         self._used -= reserved
                         continue
                     self._ready[i] = data
+                    if counted is not None:
+                        self._uncounted[i] = counted
                     self.stats.read += 1
                     self.stats.bytes_read += reserved
                 self._cv.notify_all()
 
     def _on_close(self) -> None:
         self._ready.clear()
+        self._uncounted.clear()  # read, never handed out: not counted
 
     def close(self, *, wait: bool = True) -> None:
         super().close(wait=wait)

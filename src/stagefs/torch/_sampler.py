@@ -423,7 +423,7 @@ class Sampler(torch.utils.data.Sampler[int]):
         # (docs/torch.md, "Measured"). Without workers, the Prefetcher takes over.
         self._stop_tier_ahead(wait=False)
         threads, chunk = self._ahead_threads()
-        p = Prefetcher(self._files.read_samples, self._files.sizes(), self._in_files(order),
+        p = Prefetcher(self._files._read_ahead, self._files.sizes(), self._in_files(order),
                        self.budget, threads=threads, chunk=chunk)
         self.prefetcher = p
         self._files._set_prefetcher(p)  # started on first use in this process
