@@ -478,3 +478,23 @@ def test_a_batch_of_compressed_files_is_decoded_in_parts(
         else:
             with pytest.raises(ChecksumError, match=victim):
                 fs.read_many(names)
+
+
+def test_a_read_ahead_counts_its_samples_when_told(dataset: tuple[Path, dict[str, bytes]],
+                                                   memory_dir: Path) -> None:
+    """``read_ahead``: the bytes now, the samples counted (by holder, once) when its count
+    is called: a read-ahead counts what it hands out."""
+    pack, files = dataset
+    names = sorted(p for p in files if files[p])[:30]
+    with stagefs.open(pack, tiers=[str(memory_dir)]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+        ents = [fs.namespace.file_entry(p) for p in names]
+        got, count = fs.read_ahead(ents)
+        assert got == [files[p] for p in names]
+        assert sum(_holders(fs).values()) == 0
+        count()
+        count()
+        assert _holders(fs) == {"memory": len(names), "disk": 0, "peer": 0, "origin": 0}
+        assert fs.read_entries(ents) == got
+        assert _holders(fs)["memory"] == 2 * len(names)
