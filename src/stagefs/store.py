@@ -466,15 +466,18 @@ class Store:
         el: list[int] = ents.tolist()
         a = self.manifest.arrays
         out: list[bytes] = [b""] * n
-        for k in np.flatnonzero(a["kind"][ents] != KIND_FILE).tolist():
-            out[k] = self.read_entry(el[k], names[k], count=count)  # raises as a read
+        file = a["kind"][ents] == KIND_FILE
+        for k in np.flatnonzero(~file).tolist():
+            # a symlink read as its target is; a directory raises as a read (a symlink's
+            # size is its target's length: read as a file of the batch, an in-place
+            # symlink's shard was -1, an IndexError)
+            out[k] = self.read_entry(el[k], names[k], count=count)
         # empty files are read from no holder (b"")
-        sized = a["size"][ents] > 0
+        sized = file & (a["size"][ents] > 0)
         pick = np.flatnonzero(sized)
-        if count and len(pick) < n:
+        if count and np.any(file & ~sized):
             # empty files: samples of no bytes the manifest answers (count_kept)
-            self.count_kept(0, int(np.count_nonzero(~sized & (a["kind"][ents] == KIND_FILE))),
-                            into=count)
+            self.count_kept(0, int(np.count_nonzero(file & ~sized)), into=count)
         if self._by_piece:
             # a cluster's holders give a range only where one holds all of it: a large raw
             # file by its pieces, each from its holder, as ``read_entry`` reads it (in a

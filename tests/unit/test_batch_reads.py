@@ -237,6 +237,32 @@ def test_entries_that_are_no_regular_file(tmp_path: Path, runtime: Path) -> None
                 fs.read_many(bad)
 
 
+@pytest.mark.parametrize("how", ["pack", "in place"])
+def test_a_batch_with_symlinks_reads_and_counts_their_targets(
+        tmp_path: Path, runtime: Path, how: str) -> None:
+    """A symlink's entry in a batch of several: its target's bytes, one sample. Read as a
+    file of the batch besides (a symlink's size is its target's length), it was counted
+    twice in a pack and raised IndexError in place (its shard is none)."""
+    raw = tmp_path / "raw"
+    (raw / "d").mkdir(parents=True)
+    (raw / "d" / "a.txt").write_bytes(b"hello\n")
+    (raw / "d" / "b.txt").write_bytes(b"world\n" * 50)
+    (raw / "d" / "l.txt").symlink_to("a.txt")
+    (raw / "d" / "up").symlink_to("../d/b.txt")
+    origin = raw
+    if how == "pack":
+        stagefs.pack(raw, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+        origin = tmp_path / "pack"
+    with stagefs.open(origin) as fs:
+        lookup = fs.manifest.lookup
+        a, b, link, up = (lookup(p) for p in (b"d/a.txt", b"d/b.txt", b"d/l.txt", b"d/up"))
+        batch = [link, a, up, link, b, up]
+        want = [b"hello\n", b"hello\n", b"world\n" * 50, b"hello\n", b"world\n" * 50,
+                b"world\n" * 50]
+        assert fs.read_entries(batch) == want
+        assert fs.stats.reads == len(batch) and fs.stats.bytes == sum(map(len, want))
+
+
 def test_empty_and_small_batches(dataset: tuple[Path, dict[str, bytes]],
                                  memory_dir: Path) -> None:
     pack, files = dataset
