@@ -553,7 +553,9 @@ def test_a_full_tier_takes_the_room_a_corrupt_copy_leaves(
         assert shard in fs.held_shards()  # placed again
         assert cap - 2 * m.piece_size <= tier.used_bytes() <= cap
         second = epoch(fs, files, 22)
-        assert abs(second - (d - cap)) <= 0.05 * (d - cap), (second, d - cap)
+        # D - C, give or take the room the tier may leave unused (two pieces, above: the
+        # 5% this asserted alone failed 1 run in 8, with 1.5 MB of 2 MiB left)
+        assert 0.95 * (d - cap) <= second <= d - cap + 2 * m.piece_size, (second, d - cap)
 
 
 def test_two_processes_dropping_one_corrupt_copy_free_its_room_once(
