@@ -10,6 +10,7 @@ import os
 import random
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -735,6 +736,36 @@ def test_a_tier_passes_over_a_piece_larger_than_its_room_for_smaller_ones(
         tier = fs.status()["tiers"][0]
         assert tier["pieces"] >= 1 and 700_000 <= tier["bytes_used"] <= 1_300_000, tier
         assert fs.status()["holders"]["memory"]["reads"] >= 1
+
+
+def test_ranges_of_a_large_raw_file_in_place_read_each_byte_once_from_the_origin(
+        runtime: Path, tmp_path: Path) -> None:
+    """A raw file used in place, larger than the tier, read by ranges of a piece, several
+    at once (a FUSE mount's READs): each byte comes from the origin once. Each range read
+    the whole file first to learn its piece sums, at once by each READ, then the range:
+    70 MiB through a mount cost 210 MiB of the origin. Once a tier holds the file whole, a
+    range of its copy is still checked (its pieces' sums from the copy, against the file's
+    sum learnt when it was placed)."""
+    root = tmp_path / "raw"
+    root.mkdir()
+    big = random_bytes(6 * 2**20 + 123, 77)
+    (root / "big").write_bytes(big)
+    with stagefs.open(root, tiers=[f"{tmp_path / 'small'}:3MiB"]) as fs:
+        e = fs.namespace.file_entry("big")
+        piece = int(fs.manifest.piece_size)
+        with ThreadPoolExecutor(4) as pool:
+            parts = list(pool.map(lambda k: fs.read_entry(e, "big", k, piece),
+                                  range(0, len(big), piece)))
+        assert b"".join(parts) == big
+        assert fs.origin.stats.bytes_read == len(big)
+    with stagefs.open(root, tiers=[str(tmp_path / "large")]) as fs:
+        assert fs.chain is not None
+        assert fs.read("big") == big
+        assert fs.chain.wait_idle(30) and fs.held_shards()
+        before = fs.origin.stats.bytes_read
+        flip_byte(fs.chain.tiers[0].path(0), int(fs.manifest.offset[e]) + piece)
+        assert fs.read_entry(e, "big", piece + 5, 10) == big[piece + 5 : piece + 15]
+        assert fs.origin.stats.bytes_read > before  # the copy's bad piece: from the origin
 
 
 def test_staging_into_a_tier_smaller_than_a_shard_counts_its_pieces_filled(

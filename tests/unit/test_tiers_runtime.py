@@ -342,6 +342,52 @@ def test_stats_are_flushed_while_open(raw: tuple[Path, dict[str, bytes]], tmp_pa
         assert list(flushed(f"{os.getpid()}.*.json"))
 
 
+def test_status_lists_an_in_place_scan_with_tiers_from_the_open(
+        raw: tuple[Path, dict[str, bytes]], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A store with tiers that has read nothing yet (a DataLoader's main process, whose
+    workers read) is in the origins from its open, with what its scan cost the origin."""
+    root, _ = raw
+    rt = tmp_path / "rt"
+    with stagefs.open(root, tiers=[str(tmp_path / "t")], runtime=rt) as fs:
+        scan = fs.status()["origin_stats"]
+        assert scan["stats"] > 0, scan
+        assert main(["status", "--runtime", str(rt), "--json"]) == 0
+        origins = json.loads(capsys.readouterr().out)["origins"]
+    assert [(o["origin"], o["opens"], o["stats"]) for o in origins] == [
+        (str(root), scan["opens"], scan["stats"])], origins
+
+
+def test_a_tier_full_of_an_earlier_scans_copies_says_the_raw_directory_was_scanned_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A file of a raw directory changed: the next open scans again (a new pack id), and
+    the tier, full of the first scan's copies, holds none of the new one's. The warning
+    that names them said "a dataset packed again" of a directory never packed."""
+    root = tmp_path / "raw"
+    root.mkdir()
+    for i in range(8):
+        (root / f"f{i}").write_bytes(os.urandom(600_000))
+    _age(root)
+    rt, tier = tmp_path / "rt", f"{tmp_path / 'tier'}:3MiB"
+    with stagefs.open(root, tiers=[tier], runtime=rt) as fs:
+        for i in range(8):
+            fs.read(f"f{i}")
+        assert fs.chain is not None and fs.chain.wait_idle(30)
+        first = fs.manifest.pack_id
+    with (root / "f7").open("ab") as f:  # its directory's mtime does not move
+        f.write(b"more")
+    with stagefs.open(root, tiers=[tier], runtime=rt) as fs, \
+            pytest.raises(SourceChangedError):
+        fs.read("f7")
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(root, tiers=[tier], runtime=rt) as fs:
+        assert fs.manifest.pack_id != first
+        for i in range(8):
+            fs.read(f"f{i}")
+    said = [r.getMessage() for r in caplog.records if "other datasets' copies" in r.getMessage()]
+    assert said and "raw directory scanned again" in said[0] and first.hex() in said[0], said
+
+
 def _child_reads(fs: stagefs.Store, names: list[str], out: Any) -> None:
     """In a multiprocessing child (as a DataLoader worker): read, flush, read one more."""
     assert fs.chain is not None

@@ -301,9 +301,11 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     """``t`` is full: if other datasets' copies take most of it, say which. A dataset packed
     again has a new pack id, and the old one's copies stay (for the next job of it) until
     ``stagefs clean``: the tier was found full of them, and the new pack held none of its
-    share, with no word why. A dataset the job reads now (a train set that took the room
-    before the val set came) is named apart, by its origin: the warning once told to
-    delete its directory, the copies the job was reading."""
+    share, with no word why. So has a raw directory scanned again (a file changed in it, a
+    new job): the warning said only "packed again" of a dataset never packed. A dataset the
+    job reads now (a train set that took the room before the val set came) is named apart,
+    by its origin: the warning once told to delete its directory, the copies the job was
+    reading."""
     others: list[tuple[int, str]] = []
     try:
         with os.scandir(t.root) as it:
@@ -334,10 +336,11 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
                     origin)
     if old:
         log.warning("%s is full, %s of it with other datasets' copies: %s. A dataset packed "
-                    "again has a new id and its old copies stay until 'stagefs clean' (of "
-                    "the job that staged them); delete a directory no job reads any more to "
-                    "give this dataset its share", t.name, format_size(sum(n for n, _ in old)),
-                    _sizes_named(old))
+                    "again, or a raw directory scanned again (a file of it changed since its "
+                    "scan, or another job opened it: each job scans anew), has a new id and "
+                    "its old copies stay until 'stagefs clean' (of the job that staged them); "
+                    "delete a directory no job reads any more to give this dataset its share",
+                    t.name, format_size(sum(n for n, _ in old)), _sizes_named(old))
 
 
 def _say_over_capacity(t: DirTier, runtime: Runtime) -> None:
@@ -443,6 +446,10 @@ class TierChain:
         raise_fd_limit()  # one fd per held shard (tiers) and per opened shard (origin)
         _CHAINS.add(self)
         _flush_at_exit()
+        # its origin listed from the start, with what opening it cost (an in-place scan):
+        # written otherwise only once it streams or places, a DataLoader's main process
+        # (its workers read) was missing from `stagefs status` until it closed
+        self.flush_stats()
 
     def _count_rooms(self) -> None:
         """The job's first process to use a tier counts its room anew from what it holds
