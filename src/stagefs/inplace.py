@@ -27,12 +27,21 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 from tqdm import tqdm
 from xxhash import xxh3_64_hexdigest
 
 from stagefs._fsutil import atomic_write, file_lock
 from stagefs.errors import ConfigError, UnreadableSourceError
-from stagefs.format import KIND_DIR, KIND_FILE, KIND_SYMLINK, Manifest, ManifestBuilder, shard_name
+from stagefs.format import (
+    KIND_DIR,
+    KIND_FILE,
+    KIND_SYMLINK,
+    NO_INDEX,
+    Manifest,
+    ManifestBuilder,
+    shard_name,
+)
 from stagefs.format.manifest import Entry, ShardInfo
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.runtime import Runtime
@@ -167,6 +176,19 @@ def scan_tree(root: str, *, jobs: int = 16, progress: bool | None = None,
         stats.opens += n_dirs
         stats.stats += len(entries)
     return entries
+
+
+def _say_links_out(root: str, m: Manifest) -> None:
+    """Warn of the symlinks of a raw tree that name nothing in it (out of the tree, or at
+    nothing): ``stagefs pack`` refuses them, a tree used in place took them without a word
+    and each read of one failed as not found."""
+    bad = np.flatnonzero((m.arrays["kind"] == KIND_SYMLINK) & (m.arrays["first"] == NO_INDEX))
+    if len(bad):
+        names = ", ".join(os.fsdecode(m.path_of(int(e))) for e in bad[:3])
+        log.warning("%s: %d symlink(s) name nothing in the dataset (a target out of the "
+                    "directory, or none): %s%s; a read of one fails as not found. Copy their "
+                    "targets into the directory to read them", root, len(bad), names,
+                    ", ..." if len(bad) > 3 else "")
 
 
 def build_manifest(root: str, entries: list[Entry], path: str, shard_size: int,
@@ -330,4 +352,5 @@ def open_manifest(root: str, runtime: Runtime, *, shard_size: int = DEFAULT_SHAR
         cache.drop_others()  # the sums of the old scan: its entries are not these
         log.info("scanned %s: %d entries in %.1f s", root, len(entries),
                  time.perf_counter() - t0)
+        _say_links_out(root, m)
         return m, cache, True

@@ -233,3 +233,26 @@ def test_reading_files_in_place_counts_an_open_each_and_no_stat(tmp_path: Path) 
         after = fs.origin.stats.as_dict()
     assert after["opens"] - before["opens"] == len(files)
     assert after["stats"] == before["stats"]
+
+
+def test_symlinks_that_name_nothing_in_the_tree_are_warned_of_at_the_scan(
+        tmp_path: Path, runtime: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``stagefs pack`` refuses a symlink out of the tree; used in place, the tree took it
+    without a word and each read of it failed as not found."""
+    root = tmp_path / "raw"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "a.txt").write_bytes(b"a")
+    (root / "d" / "in.txt").symlink_to("a.txt")
+    (root / "d" / "out.txt").symlink_to("/etc/hostname")
+    (root / "d" / "gone.txt").symlink_to("nowhere")
+    with caplog.at_level("WARNING", logger="stagefs"), stagefs.open(root) as fs:
+        assert fs.read("d/in.txt") == b"a"
+        with pytest.raises(FileNotFoundError, match="outside its tree"):
+            fs.read("d/out.txt")
+    said = [r.getMessage() for r in caplog.records if "symlink" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "2 symlink(s)" in said[0] and "d/gone.txt, d/out.txt" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="stagefs"), stagefs.open(root):
+        pass  # the cached scan: said once, when scanned
+    assert not [r for r in caplog.records if "symlink" in r.getMessage()]
