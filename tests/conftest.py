@@ -47,6 +47,21 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
+def held_deleted(under: str | os.PathLike[str]) -> list[str]:
+    """The files under ``under`` (a path, or a path's start) that this process holds open
+    and that are deleted: their blocks stay allocated while it lives."""
+    prefix = os.fspath(under)
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix) and target.endswith(" (deleted)"):
+            out.append(target)
+    return out
+
+
 def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0xFF) -> None:
     """Corrupt one byte of a file in place (a bad tier copy, shard or manifest)."""
     with open(path, "r+b") as f:

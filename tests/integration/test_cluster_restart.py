@@ -14,6 +14,7 @@ import pytest
 from cluster_helpers import hosts_daemons, make_pack, stop, tail, wait_staged
 
 import stagefs
+from conftest import held_deleted
 
 pytestmark = pytest.mark.integration
 
@@ -35,19 +36,6 @@ def _three_nodes(work: str) -> tuple[str, dict[str, bytes], list]:  # type: igno
             stop(d)
         raise
     return pack, content, daemons
-
-
-def _deleted_held(work: str) -> list[str]:
-    """The files under ``work`` this process holds open that are deleted."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(work) and target.endswith(" (deleted)"):
-            out.append(target)
-    return out
 
 
 @pytest.mark.parametrize(("token", "tiers"), [("new", "kept"), ("new", "emptied"),
@@ -101,7 +89,7 @@ def test_a_reader_reads_through_daemons_started_again(
                 caplog.text  # a restart, not nodes that disagree on the token
             st = fs.status()
             assert st["fabric"]["requests"] > 0, st
-            assert _deleted_held(work) == []
+            assert held_deleted(work) == []
     finally:
         for d in daemons:
             stop(d)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import stagefs
+from conftest import held_deleted
 from stagefs.tiers.fill import copy_charge, whole_charge
 from tiers_helpers import packed_tree
 
@@ -95,19 +96,6 @@ def test_a_copy_deleted_from_outside_frees_its_room(
     assert st["reads"]["checksum_failures"] == 0
 
 
-def _open_deleted(path: Path) -> list[str]:
-    """This process's descriptors on ``path`` after it was deleted."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target == f"{path} (deleted)":
-            out.append(fd)
-    return out
-
-
 def test_a_copy_deleted_from_outside_while_the_job_reads(
         dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
         memory_dir: Path) -> None:
@@ -132,11 +120,11 @@ def test_a_copy_deleted_from_outside_while_the_job_reads(
         victim = Path(chain.tiers[0].path(2))
         assert victim.exists()
         victim.unlink()
-        assert _open_deleted(victim), "the copy was not held open: the test tests nothing"
+        assert held_deleted(victim), "the copy was not held open: the test tests nothing"
         assert fs.read_many(names) == [files[p] for p in names]  # within the second
         now[0] += GONE_RECHECK_S
         assert fs.read_many(names) == [files[p] for p in names]
-        assert not _open_deleted(victim)  # let go of: its memory freed
+        assert not held_deleted(victim)  # let go of: its memory freed
         chain.stage()
         assert victim.exists(), "the shard deleted was not placed again"
         assert fs.read_many(names) == [files[p] for p in names]
