@@ -132,7 +132,7 @@ def cmd_stat(args: argparse.Namespace) -> int:
         s = fs.lstat(args.path)
         kind = ("directory" if st.S_ISDIR(s.st_mode) else
                 "symbolic link" if st.S_ISLNK(s.st_mode) else "regular file")
-        print(f"  File: {args.path}" + (f" -> {fs.readlink(args.path)}"
+        print(f"  File: {args.path or '/'}" + (f" -> {fs.readlink(args.path)}"
                                          if st.S_ISLNK(s.st_mode) else ""))
         print(f"  Size: {s.st_size}\tBlocks: {s.st_blocks}\tIO Block: {s.st_blksize}\t{kind}")
         print(f"Access: ({st.S_IMODE(s.st_mode):04o}/{st.filemode(s.st_mode)})  Inode: "

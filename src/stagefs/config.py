@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ __all__ = [
     "absolute",
     "check_flags",
     "env",
+    "env_number",
     "flag_errors",
     "format_size",
     "parse_size",
@@ -269,6 +271,30 @@ def env(name: str, default: str | None = None) -> str | None:
         raise KeyError(f"{key} is not in stagefs.config.ENV_VARS: add it there")
     value = os.environ.get(key)
     return default if value in (None, "") else value
+
+
+def env_number(name: str, default: float, *, whole: bool = False, least: float = 0,
+               above: bool = False) -> float:
+    """A number ``STAGEFS_<NAME>`` (seconds, a count: ``whole``), at least ``least`` (more
+    than it: ``above``); unset, ``default``; anything else is a ConfigError that names the
+    variable and what it takes (``float()`` raised its own ValueError, with a traceback and
+    no name: STAGEFS_CONNECT_TIMEOUT=abc)."""
+    key = f"STAGEFS_{name.upper()}"
+    value = env(name)
+    if value is None:
+        return default
+    kind = "a whole number" if whole else "a number"
+    try:
+        number: float = int(value) if whole else float(value)
+    except ValueError:
+        number = math.nan
+    if math.isnan(number) or math.isinf(number):
+        raise ConfigError(f"{key} must be {kind}, not {value!r}; unset it for the default "
+                          f"({default:g})")
+    if number < least or (above and number == least):
+        raise ConfigError(f"{key} must be {'more than' if above else 'at least'} {least:g}, "
+                          f"not {value!r}")
+    return number
 
 
 _FLAGS = {"1": True, "true": True, "yes": True, "on": True,

@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from stagefs._fsutil import InUse, in_parts, unreachable
 from stagefs._malloc import tune_malloc
-from stagefs.config import TierSpec, absolute, env
+from stagefs.config import TierSpec, absolute, env_number
 from stagefs.errors import (
     ChecksumError,
     ConfigError,
@@ -129,16 +129,7 @@ atexit.register(_close_at_exit)
 
 
 def _read_threads() -> int:
-    text = env("read_threads")
-    if text is None:
-        return READ_THREADS
-    try:
-        n = int(text)
-    except ValueError:
-        raise ConfigError(f"STAGEFS_READ_THREADS must be a whole number, not {text!r}") from None
-    if n < 1:
-        raise ConfigError(f"STAGEFS_READ_THREADS must be at least 1, not {n}")
-    return n
+    return int(env_number("read_threads", READ_THREADS, whole=True, least=1))
 
 
 class Holders(Protocol):
@@ -375,6 +366,10 @@ class Store:
         if isinstance(paths, (str, bytes, os.PathLike)) or getattr(paths, "ndim", None) == 0:
             raise TypeError(f"read_many takes a list of paths, not one path ({paths!r}): "
                             "read() reads one file")
+        if not hasattr(paths, "__iter__") and not hasattr(paths, "__getitem__"):
+            # None, a number: Python's "'NoneType' object is not iterable" named neither
+            raise TypeError(f"read_many takes a list of paths, not {type(paths).__name__} "
+                            f"({paths!r})")
         plist = paths if isinstance(paths, list) else list(paths)
         find = self._find
         try:

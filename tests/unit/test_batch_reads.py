@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -261,6 +262,27 @@ def test_a_batch_with_symlinks_reads_and_counts_their_targets(
                 b"world\n" * 50]
         assert fs.read_entries(batch) == want
         assert fs.stats.reads == len(batch) and fs.stats.bytes == sum(map(len, want))
+
+
+def test_no_list_of_paths_and_the_root_s_stat_are_named(
+        tmp_path: Path, runtime: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A read_many of None or of a number says what it takes, not Python's "'NoneType'
+    object is not iterable"; ``stagefs stat PACK ''`` (the root, as listdir takes it) said
+    "File: " with no name."""
+    from stagefs.cli import main
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_bytes(b"hello\n")
+    stagefs.pack(raw, tmp_path / "pack", jobs=1, progress=False, echo=lambda _m: None)
+    with stagefs.open(tmp_path / "pack") as fs:
+        for bad, named in [(None, "NoneType (None)"), (5, "int (5)")]:
+            with pytest.raises(TypeError, match=rf"read_many takes a list of paths, not "
+                               rf"{re.escape(named)}"):
+                fs.read_many(bad)  # type: ignore[arg-type]
+        assert fs.read_many(iter(["a.txt"])) == [b"hello\n"]
+    assert main(["stat", str(tmp_path / "pack"), ""]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "  File: /"
 
 
 def test_empty_and_small_batches(dataset: tuple[Path, dict[str, bytes]],

@@ -129,3 +129,37 @@ def test_a_relative_path_in_a_removed_current_directory_names_it(
     assert main(["ls", "data.pack"]) == 1
     err = capsys.readouterr().err
     assert "current directory no longer exists" in err and "'data.pack'" in err, err
+
+
+@pytest.mark.parametrize("value, says", [("abc", "must be a number, not 'abc'"),
+                                         ("nan", "must be a number, not 'nan'"),
+                                         ("-1", "must be at least 0, not '-1'")])
+def test_a_connect_timeout_that_is_not_seconds_is_named(
+        value: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """STAGEFS_CONNECT_TIMEOUT=abc was float()'s ValueError from inside connect(), which
+    named no variable; =nan made connect() wait for ever for a cluster that was not there."""
+    import stagefs
+
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
+    monkeypatch.setenv("STAGEFS_CONNECT_TIMEOUT", value)
+    with pytest.raises(ConfigError, match=f"STAGEFS_CONNECT_TIMEOUT {says}"):
+        stagefs.connect()
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("PEER_TIMEOUT", "10s", "must be a number, not '10s'"),
+    ("PEER_TIMEOUT", "0", "must be more than 0, not '0'"),
+    ("READ_THREADS", "2.5", "must be a whole number, not '2.5'"),
+])
+def test_a_number_variable_names_itself_and_what_it_takes(
+        name: str, value: str, says: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stagefs.config import env_number
+
+    monkeypatch.setenv(f"STAGEFS_{name}", value)
+    whole = name == "READ_THREADS"
+    with pytest.raises(ConfigError, match=f"STAGEFS_{name} {says}"):
+        env_number(name, 1, whole=whole, above=not whole)
+    monkeypatch.setenv(f"STAGEFS_{name}", " 3 ")
+    assert env_number(name, 1, whole=whole) == 3
+    monkeypatch.delenv(f"STAGEFS_{name}")
+    assert env_number(name, 1, whole=whole) == 1

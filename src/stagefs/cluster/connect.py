@@ -53,7 +53,7 @@ from stagefs.cluster.cmap import MAP_NAME, ClusterMap, check_runtime_access, loa
 from stagefs.cluster.fabric import FabricHolder
 from stagefs.cluster.placement import SPARE, place
 from stagefs.cluster.world import runtime_default
-from stagefs.config import TierSpec, env, env_flag
+from stagefs.config import TierSpec, env_flag, env_number
 from stagefs.errors import ClusterError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.net.client import PeerClient, PeerSource
@@ -493,7 +493,7 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
     ``$STAGEFS_CONNECT_TIMEOUT`` or 0) for it, then raise ClusterError saying what to do.
     """
     path = os.path.abspath(os.fspath(runtime)) if runtime is not None else runtime_default()
-    wait = timeout if timeout is not None else float(env("CONNECT_TIMEOUT", "0") or 0)
+    wait = timeout if timeout is not None else env_number("CONNECT_TIMEOUT", 0)
     deadline = time.monotonic() + wait
     check_runtime_access(path)  # another user's: no map to wait for
     while True:
@@ -543,7 +543,7 @@ def _manifest_of(cmap: ClusterMap, runtime: str) -> Manifest:
 
 def _connect(rt: Runtime, cmap: ClusterMap, token: bytes, manifest: Manifest,
              verify: bool) -> Store:
-    peer_timeout = float(env("PEER_TIMEOUT", "10") or 10)
+    peer_timeout = env_number("PEER_TIMEOUT", 10, above=True)
     try:
         origin = PackOrigin(cmap.pack, manifest, check_headers=not verify)
         holders = ClusterHolders(rt.path, cmap, token, manifest, origin, verify=verify,
