@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import stagefs
-from conftest import held_deleted
 from stagefs.tiers.fill import copy_charge, whole_charge
 from tiers_helpers import packed_tree
 
@@ -94,43 +93,6 @@ def test_a_copy_deleted_from_outside_frees_its_room(
     # counted as it was before the delete: what the tier holds, by the rule of its charges
     assert st["tiers"][0]["bytes_used"] == before
     assert st["reads"]["checksum_failures"] == 0
-
-
-def test_a_copy_deleted_from_outside_while_the_job_reads(
-        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
-        memory_dir: Path) -> None:
-    """A whole copy deleted while the process reads (``rm``, a cleaner of /dev/shm): the
-    process served its reads from the deleted file for the rest of its life, through the
-    descriptor and mapping it kept (the memory never came back), never placed the shard
-    again, and its tier's room still counted it. Now the reads let go of it within
-    ``GONE_RECHECK_S`` (the chain's clock), the shard is placed again, the room counts
-    what the tier holds."""
-    from stagefs.tiers.chain import GONE_RECHECK_S
-
-    pack, files = dataset
-    names = sorted(files)
-    with stagefs.open(pack, tiers=[f"{memory_dir}:64MiB"]) as fs:
-        chain = fs.chain
-        assert chain is not None
-        now = [0.0]
-        chain.clock = lambda: now[0]
-        chain.stage()
-        assert fs.read_many(names) == [files[p] for p in names]  # mapped, held open
-        before = fs.status()["tiers"][0]["bytes_used"]
-        victim = Path(chain.tiers[0].path(2))
-        assert victim.exists()
-        victim.unlink()
-        pinned = f"{victim} (deleted)"  # (not its fill map's, closed with the chain)
-        assert pinned in held_deleted(victim), "the copy was not held open: nothing tested"
-        assert fs.read_many(names) == [files[p] for p in names]  # within the second
-        now[0] += GONE_RECHECK_S
-        assert fs.read_many(names) == [files[p] for p in names]
-        assert pinned not in held_deleted(victim)  # let go of: its memory freed
-        chain.stage()
-        assert victim.exists(), "the shard deleted was not placed again"
-        assert fs.read_many(names) == [files[p] for p in names]
-        assert fs.status()["tiers"][0]["bytes_used"] == before
-        assert fs.stats.checksum_failures == 0
 
 
 def test_a_recount_with_nothing_deleted_changes_nothing(

@@ -74,9 +74,6 @@ RECHECK_S = 0.05  # how often a read re-checks whether a missing shard has lande
 # how often a cluster reader looks again for its node's partial copies of a shard that it
 # found none of (its daemon places them: at staging, in the overflow's rounds, for the dead)
 PIECES_RECHECK_S = 1.0
-# how often reads look whether the whole copies this process holds open are still at their
-# paths (deleted from outside: ``rm``, a cleaner of /dev/shm): 2 stats a held copy
-GONE_RECHECK_S = 1.0
 IDLE_S = 0.01  # reads went to the origin less than this long ago: they are under way
 CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
@@ -423,8 +420,6 @@ class TierChain:
         self._no_fill: set[int] = set()  # shards whose files do not tile them (never seen)
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
-        self.clock: Callable[[], float] = time.monotonic  # (tests set another)
-        self._gone_at = 0.0  # when reads next look for copies deleted from outside
         self._queued: set[int] = set()
         # the first shard a read missed and its file's directory, until a plan (prefetch, or
         # _plan_rest's) is made; then the directory _plan_rest's plan covers (0: the root)
@@ -484,49 +479,10 @@ class TierChain:
 
     def holders(self, shard: int, entry: int = -1) -> tuple[ShardSource, ...]:
         """``entry``: the file read, if told (its directory scopes ``_plan_rest``'s plan)."""
-        if self.clock() >= self._gone_at:
-            self.let_go_of_deleted()
         route = self._route.get(shard)
         if route is not None:
             return route
         return self._miss(shard, entry)
-
-    def let_go_of_deleted(self) -> int:
-        """Let go of the whole copies this process holds open that are no longer at their
-        paths (deleted from outside while it runs: ``rm``, a cleaner of /dev/shm), as reads
-        do at most every ``GONE_RECHECK_S`` (2 stats a copy held): their descriptors and
-        mappings pinned their memory for the rest of the process, which served its reads
-        from them, never placed their shards again, and counted them in the tier's room.
-        Their shards are placed again as a read first misses them (into a tier whose
-        directory is still there: one removed stops placement, as before), and the rooms
-        are counted anew. Once one was deleted (or a tier's directory removed), so are the
-        handles on partial copies let go of whose files are gone (a copy made whole keeps
-        its partial handle for the readers that may use it: its blocks too). How many
-        whole copies were let go of."""
-        self._gone_at = self.clock() + GONE_RECHECK_S
-        gone = 0
-        for t in self.tiers:
-            n = t.forget_gone()
-            if not n:
-                continue
-            gone += n
-            for shard, route in list(self._route.items()):
-                if route[0] is t and not t.holds(shard):
-                    self._route.pop(shard, None)
-                    self._next_check.pop(shard, None)
-                    with self._cond:
-                        self._queued.discard(shard)
-            if t.room is not None and t.present():
-                with contextlib.suppress(OSError, TiersBusy), self._tier_lock():
-                    t.room.recount(self._charges(t))
-                    self._freed(t)
-        if gone or not all(t.present() for t in self.tiers):
-            with self._fills_lock:
-                dead = [f for f in self._graveyard_fills if f.unlinked()]
-                self._graveyard_fills = [f for f in self._graveyard_fills if f not in dead]
-            for f in dead:
-                f.close()  # (as the last thread reading it is done: InUse)
-        return gone
 
     def _miss(self, shard: int, entry: int) -> tuple[ShardSource, ...]:
         self.activity.touch()  # a read may go to the origin now: place() gives way
@@ -984,16 +940,11 @@ class TierChain:
         is placed anew there."""
         if t.room is not None:
             t.room.add(n)
+            if n < 0 and t.room.full():
+                t.room.set_full(0)
         if n < 0:
-            self._freed(t)
-
-    def _freed(self, t: DirTier) -> None:
-        """Room was freed in ``t`` (the caller holds the tiers' lock): a tier found full
-        takes copies again."""
-        if t.room is not None and t.room.full():
-            t.room.set_full(0)
-        t.recounted = False  # full again later: counted anew once more (no_room)
-        if t.stopped == "full":
+            t.recounted = False  # full again later: counted anew once more (no_room)
+        if n < 0 and t.stopped == "full":
             t.stopped = None
             if self.full and self.tiers:
                 self.full = False

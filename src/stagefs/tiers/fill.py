@@ -447,15 +447,6 @@ class ShardFill:
             return False
         return (st.st_dev, st.st_ino) == self.ino and os.path.exists(self.final + FILL_SUFFIX)
 
-    def unlinked(self) -> bool:
-        """Is the file deleted (no name left: this handle alone keeps its blocks)? False
-        once the handle is closed."""
-        try:
-            with self.descriptor() as fd:
-                return os.fstat(fd).st_nlink == 0
-        except (ValueError, OSError):
-            return False
-
     def close(self) -> None:
         """Let go of the copy: at once, or as the last thread reading or writing it is done
         (``InUse``)."""
