@@ -47,9 +47,10 @@ def random_bytes(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def held_deleted(under: str | os.PathLike[str]) -> list[str]:
-    """The files under ``under`` (a path, or a path's start) that this process holds open
-    and that are deleted: their blocks stay allocated while it lives."""
+def held_open(under: str | os.PathLike[str]) -> list[str]:
+    """The files under ``under`` (a path, or a path's start) that this process holds open,
+    one entry a descriptor (a mapping holds one of its own); a deleted one ends with
+    " (deleted)"."""
     prefix = os.fspath(under)
     out = []
     for fd in os.listdir("/proc/self/fd"):
@@ -57,9 +58,15 @@ def held_deleted(under: str | os.PathLike[str]) -> list[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if target.startswith(prefix) and target.endswith(" (deleted)"):
+        if target.startswith(prefix):
             out.append(target)
     return out
+
+
+def held_deleted(under: str | os.PathLike[str]) -> list[str]:
+    """The files under ``under`` that this process holds open and that are deleted: their
+    blocks stay allocated while it lives."""
+    return [t for t in held_open(under) if t.endswith(" (deleted)")]
 
 
 def flip_byte(path: str | os.PathLike[str], offset: int, mask: int = 0xFF) -> None:

@@ -16,7 +16,8 @@ out of it: on a node shared by several users, "no such file" for a dataset anoth
 keeps private (or a tier copy of theirs) sends the user looking for a typo.
 
 ``InUse`` counts the threads using descriptors that a close lets go of, so that they are
-closed once the last of those threads is done, never under one of them.
+closed once the last of those threads is done, never under one of them; ``OpenFiles`` keeps
+at most so many files open, the least recently used closed that way.
 
 ``worker_pool`` is a process pool whose workers end with the process that made it, so
 that a command killed with SIGKILL (``kill -9``, the OOM killer, ``scancel``) leaves none of
@@ -27,10 +28,12 @@ This module imports nothing of stagefs, so that every layer may use it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import os
 import pwd
@@ -42,13 +45,29 @@ import stat
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, Generic, TypeVar
 
 import filelock
 
-__all__ = ["PARTIAL_SUFFIX", "InUse", "atomic_write", "file_lock", "login", "movable_by_others",
-           "open_own_file", "open_read", "private_makedirs", "pwrite_all", "remove_any",
-           "unreachable", "user_name", "worker_pool", "write_out"]
+__all__ = [
+    "PARTIAL_SUFFIX",
+    "InUse",
+    "OpenFiles",
+    "atomic_write",
+    "file_lock",
+    "login",
+    "movable_by_others",
+    "open_own_file",
+    "open_read",
+    "out_of_descriptors",
+    "private_makedirs",
+    "pwrite_all",
+    "remove_any",
+    "unreachable",
+    "user_name",
+    "worker_pool",
+    "write_out",
+]
 
 PARTIAL_SUFFIX = ".partial"
 
@@ -135,6 +154,10 @@ class InUse:
             self._n += 1
         return True
 
+    def busy(self) -> bool:
+        """Is a thread using it now?"""
+        return self._n > 0
+
     def leave(self) -> None:
         with self._lock:
             self._n -= 1
@@ -173,6 +196,102 @@ class InUse:
                 self._release = release
                 return
         release()
+
+
+K = TypeVar("K")
+
+
+def out_of_descriptors(exc: BaseException) -> bool:
+    """Did ``exc``, or what caused it (a holder's SourceUnavailable, its OSError), fail for
+    want of a descriptor (EMFILE, ENFILE)?"""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class OpenFiles(Generic[K]):
+    """Descriptors of files opened as they are first read, at most ``limit`` open at once:
+    past it, the least recently used is closed, once no thread reads through it (``using``
+    holds one for a block: ``InUse``). Kept open for the life of the process, one each
+    shard read, a pack of 200 shards read with no tier under an open-file limit of 120
+    failed at its 115th shard; a hard limit of 4,096 is common on clusters."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._lock = threading.Lock()
+        self._open: collections.OrderedDict[K, tuple[int, InUse]] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def opened(self) -> dict[K, int]:
+        """What is open now: each key's descriptor."""
+        with self._lock:
+            return {k: fd for k, (fd, _) in self._open.items()}
+
+    @contextlib.contextmanager
+    def using(self, key: K, opener: Callable[[], int]) -> Iterator[int]:
+        """The descriptor of ``key``'s file (``opener()`` opens it if it is not open: under
+        the lock, once however many threads ask), not closed until the block is done."""
+        shed: list[tuple[int, InUse]] = []
+        with self._lock:
+            got = self._open.get(key)
+            if got is None:
+                got = self._open[key] = (self._opened(opener), InUse())
+                while len(self._open) > self.limit:
+                    shed.append(self._open.popitem(last=False)[1])
+            else:
+                self._open.move_to_end(key)
+            # (one in the table is never closing: it leaves the table, under the lock,
+            # before it is closed, so no thread takes it up then)
+            got[1].enter()
+        for fd, use in shed:
+            use.close(functools.partial(os.close, fd))
+        try:
+            yield got[0]
+        finally:
+            got[1].leave()
+
+    def _opened(self, opener: Callable[[], int]) -> int:
+        """``opener()``; out of descriptors (other files of the process took them: its tier
+        copies), once more after closing the idle ones here. The caller holds the lock."""
+        try:
+            return opener()
+        except Exception as exc:  # (the opener's own error, with the OSError as its cause)
+            if not out_of_descriptors(exc) or not self._shed():
+                raise
+        return opener()
+
+    def shed(self) -> int:
+        """Close every descriptor no thread reads through now; how many."""
+        with self._lock:
+            return self._shed()
+
+    def _shed(self) -> int:
+        idle = [k for k, (_, use) in self._open.items() if not use.busy()]
+        for k in idle:
+            fd, use = self._open.pop(k)
+            use.close(functools.partial(os.close, fd))
+        return len(idle)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: the descriptors stay valid; the threads using them were the
+        parent's."""
+        self._lock = threading.Lock()
+        for _, use in self._open.values():
+            use.reset_after_fork()
+
+    def close(self) -> None:
+        """Close every descriptor (each once no thread reads through it)."""
+        with self._lock:
+            every, self._open = list(self._open.values()), collections.OrderedDict()
+        for fd, use in every:
+            use.close(functools.partial(os.close, fd))
 
 
 def write_out(fd: int, size: int) -> None:

@@ -170,7 +170,8 @@ class OriginUnavailableError(StagefsError, OSError):
 
 class DescriptorLimitError(StagefsError, OSError):
     """A read found no holder it could open: this process has reached its open-file limit
-    (stagefs keeps a descriptor open for each shard it reads)."""
+    (stagefs keeps a descriptor open for each shard its tiers hold, and for the shards it
+    reads from the origin up to a quarter of the limit)."""
 
     def __init__(self, where: str) -> None:
         import resource
@@ -178,8 +179,9 @@ class DescriptorLimitError(StagefsError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         show = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
         msg = (f"{where}: this process has reached its open-file limit ({soft}; hard limit "
-               f"{show}): stagefs keeps a descriptor open for each shard it reads; raise "
-               "the limit (ulimit -n; above the hard limit: ulimit -Hn, nofile in "
+               f"{show}): stagefs keeps a descriptor open for each shard its tiers hold, "
+               "and for the shards it reads from the origin up to a quarter of the limit; "
+               "raise the limit (ulimit -n; above the hard limit: ulimit -Hn, nofile in "
                "limits.conf, or Slurm's PropagateResourceLimits)")
         OSError.__init__(self, errno.EMFILE, msg)
 

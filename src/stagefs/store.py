@@ -27,7 +27,7 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from stagefs._fsutil import InUse, in_parts, unreachable
+from stagefs._fsutil import InUse, in_parts, out_of_descriptors, unreachable
 from stagefs._malloc import tune_malloc
 from stagefs.config import TierSpec, absolute, env_number
 from stagefs.errors import (
@@ -158,18 +158,6 @@ class ReadStats:
 _WAYS_IN = ("_find", "stat", "lstat", "listdir", "exists", "isdir", "isfile", "islink",
             "getsize", "readlink", "scandir", "walk", "info", "read_entries", "read_ahead",
             "read_entry", "open", "prefetch")  # (held_shards and status still answer: a closing report)
-
-
-def _out_of_descriptors(exc: BaseException) -> bool:
-    """Did a holder fail for want of a descriptor (EMFILE, ENFILE), here or in its cause?"""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return False
-        if isinstance(seen, OSError) and seen.errno in (errno.EMFILE, errno.ENFILE):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _closed_error(pack_dir: str, how: str) -> ValueError:
@@ -921,7 +909,7 @@ class Store:
                 raw = src.pread(shard, offset, stored)
             except SourceUnavailable as exc:
                 self._unavailable(src)
-                if _out_of_descriptors(exc):
+                if out_of_descriptors(exc):
                     no_fds = exc
                 denied |= src is self.origin and isinstance(exc.__cause__, PermissionError)
                 # the origin's reason in the error (a permission, a missing mount); a tier's

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import ast
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 import stagefs
 from conftest import pack_files, random_bytes
+from stagefs.tiers.origin import PackOrigin
 
 FILES = {f"c{i % 3}/f{i:03d}.bin": random_bytes(2000 + i, seed=i) for i in range(60)}
 
@@ -22,18 +24,25 @@ def pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pack_files(tmp_path_factory.mktemp("fork"), "src", FILES)
 
 
+def _lock_of(origin: object) -> threading.Lock:
+    """The origin's lock: a pack's, its open files' (``OpenFiles``)."""
+    return (origin._files if isinstance(origin, PackOrigin) else origin)._lock  # type: ignore[attr-defined,no-any-return]
+
+
 def _in_child(fs: stagefs.Store) -> tuple[int, str]:
     """Fork while the origin's lock is held (by another thread, as far as the child can
     tell); the child reads every file and reports its origin counts before and after.
     (exit code, what the child wrote)."""
-    fs.origin._lock.acquire()
+    held = _lock_of(fs.origin)
+    held.acquire()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover (the child)
         code = 1
         try:
-            if fs.origin._lock.acquire(timeout=5):  # the child's own lock: free
-                fs.origin._lock.release()
+            mine = _lock_of(fs.origin)
+            if mine.acquire(timeout=5):  # the child's own lock: free
+                mine.release()
                 before = fs.status()["origin_stats"]
                 ok = fs.read_many(sorted(FILES)) == [FILES[p] for p in sorted(FILES)]
                 after = fs.status()["origin_stats"]
@@ -43,7 +52,7 @@ def _in_child(fs: stagefs.Store) -> tuple[int, str]:
                 code = 3
         finally:
             os._exit(code)
-    fs.origin._lock.release()
+    held.release()
     os.close(w)
     _, status = os.waitpid(pid, 0)
     with os.fdopen(r, "rb") as f:

@@ -48,7 +48,7 @@ def test_ranges_read_past_the_cache_are_the_bytes_of_pread(pack: Path) -> None:
         assert origin.pread_through(0, len(shard) - BULK_READ, BULK_READ) == shard[-BULK_READ:]
         # below BULK_READ: a sample's read, through the page cache as pread
         assert origin.pread_through(0, 1234, 5000) == shard[1234:6234]
-        assert origin._direct_fds, "the large reads went past the page cache"
+        assert origin.descriptors("direct"), "the large reads went past the page cache"
     finally:
         origin.close()
 
@@ -63,7 +63,7 @@ def test_a_stream_in_order_moves_each_page_once(pack: Path,
 
     def seen(fd: int, bufs: list[memoryview], at: int) -> int:
         n = real(fd, bufs, at)
-        if n > 0 and fd in origin._direct_fds.values():
+        if n > 0 and fd in origin.descriptors("direct").values():
             pages.extend(range(at // ALIGN, -(-(at + n) // ALIGN)))
         return n
 
@@ -114,7 +114,7 @@ def test_turned_off_or_refused_it_reads_through_the_page_cache(
     origin, _, shard = _origin(pack)
     try:
         assert origin.pread_through(0, 100, 2 * BULK_READ) == shard[100 : 100 + 2 * BULK_READ]
-        assert not origin._direct_fds
+        assert not origin.descriptors("direct")
     finally:
         origin.close()
     monkeypatch.delenv("STAGEFS_ORIGIN_DIRECT")
@@ -122,7 +122,7 @@ def test_turned_off_or_refused_it_reads_through_the_page_cache(
     real = os.preadv
 
     def refused(fd: int, bufs: list[memoryview], at: int) -> int:
-        if fd in origin._direct_fds.values():  # a file system that takes no O_DIRECT reads
+        if fd in origin.descriptors("direct").values():  # a file system that takes no O_DIRECT reads
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
         return real(fd, bufs, at)
 

@@ -618,7 +618,7 @@ def test_origin_shards_are_read_without_read_ahead(busy: tuple[Path, dict[str, b
     with stagefs.open(pack) as fs:
         batch = _scattered(fs, files, 30)
         assert fs.read_many(batch) == [files[p] for p in batch]
-        opened = fs.origin._fds
+        opened = fs.origin.descriptors()
         assert len(opened) >= 2 and fs.origin.stats.opens == len(opened)
         assert sorted(a[0] for a in advised) == sorted(opened.values())
         assert {a[1:] for a in advised} == {(0, 0, os.POSIX_FADV_RANDOM)}

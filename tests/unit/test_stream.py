@@ -1046,6 +1046,54 @@ def test_reservations_on_a_copy_replaced_under_a_reader_close_after_its_release(
         new.close()
 
 
+def test_a_copy_let_go_of_under_a_stream_is_neither_read_nor_written_and_frees_its_descriptors(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A partial copy's handle let go of (finished or dropped by another thread) while a
+    stream still held it and its reservations: kept open until the store closed, each
+    filled shard held four descriptors; closed with its state emptied, a stream indexing
+    its files died (IndexError) and reads of the node waited 30 s a file. Now it keeps a
+    copy of its state of the copy's length, raises CopyLetGo (a SourceUnavailable, and
+    the ValueError of a closed file) on a read or write, and its reservations are
+    forgotten with their descriptor; a newer copy of the same inode number gets its own."""
+    from stagefs.tiers.base import CopyLetGo, SourceUnavailable
+    from stagefs.tiers.fill import create_fill, remove_fill
+    from stagefs.tiers.stream import Reservations
+
+    pack, _files = dataset
+    with _queue_only(pack, tmp_path, runtime) as (fs, chain):
+        ext, size = chain._extents_of(0), chain._sizes[0]
+        final = str(tmp_path / "copy.sfs")
+        old = create_fill(final, size, ext, 0, fs.manifest.pack_id)
+        old.reserve(0, ext.pieces)
+        old.mark(0, 1)
+        res = Reservations()
+        h1 = res.held(0, old)
+        assert h1 is not None
+        state = old.bits.copy()
+        old.close()
+        assert old.closed and (old.bits == state).all() and len(old.res) == ext.pieces
+        assert old.covered(int(ext.offs[0]), int(ext.ends[0]))  # as it was
+        with pytest.raises(CopyLetGo) as info:
+            old.pread(int(ext.offs[0]), 1)
+        assert isinstance(info.value, SourceUnavailable) and isinstance(info.value, ValueError)
+        with pytest.raises(CopyLetGo):
+            old.put(int(ext.offs[0]), b"x")
+        with pytest.raises(CopyLetGo):
+            old.reserve(0)
+        res.forget(0, old)
+        assert h1.closed  # no run was being read: its lock descriptor closed at once
+        remove_fill(final)
+        new = create_fill(final, size, ext, 0, fs.manifest.pack_id)
+        new.ino = old.ino  # the inode number a deleted copy had, taken by the new one
+        h3 = res.held(0, old)  # a stale look with the old handle: not the old state
+        assert h3 is not None and h3 is not h1 and h3.fill is old
+        h2 = res.held(0, new)
+        assert h2 is not None and h2 is not h3 and h2.fill is new  # never the closed one's
+        assert res.take(h2, 0, 1) == [(0, 1)]
+        res.close()
+        new.close()
+
+
 def test_close_waits_for_stuck_streams_once_not_once_each(
         dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,7 +42,6 @@ import functools
 import logging
 import os
 import random
-import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, replace
@@ -63,13 +62,11 @@ from stagefs.store import ReadStats, Store
 from stagefs.tiers.base import ShardSource, SourceUnavailable
 from stagefs.tiers.chain import NodePieces
 from stagefs.tiers.origin import PackOrigin
-from stagefs.tiers.tier import DirTier
+from stagefs.tiers.tier import DirTier, check_fd_limit
 
 __all__ = ["ClusterHolders", "connect"]
 
 log = logging.getLogger("stagefs.connect")
-READER_DESCRIPTORS = 128  # a reader's own beyond its shards: the manifest, sockets, logs
-_told_limit: set[int] = set()  # the limits a process was told are too low (once each)
 _Copy = tuple[int, int, int]  # a tier copy's (device, inode, ctime): which file it was
 RENEW_EVERY = 1.0  # seconds between two looks at the runtime's map (a stat) as reads go
 
@@ -552,7 +549,8 @@ def _connect(rt: Runtime, cmap: ClusterMap, token: bytes, manifest: Manifest,
         manifest.close()
         raise
     raise_fd_limit()  # a descriptor per shard of this node read (as the tier chain does)
-    _check_fd_limit(len(holders.held_shards()), any(t.kind == "memory" for t in holders.tiers))
+    check_fd_limit(len(holders.held_shards()), any(t.kind == "memory" for t in holders.tiers),
+                   "this node's")
     # reads counted by holder in the runtime's stats; the store's close ends the lease
     store = Store(cmap.pack, verify=verify, manifest=manifest, origin=origin, policy=holders,
                   runtime=rt)
@@ -599,26 +597,3 @@ def _copy_of(path: str) -> _Copy | None:
         return None
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
-
-def _descriptors_to_read(shards: int, memory: bool) -> int:
-    """The open files a reader may hold reading the ``shards`` held on its node (one a
-    shard, two on a memory tier: ``read_many`` maps them), and its own."""
-    return shards * (2 if memory else 1) + READER_DESCRIPTORS
-
-
-def _check_fd_limit(shards: int, memory: bool) -> None:
-    """Say so (once a process) when the open-file limit, raised to the hard one, cannot hold
-    a descriptor for each shard this node holds: reads past it fail for want of one."""
-    need = _descriptors_to_read(shards, memory)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= need or soft in _told_limit:
-        return
-    _told_limit.add(soft)
-    log.warning(
-        "the open-file limit of this process (%d, its hard limit %s) is below what reading "
-        "this node's %d shards may take (%d descriptors: one a shard read%s, and the "
-        "process's own): reads past it fail with 'Too many open files'. Raise it before "
-        "training starts: ulimit -n %d (above the hard limit: ulimit -Hn, limits.conf "
-        "nofile, or Slurm's PropagateResourceLimits)", soft,
-        "unlimited" if hard == resource.RLIM_INFINITY else hard, shards, need,
-        ", two on a memory tier" if memory else "", need)

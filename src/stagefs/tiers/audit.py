@@ -4,10 +4,10 @@ daemon over a copy a reader found bad bytes in (cluster/daemon.py)."""
 
 from __future__ import annotations
 
-import errno
 import os
 from dataclasses import dataclass
 
+from stagefs._fsutil import out_of_descriptors
 from stagefs.errors import CorruptShardError, DescriptorLimitError, FormatError, StagefsError
 from stagefs.format import KIND_FILE, Manifest
 from stagefs.format.checksum import StreamSum, bad_piece, check
@@ -38,9 +38,8 @@ def _reason(exc: BaseException, path: str) -> str:
     """Why the shard at ``path`` could not be read (``exc``), said for each of its files.
     Out of descriptors (EMFILE, ENFILE, here or in the cause) is this process's condition,
     not the shard's: raised as a DescriptorLimitError, never a shard called corrupt."""
-    for seen in (exc, exc.__cause__):  # the error, or the OSError it wraps (SourceUnavailable)
-        if isinstance(seen, OSError) and seen.errno in (errno.EMFILE, errno.ENFILE):
-            raise DescriptorLimitError(f"{path}: cannot open the shard to check it") from exc
+    if out_of_descriptors(exc):  # (or the OSError a SourceUnavailable wraps)
+        raise DescriptorLimitError(f"{path}: cannot open the shard to check it") from exc
     if isinstance(exc, SourceUnavailable):
         return f"the shard cannot be read: {exc}"
     return str(exc)
@@ -93,7 +92,7 @@ def check_shard(directory: str, m: Manifest, shard: int, *, whole: bool = False
     nbytes = 0
     try:
         try:
-            origin.fileno(shard)  # opens the shard and checks its header
+            origin.open_check(shard)  # opens the shard and checks its header
             if whole:
                 origin.diagnose(shard)  # and its size
         except _CANNOT_READ as exc:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -22,7 +24,7 @@ except ImportError:  # not built: the Python loop below, same results
 # in Python that copy is a SIGBUS, which kills the process: without it, tiers never map.
 MAPPINGS_GUARDED = _c_gather is not None
 
-__all__ = ["MAPPINGS_GUARDED", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
+__all__ = ["DESCRIPTORS", "MAPPINGS_GUARDED", "READER_DESCRIPTORS", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
            "SourceUnavailable", "gather", "pread_full", "through"]
 
 
@@ -120,6 +122,57 @@ def _gather(sources: Sequence[Any], offsets: Sequence[int], lengths: Sequence[in
     return Gathered(out, hashes, n)
 
 
+READER_DESCRIPTORS = 128  # a process's own beyond its shards: the manifest, sockets, logs
+
+
+class Descriptors:
+    """The descriptors this process's tier copies hold (a whole copy's one, and its mapping;
+    a partial copy's ``COPY``), and how many they may: the open-file limit (the chain raises
+    it to the hard one) less the origin's quarter (``PackOrigin``) and the process's own
+    (``READER_DESCRIPTORS``). Past it a copy is not opened (read from the origin) and no
+    partial copy is made for a read (the stream makes its own): held without a bound, a job
+    whose tiers held a thousand shards under a hard limit of 4,096 ran out, and a read's
+    open of the origin, or of a lock file, failed with 'Too many open files'."""
+
+    COPY = 3  # a partial copy: its descriptor, its fill map's mapping, the stream's locks'
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._lock = threading.Lock()
+        self.held = 0
+        self._limit = limit
+
+    @property
+    def limit(self) -> int:
+        if self._limit is None:  # (at the first copy: after the chain raised the limit)
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            self._limit = 1 << 62 if soft == resource.RLIM_INFINITY else \
+                max(0, soft - soft // 4 - READER_DESCRIPTORS)
+        return self._limit
+
+    def take(self, n: int = 1) -> bool:
+        """Count ``n`` more if they fit; False (nothing counted) if not."""
+        with self._lock:
+            if self.held + n > self.limit:
+                return False
+            self.held += n
+            return True
+
+    def force(self, n: int) -> None:
+        """Count ``n`` more, whatever the limit (a partial copy the stream fills)."""
+        with self._lock:
+            self.held += n
+
+    def room(self) -> int:
+        return self.limit - self.held
+
+    def give(self, n: int = 1) -> None:
+        with self._lock:
+            self.held -= n
+
+
+DESCRIPTORS = Descriptors()
+
+
 class SourceUnavailable(Exception):
     """A holder cannot serve now (gone, timed out): the reader tries the next one.
 
@@ -139,6 +192,12 @@ class ShortRead(CorruptShardError):
 
 class DamagedCopy(SourceUnavailable):
     """A tier copy is shorter than its shard (cut short under us): it is dropped."""
+
+
+class CopyLetGo(SourceUnavailable, ValueError):
+    """A partial copy's handle was let go of (the copy finished, or dropped) while a thread
+    still held it: nothing more is read or written through it; the chain has what is next
+    in hand. (A ValueError too: what a closed file's use raises.)"""
 
 
 @runtime_checkable

@@ -30,6 +30,7 @@ import functools
 import logging
 import multiprocessing.util as mp_util
 import os
+import shutil
 import stat
 import threading
 import time
@@ -46,7 +47,15 @@ from stagefs.errors import ConfigError, CorruptShardError, DescriptorLimitError
 from stagefs.format import KIND_FILE, Manifest
 from stagefs.runtime import Runtime, alive, read_record
 from stagefs.tiers import placer
-from stagefs.tiers.base import DamagedCopy, ShardSource, SourceUnavailable, pread_full, through
+from stagefs.tiers.base import (
+    DESCRIPTORS,
+    CopyLetGo,
+    DamagedCopy,
+    ShardSource,
+    SourceUnavailable,
+    pread_full,
+    through,
+)
 from stagefs.tiers.claims import Claims
 from stagefs.tiers.fill import (
     FILL_SUFFIX,
@@ -64,7 +73,13 @@ from stagefs.tiers.fill import (
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
 from stagefs.tiers.status import RECORD_EVERY_S, new_record, write_record
 from stagefs.tiers.stream import Stream
-from stagefs.tiers.tier import DirTier, dir_bytes, memory_limit_problem, over_capacity
+from stagefs.tiers.tier import (
+    DirTier,
+    check_fd_limit,
+    dir_bytes,
+    memory_limit_problem,
+    over_capacity,
+)
 
 __all__ = ["RECHECK_S", "TIER_LOCK_WAIT_S", "NodePieces", "TierChain", "TiersBusy"]
 
@@ -427,7 +442,6 @@ class TierChain:
         self._scope: int | None = None
         self._planned = False
         self._failed: set[int] = set()
-        self._graveyard_fills: list[ShardFill] = []  # closed at close: readers may hold them
         self._unusable: set[str] = set()  # partial copies _look found cut short or without a map
         self.misses = 0
         self.corrupt = 0  # files that failed their checksum while copied into a tier
@@ -438,7 +452,9 @@ class TierChain:
         self.closed_by_store = False
         self._init_threading()
         self._count_rooms()
-        raise_fd_limit()  # one fd per held shard (tiers) and per opened shard (origin)
+        raise_fd_limit()  # one fd per held shard (two mapped), the origin's a quarter
+        check_fd_limit(self._may_hold(), any(t.kind == "memory" for t in self.tiers),
+                       "its tiers'")
         _CHAINS.add(self)
         _flush_at_exit()
         # its origin listed from the start, with what opening it cost (an in-place scan):
@@ -552,7 +568,7 @@ class TierChain:
         view = memoryview(data)
         pieces = range(int(ext.piece[lo]), int(ext.piece[hi - 1]) + 1)
         missing = [p for p in pieces if self._owner(shard, p) is None]
-        if missing and not self.full:
+        if missing and not self.full and self.may_copy(shard):
             self._reserve(shard, missing)
         for p in pieces:
             got = self._owner(shard, p)
@@ -610,6 +626,13 @@ class TierChain:
         made them) reads the pieces they have (``ShardFill.covered``, ``pread``)."""
         return [f for f, _ in self._fills.get(shard, ())]
 
+    def may_copy(self, shard: int) -> bool:
+        """May a read reserve pieces of the shard now? Not where that makes a new partial
+        copy with the descriptors the process's tier copies may hold (``Descriptors``) all
+        taken: the read is served by the origin, and the shard placed by its stream, or a
+        later read, once copies are made whole."""
+        return shard in self._fills or DESCRIPTORS.room() > DESCRIPTORS.COPY
+
     def _owner(self, shard: int, p: int) -> Copy | None:
         """The partial copy (known to this process) where piece ``p`` is reserved."""
         for f, t in self._fills.get(shard, ()):
@@ -656,7 +679,7 @@ class TierChain:
                     keep.append((f, t))
                 else:
                     gone = True
-                    self._graveyard_fills.append(f)  # a reader may still be using it
+                    self._let_go(shard, f)
             for t in self.tiers:
                 if not any(t is u for _, u in keep):
                     try:
@@ -997,6 +1020,8 @@ class TierChain:
                     return False
                 try:
                     finish_copy(f, shard, self.manifest.pack_id, self._sizes[shard])
+                except CopyLetGo:  # (another thread's doing: it has the copy in hand)
+                    return False
                 except (CorruptShardError, OSError) as exc:
                     log.warning("shard %d: partial copy not kept: %s", shard, exc)
                     remove_fill(f.final)
@@ -1033,9 +1058,34 @@ class TierChain:
             keep = [c for c in copies if tier is not None and c[1] is not tier]
             for f, t in copies:
                 if tier is None or t is tier:
-                    self._graveyard_fills.append(f)  # a reader may still be using it
+                    self._let_go(shard, f)
             if keep:
                 self._fills[shard] = keep
+
+    def _may_hold(self) -> int:
+        """How many shards the tiers may come to hold, by their capacities (or free space)
+        and the shards' mean size."""
+        sizes, n = self._sizes, len(self._sizes)
+        mean = max(1, sum(sizes) // max(1, n))
+        room = 0
+        for t in self.tiers:
+            cap = t.capacity
+            if cap is None:
+                try:
+                    cap = shutil.disk_usage(t.root).free + t.used_bytes()
+                except OSError:
+                    cap = 0
+            room += cap
+        return min(n, -(-room // mean))
+
+    def _let_go(self, shard: int, f: ShardFill) -> None:
+        """Let go of a partial copy's handle the chain no longer uses (finished, dropped,
+        or let go by another process): closed once no thread reads or writes through it
+        (``ShardFill.close``), with the stream's reservations on it. Kept until the store
+        closed, as they were, each shard a process filled held three descriptors more than
+        one it found whole: 200 shards filled into a memory tier, 1,008 against 408."""
+        f.close()
+        self.stream.res.forget(shard, f)
 
     def _drop_fill(self, shard: int, tier: DirTier, *, again: bool = True) -> None:
         """Delete the shard's partial copy in ``tier`` (it served bad bytes, or a write
@@ -1067,6 +1117,8 @@ class TierChain:
         try:
             with f.descriptor() as fd:
                 data = pread_full(fd, end - start, start)
+        except CopyLetGo:  # finished or dropped since: not the copy read now
+            return True
         except OSError:
             return False
         src = self._fill_src[id(tier)]
@@ -1298,8 +1350,10 @@ class TierChain:
             fill_gaps(f, read=lambda off, n: read(shard, off, n), m=self.manifest,
                       check=self._checker(src), where=f"shard {shard} from {src.name}",
                       progress=progress, stop=lambda: self._closing, pace=self._pace)
-        except CopyAborted:
-            return "aborted"  # what was copied stays in the partial copy, for the next one
+        except (CopyAborted, CopyLetGo):
+            # what was copied stays in the partial copy, for the next one (let go of: the
+            # copy was finished, or dropped, by another thread, which has it in hand)
+            return "aborted"
         except CorruptShardError as exc:
             self.corrupt += 1
             if not origin:  # the files checked so far stay; the caller asks another holder
@@ -1421,6 +1475,13 @@ class TierChain:
                                     "-CONT) or end it", room.lock_path, TIER_LOCK_WAIT_S)
                     raise TiersBusy(f"the tier's lock {room.lock_path} is held by a process "
                                     "that does not go on") from None
+                except OSError as exc:
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    # out of descriptors for the lock file: this process's condition for
+                    # now (the reads under way hold them), not the tier's; said by the
+                    # origin's read if it lasts
+                    raise TiersBusy(f"{room.lock_path}: {exc.strerror}") from exc
             if self._lock_stuck:
                 self._lock_stuck = False
                 log.warning("the tiers' locks (%s) are free again: placing into the tiers "
@@ -1595,9 +1656,6 @@ class TierChain:
             for f, _ in copies:
                 f.close()
         self._fills.clear()
-        for f in self._graveyard_fills:
-            f.close()
-        self._graveyard_fills.clear()
         self.activity.close()
         for t in self.tiers:
             t.close()
@@ -1613,8 +1671,6 @@ class TierChain:
         for copies in self._fills.values():
             for f, _ in copies:
                 f.reset_after_fork()
-        for f in self._graveyard_fills:
-            f.reset_after_fork()
         for t in self.tiers:
             t.reset_after_fork()
         reset = getattr(self.origin, "reset_after_fork", None)

@@ -54,7 +54,13 @@ import numpy.typing as npt
 from stagefs._fsutil import InUse, open_own_file, pwrite_all, write_out
 from stagefs.format import NO_INDEX, Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
-from stagefs.tiers.base import DamagedCopy, SourceUnavailable, pread_full
+from stagefs.tiers.base import (
+    DESCRIPTORS,
+    CopyLetGo,
+    DamagedCopy,
+    SourceUnavailable,
+    pread_full,
+)
 
 __all__ = ["Activity", "Extents", "ShardFill", "create_fill", "open_fill"]
 
@@ -341,6 +347,7 @@ class ShardFill:
             self.res: npt.NDArray[np.uint8] = np.frombuffer(self._mm, np.uint8, ext.pieces, n)
         else:
             self.bits = self.res = np.ones(0, np.uint8)
+        DESCRIPTORS.force(DESCRIPTORS.COPY)  # given back as it is let go of (_release)
 
     def reserved(self, p: int) -> bool:
         """Is piece ``p`` reserved in this copy?"""
@@ -359,9 +366,9 @@ class ShardFill:
 
     @contextlib.contextmanager
     def descriptor(self) -> Iterator[int]:
-        """The copy's descriptor, not closed until the caller is done with it (ValueError
+        """The copy's descriptor, not closed until the caller is done with it (``CopyLetGo``
         once this handle is closed)."""
-        with self._use.use(lambda: ValueError(f"{self.partial}: closed")):
+        with self._use.use(lambda: CopyLetGo(f"{self.partial}: let go of")):
             yield self._fd
 
     def reserved_bytes(self, block: int) -> int:
@@ -389,7 +396,7 @@ class ShardFill:
         if not self.covered(offset, offset + length):
             raise SourceUnavailable("not filled yet")
         if not self._use.enter():
-            raise SourceUnavailable(f"{self.partial}: closed")
+            raise CopyLetGo(f"{self.partial}: let go of")
         try:
             data = pread_full(self._fd, length, offset)
         except OSError as exc:
@@ -447,18 +454,28 @@ class ShardFill:
             return False
         return (st.st_dev, st.st_ino) == self.ino and os.path.exists(self.final + FILL_SUFFIX)
 
+    @property
+    def closed(self) -> bool:
+        """Let go of (``close``): nothing is read or written through this handle again."""
+        return self._use.closed
+
     def close(self) -> None:
         """Let go of the copy: at once, or as the last thread reading or writing it is done
-        (``InUse``)."""
+        (``InUse``). A thread holding the handle still (a stream between two pieces) finds
+        it closed: its reads and writes raise, and its fill and reservation bytes are a
+        copy of what they last were (of the copy's length, never an empty array indexed by
+        the copy's files), kept in memory, not in the fill map."""
         self._use.close(self._release)
 
     def _release(self) -> None:
-        self.bits = self.res = np.ones(0, np.uint8)
-        if self._mm is not None:
+        self.bits, self.res = self.bits.copy(), self.res.copy()
+        mm, self._mm = self._mm, None
+        if mm is not None:  # (a view of it a thread holds still: unmapped when it is done)
             with contextlib.suppress(BufferError):
-                self._mm.close()
+                mm.close()
         with contextlib.suppress(OSError):
             os.close(self._fd)
+        DESCRIPTORS.give(DESCRIPTORS.COPY)
 
 
 def open_fill(final: str, size: int, ext: Extents,

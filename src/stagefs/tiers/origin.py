@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
-from stagefs._fsutil import open_read, user_name
+from stagefs._fsutil import OpenFiles, open_read, raise_fd_limit, user_name
 from stagefs.config import env, env_flag
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
 from stagefs.format import MANIFEST_NAME, Manifest, ShardHeader
@@ -29,6 +29,8 @@ from stagefs.tiers.base import (
 __all__ = ["PackOrigin"]
 
 log = logging.getLogger("stagefs.tiers")
+
+_BULK, _DIRECT = 1, 2  # a shard's descriptors: the samples' (0), the streams', O_DIRECT
 
 
 def _reads_are_random(fd: int) -> None:
@@ -87,40 +89,40 @@ class PackOrigin:
     cache"). A file system
     that refuses ``O_DIRECT`` (the open or a read fails with EINVAL) is read through the
     page cache.
+
+    At most a quarter of the process's open-file limit (raised to the hard one) of these
+    descriptors are open at once (``open_limit``): past it, the least recently read is
+    closed (``OpenFiles``), and opened again if read again (counted as an open). A pack of
+    more shards than that is read all the same, under a hard limit of 4,096 too.
     """
 
     name = "origin"
 
-    def __init__(self, pack_dir: str, manifest: Manifest, *, check_headers: bool = False) -> None:
+    def __init__(self, pack_dir: str, manifest: Manifest, *, check_headers: bool = False,
+                 open_limit: int | None = None) -> None:
         self.pack_dir = pack_dir
         self.manifest = manifest
         self.check_headers = check_headers
         self._random = _readahead() == "off"  # checked here: a bad value fails the open
         self.stats = OriginStats()
-        self._fds: dict[int, int] = {}
-        self._bulk_fds: dict[int, int] = {}
-        self._direct_fds: dict[int, int] = {}
+        if open_limit is None:
+            open_limit = max(16, raise_fd_limit()[1] // 4)
+        # (shard, 0 | BULK | DIRECT) -> its descriptor: the samples', the streams', O_DIRECT
+        self._files: OpenFiles[tuple[int, int]] = OpenFiles(open_limit)
         self._direct = env_flag("origin_direct")
         # per shard, the bytes [at, next page) a read through the cache by-pass brought
         # beyond its range: the next stream read of the shard starts there (no page read twice)
         self._tails: dict[int, tuple[int, bytes]] = {}
         self._bufs = threading.local()
-        self._lock = threading.Lock()
 
     def path(self, shard: int) -> str:
         return os.path.join(self.pack_dir, self.manifest.shards[shard].name)
 
-    def _fd(self, shard: int, bulk: bool = False, direct: bool = False) -> int:
-        fds = self._direct_fds if direct else self._bulk_fds if bulk else self._fds
-        fd = fds.get(shard)
-        if fd is not None:
-            return fd
-        with self._lock:
-            fd = fds.get(shard)
-            if fd is None:
-                fd = self._open(shard, bulk, direct)
-                fds[shard] = fd
-        return fd
+    def _fd(self, shard: int, bulk: bool = False, direct: bool = False
+            ) -> contextlib.AbstractContextManager[int]:
+        """The shard's descriptor of that kind, open until the block is done."""
+        return self._files.using((shard, _DIRECT if direct else _BULK if bulk else 0),
+                                 lambda: self._open(shard, bulk, direct))
 
     def _open(self, shard: int, bulk: bool = False, direct: bool = False) -> int:
         if not 0 <= shard < len(self.manifest.shards):
@@ -192,20 +194,17 @@ class PackOrigin:
         """A read of ``shard`` was wrong: raise a CorruptShardError naming the cause if the
         shard file itself is the wrong one (another pack's, another index, another size)."""
         try:
-            fd = self._fd(shard)
-        except SourceUnavailable:
-            return
-        try:
-            self._check_header(shard, fd, size_too=True)
-        except OSError:
+            with self._fd(shard) as fd:
+                self._check_header(shard, fd, size_too=True)
+        except (SourceUnavailable, OSError):
             return
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        fd = self._fd(shard, length >= BULK_READ)
-        try:
-            data = pread_full(fd, length, offset)
-        except OSError as exc:
-            raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
+        with self._fd(shard, length >= BULK_READ) as fd:  # (what the open meets: raised)
+            try:
+                data = pread_full(fd, length, offset)
+            except OSError as exc:
+                raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
         self.stats.read(len(data))
         return self._whole(shard, offset, length, data)
 
@@ -216,8 +215,8 @@ class PackOrigin:
         if not self._direct or (length < BULK_READ and (tail is None or tail[0] != offset)):
             return self.pread(shard, offset, length)
         try:
-            fd = self._fd(shard, direct=True)
-            data = self._read_direct(shard, fd, offset, length)
+            with self._fd(shard, direct=True) as fd:
+                data = self._read_direct(shard, fd, offset, length)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
@@ -304,18 +303,19 @@ class PackOrigin:
         reads again by ``pread`` (which says why)."""
         fds: list[int] = []
         fd_of: dict[tuple[int, bool], int] = {}
-        for shard, _, length in ranges:
-            key = (shard, length >= BULK_READ)
-            fd = fd_of.get(key)
-            if fd is None:
-                try:
-                    fd = self._fd(*key)
-                except (OSError, SourceUnavailable, CorruptShardError):
-                    fd = -1  # none: pread then says what is wrong
-                fd_of[key] = fd
-            fds.append(fd)
-        offs, lens = [r[1] for r in ranges], [r[2] for r in ranges]
-        got = gather(fds, offs, lens, slow_s, copy_rate, pool, parts)
+        with contextlib.ExitStack() as held:  # every shard's descriptor open till the end
+            for shard, _, length in ranges:
+                key = (shard, length >= BULK_READ)
+                fd = fd_of.get(key)
+                if fd is None:
+                    try:
+                        fd = held.enter_context(self._fd(*key))
+                    except (OSError, SourceUnavailable, CorruptShardError):
+                        fd = -1  # none: pread then says what is wrong
+                    fd_of[key] = fd
+                fds.append(fd)
+            offs, lens = [r[1] for r in ranges], [r[2] for r in ranges]
+            got = gather(fds, offs, lens, slow_s, copy_rate, pool, parts)
         # one read a run of adjacent files (one preadv), as the origin saw them
         datas = got.datas
         nbytes = reads = 0
@@ -330,17 +330,22 @@ class PackOrigin:
 
     def reset_after_fork(self) -> None:
         """In a forked child: count afresh (the fds stay valid)."""
-        self._lock = threading.Lock()
+        self._files.reset_after_fork()
         self._bufs = threading.local()
         self._tails = {}
         self.stats = OriginStats(sink=self.stats.sink)  # the job's counters: its own file
 
-    def fileno(self, shard: int) -> int:
-        return self._fd(shard)
+    def descriptors(self, kind: str = "samples") -> dict[int, int]:
+        """The shards open now for ``kind``'s reads (samples, bulk, direct): their
+        descriptors."""
+        k = {"samples": 0, "bulk": _BULK, "direct": _DIRECT}[kind]
+        return {shard: fd for (shard, j), fd in self._files.opened().items() if j == k}
+
+    def open_check(self, shard: int) -> None:
+        """Open the shard (its header checked with ``check_headers``): what is wrong with
+        it raised, as a read would."""
+        with self._fd(shard):
+            pass
 
     def close(self) -> None:
-        with self._lock:
-            for fds in (self._fds, self._bulk_fds, self._direct_fds):
-                for fd in fds.values():
-                    os.close(fd)
-                fds.clear()
+        self._files.close()

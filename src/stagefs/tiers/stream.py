@@ -62,7 +62,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stagefs.errors import CorruptShardError, StagefsError
-from stagefs.tiers.base import DamagedCopy, ShortRead, SourceUnavailable, through
+from stagefs.tiers.base import CopyLetGo, DamagedCopy, ShortRead, SourceUnavailable, through
 from stagefs.tiers.fill import FILL_SUFFIX, ShardFill, runs_of
 from stagefs.tiers.placer import _run_verifier, _Verifier
 
@@ -246,7 +246,7 @@ class Reservations:
         key = (shard, fill.final)
         with self._lock:
             h = self._held.get(key)
-            if h is not None and h.fill.ino == fill.ino:
+            if h is not None and h.fill.ino == fill.ino and not h.fill.closed:
                 return h  # the same partial copy (maybe through another handle)
             if h is not None:
                 self._let_go(h)
@@ -338,6 +338,18 @@ class Reservations:
                     _ofd_lock(h.fd, fcntl.F_UNLCK, lo, hi - lo)
             h.busy[lo:hi] = False
             if h.replaced:
+                self._let_go(h)
+
+    def forget(self, shard: int, fill: ShardFill) -> None:
+        """The chain let go of ``fill`` (finished, dropped, or another process's doing): so
+        does this process's reservation state on it, with its fill map's descriptor (kept,
+        each shard a process ever filled held one until it closed: 200 shards of a memory
+        tier were 200 descriptors). One on another handle still open (of the same copy, or
+        of a newer one that took its inode number) is not this one's."""
+        with self._lock:
+            h = self._held.get((shard, fill.final))
+            if h is not None and (h.fill is fill or h.fill.closed):
+                del self._held[(shard, fill.final)]
                 self._let_go(h)
 
     def _let_go(self, h: _Held) -> None:
@@ -674,6 +686,8 @@ class Stream:
             try:
                 self._copy(shard, fill, tier, h, *run, bulk=True)
             except (OSError, StagefsError, SourceUnavailable) as exc:
+                if fill.closed:  # let go of (finished, dropped): the chain has it in hand
+                    return
                 name = self.chain.manifest.shards[shard].name
                 if retried or isinstance(exc, CorruptShardError) or not fill.linked():
                     log.warning("shard %d (%s): streaming stopped: %s", shard, name, exc)
@@ -877,7 +891,7 @@ class Stream:
                 self._served.split = sorted(split.items(), key=lambda kv: -kv[1])
                 into.release()
                 return bytes(out)
-            except _Gone:
+            except (_Gone, CopyLetGo):  # (a handle let go of as this read used it: the same)
                 continue
         raise SourceUnavailable("its partial copies kept changing under the read")
 
@@ -895,7 +909,7 @@ class Stream:
         if missing:
             if chain.full and len(missing) == len(pieces):
                 return None
-            if not chain.full:
+            if not chain.full and chain.may_copy(shard):
                 chain._reserve(shard, missing)
         runs: list[tuple[int, int, Copy | None]] = []
         for p in pieces:

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import mmap
 import os
+import resource
 import shutil
 import stat
 import threading
@@ -42,7 +43,9 @@ from stagefs.format import Manifest, ShardHeader
 from stagefs.format.spec import SHARD_HEADER
 from stagefs.runtime import TIER_ROOM_DIR
 from stagefs.tiers.base import (
+    DESCRIPTORS,
     MAPPINGS_GUARDED,
+    READER_DESCRIPTORS,
     DamagedCopy,
     Gathered,
     SourceUnavailable,
@@ -51,6 +54,7 @@ from stagefs.tiers.base import (
 )
 
 log = logging.getLogger("stagefs")
+_told_limit: set[int] = set()  # the limits a process was told are too low (once each)
 
 __all__ = ["DirTier", "Room", "TierStats", "fs_type", "memory_limit_problem", "over_capacity",
            "prepare_tier_dir", "share_capacity", "tier_dir_problem", "tier_kind"]
@@ -418,21 +422,40 @@ class DirTier:
             return True
         if not 0 <= shard < len(self._names):
             return False
+        if not DESCRIPTORS.take():
+            self._no_descriptors()
+            return False
         try:
             # without waiting: a FIFO left under a copy's name would hold a plain open (and
             # the read behind it) for a writer forever; what is not a file is not a copy
             fd, info = open_read(self.path(shard))
         except OSError:
+            DESCRIPTORS.give()
             return False
         if not stat.S_ISREG(info.st_mode) or info.st_size != self._sizes[shard]:
             os.close(fd)  # not ours to judge further: the reader's checksum decides
+            DESCRIPTORS.give()
             return False
         with self._lock:
             if shard in self._fds:
                 os.close(fd)
+                DESCRIPTORS.give()
             else:
                 self._fds[shard] = fd
         return True
+
+    def _no_descriptors(self) -> None:
+        """Say once a process that copies held here are read from the origin: the process's
+        tier copies hold what its open-file limit leaves them (``Descriptors``)."""
+        if _told_limit:
+            return
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        _told_limit.add(soft)
+        log.warning("%s: this process's tier copies hold %d descriptors, what its open-file "
+                    "limit (%d) leaves them: the copies it has not opened yet are read from "
+                    "the origin. Raise the limit before training starts (ulimit -n; above "
+                    "the hard limit: ulimit -Hn, limits.conf nofile, or Slurm's "
+                    "PropagateResourceLimits)", self.name, DESCRIPTORS.held, soft)
 
     def header_ok(self, shard: int, pack_id: bytes) -> bool:
         """Does the held copy's header name this pack and shard, with the right length?"""
@@ -605,16 +628,23 @@ class DirTier:
         if fd is None:
             return None
         size = self._sizes[shard]
+        if not DESCRIPTORS.take():  # (a mapping holds a descriptor of its own)
+            return None
         try:
             # copies are replaced by rename and dropped by unlink, never cut short: a mapping
             # stays whole; the size is checked in case something else cut it
             if os.fstat(fd).st_size != size:
+                DESCRIPTORS.give()
                 return None
             mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         except (OSError, ValueError):
+            DESCRIPTORS.give()
             return None
         with self._lock:
-            return self._maps.setdefault(shard, mm)
+            got = self._maps.setdefault(shard, mm)
+        if got is not mm:
+            DESCRIPTORS.give()  # (unmapped as it is dropped)
+        return got
 
     def drop(self, shard: int) -> None:
         """A read found this copy corrupt: delete it (all processes stop using it). With a
@@ -622,8 +652,10 @@ class DirTier:
         the copy this process read (another process may have dropped it first, and placed
         the shard again), and frees its room once."""
         with self._lock:
-            self._maps.pop(shard, None)  # unmapped once no batch under way holds it
+            unmapped = self._maps.pop(shard, None)  # once no batch under way holds it
             fd = self._fds.pop(shard, None)
+        if unmapped is not None:
+            DESCRIPTORS.give()
         ino: tuple[int, int] | None = None
         if fd is not None:
             with contextlib.suppress(OSError):
@@ -641,7 +673,7 @@ class DirTier:
         """Keep ``fd`` (opened on the file just renamed into place) as the shard's fd,
         unless a reader opened one already (then the caller keeps ``fd``)."""
         with self._lock:
-            if shard in self._fds:
+            if shard in self._fds or not DESCRIPTORS.take():
                 return False
             self._fds[shard] = fd
         return True
@@ -652,8 +684,10 @@ class DirTier:
 
     def forget(self, shard: int) -> None:
         with self._lock:
-            self._maps.pop(shard, None)
+            unmapped = self._maps.pop(shard, None)
             fd = self._fds.pop(shard, None)
+        if unmapped is not None:
+            DESCRIPTORS.give()
         if fd is not None:
             self._retire(fd)
 
@@ -692,6 +726,7 @@ class DirTier:
                 os.close(null)
         except OSError:
             os.close(fd)
+            DESCRIPTORS.give()
             return
         self._retired.append(fd)
 
@@ -699,9 +734,38 @@ class DirTier:
         with self._lock:
             for fd in [*self._fds.values(), *self._retired]:
                 os.close(fd)
+            DESCRIPTORS.give(len(self._fds) + len(self._retired) + len(self._maps))
             self._fds.clear()
             self._retired.clear()
             self._maps.clear()  # each unmapped once no batch under way holds it
+
+
+def descriptors_to_read(shards: int, memory: bool) -> int:
+    """The open files a reader may hold reading ``shards`` held in tiers (one a shard, two
+    on a memory tier: ``read_many`` maps them), and its own (its origin's are at most a
+    quarter of its limit: ``PackOrigin``)."""
+    return shards * (2 if memory else 1) + READER_DESCRIPTORS
+
+
+def check_fd_limit(shards: int, memory: bool, whose: str) -> None:
+    """Say so (once a process) when the open-file limit, raised to the hard one, cannot hold
+    a descriptor for each of ``whose`` (this node's, its tiers') ``shards`` and the origin's
+    quarter: a copy past it is not opened (read from the origin), and placement stops."""
+    need = descriptors_to_read(shards, memory)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft - soft // 4 >= need or soft in _told_limit:
+        return
+    _told_limit.add(soft)
+    want = need + need // 3
+    log.warning(
+        "the open-file limit of this process (%d, its hard limit %s) is below what reading "
+        "%s %d shards may take (%d descriptors: one a shard%s, a quarter of the limit for "
+        "the origin's, and the process's own): copies past it are read from the origin "
+        "instead, and placement into the tiers stops. Raise it before training starts: "
+        "ulimit -n %d (above the hard limit: ulimit -Hn, limits.conf nofile, or Slurm's "
+        "PropagateResourceLimits)", soft,
+        "unlimited" if hard == resource.RLIM_INFINITY else hard, whose, shards, want,
+        ", two on a memory tier" if memory else "", want)
 
 
 def share_capacity(root: str, share: float) -> int:
