@@ -755,9 +755,10 @@ def test_a_reader_raises_its_soft_open_file_limit_and_says_when_it_is_short(
 def test_a_daemon_whose_shards_the_limit_cannot_hold_says_so_and_serves_on(
         tmp_path: Path) -> None:
     """400 shards on one node, 1,024 open files: the daemon says at start that its shards
-    take more (about 5 descriptors each) and what to raise the limit to; staging stops
-    at the limit, the daemon answers STATUS, and a reader gets every byte (the shards not
-    staged from the origin). The limit was only checked against the job's peers."""
+    may take more (2 descriptors each, one more each read from the origin) and what to
+    raise the limit to; the daemon answers STATUS, and a reader gets every byte. The limit
+    was only checked against the job's peers. Staging stopped at the limit while each
+    staged copy kept 4 descriptors; let go of once whole, all 400 are staged."""
     work = str(tmp_path)
     pack = _small_shards(work, 400)
     log = os.path.join(work, "daemon0.log")
@@ -767,10 +768,10 @@ def test_a_daemon_whose_shards_the_limit_cannot_hold_says_so_and_serves_on(
         wait_staged(work, 1, d, log=log)
         text = tail(log, 100_000)
         assert "the open-file limit (1024) cannot hold what this node keeps open: about " \
-               "2000 descriptors for its shards" in text, text
+               "1200 descriptors for its shards" in text, text
         assert "ulimit -n" in text
         nodes = status_json(work, 0)["nodes"]
-        assert isinstance(nodes, list) and nodes[0]["staging"]["shards_held"] < 400, nodes
+        assert isinstance(nodes, list) and nodes[0]["staging"]["shards_held"] == 400, nodes
         with open(os.path.join(work, "expected.json")) as f:
             expected: dict[str, str] = json.load(f)
         with stagefs.connect(os.path.join(work, "rt0")) as fs:

@@ -146,6 +146,18 @@ def test_a_connect_timeout_that_is_not_seconds_is_named(
         stagefs.connect()
 
 
+@pytest.mark.parametrize("timeout", [float("nan"), -1, "5", True])
+def test_a_connect_timeout_argument_that_is_not_seconds_is_named(
+        timeout: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """connect(timeout=nan) waited for ever (no clock is past nan), a string failed deep
+    inside: the argument is named with what it takes."""
+    import stagefs
+
+    monkeypatch.setenv("STAGEFS_RUNTIME", str(tmp_path / "rt"))
+    with pytest.raises(ValueError, match=r"connect\(timeout=\.\.\.\) is the seconds .* not "):
+        stagefs.connect(timeout=timeout)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("name, value, says", [
     ("PEER_TIMEOUT", "10s", "must be a number, not '10s'"),
     ("PEER_TIMEOUT", "0", "must be more than 0, not '0'"),

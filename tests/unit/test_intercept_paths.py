@@ -56,3 +56,22 @@ def test_refused_roots() -> None:
     with pytest.raises(ConfigError, match="lies under the intercepted path"):
         _icpt("/packs/p")
     assert _icpt("/packs/q").root == "/packs/q"
+
+
+def test_run_refuses_an_at_over_the_dataset_before_opening_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``stagefs run --at DIR DIR`` on a raw tree scanned it all (minutes for a large one)
+    before it said the path could not be intercepted."""
+    import stagefs
+    from stagefs.cli import main
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a").write_bytes(b"x")
+    opened: list[object] = []
+    monkeypatch.setattr(stagefs, "open", lambda *a, **k: opened.append(a))
+    assert main(["run", "--dataset", str(tree), "--at", str(tree), "--", "true"]) != 0
+    assert "lies under the intercepted path" in capsys.readouterr().err
+    assert opened == []
+

@@ -564,11 +564,14 @@ def test_two_processes_dropping_one_corrupt_copy_free_its_room_once(
     """Two stores of the job read a whole copy, then find it corrupt: the first deletes it
     and frees its room (and places the shard again); the second, reading the copy it had
     open, deletes nothing and frees nothing more (it freed the room twice: the tier went
-    over its capacity by a shard, and deleted the new copy if it was there)."""
+    over its capacity by a shard, and deleted the new copy if it was there). (Within the
+    second before ``b`` looks at its copy again, ``chain.clock``: then it finds it
+    replaced, and reads the new one.)"""
     pack, files = dataset
     tier = f"{tmp_path / 't'}:{64 * 2**20}"  # a capacity: its room is counted from the start
     with stagefs.open(pack, tiers=[tier]) as a, stagefs.open(pack, tiers=[tier]) as b:
         assert a.chain is not None and b.chain is not None
+        b.chain.clock = lambda: 0.0
         a.chain.prefetch([0])
         assert a.chain.wait_idle(60)
         m = a.manifest

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import stagefs
+from conftest import held_deleted
 from stagefs.tiers.fill import copy_charge, whole_charge
 from tiers_helpers import packed_tree
 
@@ -93,6 +94,97 @@ def test_a_copy_deleted_from_outside_frees_its_room(
     # counted as it was before the delete: what the tier holds, by the rule of its charges
     assert st["tiers"][0]["bytes_used"] == before
     assert st["reads"]["checksum_failures"] == 0
+
+
+def test_a_copy_deleted_from_outside_while_the_job_reads(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        memory_dir: Path) -> None:
+    """A whole copy deleted while the process reads (``rm``, a cleaner of /dev/shm): the
+    process served its reads from the deleted file for the rest of its life, through the
+    descriptor and mapping it kept (the memory never came back), never placed the shard
+    again, and its tier's room still counted it. Now the reads let go of it within
+    ``GONE_RECHECK_S`` (the chain's clock), the shard is placed again, the room counts
+    what the tier holds."""
+    from stagefs.tiers.chain import GONE_RECHECK_S
+
+    pack, files = dataset
+    names = sorted(files)
+    with stagefs.open(pack, tiers=[f"{memory_dir}:64MiB"]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        now = [0.0]
+        chain.clock = lambda: now[0]
+        chain.stage()
+        assert fs.read_many(names) == [files[p] for p in names]  # mapped, held open
+        before = fs.status()["tiers"][0]["bytes_used"]
+        victim = Path(chain.tiers[0].path(2))
+        assert victim.exists()
+        victim.unlink()
+        assert held_deleted(victim), "the copy was not held open: the test tests nothing"
+        assert fs.read_many(names) == [files[p] for p in names]  # within the second
+        now[0] += GONE_RECHECK_S
+        assert fs.read_many(names) == [files[p] for p in names]
+        assert not held_deleted(victim)  # let go of: its memory freed
+        chain.stage()
+        assert victim.exists(), "the shard deleted was not placed again"
+        assert fs.read_many(names) == [files[p] for p in names]
+        assert fs.status()["tiers"][0]["bytes_used"] == before
+        assert fs.stats.checksum_failures == 0
+
+
+@pytest.mark.timeout(120)  # the failure was a hang
+def test_copies_deleted_from_outside_are_placed_again_by_the_next_epoch_s_reads(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every copy of a tier the first epoch filled deleted while the job reads (``rm``, a
+    tmp reaper), epoch after epoch: the process read the deleted copies through the
+    descriptors it kept (their memory never came back), never placed them again, and its
+    tier's room counted them. A new copy given the inode number of a deleted one (ext4
+    reuses them) must not meet the stream state of the old copy's closed handle: a stream
+    failed (IndexError), its readers waited 30 s a file. The next epoch's reads and
+    streams place them again, as the first epoch's did: the epoch after reads nothing
+    from the origin, the room is what it was, no descriptor is left on a deleted copy, no
+    stream fails. The copies are looked at every ``GONE_RECHECK_S`` at most (the chain's
+    clock, moved by hand)."""
+    from stagefs.tiers import stream as stream_mod
+    from stagefs.tiers.chain import GONE_RECHECK_S
+
+    monkeypatch.setattr(stream_mod, "HOLDER_WAIT_S", 1.0)  # (a stream failed: its readers')
+    pack, files = dataset
+    tier = tmp_path / "tier"
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        now = [0.0]
+        chain.clock = lambda: now[0]
+
+        def from_origin(seed: int) -> int:
+            """The origin bytes one epoch read, its streams done."""
+            before = fs.origin.stats.bytes_read
+            epoch(fs, files, seed)
+            assert chain.wait_idle(30)
+            return fs.origin.stats.bytes_read - before
+
+        assert from_origin(1) > 0
+        assert from_origin(2) == 0  # warm
+        copies = sorted(tier.rglob("*.sfs"))
+        assert len(copies) == sum(1 for s in fs.manifest.shards if s.size > 64)
+        used = fs.status()["tiers"][0]["bytes_used"]
+        for cycle in range(8):  # (a new copy takes a deleted one's inode number)
+            for p in copies:
+                p.unlink()
+            assert held_deleted(copies[0]), "the copy was not held open: the test tests nothing"
+            now[0] += GONE_RECHECK_S
+            assert from_origin(10 + 2 * cycle) > 0  # as a first epoch
+            assert sorted(tier.rglob("*.sfs")) == copies, cycle  # placed again
+            now[0] += GONE_RECHECK_S
+            assert from_origin(11 + 2 * cycle) == 0, cycle  # warm again
+            assert not [p for p in copies if held_deleted(p)]
+            assert fs.status()["tiers"][0]["bytes_used"] == used
+        assert fs.stats.checksum_failures == 0
+    said = [r.getMessage() for r in caplog.records]
+    assert not said, said[:3]
 
 
 def test_a_recount_with_nothing_deleted_changes_nothing(

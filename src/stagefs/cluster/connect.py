@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import random
 import time
@@ -489,6 +490,11 @@ def connect(runtime: str | os.PathLike[str] | None = None, *, verify: bool = Tru
     If the daemon has not written it yet, wait up to ``timeout`` seconds (default
     ``$STAGEFS_CONNECT_TIMEOUT`` or 0) for it, then raise ClusterError saying what to do.
     """
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or math.isnan(timeout) or timeout < 0):
+        # (nan waited for ever: no clock is ever past it; a string failed deep inside)
+        raise ValueError(f"connect(timeout=...) is the seconds to wait for the daemon's map, "
+                         f"0 or more (None: $STAGEFS_CONNECT_TIMEOUT or 0), not {timeout!r}")
     path = os.path.abspath(os.fspath(runtime)) if runtime is not None else runtime_default()
     wait = timeout if timeout is not None else env_number("CONNECT_TIMEOUT", 0)
     deadline = time.monotonic() + wait

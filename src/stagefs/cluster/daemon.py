@@ -81,7 +81,7 @@ from stagefs.cluster.world import (
     slurm_step,
     under_mpi,
 )
-from stagefs.config import env_flag, format_size, parse_tier
+from stagefs.config import env, env_flag, format_size, parse_tier
 from stagefs.errors import ConfigError, RuntimeInUseError, StagefsError
 from stagefs.format import MANIFEST_NAME, Manifest
 from stagefs.format.spec import SHARD_HEADER
@@ -112,10 +112,11 @@ PEER_CONNECTIONS = 1  # per peer for staging and status; the relay keeps one mor
 # the peer's to it
 PEER_DESCRIPTORS = 2 * (PEER_CONNECTIONS + 1)
 READER_ALLOWANCE = 64  # descriptors counted for the node's own readers (4 ranks x 16)
-# descriptors a daemon keeps open for each shard it holds, until it ends: its tier copy,
-# the two of the copy's staging (the tier chain keeps them), the server's (read by peers);
-# and one more for each shard it read from the origin (its primaries)
-SHARD_DESCRIPTORS = 4
+# descriptors a daemon keeps open for each shard it holds, until it ends: its tier copy
+# (the tier chain's; its staging's are let go of once it is whole) and the server's (read
+# by peers); and one more for each shard it read from the origin (its primaries: at most a
+# quarter of its limit, PackOrigin)
+SHARD_DESCRIPTORS = 2
 
 
 def peers_within(fd_limit: int, fd_reserve: int | None = None) -> int:
@@ -175,8 +176,8 @@ def descriptor_shortfall(fd_limit: int, fd_reserve: int, peers: int,
             f"{shard_fds} descriptors for its shards ({SHARD_DESCRIPTORS} a shard held, one "
             f"more a shard read from the origin) and its connections"
             f"{f' with {peers} peer' + 's' * (peers > 1) if peers else ''}: "
-            "staging stops at the limit ('Too many open files') and the shards not staged "
-            f"are read from other nodes or the origin; raise the hard limit to {want} or "
+            "past the limit, copies are opened again as they are read, or not kept open "
+            f"(read from other nodes or the origin); raise the hard limit to {want} or "
             f"more (ulimit -n {want} where the daemons start), or hold fewer shards a node "
             f"(larger shards, more nodes) {advice}")
 
@@ -262,7 +263,7 @@ def _bind_address(o: ServeOptions, boot: Bootstrap) -> tuple[str, int]:
     port = o.port if o.port is not None else 0
     if o.bind:
         return o.bind, port
-    iface = o.interface or os.environ.get("STAGEFS_INTERFACE")
+    iface = o.interface or env("INTERFACE")
     if iface:
         return interface_address(iface), port
     if boot.size == 1:

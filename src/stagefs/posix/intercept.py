@@ -202,19 +202,28 @@ def _io_error(path: Any) -> Iterator[None]:
         raise OSError(errno.EIO, str(exc), path) from exc
 
 
+def intercept_root(at: str | os.PathLike[str], dataset: str | os.PathLike[str]) -> str:
+    """The directory ``at`` names, to be served from ``dataset`` (a pack or a raw tree);
+    ConfigError if it cannot be: ``/``, or a directory the dataset lies under (stagefs
+    reads it with the functions it intercepts). Checked before the dataset is opened too
+    (``stagefs run``: a raw tree's scan would come first)."""
+    root = os.path.normpath(os.path.abspath(os.fspath(at)))
+    if root == "/":
+        raise ConfigError("cannot intercept '/': name the directory the data is read from")
+    pack_dir = os.path.normpath(os.path.abspath(os.fspath(dataset)))
+    if pack_dir == root or pack_dir.startswith(root + "/"):
+        raise ConfigError(
+            f"the dataset {pack_dir} lies under the intercepted path {root}: stagefs reads "
+            "it with the functions it intercepts; intercept another path"
+        )
+    return root
+
+
 class Interceptor:
     """Serves paths under ``at`` from ``store``; ``start()`` patches, ``stop()`` restores."""
 
     def __init__(self, store: Any, at: str | os.PathLike[str]) -> None:
-        root = os.path.normpath(os.path.abspath(os.fspath(at)))
-        if root == "/":
-            raise ConfigError("cannot intercept '/': name the directory the data is read from")
-        pack_dir = os.path.normpath(os.path.abspath(getattr(store, "pack_dir", "")))
-        if pack_dir == root or pack_dir.startswith(root + "/"):
-            raise ConfigError(
-                f"the dataset {pack_dir} lies under the intercepted path {root}: stagefs reads "
-                "it with the functions it intercepts; intercept another path"
-            )
+        root = intercept_root(at, getattr(store, "pack_dir", ""))
         self.store = store
         self.root = root
         self._cut = len(root) + 1

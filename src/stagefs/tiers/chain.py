@@ -89,6 +89,9 @@ RECHECK_S = 0.05  # how often a read re-checks whether a missing shard has lande
 # how often a cluster reader looks again for its node's partial copies of a shard that it
 # found none of (its daemon places them: at staging, in the overflow's rounds, for the dead)
 PIECES_RECHECK_S = 1.0
+# how often a read looks whether the whole copy of its shard is still in its tier (deleted
+# from outside: ``rm``, a cleaner of /dev/shm, a tmp reaper): 2 stats a held shard
+GONE_RECHECK_S = 1.0
 IDLE_S = 0.01  # reads went to the origin less than this long ago: they are under way
 CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
@@ -435,6 +438,8 @@ class TierChain:
         self._no_fill: set[int] = set()  # shards whose files do not tile them (never seen)
         self._route: dict[int, tuple[ShardSource, ...]] = {}
         self._next_check: dict[int, float] = {}
+        self.clock: Callable[[], float] = time.monotonic  # (tests set another)
+        self._still_at: dict[int, float] = {}  # shard -> when its copy is next looked at
         self._queued: set[int] = set()
         # the first shard a read missed and its file's directory, until a plan (prefetch, or
         # _plan_rest's) is made; then the directory _plan_rest's plan covers (0: the root)
@@ -494,11 +499,44 @@ class TierChain:
     # -- the read path ----------------------------------------------------------------------
 
     def holders(self, shard: int, entry: int = -1) -> tuple[ShardSource, ...]:
-        """``entry``: the file read, if told (its directory scopes ``_plan_rest``'s plan)."""
+        """``entry``: the file read, if told (its directory scopes ``_plan_rest``'s plan).
+        The whole copy a held shard is read from is looked at, at most every
+        ``GONE_RECHECK_S``, to be still in its tier (``DirTier.still_held``); deleted from
+        outside, the shard is read and placed again as in a first epoch (``_gone``)."""
         route = self._route.get(shard)
         if route is not None:
-            return route
+            now = self.clock()
+            if now < self._still_at.get(shard, 0.0):
+                return route
+            self._still_at[shard] = now + GONE_RECHECK_S
+            t = route[0]
+            if not isinstance(t, DirTier) or t.still_held(shard):
+                return route
+            self._gone(shard, t)
         return self._miss(shard, entry)
+
+    def _gone(self, shard: int, t: DirTier) -> None:
+        """The whole copy of ``shard`` this process read in ``t`` is no longer there
+        (deleted from outside: ``rm``, a cleaner of /dev/shm; or replaced): its descriptor
+        and mapping are let go of, its shard placed again as reads miss it, and the room of
+        ``t`` counted anew (under the tiers' lock: ``Room.recount`` is the same whichever
+        of the node's processes notices first). Held open, a deleted copy's pages stayed
+        allocated for the process's life, its reads were served from it, its shard was
+        never placed again and the room went on counting it."""
+        t.forget(shard)
+        self._route.pop(shard, None)
+        self._next_check.pop(shard, None)
+        self._still_at.pop(shard, None)
+        with self._cond:
+            self._queued.discard(shard)
+        log.info("%s: the copy of shard %d was deleted from outside; read from the origin "
+                 "and placed again", t.name, shard)
+        if t.room is None or not t.present():
+            return  # (its directory removed: placement into it stops, status says why)
+        with contextlib.suppress(OSError, TiersBusy), self._tier_lock():
+            before = t.room.used()
+            if t.room.recount(self._charges(t)) < before:
+                self._freed(t)
 
     def _miss(self, shard: int, entry: int) -> tuple[ShardSource, ...]:
         self.activity.touch()  # a read may go to the origin now: place() gives way
@@ -963,11 +1001,16 @@ class TierChain:
         is placed anew there."""
         if t.room is not None:
             t.room.add(n)
-            if n < 0 and t.room.full():
-                t.room.set_full(0)
         if n < 0:
-            t.recounted = False  # full again later: counted anew once more (no_room)
-        if n < 0 and t.stopped == "full":
+            self._freed(t)
+
+    def _freed(self, t: DirTier) -> None:
+        """Room was freed in ``t`` (the caller holds the tiers' lock): a tier found full
+        takes copies again."""
+        if t.room is not None and t.room.full():
+            t.room.set_full(0)
+        t.recounted = False  # full again later: counted anew once more (no_room)
+        if t.stopped == "full":
             t.stopped = None
             if self.full and self.tiers:
                 self.full = False
@@ -1042,6 +1085,7 @@ class TierChain:
         # routed before the partial copy is let go: a read between the two would find
         # neither, and (the tiers full) go to the origin for bytes a tier holds
         self._route[shard] = (t, self.origin)
+        self._still_at[shard] = self.clock() + GONE_RECHECK_S
         self._forget_fill(shard)
         t.stats.placed += 1
         t.stats.placed_bytes += self._sizes[shard]
@@ -1310,6 +1354,7 @@ class TierChain:
         for t in self.tiers:
             if t.holds(shard):
                 self._route[shard] = (t, self.origin)
+                self._still_at[shard] = self.clock() + GONE_RECHECK_S  # (opened just now)
                 self._forget_fill(shard)
                 return True
         return False

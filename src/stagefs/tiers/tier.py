@@ -691,6 +691,20 @@ class DirTier:
         if fd is not None:
             self._retire(fd)
 
+    def still_held(self, shard: int) -> bool:
+        """Is the copy of ``shard`` this process holds open still the file at its path (two
+        stats)? True if it holds none open (``holds`` opens what is there)."""
+        fd = self._fds.get(shard)
+        if fd is None:
+            return True
+        try:
+            a, b = os.fstat(fd), os.stat(self.path(shard))
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # (not ours to judge: a read of it says what is wrong)
+        return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
     def forget_gone(self) -> int:
         """Let go of the descriptors of copies no longer at their path (deleted, or replaced
         by another file, by the process that places them: a cluster's daemon started again
@@ -699,15 +713,10 @@ class DirTier:
         with self._lock:
             held = list(self._fds.items())
         gone = 0
-        for shard, fd in held:
-            try:
-                a, b = os.fstat(fd), os.stat(self.path(shard))
-                if (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino):
-                    continue
-            except OSError:
-                pass
-            self.forget(shard)
-            gone += 1
+        for shard, _ in held:
+            if not self.still_held(shard):
+                self.forget(shard)
+                gone += 1
         return gone
 
     def _retire(self, fd: int) -> None:
