@@ -109,9 +109,9 @@ def test_ls_shows_each_name_on_one_line(tmp_path: Path) -> None:
     lines = run("ls", pack).stdout.decode().splitlines()
     assert sorted(lines) == sorted([repr("two\nlines"), repr("a\ttab"), "plain.txt", "link"])
     long = run("ls", "-l", pack, "link").stdout.decode().splitlines()
-    assert len(long) == 1 and long[0].endswith(f"link -> {repr('two' + chr(10) + 'lines')}")
+    assert len(long) == 1 and long[0].endswith(f"link -> {'two' + chr(10) + 'lines'!r}")
     out = run("stat", pack, "two\nlines").stdout.decode()
-    assert f"File: {repr('two' + chr(10) + 'lines')}" in out
+    assert f"File: {'two' + chr(10) + 'lines'!r}" in out
 
 
 def test_ls_long(cli_pack: tuple[Path, Path]) -> None:
