@@ -171,7 +171,7 @@ class OriginUnavailableError(StagefsError, OSError):
 class DescriptorLimitError(StagefsError, OSError):
     """A read found no holder it could open: this process has reached its open-file limit
     (stagefs keeps a descriptor open for each shard its tiers hold, and for the shards it
-    reads from the origin up to a quarter of the limit)."""
+    reads from the origin up to a share of the limit)."""
 
     def __init__(self, where: str) -> None:
         import resource
@@ -180,7 +180,7 @@ class DescriptorLimitError(StagefsError, OSError):
         show = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
         msg = (f"{where}: this process has reached its open-file limit ({soft}; hard limit "
                f"{show}): stagefs keeps a descriptor open for each shard its tiers hold, "
-               "and for the shards it reads from the origin up to a quarter of the limit; "
+               "and for the shards it reads from the origin up to a share of the limit; "
                "raise the limit (ulimit -n; above the hard limit: ulimit -Hn, nofile in "
                "limits.conf, or Slurm's PropagateResourceLimits)")
         OSError.__init__(self, errno.EMFILE, msg)

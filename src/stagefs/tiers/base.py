@@ -143,11 +143,13 @@ class Descriptors:
 
     @property
     def limit(self) -> int:
-        if self._limit is None:  # (at the first copy: after the chain raised the limit)
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-            self._limit = 1 << 62 if soft == resource.RLIM_INFINITY else \
-                max(0, soft - soft // 4 - READER_DESCRIPTORS)
-        return self._limit
+        if self._limit is not None:
+            return self._limit
+        # the limit as it is now (a copy is opened now and then: one getrlimit each), so
+        # that it follows the chain's or connect()'s raise of it, whenever that came
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return 1 << 62 if soft == resource.RLIM_INFINITY else \
+            max(0, soft - soft // 4 - READER_DESCRIPTORS)
 
     def take(self, n: int = 1) -> bool:
         """Count ``n`` more if they fit; False (nothing counted) if not."""

@@ -30,6 +30,7 @@ import functools
 import logging
 import multiprocessing.util as mp_util
 import os
+import resource
 import shutil
 import stat
 import threading
@@ -458,6 +459,7 @@ class TierChain:
         self._init_threading()
         self._count_rooms()
         raise_fd_limit()  # one fd per held shard (two mapped), the origin's a quarter
+        self._share_descriptors()
         check_fd_limit(self._may_hold(), any(t.kind == "memory" for t in self.tiers),
                        "its tiers'")
         _CHAINS.add(self)
@@ -1105,6 +1107,15 @@ class TierChain:
                     self._let_go(shard, f)
             if keep:
                 self._fills[shard] = keep
+
+    def _share_descriptors(self) -> None:
+        """Share the open-file limit (raised): a quarter for the origin's shards (a Store
+        without tiers gives them three), the rest for the tiers' copies (``Descriptors``)
+        and the process's own."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit_open = getattr(self.origin, "limit_open", None)
+        if soft != resource.RLIM_INFINITY and limit_open is not None and self.tiers:
+            limit_open(max(16, soft // 4))
 
     def _may_hold(self) -> int:
         """How many shards the tiers may come to hold, by their capacities (or free space)

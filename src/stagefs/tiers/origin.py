@@ -90,10 +90,12 @@ class PackOrigin:
     that refuses ``O_DIRECT`` (the open or a read fails with EINVAL) is read through the
     page cache.
 
-    At most a quarter of the process's open-file limit (raised to the hard one) of these
-    descriptors are open at once (``open_limit``): past it, the least recently read is
-    closed (``OpenFiles``), and opened again if read again (counted as an open). A pack of
-    more shards than that is read all the same, under a hard limit of 4,096 too.
+    At most three quarters of the process's open-file limit (raised to the hard one) of
+    these descriptors are open at once (``open_limit``; a quarter with tiers, whose copies
+    take the rest, ``limit_open``):
+    past it, the least recently read is closed (``OpenFiles``), and opened again if read
+    again (counted as an open). A pack of more shards than that is read all the same, under
+    a hard limit of 4,096 too.
     """
 
     name = "origin"
@@ -105,8 +107,8 @@ class PackOrigin:
         self.check_headers = check_headers
         self._random = _readahead() == "off"  # checked here: a bad value fails the open
         self.stats = OriginStats()
-        if open_limit is None:
-            open_limit = max(16, raise_fd_limit()[1] // 4)
+        if open_limit is None:  # (a tier chain gives it a quarter: limit_open)
+            open_limit = max(16, raise_fd_limit()[1] * 3 // 4)
         # (shard, 0 | BULK | DIRECT) -> its descriptor: the samples', the streams', O_DIRECT
         self._files: OpenFiles[tuple[int, int]] = OpenFiles(open_limit)
         self._direct = env_flag("origin_direct")
@@ -334,6 +336,10 @@ class PackOrigin:
         self._bufs = threading.local()
         self._tails = {}
         self.stats = OriginStats(sink=self.stats.sink)  # the job's counters: its own file
+
+    def limit_open(self, n: int) -> None:
+        """Keep at most ``n`` of the shards' descriptors open."""
+        self._files.limit = max(1, n)
 
     def descriptors(self, kind: str = "samples") -> dict[int, int]:
         """The shards open now for ``kind``'s reads (samples, bulk, direct): their
