@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -11,7 +12,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
-from stagefs._fsutil import OpenFiles, open_read, raise_fd_limit, user_name
+from stagefs._fsutil import InUse, OpenFiles, open_read, raise_fd_limit, user_name
 from stagefs.config import env, env_flag
 from stagefs.errors import ConfigError, CorruptShardError, NotFoundError
 from stagefs.format import MANIFEST_NAME, Manifest, ShardHeader
@@ -202,11 +203,15 @@ class PackOrigin:
             return
 
     def pread(self, shard: int, offset: int, length: int) -> bytes:
-        with self._fd(shard, length >= BULK_READ) as fd:  # (what the open meets: raised)
-            try:
-                data = pread_full(fd, length, offset)
-            except OSError as exc:
-                raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
+        bulk = length >= BULK_READ
+        fd, use = self._files.take((shard, _BULK if bulk else 0),  # (the open's error: raised)
+                                   lambda: self._open(shard, bulk))
+        try:
+            data = pread_full(fd, length, offset)
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.path(shard)}: {exc.strerror}") from exc
+        finally:
+            use.leave()
         self.stats.read(len(data))
         return self._whole(shard, offset, length, data)
 
@@ -305,19 +310,26 @@ class PackOrigin:
         reads again by ``pread`` (which says why)."""
         fds: list[int] = []
         fd_of: dict[tuple[int, bool], int] = {}
-        with contextlib.ExitStack() as held:  # every shard's descriptor open till the end
+        held: list[InUse] = []  # every shard's descriptor open till the end
+        try:
             for shard, _, length in ranges:
                 key = (shard, length >= BULK_READ)
                 fd = fd_of.get(key)
                 if fd is None:
                     try:
-                        fd = held.enter_context(self._fd(*key))
+                        fd, use = self._files.take(
+                            (shard, _BULK if key[1] else 0),
+                            functools.partial(self._open, shard, key[1]))
+                        held.append(use)
                     except (OSError, SourceUnavailable, CorruptShardError):
                         fd = -1  # none: pread then says what is wrong
                     fd_of[key] = fd
                 fds.append(fd)
             offs, lens = [r[1] for r in ranges], [r[2] for r in ranges]
             got = gather(fds, offs, lens, slow_s, copy_rate, pool, parts)
+        finally:
+            for use in held:
+                use.leave()
         # one read a run of adjacent files (one preadv), as the origin saw them
         datas = got.datas
         nbytes = reads = 0
