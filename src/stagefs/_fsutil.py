@@ -274,12 +274,9 @@ class OpenFiles(Generic[K]):
                 raise
         return opener()
 
-    def shed(self) -> int:
-        """Close every descriptor no thread reads through now; how many."""
-        with self._lock:
-            return self._shed()
-
     def _shed(self) -> int:
+        """Close every descriptor no thread reads through now (the caller holds the lock);
+        how many."""
         idle = [k for k, (_, use) in self._open.items() if not use.busy()]
         for k in idle:
             fd, use = self._open.pop(k)

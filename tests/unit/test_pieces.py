@@ -126,6 +126,34 @@ def test_later_epochs_read_what_does_not_fit(dataset: tuple[Path, dict[str, byte
         assert in_part
 
 
+def test_the_list_of_a_shards_copies_a_reader_holds_is_never_changed_under_it(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """A read looks up which partial copy holds a piece without the lock (``_owner``). The
+    shard's list was sorted in place as a copy was made in another tier (CPython's sort
+    leaves a list empty while it runs), and popped then set again as a copy was let go of:
+    a read between found no copy of the shard (the tiers full: "no tier has room for its
+    piece") and read from the origin bytes a stream was bringing into the other copy (an
+    origin byte read twice in epoch 1, about one run in twenty of the test above). Each
+    change sets a new list now: the one a reader holds stays as it was."""
+    pack, _files = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "a"), str(tmp_path / "b")]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        a, b = chain.tiers
+        with chain._tier_lock(), chain._fills_lock:
+            chain._make_copy(0, b, 0)
+        seen = chain._fills[0]
+        was = list(seen)
+        with chain._tier_lock(), chain._fills_lock:
+            chain._make_copy(0, a, 0)  # the first tier's: sorted before b's
+        assert seen == was
+        now = chain._fills[0]
+        assert [t for _, t in now] == [a, b]
+        chain._forget_fill(0, a)
+        assert [t for _, t in now] == [a, b] and [t for _, t in chain._fills[0]] == [b]
+        assert now[0][0].closed and not chain._fills[0][0][0].closed
+
+
 def test_a_tier_smaller_than_a_shard_serves_its_pieces(dataset: tuple[Path, dict[str, bytes]],
                                                        runtime: Path, tmp_path: Path) -> None:
     """One tier of 2 MiB (a quarter of a shard): reads of what it holds never go to the

@@ -714,12 +714,13 @@ class TierChain:
                 self._no_fill.add(shard)
                 return False
             keep: list[Copy] = []
+            dead: list[ShardFill] = []  # let go of once out of the list readers look at
             for f, t in self._fills.get(shard, ()):
                 if f.linked():
                     keep.append((f, t))
                 else:
                     gone = True
-                    self._let_go(shard, f)
+                    dead.append(f)
             for t in self.tiers:
                 if not any(t is u for _, u in keep):
                     try:
@@ -738,6 +739,8 @@ class TierChain:
                 self._fills[shard] = keep
             else:
                 self._fills.pop(shard, None)
+            for f in dead:
+                self._let_go(shard, f)
         return gone
 
     def room_for(self, nbytes: int) -> bool:
@@ -984,8 +987,11 @@ class TierChain:
         ``header`` (copy_charge); the caller holds both locks."""
         f = create_fill(t.path(shard), self._sizes[shard], self._extents_of(shard), shard,
                         self.manifest.pack_id)
-        self._fills.setdefault(shard, []).append((f, t))
-        self._fills[shard].sort(key=lambda c: self._order[id(c[1])])
+        # a new list, set whole: sorted in place, the list a reader looks at (``_owner``,
+        # without the lock) is empty while the sort runs (CPython's list.sort), and a read
+        # then found no copy of the shard and read the origin for bytes a stream brought
+        self._fills[shard] = sorted([*self._fills.get(shard, ()), (f, t)],
+                                    key=lambda c: self._order[id(c[1])])
         self._room(t, header)
         return f
 
@@ -1098,15 +1104,22 @@ class TierChain:
         return True
 
     def _forget_fill(self, shard: int, tier: DirTier | None = None) -> None:
-        """Let go of the shard's partial copy in ``tier`` (every tier: None)."""
+        """Let go of the shard's partial copy in ``tier`` (every tier: None). The list a
+        reader looks at (``_owner``, without the lock) is replaced whole, never emptied
+        first: popped, then set again, a read between the two found no copy of the shard
+        (the tiers full: "no tier has room for its piece") and read from the origin bytes
+        a stream was bringing into the other tier's copy; and the handles are closed once
+        out of it."""
         with self._fills_lock:
-            copies = self._fills.pop(shard, [])
+            copies = self._fills.get(shard, [])
             keep = [c for c in copies if tier is not None and c[1] is not tier]
+            if keep:
+                self._fills[shard] = keep
+            else:
+                self._fills.pop(shard, None)
             for f, t in copies:
                 if tier is None or t is tier:
                     self._let_go(shard, f)
-            if keep:
-                self._fills[shard] = keep
 
     def _share_descriptors(self) -> None:
         """Share the open-file limit (raised): a quarter for the origin's shards (a Store
