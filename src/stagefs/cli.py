@@ -105,7 +105,7 @@ def cmd_unpack(args: argparse.Namespace) -> int:
 
 def _ls_line(s: os.stat_result, name: str, link: str | None) -> str:
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.st_mtime))
-    tail = f"{show_path(name)} -> {show_path(link)}" if link is not None else show_path(name)
+    tail = f"{name} -> {link}" if link is not None else name
     return f"{st.filemode(s.st_mode)} {s.st_size:>12} {when} {tail}"
 
 
@@ -123,7 +123,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 link = fs.readlink(full) if st.S_ISLNK(s.st_mode) else None
                 print(_ls_line(s, name, link))
             else:
-                print(show_path(name))  # (a newline in a name would make two lines of one)
+                print(name)
     return 0
 
 
@@ -132,8 +132,8 @@ def cmd_stat(args: argparse.Namespace) -> int:
         s = fs.lstat(args.path)
         kind = ("directory" if st.S_ISDIR(s.st_mode) else
                 "symbolic link" if st.S_ISLNK(s.st_mode) else "regular file")
-        print(f"  File: {show_path(args.path or '/')}" + (
-            f" -> {show_path(fs.readlink(args.path))}" if st.S_ISLNK(s.st_mode) else ""))
+        print(f"  File: {args.path or '/'}" + (f" -> {fs.readlink(args.path)}"
+                                         if st.S_ISLNK(s.st_mode) else ""))
         print(f"  Size: {s.st_size}\tBlocks: {s.st_blocks}\tIO Block: {s.st_blksize}\t{kind}")
         print(f"Access: ({st.S_IMODE(s.st_mode):04o}/{st.filemode(s.st_mode)})  Inode: "
               f"{s.st_ino}  Links: {s.st_nlink}")
@@ -271,8 +271,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"{cmd[0]} would see {args.at} as it is on disk. Reinstall stagefs with a C "
             f"compiler present, or mount the dataset with FUSE: stagefs mount DATASET "
             f"{args.at}; if {cmd[0]} starts Python that should be served, add --any-program")
-    if args.dataset and not args.connect:  # before a raw tree's scan, as after it
-        intercept_root(args.at, args.dataset)
+    if args.dataset and not args.connect and os.path.isdir(args.dataset):
+        intercept_root(args.at, args.dataset)  # before a raw tree's scan, as after it
     store = _open_dataset(args.dataset, args.tier, args.connect, args.runtime)
     try:  # a bad --at (/, or the dataset's own directory) is refused before anything starts
         root = Interceptor(store, args.at).root

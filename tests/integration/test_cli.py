@@ -94,26 +94,6 @@ def test_ls(cli_pack: tuple[Path, Path]) -> None:
     assert run("ls", pack, "a.txt").stdout.decode().strip() == "a.txt"
 
 
-def test_ls_shows_each_name_on_one_line(tmp_path: Path) -> None:
-    """A name holding a newline or a tab printed as two lines, or one a reader could not
-    tell from another: quoted as a Python string, one line each (as error messages name
-    paths), plain names as they are; a link's target too, and stat's name."""
-    src = tmp_path / "src"
-    src.mkdir()
-    odd = ["two\nlines", "a\ttab", "plain.txt"]
-    for n in odd:
-        (src / n).write_bytes(n.encode())
-    os.symlink("two\nlines", src / "link")
-    pack = tmp_path / "pack"
-    run("pack", src, pack)
-    lines = run("ls", pack).stdout.decode().splitlines()
-    assert sorted(lines) == sorted([repr("two\nlines"), repr("a\ttab"), "plain.txt", "link"])
-    long = run("ls", "-l", pack, "link").stdout.decode().splitlines()
-    assert len(long) == 1 and long[0].endswith(f"link -> {'two' + chr(10) + 'lines'!r}")
-    out = run("stat", pack, "two\nlines").stdout.decode()
-    assert f"File: {'two' + chr(10) + 'lines'!r}" in out
-
-
 def test_ls_long(cli_pack: tuple[Path, Path]) -> None:
     pack = cli_pack[1]
     lines = run("ls", "-l", pack).stdout.decode().splitlines()
