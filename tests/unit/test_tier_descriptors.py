@@ -236,3 +236,30 @@ def test_reads_from_threads_share_an_origin_file_let_go_of_safely(
     finally:
         origin.close()
         m.close()
+
+
+def test_a_memory_tier_short_of_descriptors_for_its_mappings_reads_its_copies_by_pread(
+        many_shards: tuple[Path, dict[str, bytes]], runtime: Path, memory_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``read_many`` from a memory tier maps each copy (a descriptor of its own): with the
+    tier copies' share of the limit taken by mappings, the copies past them were read from
+    the origin (0.04 of the pack each epoch under a limit of 1,024 with 400 shards). Now
+    mappings take half the share at most, and a copy not mapped is read by its descriptor."""
+    from stagefs.tiers.base import DESCRIPTORS
+
+    pack, files = many_shards
+    names = sorted(files)
+    with stagefs.open(pack, tiers=[f"{memory_dir}:1GiB"]) as fs:
+        assert fs.chain is not None
+        fs.chain.stage()
+    with stagefs.open(pack, tiers=[f"{memory_dir}:1GiB"]) as fs:  # a process that reads
+        assert fs.chain is not None
+        n = len(fs.held_shards())
+        # room for one descriptor a held copy and a few more: not for a mapping of each
+        monkeypatch.setattr(DESCRIPTORS, "_limit", DESCRIPTORS.held + n + 8)
+        before = fs.origin.stats.bytes_read
+        for k in range(0, len(names), 32):
+            assert fs.read_many(names[k : k + 32]) == [files[p] for p in names[k : k + 32]]
+        assert fs.origin.stats.bytes_read == before  # every copy read from the tier
+        tier = fs.chain.tiers[0]
+        assert 0 < len(tier._maps) < n  # some mapped, the rest read by pread
