@@ -1117,3 +1117,25 @@ def test_close_waits_for_stuck_streams_once_not_once_each(
     fs.close()
     assert waits[0] == stream_mod.CLOSE_WAIT_S
     assert waits[1:] == [0.0, 0.0]
+
+
+def test_a_read_after_its_shard_was_made_whole_reads_the_copy_not_the_origin(
+        dataset: tuple[Path, dict[str, bytes]], runtime: Path, tmp_path: Path) -> None:
+    """The tiers full, a read whose holders were looked up while its shard was partial met
+    the shard made whole by its stream meanwhile (routed, its partial copy let go of): it
+    found no copy holding its piece, said "no tier has room for its piece", and the Store
+    read the origin for bytes the stream had just brought (an origin byte twice in epoch 1,
+    about one run in twenty of test_pieces.py::test_later_epochs_read_what_does_not_fit
+    with the tiers' descriptors in a table). It reads the whole copy now."""
+    pack, _files = dataset
+    with stagefs.open(pack, tiers=[str(tmp_path / "tier")], runtime=runtime) as fs:
+        chain = fs.chain
+        assert chain is not None
+        chain.prefetch([0])
+        assert chain.wait_idle(60) and chain._find(0)
+        assert 0 not in chain._fills  # whole: its partial copy let go of
+        chain.full = True  # (the tiers full since)
+        shard = (pack / fs.manifest.shards[0].name).read_bytes()
+        before = fs.origin.stats.bytes_read
+        assert chain.stream.read(0, 100, 1000) == shard[100:1100]
+        assert fs.origin.stats.bytes_read == before

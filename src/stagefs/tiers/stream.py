@@ -851,7 +851,11 @@ class Stream:
                 chain._look(shard)
             runs = self._owners(shard, ext, lo, hi)
             if runs is None:
-                if chain.full:  # no look for a whole copy on every read (holders does)
+                # (no look in the tiers for a whole copy on every read, the tiers full:
+                # holders does; but a copy made whole since this read's holders were
+                # looked up is routed, its partial copy let go of: read there, not from
+                # the origin, for the bytes the stream has just brought)
+                if chain.full and shard not in chain._route:
                     raise SourceUnavailable("no tier has room for its piece")
                 return self._from_whole(shard, offset, length, "no tier has room for it")
             try:
@@ -908,7 +912,13 @@ class Stream:
         missing = [p for p in pieces if chain._owner(shard, p) is None]
         if missing:
             if chain.full and len(missing) == len(pieces):
-                return None
+                # the tiers may have become full with the reservation of these very pieces
+                # (a stream's, reserving ahead, after the look above: full is set after
+                # them): looked at once more, else this read went to the origin for files
+                # the stream was bringing (an origin byte read twice in epoch 1)
+                missing = [p for p in pieces if chain._owner(shard, p) is None]
+                if len(missing) == len(pieces):
+                    return None
             if not chain.full and chain.may_copy(shard):
                 chain._reserve(shard, missing)
         runs: list[tuple[int, int, Copy | None]] = []
