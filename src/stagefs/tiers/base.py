@@ -24,7 +24,8 @@ except ImportError:  # not built: the Python loop below, same results
 # in Python that copy is a SIGBUS, which kills the process: without it, tiers never map.
 MAPPINGS_GUARDED = _c_gather is not None
 
-__all__ = ["DESCRIPTORS", "MAPPINGS_GUARDED", "READER_DESCRIPTORS", "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
+__all__ = ["DESCRIPTORS", "MAPPINGS_GUARDED", "READER_DESCRIPTORS", "CopyLetGo", "Descriptors",
+           "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
            "SourceUnavailable", "gather", "pread_full", "through"]
 
 

@@ -772,7 +772,7 @@ def descriptors_to_read(shards: int, memory: bool) -> int:
 def check_fd_limit(shards: int, memory: bool, whose: str) -> None:
     """Say so (once a process) when the open-file limit, raised to the hard one, cannot hold
     a descriptor for each of ``whose`` (this node's, its tiers') ``shards`` and the origin's
-    quarter: a copy past it is not opened (read from the origin), and placement stops."""
+    quarter: a copy past it is not opened (read from the origin; ``Descriptors``)."""
     need = descriptors_to_read(shards, memory)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft - soft // 4 >= need or soft in _told_limit:
@@ -782,8 +782,8 @@ def check_fd_limit(shards: int, memory: bool, whose: str) -> None:
     log.warning(
         "the open-file limit of this process (%d, its hard limit %s) is below what reading "
         "%s %d shards may take (%d descriptors: one a shard%s, a quarter of the limit for "
-        "the origin's, and the process's own): copies past it are read from the origin "
-        "instead, and placement into the tiers stops. Raise it before training starts: "
+        "the origin's, and the process's own): the copies past it are read from the "
+        "origin instead (a memory tier maps fewer first). Raise it before training starts: "
         "ulimit -n %d (above the hard limit: ulimit -Hn, limits.conf nofile, or Slurm's "
         "PropagateResourceLimits)", soft,
         "unlimited" if hard == resource.RLIM_INFINITY else hard, whose, shards, want,
