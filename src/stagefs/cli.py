@@ -38,9 +38,15 @@ class Terminated(KeyboardInterrupt):
 
 
 _TERMINATED = [False]  # SIGTERM came: set even where its exception is lost (an at-fork hook)
+_HANDLER_PID = [0]  # the process that set _terminate (a forked child inherits it)
 
 
 def _terminate(signum: int, frame: object) -> None:
+    if os.getpid() != _HANDLER_PID[0]:
+        # a forked child (a pool worker) before _parent_ends_child ran: its parent handles
+        # SIGTERM. Raised in the child's at-fork hooks (filelock's runs first), the child
+        # printed "Exception ignored in ... ensure_current_process" and a traceback
+        return
     if _TERMINATED[0]:  # once: a second SIGTERM must not cut the cleanup of the first short
         return
     _TERMINATED[0] = True
@@ -734,6 +740,7 @@ def _terminated_as_interrupt() -> Iterator[None]:
     if old != signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
         yield
         return
+    _HANDLER_PID[0] = os.getpid()
     signal.signal(signal.SIGTERM, _terminate)
     try:
         yield
