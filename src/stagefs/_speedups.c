@@ -133,6 +133,7 @@ static const char *plain_key(PyObject *path, Py_ssize_t *len) {
         return NULL;
     }
     Py_ssize_t n = *len;
+    if (n > 0 && p[0] == '/') { p++; n--; *len = n; }  /* "/a/b" is "a/b": the root's */
     if (n == 0 || p[0] == '/' || p[0] == '.' || p[n - 1] == '/') return NULL;
     for (Py_ssize_t k = 0; k + 1 < n; k++)
         if (p[k] == '/' && (p[k + 1] == '/' || p[k + 1] == '.')) return NULL;

@@ -60,13 +60,18 @@ def _says_closed(method: Callable[[Namespace, PathArg], _R]) -> Callable[[Namesp
 
 
 def plain_key(path: PathArg) -> bytes | None:
-    """The manifest key of a path that needs no resolution (no leading or trailing "/",
-    no empty, "." or ".." component), or None: the fast path's gate."""
+    """The manifest key of a path that needs no resolution (no trailing "/", no empty, "."
+    or ".." component; one leading "/" is the root's: "/a/b" is "a/b"), or None: the fast
+    path's gate."""
     if type(path) is str and _UTF8:  # the common case, without os.fsencode's dispatch
+        if path[:1] == "/":
+            path = path[1:]
         if path[:1] not in "/." and path[-1:] != "/" and "//" not in path and "/." not in path:
             return path.encode("utf-8", "surrogateescape")
         return None
     p = os.fsencode(path)
+    if p[:1] == b"/":
+        p = p[1:]
     if p[:1] not in (b"/", b".") and p[-1:] != b"/" and b"//" not in p and b"/." not in p:
         return p
     return None

@@ -55,7 +55,7 @@ def test_stat_and_find_match_the_python_reference(pack_dir):
             assert outcome(ns.stat, p) == outcome(ns._stat_py, p), p
             # -1 from find() means "resolve the slow way"; any entry it returns must be right
             assert ns.find(p) in (-1, ns._find_py(p)), p
-            plain = isinstance(p, str) and p and not p.startswith(("/", ".")) and "//" not in p
+            plain = isinstance(p, str) and p.lstrip("/")[:1] not in ("", ".") and "//" not in p
             surrogates = isinstance(p, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in p)
             if plain and "/." not in p and not p.endswith("/") and not surrogates:
                 assert ns.find(p) == ns._find_py(p), p
@@ -64,6 +64,29 @@ def test_stat_and_find_match_the_python_reference(pack_dir):
                 p = os.path.join(d, f) if d else f
                 assert ns.stat(p) == ns._stat_py(p)
                 assert ns.stat(p).st_mtime == ns._stat_py(p).st_mtime
+
+
+def test_paths_from_the_root_take_the_fast_path(pack_dir):
+    """"/a/x.txt" (what walk("/") gives) is the file "a/x.txt": both lookups find it without
+    the component-by-component resolution, which cost a batch of small files a third of its
+    time; "/" alone, "//a" and "/./a" still go the slow way."""
+    with stagefs.open(pack_dir) as fs:
+        ns = fs.namespace
+        for p in ("/a/x.txt", "/a/b/y.bin", b"/a/x.txt", "/e"):
+            want = ns._find_py(p.lstrip("/") if isinstance(p, str) else p.lstrip(b"/"))
+            assert want >= 0
+            assert ns.find(p) == ns._find_py(p) == want, p
+            assert ns.stat(p) == ns._stat_py(p)
+        for p in ("/", "//a/x.txt", "/./a/x.txt", "/a/x.txt/"):
+            assert ns.find(p) == -1 == ns._find_py(p), p
+        assert fs.read("/a/x.txt") == fs.read("a/x.txt")
+        assert fs.read_many(["/a/x.txt", "a/b/y.bin"]) == [fs.read("a/x.txt"),
+                                                             fs.read("/a/b/y.bin")]
+        root = [os.path.join(d, f) for d, _, files in fs.walk("/") for f in files]
+        assert root and all(p.startswith("/") for p in root)
+        # a name not in UTF-8 (surrogates) is the Python path's alone (-1: the slow way)
+        assert all(ns.find(p) == ns._find_py(p) for p in root
+                   if not any(0xD800 <= ord(c) <= 0xDFFF for c in p))
 
 
 def test_disabled_by_environment(pack_dir, monkeypatch):
