@@ -512,14 +512,19 @@ def test_a_range_of_a_file_over_the_file_limit_reads_only_its_pieces(
             assert fs.origin.stats.bytes_read == PIECE  # the piece that holds the range
 
 
-def test_a_tier_one_process_found_full_is_full_for_every_process(runtime: Path,
-                                                                  tmp_path: Path) -> None:
+def test_a_tier_one_process_found_full_is_full_for_every_process(
+        runtime: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two processes of a node (two stores here), a tier of 1.5 MiB: the first reserves a
     large file's first piece and finds no room for another whole piece: full. The second,
     asked for a small shard's piece that would still fit, takes the tier as full too. It
     reserved it: the first process, full, read that shard's files from the origin
     unreserved while the second's copy streamed them (a 3 MiB tier, 46 MB read by three
-    processes: one run in four read some bytes twice in the first epoch)."""
+    processes: one run in four read some bytes twice in the first epoch). Pieces of 1 MiB
+    windows (a large dataset's): the small shard's piece fits in what the large file's
+    left."""
+    from stagefs.tiers import chain as chain_mod
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 2**20)
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "big.bin").write_bytes(random.Random(1).randbytes(3 * 2**20))

@@ -428,11 +428,16 @@ def test_a_tier_spec_with_an_empty_or_second_capacity_is_refused(spec: str, says
 def test_a_tier_smaller_than_a_piece_is_warned_of(pack: Path, runtime: Path, tmp_path: Path,
                                                   caplog: pytest.LogCaptureFixture) -> None:
     """A tier below one piece of placement holds nothing: said when the store opens, and
-    by the doctor, instead of an INFO line once it is found full."""
+    by the doctor (which knows no dataset: a piece of 1 MiB, a large dataset's), instead of
+    an INFO line once it is found full. The piece is the dataset's (a small one's is
+    smaller: ``placement_piece``)."""
     from stagefs.doctor import check_tier
+    from stagefs.tiers.fill import placement_piece
 
+    with stagefs.open(pack) as probe:
+        piece = placement_piece(probe.manifest)
     with caplog.at_level(logging.WARNING, logger="stagefs"), \
-            stagefs.open(pack, tiers=[f"{tmp_path / 'small'}:512KiB",
+            stagefs.open(pack, tiers=[f"{tmp_path / 'small'}:{piece // 2}",
                                       f"{tmp_path / 'big'}:64MiB"]) as fs:
         assert fs.chain is not None
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -444,7 +449,7 @@ def test_a_tier_smaller_than_a_piece_is_warned_of(pack: Path, runtime: Path, tmp
     # one piece exactly holds nothing either: a copy's header takes blocks of its own
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="stagefs"), \
-            stagefs.open(pack, tiers=[f"{tmp_path / 'onepiece'}:1MiB"]):
+            stagefs.open(pack, tiers=[f"{tmp_path / 'onepiece'}:{piece}"]):
         pass
     assert any("onepiece" in r.getMessage() and "less than one piece" in r.getMessage()
                for r in caplog.records), caplog.records

@@ -316,7 +316,9 @@ def test_stage_again_into_a_tier_holding_a_shard_in_part_copies_nothing(
     rt, tier = str(tmp_path / "rt"), f"{tmp_path / 'tier'}:1536KiB"
     args = ["stage", str(tmp_path / "pack"), "--tier", tier, "--runtime", rt, "--no-progress"]
     assert main(args) == 0
-    assert "(1.0 MiB copied" in capsys.readouterr().out  # the one piece it has room for
+    # its share: pieces of 64 KiB windows (a small dataset's) up to its 1.5 MiB; with
+    # pieces of 1 MiB it held one, two thirds of its capacity
+    assert "(1.5 MiB copied" in capsys.readouterr().out
     assert main(args) == 0
     assert "(0 B copied" in capsys.readouterr().out
 

@@ -115,7 +115,7 @@ def test_status_shows_each_dataset_reads_and_hit_rate_apart(
     val_files = {f"v{i}.bin": random_bytes(100_000, 100 + i) for i in range(4)}
     train = pack_files(tmp_path, "train", train_files)
     val = pack_files(tmp_path, "val", val_files)
-    tier = f"{tmp_path / 'ram'}:1200KiB"
+    tier = f"{tmp_path / 'ram'}:1010KiB"  # the train set and its copy's header: 1002 KiB
     with stagefs.open(train, tiers=[tier]) as tr, stagefs.open(val, tiers=[tier]) as va:
         assert tr.chain is not None
         tr.chain.stage()

@@ -67,8 +67,10 @@ from stagefs.tiers.fill import (
     copy_charge,
     create_fill,
     open_fill,
+    placement_piece,
     remove_fill,
     runs_of,
+    usual_piece,
     whole_charge,
 )
 from stagefs.tiers.placer import CopyAborted, Layout, OriginFailed, fill_gaps, finish_copy
@@ -97,7 +99,7 @@ IDLE_S = 0.01  # reads went to the origin less than this long ago: they are unde
 CALM_S = 1.0  # reads stopped this long ago: the copy goes at full speed
 GRACE_S = 0.25  # the copy leaves reads under way alone this long after it first has work
 READERS_S = 0.05  # threads that read from the origin this recently count as reading now
-PIECE_SIZE: int | None = None  # bytes per piece of placement; None: the manifest's piece_size
+PIECE_SIZE: int | None = None  # bytes per piece of placement; None: fill.placement_piece's
 # the tiers' lock is held for microseconds (a millisecond for a piece's fallocate): waited
 # this long, its holder is stopped (kill -STOP, Ctrl-Z, a debugger), not busy
 TIER_LOCK_WAIT_S = 2.0
@@ -162,6 +164,7 @@ class NodePieces:
         self.tiers = list(tiers)
         self.clock = clock
         self._sizes = [s.size for s in manifest.shards]
+        self._piece = PIECE_SIZE or placement_piece(manifest)
         self._layout: Layout | None = None
         self._fills: dict[tuple[int, int], ShardFill] = {}  # (tier, shard) ->
         self._next: dict[int, float] = {}  # shard -> when to look for its copies again
@@ -192,7 +195,7 @@ class NodePieces:
             if f is not None:  # finished (a whole copy now: the tier serves it) or deleted
                 self.let_go(i, shard)
             if ext is None:
-                ext = self._layout.extents(shard, self._sizes[shard], PIECE_SIZE)
+                ext = self._layout.extents(shard, self._sizes[shard], self._piece)
             try:
                 new = open_fill(t.path(shard), self._sizes[shard], ext)
             except OSError:  # not ours to read (another user's tier), or gone meanwhile
@@ -407,7 +410,8 @@ class TierChain:
         self.pack_id = manifest.pack_id.hex()
         self.tiers = [DirTier(s, manifest, counted=True) for s in specs]
         _one_directory_each(self.tiers)
-        piece = PIECE_SIZE or manifest.piece_size
+        self._piece = piece = PIECE_SIZE or placement_piece(manifest)
+        self._usual_piece = usual_piece(manifest, piece)
         for t in self.tiers:
             t.on_drop = functools.partial(self._dropped, t)
             t.charges = functools.partial(self._charges, t)
@@ -638,7 +642,7 @@ class TierChain:
             if self._layout is None:
                 self._layout = Layout(self.manifest)
             ext = self._extents[shard] = self._layout.extents(shard, self._sizes[shard],
-                                                              PIECE_SIZE)
+                                                              self._piece)
         return ext
 
     def _copy_in(self, shard: int, tier: DirTier) -> ShardFill | None:
@@ -929,7 +933,7 @@ class TierChain:
                 held[p] = True
                 size = ext.charged(held, t.block) - before
             header = copy_charge(ext, t.block) if made else 0
-            small = PIECE_SIZE or self.manifest.piece_size
+            small = self._usual_piece
             try:
                 need = size + header
                 why = t.no_room(need)
