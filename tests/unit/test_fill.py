@@ -87,6 +87,31 @@ def test_extents_tile_every_packed_shard(pack: Path) -> None:
         m.close()
 
 
+def test_a_piece_added_is_charged_what_the_whole_count_grows_by() -> None:
+    """``Extents.added`` (one piece's charge, counted alone at each reservation) equals what
+    ``charged`` of the whole copy grows by, whatever the pieces held beside it, their ends
+    against the blocks, and the block size."""
+    import numpy as np
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        sizes = [rng.choice([rng.randint(1, 20000), 4096 * rng.randint(1, 4)]) for _ in range(n)]
+        offs = np.cumsum([64, *sizes[:-1]]).astype(np.int64)
+        ends = offs + np.array(sizes, np.int64)
+        ext = Extents(offs, ends, np.arange(n, dtype=np.int64), -np.ones(n, np.int64), True,
+                      np.arange(n, dtype=np.int64), np.arange(n + 1, dtype=np.int64))
+        block = rng.choice([512, 4096, 8192])
+        held = np.array([rng.random() < 0.5 for _ in range(n)], bool)
+        p = rng.randrange(n)
+        grown = held.copy()
+        grown[p] = True
+        want = ext.charged(grown, block) - ext.charged(held, block)
+        assert ext.added(held.astype(np.uint8), p, block) == want, (sizes, held, p, block)
+        if not held.any():
+            assert ext.added(None, p, block) == want
+
+
 def test_reads_alone_fill_the_tier(pack: Path, files: dict[str, bytes], runtime: Path,
                                    tmp_path: Path, placer_elsewhere: None) -> None:
     tier = tmp_path / "t"

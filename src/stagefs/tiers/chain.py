@@ -928,10 +928,7 @@ class TierChain:
             # in whole blocks of the tier's file system (Extents.charged)
             size = 0
             if p is not None:
-                held = np.zeros(ext.pieces, bool) if f is None else f.res.astype(bool)
-                before = ext.charged(held, t.block)
-                held[p] = True
-                size = ext.charged(held, t.block) - before
+                size = ext.added(None if f is None else f.res, p, t.block)
             header = copy_charge(ext, t.block) if made else 0
             small = self._usual_piece
             try:
