@@ -13,6 +13,9 @@ ratios); then the median of --runs rounds.
 
     python benchmarks/bench_regress.py --a /path/to/old/src --b src --runs 3 --no-ranges
 
+``--rooted``: the files are named from the root ("/d/f.jpg", as ``walk("/")`` gives them)
+instead of relative to it.
+
 ``--kind text``: the warm epochs read text documents that the pack stores compressed (zstd)
 instead of ImageNet-like JPEGs, and the verified limit decodes them too (pread, zstd
 decompress and xxh3 of the raw bytes, in one thread: what ``read`` must do per file).
@@ -39,7 +42,7 @@ import zstandard
 from xxhash import xxh3_64_intdigest
 import stagefs
 
-raw, large, scratch, tag, ranges, kind = sys.argv[1:7]
+raw, large, scratch, tag, ranges, kind, rooted = sys.argv[1:8]
 def packed(src, name):
     # a pack kept from an earlier invocation is reused only if this checkout's packer, as
     # it is now, wrote it from this tree: --a and --b swapped, a checkout edited since or
@@ -71,7 +74,8 @@ def best(fn, n=3):  # the median of n passes
     return sorted(ts)[n // 2]
 
 def shuffled(fs):
-    order = [os.path.join(d, f) for d, _, fl in fs.walk('') for f in fl]
+    order = [os.path.join(d, f) for d, _, fl in fs.walk('/' if rooted == '1' else '')
+             for f in fl]
     random.Random(1).shuffle(order)
     return order
 
@@ -217,12 +221,12 @@ def _large_tree(root: str, files: int, mib: int) -> str:
     return root
 
 
-def _run(src: str, raw: str, large: str, scratch: str, tag: str, ranges: bool, kind: str
-         ) -> dict[str, Any]:
+def _run(src: str, raw: str, large: str, scratch: str, tag: str, ranges: bool, kind: str,
+         rooted: bool) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
     env.pop("STAGEFS_TIERS", None)  # "no tier" means none, whatever the shell says
     proc = subprocess.run([sys.executable, "-c", _CHILD, raw, large, scratch, tag,
-                           "1" if ranges else "0", kind], env=env,
+                           "1" if ranges else "0", kind, "1" if rooted else "0"], env=env,
                           capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"the run of {src} failed:\n{proc.stderr}")
@@ -251,6 +255,8 @@ def main() -> int:
     ap.add_argument("--large-mib", type=int, default=48)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-ranges", action="store_true", help="skip the range reads")
+    ap.add_argument("--rooted", action="store_true",
+                    help='name the files from the root ("/d/f.jpg", as walk("/") gives them)')
     ap.add_argument("--scratch", default="/tmp/stagefs-bench-regress",
                     help="the generated trees and each checkout's packs, kept for the next "
                          "run (several GB at the defaults): remove it to free the space")
@@ -277,7 +283,7 @@ def main() -> int:
     for _ in range(args.runs):
         for tag, src in (("a", args.a), ("b", args.b)):
             runs[tag].append(_run(src, raw, large, args.scratch, tag, not args.no_ranges,
-                                  args.kind))
+                                  args.kind, args.rooted))
     rows = []
     for where, title in (("warm", "pack files (page cache)"), ("tier", "memory tier")):
         for label, key in (("read, samples/s", "read_samples_per_s"),
