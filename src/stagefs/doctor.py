@@ -155,8 +155,10 @@ def check_tier(spec: str, clock: Callable[[], float] = time.perf_counter) -> lis
     if capacity is not None and capacity < least:
         return [Finding(label, "warn", f"capacity {format_size(capacity)} is less than "
                         f"one piece of placement ({format_size(PIECE)} as packed by "
-                        f"default) and its copy's header: it holds little or nothing; give "
-                        f"it {format_size(2 * PIECE)} or more, or leave it out")]
+                        f"default, for a dataset of 512 MiB or more; a smaller one's are "
+                        f"smaller) and its copy's header: it holds little or nothing of a "
+                        f"large dataset; give it {format_size(2 * PIECE)} or more, or leave "
+                        f"it out")]
     # A tier that does not exist yet is made for the probe, as a store would make it, and
     # removed again: what the directory's permissions promise (root may "write" in /proc)
     # is not what the file system takes, and its parents may not exist either.

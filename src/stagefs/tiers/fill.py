@@ -67,6 +67,7 @@ __all__ = ["Activity", "Extents", "ShardFill", "create_fill", "open_fill", "plac
            "usual_piece"]
 
 FILL_SUFFIX = ".fill"
+PARTIAL_SUFFIX = ".partial"
 PLACEMENT_WINDOWS = 512
 """A dataset spans at least this many placement pieces where it can (``placement_piece``)."""
 MIN_PLACEMENT_PIECE = 64 * 1024
@@ -111,7 +112,6 @@ def usual_piece(m: Manifest, window: int) -> int:
 
 
 _PLACEMENT: weakref.WeakKeyDictionary[Manifest, int] = weakref.WeakKeyDictionary()
-PARTIAL_SUFFIX = ".partial"
 
 
 @dataclass(frozen=True)
