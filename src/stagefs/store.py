@@ -1033,8 +1033,11 @@ class Store:
             self._add("origin", reads, nbytes, stored, into)  # (this process's stats only)
             return
         served_by = getattr(src, "served_by", None)  # the stream: the holders of its read
-        split = (served_by() if served_by is not None else None) or [
-            ("origin" if src is self.origin else getattr(src, "holder", "peer"), stored)]
+        split = served_by() if served_by is not None else None
+        if not split:  # one holder (the common case, without the loop below)
+            holder = "origin" if src is self.origin else getattr(src, "holder", "peer")
+            self._add(holder if holder in HOLDERS else "peer", reads, nbytes, stored, into)
+            return
         # from several holders (a large file's pieces in two tiers and the origin, or a
         # run's files in a tier and not): the bytes to each; the samples to the one that
         # gave most of each (one file: the first, which gave the most)

@@ -43,6 +43,7 @@ SUFFIX = ".counters"
 _SLOT = {name: i for i, name in enumerate(COUNTER_SLOTS)}
 _FETCHED = _SLOT["fetched_reads"]
 _STORED = _SLOT["stored_bytes"]
+_HOLDER_SLOT = {h: 2 * i for i, h in enumerate(HOLDERS)}
 _LIVE: weakref.WeakSet[ReadCounters] = weakref.WeakSet()
 _SEQ = itertools.count()
 _RECORDS = itertools.count()
@@ -87,7 +88,7 @@ class ReadCounters:
     def add(self, holder: str, reads: int, nbytes: int, stored: int) -> None:
         """``reads`` samples of ``nbytes`` bytes in all came from ``holder``; ``stored``:
         their bytes as stored (compressed), what the origin's reads are weighed against."""
-        i = 2 * HOLDERS.index(holder)
+        i = _HOLDER_SLOT[holder]
         self._add((i, reads), (i + 1, nbytes), (_STORED, stored))
 
     def count(self, name: str, n: int = 1) -> None:
