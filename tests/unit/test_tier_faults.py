@@ -189,6 +189,43 @@ def test_copies_deleted_from_outside_are_placed_again_by_the_next_epoch_s_reads(
     assert not said, said[:3]
 
 
+def test_a_partial_copy_deleted_from_outside_frees_its_room(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A partial copy (a shard the tier had room for in part) deleted from outside while the
+    job reads (``rm``, a cleaner of /dev/shm) stayed counted in its full tier's room: the
+    tier never took a piece again. Now the read that finds it gone counts the tier anew:
+    its room is what it holds, and the shard's piece is placed there again."""
+    from stagefs.tiers import chain as chain_mod
+    from stagefs.tiers.fill import FILL_SUFFIX
+
+    monkeypatch.setattr(chain_mod, "PIECE_SIZE", 16 * 1024)  # partial copies of 48 KiB shards
+    pack, files = dataset
+    exts, block = _extents(pack, tmp_path / "measure")
+    # shard 0 whole, and room for the first piece of shard 1 alone
+    cap = whole_charge(exts[0], block) + copy_charge(exts[1], block) + \
+        exts[1].added(None, 0, block)
+    tier = tmp_path / "tier"
+    with stagefs.open(pack, tiers=[f"{tier}:{cap}"]) as fs:
+        chain = fs.chain
+        assert chain is not None
+        _fill_in_order(fs)
+        (partial,) = tier.rglob("*.partial")
+        assert partial.name == "shard-000001.sfs.partial"
+        used = fs.status()["tiers"][0]["bytes_used"]
+        assert chain.full and used > whole_charge(exts[0], block)
+        partial.unlink()
+        Path(str(partial)[: -len(".partial")] + FILL_SUFFIX).unlink()
+        chain._look(1)  # what a read of shard 1 does once RECHECK_S has passed
+        assert fs.status()["tiers"][0]["bytes_used"] == whole_charge(exts[0], block)
+        assert not chain.full
+        _fill_in_order(fs)
+        assert partial.exists(), "the piece deleted was not placed again"
+        assert fs.status()["tiers"][0]["bytes_used"] == used
+        epoch(fs, files, 5)
+        assert fs.stats.checksum_failures == 0
+
+
 def test_a_recount_with_nothing_deleted_changes_nothing(
         dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

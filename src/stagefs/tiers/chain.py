@@ -537,6 +537,13 @@ class TierChain:
             self._queued.discard(shard)
         log.info("%s: the copy of shard %d was deleted from outside; read from the origin "
                  "and placed again", t.name, shard)
+        self._recount(t)
+
+    def _recount(self, t: DirTier) -> None:
+        """Count the room of ``t`` anew from its directory, a copy having gone from it that
+        no process of the job let go of (deleted from outside): under the tiers' lock
+        (``Room.recount`` is the same whichever of the node's processes notices first); a
+        tier that was full takes pieces again if room was freed."""
         if t.room is None or not t.present():
             return  # (its directory removed: placement into it stops, status says why)
         with contextlib.suppress(OSError, TiersBusy), self._tier_lock():
@@ -712,6 +719,7 @@ class TierChain:
         another process (or thread) finished or dropped is let go, the copies others made
         are opened. True if a handle was let go: the shard may be whole now."""
         gone = False
+        lost: list[DirTier] = []  # tiers a copy went from unfinished and not dropped here
         with self._fills_lock:
             ext = self._extents_of(shard)
             if not ext.tiles:
@@ -725,6 +733,8 @@ class TierChain:
                 else:
                     gone = True
                     dead.append(f)
+                    if not os.path.exists(f.final) and not any(t is u for u in lost):
+                        lost.append(t)
             for t in self.tiers:
                 if not any(t is u for _, u in keep):
                     try:
@@ -745,6 +755,12 @@ class TierChain:
                 self._fills.pop(shard, None)
             for f in dead:
                 self._let_go(shard, f)
+        # not finished: dropped by another process (which freed its room), or deleted from
+        # outside (``rm``, a cleaner of /dev/shm), which nothing counted: its room stayed
+        # counted, a full tier never took a piece again (its directory, counted anew, is
+        # right either way; the lock is not taken under the fills' lock)
+        for t in lost:
+            self._recount(t)
         return gone
 
     def room_for(self, nbytes: int) -> bool:
