@@ -462,3 +462,30 @@ def test_a_tier_s_contents_removed_mid_epoch(
     assert str(sub) in t["stopped"]
     said = [r.getMessage() for r in caplog.records if "placement stopped" in r.getMessage()]
     assert len(said) == 1 and "Errno" not in said[0], said
+
+
+def test_a_tier_another_process_creates_meanwhile_is_not_called_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three forked workers opening the same new tier at once: one looked (no directory
+    yet), another created it, and the first, looking again, said "is a file, not a
+    directory" and failed (a CI run of ``test_processes_share_tiers``). The tier is looked
+    at once: made meanwhile, it is a directory to use."""
+    from stagefs.tiers import tier as tier_mod
+
+    path = tmp_path / "mem"
+    real_stat = os.stat
+    looked = []
+
+    def stat_then_made(p: Any, *a: Any, **kw: Any) -> os.stat_result:
+        if os.fspath(p) == str(path):
+            looked.append(p)
+            if len(looked) == 2:  # nothing there at the look that decides ...
+                os.mkdir(path)  # ... and another process of the job makes it right after
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(p))
+        return real_stat(p, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", stat_then_made)
+    # (the first look is movable_by_others', whether the tier or its parent is to be asked)
+    assert tier_mod.tier_dir_problem(str(path)) is None
+    tier_mod.prepare_tier_dir(str(path))
+    assert path.is_dir()

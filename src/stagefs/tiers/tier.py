@@ -140,14 +140,20 @@ def tier_dir_problem(path: str) -> str | None:
         return (f"tier {path}: {why}: another user may move this user's copies there away "
                 "or put theirs in their place; name a tier directory of your own, in a "
                 "directory only you may change or a sticky one (/dev/shm)")
-    if os.path.isdir(path):
+    try:  # one look: the job's other processes may create it meanwhile (a worker pool
+        # opening its stores at once: "is a file" was said of a directory made between an
+        # isdir() that found nothing and an exists() that found it)
+        mode: int | None = os.stat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
         if _read_only(path):
             return (f"tier {path} is on a read-only file system; name a directory on a "
                     "writable one")
         if not os.access(path, os.W_OK | os.X_OK):
             return f"tier {path} is not writable by this user; name a writable directory"
         return None
-    if os.path.exists(path):
+    if mode is not None:
         return f"tier {path} is a file, not a directory; name a directory"
     parent = os.path.dirname(path)
     base = _nearest_existing(parent)
