@@ -109,6 +109,34 @@ def test_parts_at_once_give_the_same_as_one(form: str, blob: tuple[int, bytes, A
     assert one.datas == [data[o : o + n] for _, o, n in items]
 
 
+class _Counted(ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(3)
+        self.submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def test_a_batch_of_few_bytes_is_gathered_in_one_part(blob: tuple[int, bytes, Any]) -> None:
+    """A part is GATHER_PART items and GATHER_PART_BYTES at least: 64 small documents are
+    copied sooner than a thread wakes, so they are not split (a split cost twice the time);
+    a batch of as many large items is."""
+    if base._c_gather is None:
+        pytest.skip("the C accelerator is not built (needs a C compiler): never split")
+    fd, data, mm = blob
+    small = [(mm if k % 2 else fd, 97 * k, 1000) for k in range(64)]
+    large = [(mm if k % 2 else fd, 97 * k, base.GATHER_PART_BYTES // 16) for k in range(64)]
+    with _Counted() as pool:
+        one = base.gather(*zip(*small, strict=True), pool=pool, parts=4)
+        assert pool.submitted == 0
+        assert one.datas == [data[o : o + n] for _, o, n in small]
+        split = base.gather(*zip(*large, strict=True), pool=pool, parts=4)
+        assert pool.submitted == 3  # four parts, one in this thread
+        assert split.datas == [data[o : o + n] for _, o, n in large]
+
+
 needs_c = pytest.mark.skipif(base._c_gather is None,
                              reason="the C accelerator is not built (needs a C compiler)")
 
@@ -132,11 +160,13 @@ def test_a_mapping_cut_short_under_the_copy_gives_none_not_sigbus(tmp_path: Path
         got = base.gather(*zip(*items, strict=True))
         assert got.datas == [data[:1000], None, None, data[3 * page : 4 * page], None]
         assert got.sums[0] == xxhash.xxh3_64_intdigest(data[:1000]) and got.sums[1] == 0
-        many = [(mm, (k % 64) * page, page) for k in range(64)]
+        # (large enough to be split: GATHER_PART_BYTES a part at least)
+        many = [(mm, (k % 61) * page, 3 * page) for k in range(64)]
+        assert sum(n for _, _, n in many) >= 2 * base.GATHER_PART_BYTES
         with ThreadPoolExecutor(3) as pool:
             parts = base.gather(*zip(*many, strict=True), pool=pool, parts=4)
-        assert parts.datas == [data[o : o + page] if o < 16 * page else None
-                               for _, o, _ in many]
+        assert parts.datas == [data[o : o + n] if o + n <= 16 * page else None
+                               for _, o, n in many]
     finally:
         mm.close()
         os.close(fd)
