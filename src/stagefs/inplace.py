@@ -9,7 +9,9 @@ Staleness rule (docs/decisions/0006-in-place-datasets.md): at open, every direct
 saw is stat'ed again (and listed again if its mtime is too close to the scan to tell); if any
 is gone or changed (a file was added, removed or renamed in it), the cache is stale and the
 directory is scanned again, which gives the dataset a new pack id, so no copy staged from the
-old scan is ever used. A file changed in place (same directory mtime) is caught when the
+old scan is ever used. A scan that finds the same tree as another job's kept scan takes that
+scan, its pack id and its learnt sums (``InPlaceCache.adopt``): a new job reads the copies an
+earlier job left in a persistent tier. A file changed in place (same directory mtime) is caught when the
 origin opens it: its size and mtime must match the scan, or the read fails with a
 ``SourceChangedError`` naming it, and the cached scan is marked stale
 (``InPlaceCache.mark_stale``), so that the next open scans again, as the error says.
@@ -32,7 +34,7 @@ from tqdm import tqdm
 from xxhash import xxh3_64_hexdigest
 
 from stagefs._fsutil import atomic_write, file_lock
-from stagefs.errors import ConfigError, UnreadableSourceError
+from stagefs.errors import ConfigError, StagefsError, UnreadableSourceError
 from stagefs.format import (
     KIND_DIR,
     KIND_FILE,
@@ -246,6 +248,54 @@ class InPlaceCache:
         self.stale_path = os.path.join(self.dir, f"stale-{scan}")
         return m
 
+    def adopt(self, m: Manifest, runtime: Runtime) -> Manifest:
+        """``m``, the scan just made here, or the scan of the same tree another job of this
+        user on this node kept (``Runtime.neighbours``; the newest): the same files, sizes
+        and modification times, cut into the same shards (all the scan sees: a scan would
+        tell no more). Its pack id, and so the copies its tiers hold under that id, then
+        serve this job too: each job had its own id, and a persistent tier kept the old
+        copies, counted in its room, until ``stagefs clean``, while the new job's reads all
+        went to the origin. Its manifest and checksum table are hard links to the other
+        job's: the sums either job learns, the other sees (a tier copy is checked against
+        them). ``m`` where none matches, or no link can be made (another file system)."""
+        key = os.path.basename(self.dir)
+        found: list[tuple[int, str]] = []
+        for rt in runtime.neighbours():
+            path = os.path.join(rt.inplace, key, MANIFEST)
+            with contextlib.suppress(OSError):
+                found.append((os.stat(path).st_mtime_ns, os.path.dirname(path)))
+        for _, there in sorted(found, reverse=True):
+            theirs = InPlaceCache(self.root, runtime)
+            theirs.dir, theirs.manifest_path = there, os.path.join(there, MANIFEST)
+            try:
+                old = theirs.use(Manifest(theirs.manifest_path))
+            except (OSError, StagefsError):
+                continue  # removed meanwhile (its job cleaned), or not a manifest now
+            try:
+                if not _same_scan(old, m) or os.path.exists(theirs.stale_path):
+                    continue
+                mine = InPlaceCache(self.root, runtime)
+                mine.use(old)
+                new = self.manifest_path + ".adopted"
+                try:  # the table first: the manifest, put in place last, names its scan
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(new)
+                    os.link(theirs.sums_path, mine.sums_path)
+                    os.link(theirs.manifest_path, new)
+                    os.replace(new, self.manifest_path)
+                except OSError:
+                    for leftover in (mine.sums_path, new):
+                        with contextlib.suppress(OSError):
+                            os.unlink(leftover)
+                    continue
+            finally:
+                old.close()
+            log.info("%s: the scan of another job (%s) found the same files: its pack id, "
+                     "and the copies its tiers hold, serve this job too", self.root, there)
+            m.close()
+            return self.use(Manifest(self.manifest_path))
+        return m
+
     def drop_others(self) -> None:
         """Remove the checksums and marks of earlier scans (processes still using them keep
         their mappings)."""
@@ -268,6 +318,21 @@ class InPlaceCache:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         with file_lock(os.path.join(self.dir, ".lock")):
             yield
+
+
+_SCAN_ARRAYS = ("kind", "size", "mtime_ns", "mode", "parent", "first", "count", "shard",
+                "offset", "stored", "path_off", "strings")
+
+
+def _same_scan(a: Manifest, b: Manifest) -> bool:
+    """Whether two scans of one directory found the same tree, cut the same way: the same
+    entries (names, kinds, sizes, modes, modification times) in the same shards."""
+    ma, mb = a.meta.get("inplace", {}), b.meta.get("inplace", {})
+    return (ma.get("origin") == mb.get("origin") and "started_ns" in ma
+            and ma.get("shard_size") == mb.get("shard_size")
+            and [(s.name, s.size) for s in a.shards] == [(s.name, s.size) for s in b.shards]
+            and all(k in a.arrays and k in b.arrays and np.array_equal(a.arrays[k], b.arrays[k])
+                    for k in _SCAN_ARRAYS))
 
 
 def is_stale(root: str, m: Manifest, stats: OriginStats | None = None) -> str | None:
@@ -349,6 +414,7 @@ def open_manifest(root: str, runtime: Runtime, *, shard_size: int = DEFAULT_SHAR
         entries = scan_tree(root, progress=progress, stats=stats)
         build_manifest(root, entries, cache.manifest_path, shard_size, started_ns)
         m = cache.use(Manifest(cache.manifest_path))
+        m = cache.adopt(m, runtime)
         cache.drop_others()  # the sums of the old scan: its entries are not these
         log.info("scanned %s: %d entries in %.1f s", root, len(entries),
                  time.perf_counter() - t0)

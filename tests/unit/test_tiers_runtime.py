@@ -390,6 +390,44 @@ def test_a_tier_full_of_an_earlier_scans_copies_says_the_raw_directory_was_scann
     assert said and "raw directory scanned again" in said[0] and first.hex() in said[0], said
 
 
+def test_a_new_job_on_an_unchanged_raw_directory_reads_the_copies_an_earlier_one_left(
+        tmp_path: Path) -> None:
+    """Each job scanned a raw directory anew, with a new pack id: a persistent tier kept
+    the first job's copies, counted in its room, and the next job's reads all went to the
+    origin. A scan that finds the same files as another job's (on this node, of this user)
+    takes its id and its learnt checksums, and the copies serve; a file changed since (a
+    new size or modification time) makes a scan of its own, whose reads give the new
+    bytes, never the old copy's."""
+    root = tmp_path / "raw"
+    root.mkdir()
+    files = {f"f{i}": os.urandom(600_000) for i in range(8)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    _age(root)
+    jobs, tier = tmp_path / "jobs", f"{tmp_path / 'tier'}:3MiB"
+    total = sum(map(len, files.values()))
+
+    def job(name: str) -> tuple[bytes, int]:
+        with stagefs.open(root, tiers=[tier], runtime=jobs / name) as fs:
+            for _ in range(2):
+                for f, data in files.items():
+                    assert fs.read(f) == data
+            assert fs.chain is not None and fs.chain.wait_idle(30)
+            return fs.manifest.pack_id, int(fs.origin.stats.bytes_read)
+
+    first, read1 = job("j1")
+    assert read1 > total  # its second epoch read again what the tier could not hold
+    second, read2 = job("j2")
+    assert second == first
+    assert read2 <= 2 * total - 2 * 2**20  # the tier's copies (2 MiB or more) served twice
+    files["f3"] = os.urandom(600_000)  # the same size, other bytes, a later mtime
+    (root / "f3").write_bytes(files["f3"])
+    t = time.time_ns() + 10**9
+    os.utime(root / "f3", ns=(t, t))
+    third, _ = job("j3")  # (reads every file against its new bytes)
+    assert third != first
+
+
 def _child_reads(fs: stagefs.Store, names: list[str], out: Any) -> None:
     """In a multiprocessing child (as a DataLoader worker): read, flush, read one more."""
     assert fs.chain is not None

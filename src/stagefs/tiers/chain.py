@@ -320,8 +320,9 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     """``t`` is full: if other datasets' copies take most of it, say which. A dataset packed
     again has a new pack id, and the old one's copies stay (for the next job of it) until
     ``stagefs clean``: the tier was found full of them, and the new pack held none of its
-    share, with no word why. So has a raw directory scanned again (a file changed in it, a
-    new job): the warning said only "packed again" of a dataset never packed. A dataset the
+    share, with no word why. So has a raw directory scanned again (a file changed in it;
+    a new job's scan that finds the same files takes the old scan's id: inplace.py
+    ``InPlaceCache.adopt``): the warning said only "packed again" of a dataset never packed. A dataset the
     job reads now (a train set that took the room before the val set came) is named apart,
     by its origin: the warning once told to delete its directory, the copies the job was
     reading."""
@@ -356,9 +357,9 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     if old:
         log.warning("%s is full, %s of it with other datasets' copies: %s. A dataset packed "
                     "again, or a raw directory scanned again (a file of it changed since its "
-                    "scan, or another job opened it: each job scans anew), has a new id and "
-                    "its old copies stay until 'stagefs clean' (of the job that staged them); "
-                    "delete a directory no job reads any more to give this dataset its share",
+                    "scan), has a new id and its old copies stay until 'stagefs clean' (of "
+                    "the job that staged them); delete a directory no job reads any more to "
+                    "give this dataset its share",
                     t.name, format_size(sum(n for n, _ in old)), _sizes_named(old))
 
 
