@@ -118,11 +118,11 @@ def test_a_read_under_way_keeps_the_tier_copy_open_until_it_is_done(
     for name in ("pread", "pread_through"):
         real = getattr(origin, name)
 
-        def held(shard: int, offset: int, length: int, real: Any = real) -> Any:
+        def held(shard: int, offset: int, length: int, real: Any = real, **kw: Any) -> Any:
             if threading.current_thread().name == "reader":
                 entered.set()
                 go.wait(30)
-            return real(shard, offset, length)
+            return real(shard, offset, length, **kw)
 
         setattr(origin, name, held)
     errors: list[BaseException] = []
@@ -247,11 +247,11 @@ ctl = fs.chain.stream.controller
 ctl.most = ctl.target = 0  # no stream: the reader reads its pieces itself
 origin = fs.chain.origin
 for way in ("pread", "pread_through"):
-    def held(shard, offset, length, real=getattr(origin, way)):
+    def held(shard, offset, length, real=getattr(origin, way), **kw):
         if threading.current_thread().name == "reader":
             entered.set()
             go.wait(30)
-        return real(shard, offset, length)
+        return real(shard, offset, length, **kw)
     setattr(origin, way, held)
 
 

@@ -53,8 +53,12 @@ def test_ranges_read_past_the_cache_are_the_bytes_of_pread(pack: Path) -> None:
         origin.close()
 
 
-def test_a_stream_in_order_moves_each_page_once(pack: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("view", [False, True])
+def test_a_stream_in_order_moves_each_page_once(pack: Path, monkeypatch: pytest.MonkeyPatch,
+                                                view: bool) -> None:
+    """Each range the bytes of pread, each page moved once; ``view``: as a view of the read
+    buffer (a stream's chunks: written and checked before the next read), taken as it
+    comes."""
     origin, _, shard = _origin(pack)
     rng = random.Random(2)
     got, pos = [], 0
@@ -71,13 +75,28 @@ def test_a_stream_in_order_moves_each_page_once(pack: Path,
     try:
         while pos < len(shard):  # runs of files: boundaries anywhere in a page
             n = min(len(shard) - pos, rng.randrange(BULK_READ, 2 * BULK_READ) + rng.randrange(ALIGN))
-            got.append(through(origin)(0, pos, n))
+            data = through(origin, view=view)(0, pos, n)
+            assert isinstance(data, memoryview) == view  # a view: no copy of the chunk
+            got.append(bytes(data))
             pos += n
         assert b"".join(got) == shard
         assert origin.stats.bytes_read == len(shard)  # as asked, each byte once
         # and each page moved once: the part of a read's last page past its range starts
         # the next read, not read again
         assert sorted(pages) == list(range(-(-len(shard) // ALIGN)))
+    finally:
+        origin.close()
+
+
+def test_a_view_held_while_the_buffer_grows_keeps_its_bytes(pack: Path) -> None:
+    """A view of the read buffer still held when a larger read needs a larger buffer: the
+    old buffer is let go of, not closed under the view (closing it raised BufferError)."""
+    origin, _, shard = _origin(pack)
+    try:
+        first = origin.pread_through(0, 0, BULK_READ, view=True)
+        more = origin.pread_through(0, BULK_READ, len(shard) - BULK_READ, view=True)
+        assert first == shard[:BULK_READ]
+        assert more == shard[BULK_READ:]
     finally:
         origin.close()
 
@@ -101,8 +120,9 @@ def test_short_and_missing_ranges_are_named(pack: Path, tmp_path: Path) -> None:
     try:
         at = keep - BULK_READ + 1000  # in the shard by the manifest, past its cut
         with pytest.raises(ShortRead) as info:
-            origin.pread_through(0, at, BULK_READ)
+            origin.pread_through(0, at, BULK_READ, view=True)
         assert info.value.got == shard[at:keep]
+        assert isinstance(info.value.got, bytes)  # kept by the error: not the buffer's
         assert "truncated" in str(info.value)
     finally:
         origin.close()

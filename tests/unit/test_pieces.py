@@ -82,13 +82,13 @@ def test_later_epochs_read_what_does_not_fit(dataset: tuple[Path, dict[str, byte
         inside = threading.local()  # pread_through may hand a read to pread: once
 
         def counting(read: Any) -> Any:
-            def counted(shard: int, offset: int, length: int) -> bytes:
+            def counted(shard: int, offset: int, length: int, **kw: Any) -> bytes:
                 if getattr(inside, "read", False):
-                    return read(shard, offset, length)
+                    return read(shard, offset, length, **kw)
                 spans.append((shard, offset, offset + length))
                 inside.read = True
                 try:
-                    return read(shard, offset, length)
+                    return read(shard, offset, length, **kw)
                 finally:
                     inside.read = False
             return counted

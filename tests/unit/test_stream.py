@@ -204,7 +204,7 @@ def _stalled_streams(monkeypatch: pytest.MonkeyPatch, fs: Any, readers: list[str
     origin_type = type(fs.chain.origin)
     real_pread = origin_type.pread
 
-    def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+    def pread(self: Any, shard: int, offset: int, length: int, **_kw: Any) -> bytes:
         name = threading.current_thread().name
         if name.startswith("stagefs-stream"):
             entered.set()
@@ -589,7 +589,7 @@ def test_a_slow_origin_is_streamed_in_short_runs(runtime: Path, tmp_path: Path,
         origin_type = type(chain.origin)
         real_pread = origin_type.pread
 
-        def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+        def pread(self: Any, shard: int, offset: int, length: int, **_kw: Any) -> bytes:
             if threading.current_thread().name.startswith("stagefs-stream"):
                 sizes.append(length)
                 clock.now += length / rate
@@ -783,7 +783,8 @@ def test_a_stream_read_that_fails_once_is_read_again_not_left_to_the_readers(
             calls = [0]
 
             def pread(self: Any, shard: int, offset: int, length: int, fails: int = fails,
-                      calls: list[int] = calls, real_pread: Any = real_pread) -> bytes:
+                      calls: list[int] = calls, real_pread: Any = real_pread,
+                      **_kw: Any) -> bytes:
                 if threading.current_thread().name.startswith("stagefs-stream"):
                     calls[0] += 1
                     if 2 <= calls[0] < 2 + fails:  # the second run's read, fails times
@@ -981,7 +982,7 @@ def test_the_shard_streamed_first_is_held_whole_when_later_streams_find_no_room(
     release = threading.Event()
     real_pread = origin_type.pread
 
-    def pread(self: Any, shard: int, offset: int, length: int) -> bytes:
+    def pread(self: Any, shard: int, offset: int, length: int, **_kw: Any) -> bytes:
         name = threading.current_thread().name
         if name.startswith("stagefs-stream"):
             stalled.add(name)

@@ -39,10 +39,10 @@ fs = stagefs.open(sys.argv[1], tiers=[sys.argv[2]], runtime=sys.argv[3])
 o = fs.chain.origin
 done, go = threading.Event(), threading.Event()
 def gate(f):
-    def read(shard, off, n):
+    def read(shard, off, n, **kw):
         if done.is_set():
             go.wait()
-        data = f(shard, off, n)
+        data = f(shard, off, n, **kw)
         done.set()
         return data
     return read

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import threading
@@ -9,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field, fields
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, overload, runtime_checkable
 
 from xxhash import xxh3_64_intdigest
 
@@ -227,11 +228,25 @@ class ShardSource(Protocol):
     def close(self) -> None: ...
 
 
-def through(src: ShardSource) -> Callable[[int, int, int], bytes]:
+@overload
+def through(src: ShardSource) -> Callable[[int, int, int], bytes]: ...
+
+
+@overload
+def through(src: ShardSource, *, view: bool) -> Callable[[int, int, int], bytes | memoryview]: ...
+
+
+def through(src: ShardSource, *, view: bool = False
+            ) -> Callable[[int, int, int], bytes | memoryview]:
     """How to read ``src`` for bytes bound for a tier (a stream's, the placer's): its
     ``pread_through`` where it has one (the origin: past the page cache, which would hold a
-    second copy of them), else its ``pread``."""
-    return getattr(src, "pread_through", src.pread)
+    second copy of them), else its ``pread``. ``view``: the bytes may be a view of the
+    reading thread's buffer, good until that thread's next read of ``src`` (a pack's origin
+    reading past the page cache gives one instead of a copy)."""
+    read = getattr(src, "pread_through", None)
+    if read is None:
+        return src.pread
+    return functools.partial(read, view=True) if view else read  # type: ignore[no-any-return]
 
 
 PreadMany = Callable[[Sequence[tuple[int, int, int]]], list[bytes | None]]

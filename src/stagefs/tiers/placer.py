@@ -92,7 +92,7 @@ class _Verifier:
         self.hasher = xxhash.xxh3_64()
         self.buf: list[bytes] = []
 
-    def feed(self, pos: int, data: bytes) -> None:
+    def feed(self, pos: int, data: bytes | memoryview) -> None:
         end = pos + len(data)
         view = memoryview(data)
         m = self.m

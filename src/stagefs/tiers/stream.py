@@ -774,10 +774,14 @@ class Stream:
 
         verifier = _run_verifier(fill, lo, hi, chain.manifest, check,
                                  f"shard {shard} from {chain.origin.name}", failed)
-        data: bytes | None = None
+        data: bytes | memoryview | None = None
         arrived = self.arrived if bulk else None
         runs: list[tuple[int, bytes]] = []
-        read = through(chain.origin)
+        # a stream's chunks are written and checked before the next is read, and nothing
+        # keeps them: a view of the read buffer, not a copy (a listener keeps them, and a
+        # reader's run is returned)
+        viewed = bulk and arrived is None
+        read = through(chain.origin, view=viewed)
         pos = a
         try:
             while pos < b:
@@ -788,7 +792,7 @@ class Stream:
                     self._place(shard, fill, tier, verifier, pos, exc.got)
                     raise
                 if arrived is not None:
-                    runs.append((pos, data))
+                    runs.append((pos, bytes(data)))
                 self._place(shard, fill, tier, verifier, pos, data)
                 pos += n
             verifier.finish()
@@ -817,10 +821,12 @@ class Stream:
             for why in bad:
                 log.warning("shard %d (%s): %s; the rest of the shard streams on", shard,
                             chain.manifest.shards[shard].name, why)
-        return data if pos - a == len(data or b"") else None
+        if viewed or data is None or pos - a != len(data):
+            return None
+        return bytes(data)  # (a copy only if a source gave a view unasked: never so far)
 
     def _place(self, shard: int, fill: ShardFill, tier: DirTier, verifier: _Verifier,
-               pos: int, data: bytes) -> None:
+               pos: int, data: bytes | memoryview) -> None:
         """Write bytes read from the origin at ``pos`` into the partial copy and check them
         (each file's fill byte is set once it passed)."""
         try:
