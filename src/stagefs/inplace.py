@@ -234,9 +234,14 @@ class InPlaceCache:
 
     def __init__(self, root: str, runtime: Runtime) -> None:
         self.root = root
-        self.dir = os.path.join(runtime.inplace, xxh3_64_hexdigest(os.fsencode(root)))
+        self.dir = os.path.join(runtime.inplace, self.key(root))
         self.manifest_path = os.path.join(self.dir, MANIFEST)
         self.sums_path = self.stale_path = ""  # of one scan: ``use``
+
+    @staticmethod
+    def key(root: str) -> str:
+        """The name of a raw directory's folder in every runtime."""
+        return xxh3_64_hexdigest(os.fsencode(root))
 
     def use(self, m: Manifest) -> Manifest:
         """Keep the checksums and the stale mark of ``m``'s scan (its pack id) in files of
@@ -258,43 +263,52 @@ class InPlaceCache:
         went to the origin. Its manifest and checksum table are hard links to the other
         job's: the sums either job learns, the other sees (a tier copy is checked against
         them). ``m`` where none matches, or no link can be made (another file system)."""
-        key = os.path.basename(self.dir)
-        found: list[tuple[int, str]] = []
+        found: list[tuple[int, Runtime]] = []
         for rt in runtime.neighbours():
-            path = os.path.join(rt.inplace, key, MANIFEST)
             with contextlib.suppress(OSError):
-                found.append((os.stat(path).st_mtime_ns, os.path.dirname(path)))
-        for _, there in sorted(found, reverse=True):
-            theirs = InPlaceCache(self.root, runtime)
-            theirs.dir, theirs.manifest_path = there, os.path.join(there, MANIFEST)
+                found.append((os.stat(InPlaceCache(self.root, rt).manifest_path).st_mtime_ns, rt))
+        for _, rt in sorted(found, key=lambda f: f[0], reverse=True):
+            theirs = InPlaceCache(self.root, rt)
             try:
                 old = theirs.use(Manifest(theirs.manifest_path))
             except (OSError, StagefsError):
                 continue  # removed meanwhile (its job cleaned), or not a manifest now
             try:
-                if not _same_scan(old, m) or os.path.exists(theirs.stale_path):
-                    continue
-                mine = InPlaceCache(self.root, runtime)
-                mine.use(old)
-                new = self.manifest_path + ".adopted"
-                try:  # the table first: the manifest, put in place last, names its scan
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(new)
-                    os.link(theirs.sums_path, mine.sums_path)
-                    os.link(theirs.manifest_path, new)
-                    os.replace(new, self.manifest_path)
-                except OSError:
-                    for leftover in (mine.sums_path, new):
-                        with contextlib.suppress(OSError):
-                            os.unlink(leftover)
+                if not _same_scan(old, m) or os.path.exists(theirs.stale_path) \
+                        or not self._link(theirs):
                     continue
             finally:
                 old.close()
             log.info("%s: the scan of another job (%s) found the same files: its pack id, "
-                     "and the copies its tiers hold, serve this job too", self.root, there)
+                     "and the copies its tiers hold, serve this job too", self.root, rt.path)
             m.close()
             return self.use(Manifest(self.manifest_path))
         return m
+
+    def _link(self, theirs: InPlaceCache) -> bool:
+        """Make ``theirs``'s scan (``use`` called with it) this cache's: its checksum table
+        first, then its manifest in place of this one's (which names the scan this cache
+        serves). Whether it could (a hard link: not across file systems)."""
+        sums = os.path.join(self.dir, os.path.basename(theirs.sums_path))
+        new = self.manifest_path + ".adopted"
+        made = False
+        try:
+            try:
+                os.link(theirs.sums_path, sums)
+                made = True
+            except FileExistsError:  # this runtime took this scan before
+                if not os.path.samefile(theirs.sums_path, sums):
+                    return False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(new)
+            os.link(theirs.manifest_path, new)
+            os.replace(new, self.manifest_path)
+        except OSError:
+            for leftover in [new, sums] if made else [new]:
+                with contextlib.suppress(OSError):
+                    os.unlink(leftover)
+            return False
+        return True
 
     def drop_others(self) -> None:
         """Remove the checksums and marks of earlier scans (processes still using them keep

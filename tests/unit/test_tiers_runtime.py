@@ -428,6 +428,37 @@ def test_a_new_job_on_an_unchanged_raw_directory_reads_the_copies_an_earlier_one
     assert third != first
 
 
+def test_the_sums_one_job_learns_of_a_shared_scan_the_other_sees(tmp_path: Path) -> None:
+    """Two jobs on one scan share its checksum table: the copies the second placed, of
+    files the first never read, serve the first's next process, checked against sums the
+    second learnt (a table of its own would know none of them: each copy refused as
+    unverifiable, dropped and read again from the origin)."""
+    root = tmp_path / "raw"
+    root.mkdir()
+    files = {f"f{i}": os.urandom(300_000) for i in range(8)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    _age(root)
+    jobs, tier = tmp_path / "jobs", f"{tmp_path / 'tier'}:64MiB"
+    names = sorted(files)
+
+    def job(name: str, reads: list[str]) -> stagefs.Store:
+        fs = stagefs.open(root, tiers=[tier], runtime=jobs / name)
+        for f in reads:
+            assert fs.read(f) == files[f]
+        assert fs.chain is not None and fs.chain.wait_idle(30)
+        return fs
+
+    with job("j1", []) as fs:  # scanned; nothing read, no sum learnt
+        first = fs.manifest.pack_id
+    with job("j2", names) as fs:  # the same scan: every sum learnt, every file placed
+        assert fs.manifest.pack_id == first
+    with job("j1", names) as fs:
+        assert fs.manifest.pack_id == first
+        assert fs.stats.checksum_failures == 0
+        assert fs.origin.stats.bytes_read == 0  # every file from the second job's copies
+
+
 def _child_reads(fs: stagefs.Store, names: list[str], out: Any) -> None:
     """In a multiprocessing child (as a DataLoader worker): read, flush, read one more."""
     assert fs.chain is not None
