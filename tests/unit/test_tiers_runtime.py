@@ -390,6 +390,17 @@ def test_a_tier_full_of_an_earlier_scans_copies_says_the_raw_directory_was_scann
     assert said and "raw directory scanned again" in said[0] and first.hex() in said[0], said
 
 
+def _aged_raw(tmp_path: Path, n: int, size: int) -> tuple[Path, dict[str, bytes]]:
+    """A raw directory of ``n`` random files of ``size`` bytes, written before the job."""
+    root = tmp_path / "raw"
+    root.mkdir()
+    files = {f"f{i}": os.urandom(size) for i in range(n)}
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+    _age(root)
+    return root, files
+
+
 def test_a_new_job_on_an_unchanged_raw_directory_reads_the_copies_an_earlier_one_left(
         tmp_path: Path) -> None:
     """Each job scanned a raw directory anew, with a new pack id: a persistent tier kept
@@ -398,12 +409,7 @@ def test_a_new_job_on_an_unchanged_raw_directory_reads_the_copies_an_earlier_one
     takes its id and its learnt checksums, and the copies serve; a file changed since (a
     new size or modification time) makes a scan of its own, whose reads give the new
     bytes, never the old copy's."""
-    root = tmp_path / "raw"
-    root.mkdir()
-    files = {f"f{i}": os.urandom(600_000) for i in range(8)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    _age(root)
+    root, files = _aged_raw(tmp_path, 8, 600_000)
     jobs, tier = tmp_path / "jobs", f"{tmp_path / 'tier'}:3MiB"
     total = sum(map(len, files.values()))
 
@@ -433,12 +439,7 @@ def test_the_sums_one_job_learns_of_a_shared_scan_the_other_sees(tmp_path: Path)
     files the first never read, serve the first's next process, checked against sums the
     second learnt (a table of its own would know none of them: each copy refused as
     unverifiable, dropped and read again from the origin)."""
-    root = tmp_path / "raw"
-    root.mkdir()
-    files = {f"f{i}": os.urandom(300_000) for i in range(8)}
-    for name, data in files.items():
-        (root / name).write_bytes(data)
-    _age(root)
+    root, files = _aged_raw(tmp_path, 8, 300_000)
     jobs, tier = tmp_path / "jobs", f"{tmp_path / 'tier'}:64MiB"
     names = sorted(files)
 
