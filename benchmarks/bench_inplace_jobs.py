@@ -81,8 +81,9 @@ def main() -> int:
                                  env=env, check=True, capture_output=True, text=True).stdout
             got = json.loads(out.strip().splitlines()[-1])
             rows.append({"job": k, **got})
-            print(f"job {k}: pack id {got['pack_id'][:8]}, origin {got['origin_bytes'] / 1e6:.2f} MB "
-                  f"in {args.epochs} epochs (D {size / 1e6:.2f} MB, C {size * args.tier_share / 1e6:.2f} MB)")
+            print(f"job {k}: pack id {got['pack_id'][:8]}, origin "
+                  f"{got['origin_bytes'] / 1e6:.2f} MB in {args.epochs} epochs (D "
+                  f"{size / 1e6:.2f} MB, C {size * args.tier_share / 1e6:.2f} MB)")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"args": vars(args), "dataset_bytes": size, "jobs": rows}, f, indent=1)

@@ -11,9 +11,9 @@ is gone or changed (a file was added, removed or renamed in it), the cache is st
 directory is scanned again, which gives the dataset a new pack id, so no copy staged from the
 old scan is ever used. A scan that finds the same tree as another job's kept scan takes that
 scan, its pack id and its learnt sums (``InPlaceCache.adopt``): a new job reads the copies an
-earlier job left in a persistent tier. A file changed in place (same directory mtime) is caught when the
-origin opens it: its size and mtime must match the scan, or the read fails with a
-``SourceChangedError`` naming it, and the cached scan is marked stale
+earlier job left in a persistent tier. A file changed in place (same directory mtime) is
+caught when the origin opens it: its size and mtime must match the scan, or the read fails
+with a ``SourceChangedError`` naming it, and the cached scan is marked stale
 (``InPlaceCache.mark_stale``), so that the next open scans again, as the error says.
 """
 

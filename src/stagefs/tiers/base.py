@@ -25,9 +25,9 @@ except ImportError:  # not built: the Python loop below, same results
 # in Python that copy is a SIGBUS, which kills the process: without it, tiers never map.
 MAPPINGS_GUARDED = _c_gather is not None
 
-__all__ = ["DESCRIPTORS", "GATHER_PART_BYTES", "MAPPINGS_GUARDED", "READER_DESCRIPTORS", "CopyLetGo", "Descriptors",
-           "Gathered", "OriginStats", "PreadMany", "ShardSource", "ShortRead",
-           "SourceUnavailable", "gather", "pread_full", "through"]
+__all__ = ["DESCRIPTORS", "GATHER_PART_BYTES", "MAPPINGS_GUARDED", "READER_DESCRIPTORS",
+           "CopyLetGo", "Descriptors", "Gathered", "OriginStats", "PreadMany", "ShardSource",
+           "ShortRead", "SourceUnavailable", "gather", "pread_full", "through"]
 
 
 _MAX_ONE_READ = 1 << 30  # Linux returns at most 0x7ffff000 bytes from one read

@@ -322,10 +322,10 @@ def _say_who_fills(t: DirTier, runtime: Runtime, origin: str) -> None:
     ``stagefs clean``: the tier was found full of them, and the new pack held none of its
     share, with no word why. So has a raw directory scanned again (a file changed in it;
     a new job's scan that finds the same files takes the old scan's id: inplace.py
-    ``InPlaceCache.adopt``): the warning said only "packed again" of a dataset never packed. A dataset the
-    job reads now (a train set that took the room before the val set came) is named apart,
-    by its origin: the warning once told to delete its directory, the copies the job was
-    reading."""
+    ``InPlaceCache.adopt``): the warning said only "packed again" of a dataset never
+    packed. A dataset the job reads now (a train set that took the room before the val set
+    came) is named apart, by its origin: the warning once told to delete its directory, the
+    copies the job was reading."""
     others: list[tuple[int, str]] = []
     try:
         with os.scandir(t.root) as it:
