@@ -410,6 +410,47 @@ def test_a_tier_directory_removed_mid_epoch(
     assert len(said) == 1 and "Errno" not in said[0], said
 
 
+def test_a_tier_removed_while_its_lock_is_taken_says_it_was_removed(
+        dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A removal under way (``rm -rf``) can take the lock's folder away again just after
+    the lock made it anew, and the lock says EEXIST: placement stopped with the raw errno
+    (CI, under load) instead of saying the tier was removed."""
+    import contextlib
+    import shutil
+
+    import stagefs.tiers.chain as chain_module
+
+    pack, files = dataset
+    tier = tmp_path / "t0"
+    names = sorted(files)
+    real = chain_module.file_lock
+    raced: list[str] = []
+    calls = [0]
+
+    @contextlib.contextmanager
+    def racing(path: str, timeout: float = -1) -> Any:
+        calls[0] += 1
+        if calls[0] == 3:  # a copy or two made, more to come
+            raced.append(path)
+            shutil.rmtree(tier)  # the removal, with the lock's folder just made and gone
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST),
+                                  os.path.dirname(path))
+        with real(path, timeout):
+            yield
+
+    monkeypatch.setattr(chain_module, "file_lock", racing)
+    with caplog.at_level("WARNING", logger="stagefs"), \
+            stagefs.open(pack, tiers=[f"{tier}:64MiB"]) as fs:
+        assert fs.read_many(names) == [files[p] for p in names]
+        epoch(fs, files, 6)
+        [t] = fs.status()["tiers"]
+    assert raced
+    assert t["stopped"] is not None and "removed" in t["stopped"], t
+    said = [r.getMessage() for r in caplog.records if "placement stopped" in r.getMessage()]
+    assert len(said) == 1 and "Errno" not in said[0], said
+
+
 def test_a_full_tier_removed_mid_epoch_says_it_was_removed(
         dataset: tuple[Path, dict[str, bytes]], tmp_path: Path, runtime: Path) -> None:
     """A tier that had stopped (full) and was then removed (``rm -rf``): its status went on

@@ -1543,15 +1543,23 @@ class TierChain:
                     try:
                         held.enter_context(file_lock(room.lock_path,
                                                      max(0.0, until - time.monotonic())))
-                    except FileNotFoundError:
+                    except (FileNotFoundError, FileExistsError):
                         # the tier removed while the job ran (rm -rf TIER): nothing goes into
                         # it any more (its placement says why), and the other tiers go on;
-                        # its room folder alone removed: made again
+                        # its room folder alone removed: made again. (EEXIST: the lock's
+                        # folder, made by the lock as it found it gone, was removed again
+                        # before the lock saw it made: a removal under way. It stopped
+                        # placement with the raw errno, not as a tier removed.)
                         if not os.path.isdir(room.root):
                             continue
                         room.remake()
-                        held.enter_context(file_lock(room.lock_path,
-                                                     max(0.0, until - time.monotonic())))
+                        try:
+                            held.enter_context(file_lock(room.lock_path,
+                                                         max(0.0, until - time.monotonic())))
+                        except (FileNotFoundError, FileExistsError):
+                            if os.path.isdir(room.root):
+                                raise
+                            continue  # removed meanwhile
                 except TimeoutError:
                     if not self._lock_stuck:
                         self._lock_stuck = True
